@@ -1,0 +1,65 @@
+# Quick start: `make demo` (set up + main job) and `make test` (set up + all tests).
+# Set-up is idempotent: stamps under .venv record what is done. Caches live outside the clone
+# (~/.cache), so a fresh clone on the same machine reuses downloads and compiled crates.
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+CACHE := $(HOME)/.cache/fastllm
+export CARGO_TARGET_DIR ?= $(CACHE)/cargo-target
+export PIP_CACHE_DIR ?= $(HOME)/.cache/pip
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+export PATH := $(abspath $(BIN)):$(HOME)/.cargo/bin:$(PATH)
+export VIRTUAL_ENV := $(abspath $(VENV))
+
+RUST_SOURCES := Cargo.toml $(wildcard Cargo.lock) $(shell find rust -name '*.rs' -o -name Cargo.toml)
+WHEEL_PLATFORMS := $(foreach p,manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64,--platform $(p))
+
+.PHONY: setup demo test lint format wheel reference clean
+
+setup: $(VENV)/.fastllm
+
+# Third-party packages: torch (a CUDA build from PyPI; it runs on the CPU too), triton, …
+$(VENV)/.requirements: requirements.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -r requirements.txt
+	touch $@
+
+# fastllm (Rust extension built in release mode, Python sources live) and fastllm-kernels.
+$(VENV)/.fastllm: $(VENV)/.requirements pyproject.toml kernels/pyproject.toml $(RUST_SOURCES)
+	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e ./kernels
+	$(BIN)/maturin develop --release --quiet 2>&1 | sed "/^Requirement already satisfied/d"
+	touch $@
+
+demo: setup
+	$(BIN)/python -m fastllm.demo
+
+test: setup
+	cargo fmt --all --check
+	cargo clippy --workspace --all-targets --quiet -- -D warnings
+	cargo test --workspace --quiet
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q
+
+format: setup
+	cargo fmt --all
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+reference: setup
+	$(BIN)/python -m fastllm.config.reference README.md
+
+# Wheels to carry to the GPU machine (Python 3.12 there): fastllm (abi3), fastllm-kernels, msgspec.
+wheel: setup
+	$(BIN)/maturin build --release --quiet --out dist
+	$(BIN)/python -m pip wheel -q --no-deps --no-build-isolation -w dist ./kernels
+	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp $(WHEEL_PLATFORMS) -d dist msgspec
+	ls -1 dist
+
+clean:
+	rm -rf $(VENV) dist

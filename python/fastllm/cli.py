@@ -1,0 +1,128 @@
+"""The `fastllm` command line. Each command parses its arguments here and hands the work to the
+module that owns it; heavy imports happen inside the command, so `fastllm --help` stays instant."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from fastllm.config import ConfigError
+
+MODEL_FAMILIES = ("gpt",)
+"""Model families a config can describe; `gpt` (decoder-only transformers) is the default."""
+
+
+def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "-c",
+        "--config",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="YAML config file; several are merged in order, later ones win",
+    )
+    parser.add_argument(
+        "arguments",
+        nargs="*",
+        metavar="[FAMILY] KEY=VALUE",
+        help=f"optional model family ({', '.join(MODEL_FAMILIES)}; default gpt), then overrides "
+        "such as training.train_iters=10 or data.path[0]=/data/x (values are YAML)",
+    )
+
+
+def _split_family(arguments: Sequence[str]) -> tuple[str, list[str]]:
+    """The model family (first positional, optional) and the overrides after it."""
+    family, overrides = "gpt", list(arguments)
+    if overrides and "=" not in overrides[0]:
+        family = overrides.pop(0)
+        if family not in MODEL_FAMILIES:
+            raise ConfigError(
+                family, f"unknown model family; expected one of {', '.join(MODEL_FAMILIES)}"
+            )
+    for argument in overrides:
+        if "=" not in argument:
+            raise ConfigError(argument, "an override must have the form key=value")
+    return family, overrides
+
+
+def _load_trainer_config(args: argparse.Namespace):
+    from fastllm.config import TrainerConfig, load_config
+
+    _, overrides = _split_family(args.arguments)
+    return load_config(TrainerConfig, args.config, overrides)
+
+
+def _config_show(args: argparse.Namespace) -> None:
+    from fastllm.config import dump_yaml
+
+    sys.stdout.write(dump_yaml(_load_trainer_config(args)))
+
+
+def _config_validate(args: argparse.Namespace) -> None:
+    config = _load_trainer_config(args)
+    base_model = config.model.base_model
+    transformer = base_model.transformer
+    source = ", ".join(args.config) or "defaults"
+    print(
+        f"{source}: valid; {base_model.num_parameters() / 1e9:.2f}B parameters, "
+        f"{transformer.num_layers} layers, hidden {transformer.hidden_size}, "
+        f"vocabulary {base_model.vocab_size}"
+    )
+
+
+def _native_version() -> str:
+    try:
+        from fastllm import _native
+    except ImportError:
+        return "not built"
+    return _native.version()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from fastllm import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="fastllm",
+        description="Train large language models as fast as the hardware allows.",
+    )
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"fastllm {__version__} (native extension {_native_version()})",
+        help="show the versions of fastllm and of its Rust extension",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    config = commands.add_parser("config", help="show or validate a training config")
+    config_commands = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)
+    show = config_commands.add_parser(
+        "show", help="print the resolved config with every default, as YAML"
+    )
+    _add_config_arguments(show)
+    show.set_defaults(handler=_config_show)
+    validate = config_commands.add_parser("validate", help="check a config and summarize the model")
+    _add_config_arguments(validate)
+    validate.set_defaults(handler=_config_validate)
+
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    # Overrides may come before or after the options: collect the strays as overrides.
+    args, strays = parser.parse_known_args(argv)
+    if strays and (not hasattr(args, "arguments") or any(s.startswith("-") for s in strays)):
+        parser.error(f"unrecognized arguments: {' '.join(strays)}")
+    if strays:
+        args.arguments += strays
+    try:
+        args.handler(args)
+    except ConfigError as error:
+        print(f"fastllm: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""`model`: the transformer's architecture (`base_model`) and how it is computed (`distributed`)."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import msgspec
+
+from fastllm.config.section import ConfigError, Section, check_non_negative, check_positive
+
+
+class NormalizationConfig(Section, tag_field="type"):
+    epsilon: float = 1e-5
+    """Added to the variance before the square root."""
+
+    def validate(self) -> None:
+        check_positive(self.epsilon, "epsilon")
+
+
+class RMSNormConfig(NormalizationConfig, tag="rms_norm"):
+    """RMSNorm (Llama, Mistral, Mixtral, Qwen2): scale only."""
+
+
+class LayerNormConfig(NormalizationConfig, tag="layer_norm"):
+    """LayerNorm (StarCoder2): mean subtracted, scale and bias."""
+
+
+class RotaryConfig(Section, tag_field="type"):
+    """Rotary position embedding."""
+
+
+class NoRotaryConfig(RotaryConfig, tag="none"):
+    """No rotary embedding: the model has no position information."""
+
+
+class DefaultRotaryConfig(RotaryConfig, tag="default"):
+    theta: float = 10000.0
+    """Base of the rotary frequencies."""
+
+    def validate(self) -> None:
+        check_positive(self.theta, "theta")
+
+
+class Llama3RotaryConfig(DefaultRotaryConfig, tag="llama3"):
+    scale_factor: float = 8.0
+    """Context extension factor (Llama 3.1: 8, Llama 3.2: 32)."""
+    low_frequency_factor: float = 1.0
+    """Wavelengths above original_context_length / low_frequency_factor are scaled fully."""
+    high_frequency_factor: float = 4.0
+    """Wavelengths below original_context_length / high_frequency_factor are left as they are."""
+    original_context_length: int = 8192
+    """Context length the model was first trained with."""
+
+    def validate(self) -> None:
+        super().validate()
+        check_positive(self.scale_factor, "scale_factor")
+        check_positive(self.original_context_length, "original_context_length")
+        if not 0 < self.low_frequency_factor < self.high_frequency_factor:
+            raise ConfigError(
+                "high_frequency_factor",
+                f"must exceed low_frequency_factor ({self.low_frequency_factor}), "
+                f"got {self.high_frequency_factor}",
+            )
+
+
+class YarnRotaryConfig(DefaultRotaryConfig, tag="yarn"):
+    scale_factor: float = 8.0
+    """Context extension factor."""
+    attention_factor: float | None = None
+    """Scale of the attention logits; default 0.1 * ln(scale_factor) + 1."""
+    beta_fast: float = 32.0
+    """Rotations per context above which frequencies are left as they are."""
+    beta_slow: float = 1.0
+    """Rotations per context below which frequencies are interpolated fully."""
+    original_context_length: int = 8192
+    """Context length the model was first trained with."""
+
+    def validate(self) -> None:
+        super().validate()
+        check_positive(self.scale_factor, "scale_factor")
+        check_positive(self.original_context_length, "original_context_length")
+        if self.attention_factor is None:
+            self.attention_factor = 0.1 * math.log(self.scale_factor) + 1.0
+
+
+Activation = Literal["silu", "gelu", "relu", "squared_relu"]
+LinearBiases = bool | Literal["nowhere", "everywhere", "only_attn_qkv"]
+
+
+class TransformerConfig(Section):
+    normalization: RMSNormConfig | LayerNormConfig = msgspec.field(default_factory=RMSNormConfig)
+    """Normalization before attention, before the MLP and before the head."""
+    rotary: NoRotaryConfig | DefaultRotaryConfig | Llama3RotaryConfig | YarnRotaryConfig = (
+        msgspec.field(default_factory=DefaultRotaryConfig)
+    )
+    """Rotary position embedding of queries and keys."""
+    num_layers: int = 12
+    """Number of transformer blocks."""
+    hidden_size: int = 1024
+    """Width of the residual stream."""
+    num_attention_heads: int = 8
+    """Number of query heads."""
+    head_groups: int = 1
+    """Number of key/value heads: 1 is multi-query, num_attention_heads is multi-head attention,
+    anything between is grouped-query attention (Fast-LLM's name and default)."""
+    kv_channels: int | None = None
+    """Size of one attention head; default hidden_size / num_attention_heads."""
+    ffn_hidden_size: int | None = None
+    """Width of the MLP; default 4 * hidden_size."""
+    gated: bool = False
+    """Gated MLP (SwiGLU/GeGLU: act(x W_gate) * (x W_up)) instead of act(x W_up)."""
+    activation_type: Activation | None = None
+    """MLP activation; default silu when gated, else gelu (tanh approximation)."""
+    add_linear_biases: LinearBiases = True
+    """Biases on linear layers: true/everywhere, false/nowhere, or only_attn_qkv (Qwen2)."""
+    window_size: int | None = None
+    """Sliding-window attention: each token attends to at most this many tokens (itself
+    included); none attends to the whole causal context."""
+    num_experts: int = 1
+    """Experts per MLP; more than 1 makes every MLP a mixture of experts."""
+    num_experts_per_token: int = 1
+    """Experts each token is routed to (top-k)."""
+    expert_auxiliary_loss_coefficient: float = 0.01
+    """Weight of the router's load-balancing loss."""
+    expert_z_loss_coefficient: float = 0.0
+    """Weight of the router's z-loss (mean squared log-sum-exp of the router logits)."""
+    init_method_std: float | None = None
+    """Standard deviation of the normal initialization of weights; default hidden_size ** -0.5."""
+
+    def validate(self) -> None:
+        for key in ("num_layers", "hidden_size", "num_attention_heads", "head_groups"):
+            check_positive(getattr(self, key), key)
+        for key in ("kv_channels", "ffn_hidden_size", "window_size", "init_method_std"):
+            check_positive(getattr(self, key), key)
+        if self.num_attention_heads % self.head_groups:
+            raise ConfigError(
+                "head_groups",
+                f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
+                f"head_groups ({self.head_groups})",
+            )
+        if self.kv_channels is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ConfigError(
+                    "num_attention_heads",
+                    f"hidden_size ({self.hidden_size}) must be divisible by num_attention_heads "
+                    f"({self.num_attention_heads}), or kv_channels must be set",
+                )
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.ffn_hidden_size is None:
+            self.ffn_hidden_size = 4 * self.hidden_size
+        if self.activation_type is None:
+            self.activation_type = "silu" if self.gated else "gelu"
+        if self.init_method_std is None:
+            self.init_method_std = self.hidden_size**-0.5
+        check_positive(self.num_experts, "num_experts")
+        if not 1 <= self.num_experts_per_token <= self.num_experts:
+            raise ConfigError(
+                "num_experts_per_token",
+                f"must be between 1 and num_experts ({self.num_experts}), "
+                f"got {self.num_experts_per_token}",
+            )
+        check_non_negative(
+            self.expert_auxiliary_loss_coefficient, "expert_auxiliary_loss_coefficient"
+        )
+        check_non_negative(self.expert_z_loss_coefficient, "expert_z_loss_coefficient")
+
+    @property
+    def biases_in_attention_qkv(self) -> bool:
+        return self.add_linear_biases in (True, "everywhere", "only_attn_qkv")
+
+    @property
+    def biases_elsewhere(self) -> bool:
+        """Biases on the attention output and the MLP layers."""
+        return self.add_linear_biases in (True, "everywhere")
+
+
+class BaseModelConfig(Section):
+    transformer: TransformerConfig = msgspec.field(default_factory=TransformerConfig)
+    """The stack of transformer blocks."""
+    vocab_size: int = 49152
+    """Rows of the embedding and of the output head."""
+    tie_word_embeddings: bool = True
+    """Share the input embedding with the output head."""
+
+    def validate(self) -> None:
+        check_positive(self.vocab_size, "vocab_size")
+
+    def num_parameters(self, *, embeddings: bool = True) -> int:
+        """Parameters of the model (all experts counted); without the input and output
+        embeddings when `embeddings` is false, as MFU formulas count them."""
+        t = self.transformer
+        assert t.kv_channels is not None and t.ffn_hidden_size is not None, "validate() first"
+        h, kv = t.hidden_size, t.kv_channels
+        q_size, kv_size = t.num_attention_heads * kv, t.head_groups * kv
+        attention = h * (q_size + 2 * kv_size) + q_size * h
+        if t.biases_in_attention_qkv:
+            attention += q_size + 2 * kv_size
+        if t.biases_elsewhere:
+            attention += h
+        mlp_inputs = 2 if t.gated else 1
+        expert = mlp_inputs * h * t.ffn_hidden_size + t.ffn_hidden_size * h
+        if t.biases_elsewhere:
+            expert += mlp_inputs * t.ffn_hidden_size + h
+        mlp = t.num_experts * expert + (h * t.num_experts if t.num_experts > 1 else 0)
+        norm = 2 * h if isinstance(t.normalization, LayerNormConfig) else h
+        layers = t.num_layers * (attention + mlp + 2 * norm) + norm
+        if not embeddings:
+            return layers
+        heads = 1 if self.tie_word_embeddings else 2
+        return layers + heads * self.vocab_size * h
+
+
+class DistributedConfig(Section):
+    training_dtype: Literal["bfloat16", "float16", "float32"] = "float32"
+    """Compute dtype. bfloat16 and float16 keep fp32 master weights and accumulate gradients
+    in fp32; float16 adds dynamic loss scaling."""
+    seed: int = 1234
+    """Seed of the initialization and of every random stream of the run."""
+
+    def validate(self) -> None:
+        check_non_negative(self.seed, "seed")
+
+
+class ModelConfig(Section):
+    base_model: BaseModelConfig = msgspec.field(default_factory=BaseModelConfig)
+    """The architecture."""
+    distributed: DistributedConfig = msgspec.field(default_factory=DistributedConfig)
+    """Precision and seeding."""

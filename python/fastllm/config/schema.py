@@ -1,0 +1,158 @@
+"""Turning a raw mapping into a typed, checked config.
+
+Three passes, so every error names the full key path: a walk over the raw mapping along the
+Struct types (unknown keys with the nearest valid key, union variants by their `type`, choices),
+msgspec's conversion (types), then each section's `validate()` (fields against each other).
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import types
+import typing
+from typing import Any, TypeVar
+
+import msgspec
+
+from fastllm.config.overrides import format_key, parse_key
+from fastllm.config.section import ConfigError, Section
+
+S = TypeVar("S", bound=Section)
+
+
+def build(cls: type[S], raw: dict[str, Any]) -> S:
+    """The config of type `cls` described by `raw`, checked and with derived defaults filled."""
+    normalized = _check(cls, raw, [])
+    try:
+        config = msgspec.convert(normalized, cls)
+    except msgspec.ValidationError as error:
+        raise _explain(error, normalized) from None
+    _validate(config, [])
+    return config
+
+
+def _suggest(word: str, choices: typing.Iterable[str]) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]}?" if close else ""
+
+
+def _union_variants(tp: Any) -> list[Any]:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return [arg for arg in typing.get_args(tp) if arg is not type(None)]
+    return [tp]
+
+
+def _tag(cls: Any) -> str | None:
+    if isinstance(cls, type) and issubclass(cls, msgspec.Struct):
+        return cls.__struct_config__.tag
+    return None
+
+
+def _check(tp: Any, value: Any, key: list[str | int], default: Any = None) -> Any:
+    """`value` with union tags filled in; raises on unknown keys, tags and choices."""
+    if value is None:
+        return value
+    variants = _union_variants(tp)
+    tagged = [v for v in variants if _tag(v) is not None]
+    if tagged and isinstance(value, dict):
+        return _check_variant(tagged, value, key, default)
+    literals = [
+        a for v in variants if typing.get_origin(v) is typing.Literal for a in typing.get_args(v)
+    ]
+    if literals and isinstance(value, str) and str not in variants:
+        if value not in literals:
+            choices = ", ".join(str(c) for c in literals)
+            raise ConfigError(
+                format_key(key),
+                f"invalid value {value!r}; expected one of {choices}"
+                + _suggest(value, [c for c in literals if isinstance(c, str)]),
+            )
+        return value
+    for variant in variants:
+        if (
+            isinstance(variant, type)
+            and issubclass(variant, msgspec.Struct)
+            and isinstance(value, dict)
+        ):
+            return _check_struct(variant, value, key)
+        if typing.get_origin(variant) is list and isinstance(value, list):
+            (item,) = typing.get_args(variant)
+            return [_check(item, v, [*key, i]) for i, v in enumerate(value)]
+    return value
+
+
+def _check_variant(
+    variants: list[Any], value: dict[str, Any], key: list[str | int], default: Any
+) -> Any:
+    tag_field = variants[0].__struct_config__.tag_field
+    by_tag = {_tag(v): v for v in variants}
+    tag = value.get(tag_field)
+    if tag is None:
+        chosen = default if default in variants else variants[0]
+        value = {tag_field: _tag(chosen), **value}
+    elif tag not in by_tag:
+        raise ConfigError(
+            format_key([*key, tag_field]),
+            f"unknown {tag_field} {tag!r}; expected one of {', '.join(map(str, by_tag))}"
+            + _suggest(str(tag), map(str, by_tag)),
+        )
+    else:
+        chosen = by_tag[tag]
+    return _check_struct(chosen, value, key)
+
+
+def _check_struct(cls: type[msgspec.Struct], value: dict[str, Any], key: list[str | int]) -> Any:
+    fields = {f.encode_name: f for f in msgspec.structs.fields(cls)}
+    tag_field = cls.__struct_config__.tag_field
+    checked: dict[str, Any] = {}
+    for name, item in value.items():
+        if name == tag_field:
+            checked[name] = item
+            continue
+        field = fields.get(name) if isinstance(name, str) else None
+        if field is None:
+            hint = _suggest(name, fields) if isinstance(name, str) else ""
+            raise ConfigError(
+                format_key([*key, str(name)]),
+                "unknown key" + (hint or f"; valid keys: {', '.join(fields)}"),
+            )
+        default = field.default_factory if field.default_factory is not msgspec.NODEFAULT else None
+        checked[name] = _check(field.type, item, [*key, name], default)
+    return checked
+
+
+_AT = re.compile(r"^(?P<message>.*?)(?: - at `\$(?P<path>.*)`)?$", re.S)
+
+
+def _explain(error: msgspec.ValidationError, raw: Any) -> ConfigError:
+    """msgspec's message with the key path in our notation and the offending value."""
+    match = _AT.match(str(error))
+    assert match is not None
+    message, path = match.group("message"), (match.group("path") or "").lstrip(".")
+    key = parse_key(path) if path else []
+    value: Any = raw
+    for part in key:
+        try:
+            value = value[part]
+        except (KeyError, IndexError, TypeError):
+            return ConfigError(format_key(key), message)
+    message = message[0].lower() + message[1:]
+    return ConfigError(format_key(key), f"{message.replace('`', '')}: {value!r}")
+
+
+def _validate(config: msgspec.Struct, key: list[str | int]) -> None:
+    """Validate children first, so a section sees its children's derived defaults."""
+    for field in msgspec.structs.fields(config):
+        item = getattr(config, field.name)
+        if isinstance(item, msgspec.Struct):
+            _validate(item, [*key, field.encode_name])
+        elif isinstance(item, list):
+            for i, element in enumerate(item):
+                if isinstance(element, msgspec.Struct):
+                    _validate(element, [*key, field.encode_name, i])
+    if isinstance(config, Section):
+        try:
+            config.validate()
+        except ConfigError as error:
+            raise ConfigError(format_key([*key, *parse_key(error.path)]), error.message) from None

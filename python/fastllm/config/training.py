@@ -1,0 +1,139 @@
+"""`run`, `training`, `batch` and `optimizer`: how long, how big and how fast a run learns."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from fastllm.config.section import ConfigError, Section, check_non_negative, check_positive
+
+
+class RunConfig(Section):
+    experiment_dir: str | None = None
+    """Directory of the run: checkpoints, exports, metrics and logs. Required to train."""
+
+
+class LogsConfig(Section):
+    interval: int = 100
+    """Steps between two logged lines of metrics."""
+
+    def validate(self) -> None:
+        check_positive(self.interval, "interval")
+
+
+class CheckpointConfig(Section):
+    interval: int | None = None
+    """Steps between two checkpoints (none: only on interruption and at the end)."""
+    keep: int | None = 5
+    """Newest checkpoints kept on disk (none: all)."""
+
+    def validate(self) -> None:
+        check_positive(self.interval, "interval")
+        check_positive(self.keep, "keep")
+
+
+class ExportConfig(Section):
+    interval: int | None = None
+    """Steps between two exports of the model weights (none: never)."""
+    format: Literal[
+        "distributed", "fastllm", "llama", "mistral", "mixtral", "starcoder2", "qwen2"
+    ] = "distributed"
+    """Format of the exported weights."""
+
+    def validate(self) -> None:
+        check_positive(self.interval, "interval")
+
+
+class ValidationConfig(Section):
+    interval: int | None = None
+    """Steps between two validations (none: never)."""
+    iterations: int = 10
+    """Batches per validation."""
+
+    def validate(self) -> None:
+        check_positive(self.interval, "interval")
+        check_positive(self.iterations, "iterations")
+
+
+class TrainingConfig(Section):
+    train_iters: int = 0
+    """Optimizer steps of the whole run."""
+    logs: LogsConfig = msgspec.field(default_factory=LogsConfig)
+    """Metrics logging."""
+    checkpoint: CheckpointConfig = msgspec.field(default_factory=CheckpointConfig)
+    """Checkpoints to resume from."""
+    export: ExportConfig = msgspec.field(default_factory=ExportConfig)
+    """Exports of the weights."""
+    validation: ValidationConfig = msgspec.field(default_factory=ValidationConfig)
+    """Loss on the validation datasets."""
+
+    def validate(self) -> None:
+        check_non_negative(self.train_iters, "train_iters")
+
+
+class BatchConfig(Section):
+    batch_size: int = 1
+    """Sequences per optimizer step, over all data-parallel ranks."""
+    sequence_length: int = 2048
+    """Tokens per sequence."""
+    micro_batch_size: int | None = None
+    """Sequences per forward/backward pass on one rank; gradients are accumulated over the
+    micro-batches of a step. Default: the whole batch at once."""
+
+    def validate(self) -> None:
+        check_positive(self.batch_size, "batch_size")
+        check_positive(self.sequence_length, "sequence_length")
+        check_positive(self.micro_batch_size, "micro_batch_size")
+        if self.micro_batch_size is None:
+            self.micro_batch_size = self.batch_size
+        if self.batch_size % self.micro_batch_size:
+            raise ConfigError(
+                "micro_batch_size",
+                f"must divide batch_size ({self.batch_size}), got {self.micro_batch_size}",
+            )
+
+
+class LearningRateConfig(Section):
+    base: float = 0.0001
+    """Peak learning rate."""
+    warmup_iterations: int = 0
+    """Steps of linear warmup from 0 to base."""
+    decay_style: Literal["constant", "linear", "cosine", "wsd"] = "constant"
+    """Shape after warmup; wsd is warmup-stable-decay (constant, then linear decay)."""
+    decay_iterations: int | None = None
+    """Steps of decay after warmup (wsd: of the final decay); default to the end of training."""
+    minimum: float = 0.0
+    """Learning rate at the end of the decay."""
+
+    def validate(self) -> None:
+        check_non_negative(self.base, "base")
+        check_non_negative(self.warmup_iterations, "warmup_iterations")
+        check_positive(self.decay_iterations, "decay_iterations")
+        if not 0 <= self.minimum <= self.base:
+            raise ConfigError(
+                "minimum", f"must be between 0 and base ({self.base}), got {self.minimum}"
+            )
+
+
+class OptimizerConfig(Section):
+    learning_rate: LearningRateConfig = msgspec.field(default_factory=LearningRateConfig)
+    """Learning-rate schedule."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay (AdamW); not applied to norms, biases and embeddings."""
+    beta_1: float = 0.9
+    """Adam's first-moment decay."""
+    beta_2: float = 0.999
+    """Adam's second-moment decay."""
+    epsilon: float = 1e-8
+    """Adam's denominator term."""
+    gradient_norm_clipping: float | None = 1.0
+    """Clip the global gradient norm to this value (none: no clipping)."""
+
+    def validate(self) -> None:
+        check_non_negative(self.weight_decay, "weight_decay")
+        for key in ("beta_1", "beta_2"):
+            if not 0 <= getattr(self, key) < 1:
+                raise ConfigError(key, f"must be in [0, 1), got {getattr(self, key)}")
+        check_positive(self.epsilon, "epsilon")
+        check_positive(self.gradient_norm_clipping, "gradient_norm_clipping")

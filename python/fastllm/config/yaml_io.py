@@ -1,0 +1,80 @@
+"""Reading config files and writing resolved configs, in YAML."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, ClassVar
+
+import msgspec
+import yaml
+
+from fastllm.config.section import ConfigError
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """SafeLoader that reads `1e-4` as a float (YAML 1.1 wants `1.0e-4`) and rejects duplicate
+    keys instead of silently keeping the last one."""
+
+    yaml_implicit_resolvers: ClassVar = {
+        k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()
+    }
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                mark = key_node.start_mark
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+_ConfigLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+        |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+
+
+def parse_yaml(text: str, source: str) -> Any:
+    """Parse YAML text; errors name `source` with the line and column."""
+    try:
+        return yaml.load(text, Loader=_ConfigLoader)
+    except yaml.MarkedYAMLError as error:
+        mark = error.problem_mark or error.context_mark
+        where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
+        raise ConfigError(where, f"invalid YAML: {error.problem or error.context}") from None
+    except yaml.YAMLError as error:
+        raise ConfigError(source, f"invalid YAML: {error}") from None
+
+
+def load_yaml_file(path: str | Path) -> dict[str, Any]:
+    """The mapping in a YAML config file (an empty file is an empty mapping)."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(str(path), "no such config file") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(str(path), f"cannot read config file: {error}") from None
+    data = parse_yaml(text, str(path))
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            str(path), f"must hold a mapping of keys to values, not {type(data).__name__}"
+        )
+    return data
+
+
+def dump_yaml(config: msgspec.Struct) -> str:
+    """The config with every field, defaults included, in YAML that loads back to it."""
+    return yaml.safe_dump(msgspec.to_builtins(config), sort_keys=False, allow_unicode=True)

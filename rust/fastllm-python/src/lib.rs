@@ -1,0 +1,19 @@
+//! `fastllm._native`: the Python face of fastllm's Rust crates.
+//!
+//! This crate only converts types, maps errors and releases the GIL around real work;
+//! the work itself lives in the plain-Rust crates beside it.
+
+use pyo3::prelude::*;
+
+/// Version of the Rust extension; `fastllm --version` shows it beside the Python package's, so a
+/// stale build (Python sources updated, extension not rebuilt) shows at once.
+#[pyfunction]
+fn version() -> &'static str {
+    env!("CARGO_PKG_VERSION")
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(version, m)?)?;
+    Ok(())
+}
