@@ -1,0 +1,116 @@
+use std::path::PathBuf;
+
+use crate::token::TokenDtype;
+
+/// Everything that can go wrong reading, writing, sampling or blending token datasets.
+///
+/// Errors about a file name that file, so a message is enough to find the culprit.
+#[derive(Debug, thiserror::Error)]
+pub enum DataError {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+
+    #[error("{path}: not an indexed dataset (bad magic)")]
+    BadMagic { path: PathBuf },
+
+    #[error("{path}: unsupported index version {version} (only version 1 is supported)")]
+    UnsupportedVersion { path: PathBuf, version: u64 },
+
+    #[error("{path}: dtype code {code} is not an integer token type")]
+    UnsupportedDtype { path: PathBuf, code: u8 },
+
+    #[error("{path}: file is {actual} bytes but its header implies {expected}")]
+    SizeMismatch {
+        path: PathBuf,
+        expected: u128,
+        actual: u64,
+    },
+
+    #[error("{path}: sequence {sequence} has negative length {length}")]
+    NegativeLength {
+        path: PathBuf,
+        sequence: usize,
+        length: i32,
+    },
+
+    #[error(
+        "{path}: sequence {sequence} starts at byte {actual}, expected {expected} \
+         (sequences must be back to back)"
+    )]
+    BadPointer {
+        path: PathBuf,
+        sequence: usize,
+        expected: u64,
+        actual: i64,
+    },
+
+    #[error(
+        "{path}: document indices must start at 0, never decrease and end at the \
+         sequence count {sequences}"
+    )]
+    BadDocumentIndices { path: PathBuf, sequences: u64 },
+
+    #[error("{path}: token {value} does not fit {dtype}")]
+    TokenOutOfRange {
+        path: PathBuf,
+        value: i64,
+        dtype: TokenDtype,
+    },
+
+    #[error("{path}: a document of {length} tokens exceeds the format's limit of 2^31 - 1")]
+    DocumentTooLong { path: PathBuf, length: usize },
+
+    #[error("{path}: document {document} is out of range ({documents} documents)")]
+    DocumentOutOfRange {
+        path: PathBuf,
+        document: usize,
+        documents: usize,
+    },
+
+    #[error(
+        "{path}: tokens {offset}..{offset}+{length} are out of range for document {document} \
+         of {document_length} tokens"
+    )]
+    TokensOutOfRange {
+        path: PathBuf,
+        document: usize,
+        offset: usize,
+        length: usize,
+        document_length: usize,
+    },
+
+    #[error("{path}: corrupt sampling index cache: {reason}")]
+    CorruptCache { path: PathBuf, reason: &'static str },
+
+    #[error("{documents} documents are more than the sampling index can number (2^32 - 1)")]
+    TooManyDocuments { documents: usize },
+
+    #[error("document {document} has length {length}, outside 0..2^32")]
+    BadDocumentLength { document: usize, length: i64 },
+
+    #[error("sequence_length {sequence_length} must be at least 1 and below 2^32 - 1")]
+    BadSequenceLength { sequence_length: u32 },
+
+    #[error("cannot draw {num_samples} samples: every document is empty")]
+    NoTokens { num_samples: usize },
+
+    #[error("sample {sample} is out of range ({samples} samples)")]
+    SampleOutOfRange { sample: usize, samples: usize },
+
+    #[error("blending needs at least one dataset")]
+    NoDatasets,
+
+    #[error("weight {weight} of dataset {dataset} must be finite and positive")]
+    BadWeight { dataset: usize, weight: f64 },
+}
+
+impl DataError {
+    pub(crate) fn io(path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> Self {
+        let path = path.into();
+        move |source| Self::Io { path, source }
+    }
+}
