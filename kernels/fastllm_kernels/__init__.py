@@ -1,4 +1,41 @@
 """fastllm_kernels: Triton kernels for LLM training, each with a plain-torch reference.
 
-Depends on torch and triton only; knows nothing of fastllm.
+Depends on torch and triton only; knows nothing of fastllm. Every op runs its Triton kernels on
+CUDA tensors (and on CPU tensors under TRITON_INTERPRET=1) and its `*_reference` otherwise.
 """
+
+from fastllm_kernels.activation import (
+    gated_activation,
+    gated_activation_fused,
+    gated_activation_reference,
+)
+from fastllm_kernels.adam import adamw_step_, adamw_step_reference_
+from fastllm_kernels.attention import attention, attention_reference
+from fastllm_kernels.cross_entropy import (
+    cross_entropy,
+    cross_entropy_reference,
+    linear_cross_entropy,
+    linear_cross_entropy_reference,
+)
+from fastllm_kernels.norm import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
+from fastllm_kernels.rotary import apply_rotary, apply_rotary_reference
+
+__all__ = [
+    "adamw_step_",
+    "adamw_step_reference_",
+    "apply_rotary",
+    "apply_rotary_reference",
+    "attention",
+    "attention_reference",
+    "cross_entropy",
+    "cross_entropy_reference",
+    "gated_activation",
+    "gated_activation_fused",
+    "gated_activation_reference",
+    "layer_norm",
+    "layer_norm_reference",
+    "linear_cross_entropy",
+    "linear_cross_entropy_reference",
+    "rms_norm",
+    "rms_norm_reference",
+]

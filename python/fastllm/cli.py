@@ -71,6 +71,31 @@ def _config_validate(args: argparse.Namespace) -> None:
     )
 
 
+def _convert(args: argparse.Namespace) -> None:
+    from fastllm.checkpoint.convert import convert
+    from fastllm.config import load_config
+    from fastllm.config.convert import ConvertConfig
+
+    _, overrides = _split_family(args.arguments)
+    config = load_config(ConvertConfig, args.config, overrides)
+    output = convert(config)
+    print(f"{config.input.path} ({config.input.format}) → {output} ({config.output.format})")
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from fastllm.generation import generate_text
+
+    print(
+        generate_text(
+            args.path,
+            args.prompt,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            device=args.device,
+        )
+    )
+
+
 def _native_version() -> str:
     try:
         from fastllm import _native
@@ -105,6 +130,24 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_arguments(validate)
     validate.set_defaults(handler=_config_validate)
 
+    convert = commands.add_parser(
+        "convert",
+        help="convert a checkpoint between fastllm and Hugging Face formats",
+        description="Example: fastllm convert gpt input.format=llama input.path=HF_DIR "
+        "output.format=fastllm output.path=OUT (output.type is a synonym of output.format)",
+    )
+    _add_config_arguments(convert)
+    convert.set_defaults(handler=_convert)
+
+    generate = commands.add_parser("generate", help="complete a prompt with a trained model")
+    generate.add_argument("path", help="model directory (fastllm or Hugging Face format)")
+    generate.add_argument("--prompt", required=True, help="text to complete")
+    generate.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
+    generate.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)"
+    )
+    generate.add_argument("--device", default=None, help="torch device (default: cuda if present)")
+    generate.set_defaults(handler=_generate)
     return parser
 
 

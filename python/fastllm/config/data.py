@@ -1,12 +1,39 @@
-"""`data`: the token datasets a run trains on."""
+"""`data`: the token datasets a run trains on, how samples are cut, blended and transformed."""
 
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import msgspec
 
-from fastllm.config.section import ConfigError, Section
+from fastllm.config.section import ConfigError, Section, check_non_negative, check_positive
+
+
+class FimConfig(Section):
+    rate: float = 0.5
+    """Share of documents turned into fill-in-the-middle examples."""
+    spm_rate: float = 0.5
+    """Share of those in suffix-prefix-middle order (the rest: prefix-suffix-middle)."""
+    max_middle_len: int | None = None
+    """Longest middle part (characters, or tokens with split: token); none: unbounded."""
+    split: Literal["character", "token"] = "character"
+    """Where split points fall: between characters (detokenize, split, retokenize, as StarCoder)
+    or between tokens (exact, no tokenizer needed)."""
+    prefix_token: str = "<fim_prefix>"
+    """Token before the prefix."""
+    middle_token: str = "<fim_middle>"
+    """Token before the middle."""
+    suffix_token: str = "<fim_suffix>"
+    """Token before the suffix."""
+    pad_token: str = "<fim_pad>"
+    """Token that pads a sample shortened by the transformation."""
+
+    def validate(self) -> None:
+        for key in ("rate", "spm_rate"):
+            if not 0 <= getattr(self, key) <= 1:
+                raise ConfigError(key, f"must be between 0 and 1, got {getattr(self, key)}")
+        check_positive(self.max_middle_len, "max_middle_len")
 
 
 class DataConfig(Section):
@@ -14,8 +41,20 @@ class DataConfig(Section):
     """Prepared datasets (directories written by `fastllm prepare`)."""
     weights: list[float] | None = None
     """Share of each dataset in the blend; default proportional to their token counts."""
+    sampling: Literal["packed", "truncated"] = "packed"
+    """packed: documents concatenated across sample boundaries (no token wasted); truncated:
+    one document per sample, cut or padded."""
+    fim: FimConfig | None = None
+    """Fill-in-the-middle transformation of documents (none: off)."""
+    validation_path: list[str] = msgspec.field(default_factory=list)
+    """Held-out datasets for the validation loss."""
+    cache_dir: str | None = None
+    """Where sampling indices are cached; default EXPERIMENT_DIR/cache/sampling."""
+    prefetch: int = 4
+    """Batches prepared ahead of the training step by the loader's background thread."""
 
     def validate(self) -> None:
+        check_non_negative(self.prefetch, "prefetch")
         if self.weights is None:
             return
         if len(self.weights) != len(self.path):

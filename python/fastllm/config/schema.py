@@ -76,9 +76,12 @@ def _check(tp: Any, value: Any, key: list[str | int], default: Any = None) -> An
             and isinstance(value, dict)
         ):
             return _check_struct(variant, value, key)
-        if typing.get_origin(variant) is list and isinstance(value, list):
+        if typing.get_origin(variant) is list:
             (item,) = typing.get_args(variant)
-            return [_check(item, v, [*key, i]) for i, v in enumerate(value)]
+            if isinstance(value, str | int | float) and item in (str, int, float):
+                value = [value]  # `path: /data/x` is a list of one
+            if isinstance(value, list):
+                return [_check(item, v, [*key, i]) for i, v in enumerate(value)]
     return value
 
 
@@ -106,6 +109,13 @@ def _check_struct(cls: type[msgspec.Struct], value: dict[str, Any], key: list[st
     fields = {f.encode_name: f for f in msgspec.structs.fields(cls)}
     tag_field = cls.__struct_config__.tag_field
     checked: dict[str, Any] = {}
+    for alias, name in getattr(cls, "aliases", {}).items():
+        if alias in value:
+            if name in value:
+                raise ConfigError(
+                    format_key([*key, alias]), f"is a synonym of {name}: give only one"
+                )
+            value = {(name if k == alias else k): v for k, v in value.items()}
     for name, item in value.items():
         if name == tag_field:
             checked[name] = item

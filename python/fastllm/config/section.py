@@ -16,7 +16,8 @@ class ConfigError(ValueError):
 
 
 class Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """A config section: typed fields, unknown keys rejected.
+    """A config section: typed fields, unknown keys rejected. A class attribute
+    `aliases: ClassVar[dict[str, str]]` maps accepted synonyms to field names.
 
     `validate()` checks fields against each other and fills defaults that derive from other
     fields. It runs after the section's children were validated and raises

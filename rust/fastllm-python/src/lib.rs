@@ -3,6 +3,9 @@
 //! This crate only converts types, maps errors and releases the GIL around real work;
 //! the work itself lives in the plain-Rust crates beside it.
 
+mod dataset;
+mod errors;
+
 use pyo3::prelude::*;
 
 /// Version of the Rust extension; `fastllm --version` shows it beside the Python package's, so a
@@ -15,5 +18,6 @@ fn version() -> &'static str {
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(version, m)?)?;
+    m.add_class::<dataset::TokenDataset>()?;
     Ok(())
 }

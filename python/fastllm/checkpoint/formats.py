@@ -1,0 +1,153 @@
+"""Model directories on disk: fastllm's own format and Hugging Face's, read as
+(config, tensor stream) and written from one, tensor by tensor.
+
+The fastllm format is a directory with `config.yaml` (the `model.base_model` section, loadable
+as a config file), safetensors weights under fastllm's parameter names, and `metadata.json`
+(`{"format": "fastllm", "hf_config": ...}` keeping the Hugging Face config a model came from,
+so a round trip loses nothing)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import yaml
+from torch import Tensor
+
+from fastllm.checkpoint.hf_config import ARCHITECTURES, from_hf_config, to_hf_config
+from fastllm.checkpoint.hf_weights import rules
+from fastllm.checkpoint.safetensors_io import SafetensorsReader, ShardedWriter
+from fastllm.config import BaseModelConfig, ConfigError, build
+from fastllm.config.yaml_io import load_yaml_file
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "generation_config.json",
+)
+
+
+@dataclass
+class ModelSource:
+    """A model on disk: its config and a way to read its tensors under fastllm's names."""
+
+    directory: Path
+    format: str
+    config: BaseModelConfig
+    hf_config: dict[str, Any] | None = None
+    _reader: SafetensorsReader | None = field(default=None, repr=False)
+
+    def tensors(self) -> Iterator[tuple[str, Tensor]]:
+        reader = self._reader or SafetensorsReader(self.directory)
+        if self.format == "fastllm":
+            names = parameter_names(self.config)
+            _check_names(self.directory, set(reader.keys()), set(names))
+            for name in names:
+                yield name, reader.get(name)
+            return
+        model_rules = list(rules(self.config, self.format))
+        needed = {name for rule in model_rules for name in rule.theirs}
+        present = set(reader.keys())
+        if self.config.tie_word_embeddings:
+            present.discard("lm_head.weight")  # some tied checkpoints store the copy anyway
+        _check_names(self.directory, present, needed)
+        for rule in model_rules:
+            yield rule.ours, rule.join([reader.get(name) for name in rule.theirs])
+
+
+def parameter_names(config: BaseModelConfig) -> list[str]:
+    """fastllm's tensor names for this config, from the model itself (built without memory)."""
+    import torch
+
+    from fastllm.model import GPTModel
+
+    with torch.device("meta"):
+        return list(GPTModel(config).state_dict())
+
+
+def _check_names(directory: Path, present: set[str], needed: set[str]) -> None:
+    missing, unexpected = sorted(needed - present), sorted(present - needed)
+    details = [
+        f"{what} tensors {names[:5]}{' …' if len(names) > 5 else ''}"
+        for what, names in (("missing", missing), ("unexpected", unexpected))
+        if names
+    ]
+    if details:
+        raise ConfigError(str(directory), "does not match its config: " + "; ".join(details))
+
+
+def open_model(directory: str | Path, expected_format: str | None = None) -> ModelSource:
+    """Open a fastllm or Hugging Face model directory (`expected_format` checks which)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ConfigError(str(directory), "no such model directory")
+    if (directory / "config.yaml").is_file():
+        raw = load_yaml_file(directory / "config.yaml")
+        try:
+            base_raw = raw["model"]["base_model"]
+        except (KeyError, TypeError):
+            raise ConfigError(
+                f"{directory / 'config.yaml'}", "has no model.base_model section"
+            ) from None
+        metadata_path = directory / "metadata.json"
+        metadata = json.loads(metadata_path.read_text()) if metadata_path.is_file() else {}
+        source = ModelSource(
+            directory, "fastllm", build(BaseModelConfig, base_raw), metadata.get("hf_config")
+        )
+    elif (directory / "config.json").is_file():
+        hf_config = json.loads((directory / "config.json").read_text())
+        architecture, config = from_hf_config(hf_config)
+        source = ModelSource(directory, architecture, config, hf_config)
+    else:
+        raise ConfigError(
+            str(directory), "is not a model directory (no config.yaml or config.json)"
+        )
+    if expected_format is not None and source.format != expected_format:
+        raise ConfigError(str(directory), f"holds a {source.format} model, not {expected_format}")
+    return source
+
+
+def write_model(
+    source: ModelSource,
+    output: Path,
+    output_format: str,
+    *,
+    dtype: Any = None,
+    shard_bytes: int = 4 * 2**30,
+) -> None:
+    """Write `source` to the new directory `output` in `output_format`, streaming tensors."""
+    output.mkdir(parents=True)
+    if output_format == "fastllm":
+        writer = ShardedWriter(output, shard_bytes)
+        for name, tensor in source.tensors():
+            writer.add(name, tensor if dtype is None else tensor.to(dtype))
+        writer.close()
+        section = {"model": {"base_model": msgspec.to_builtins(source.config)}}
+        (output / "config.yaml").write_text(yaml.safe_dump(section, sort_keys=False))
+        metadata = {"format": "fastllm", "hf_config": source.hf_config}
+        (output / "metadata.json").write_text(json.dumps(metadata, indent=2) + "\n")
+    elif output_format in ARCHITECTURES:
+        hf_config = to_hf_config(source.config, output_format, source.hf_config)
+        writer = ShardedWriter(output, shard_bytes)
+        by_name = {rule.ours: rule for rule in rules(source.config, output_format)}
+        for name, tensor in source.tensors():
+            rule = by_name[name]
+            for their_name, piece in zip(rule.theirs, rule.split(tensor), strict=True):
+                writer.add(their_name, (piece if dtype is None else piece.to(dtype)).clone())
+        writer.close()
+        (output / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+    else:
+        raise ConfigError("output.format", f"unknown format {output_format!r}")
+    for name in TOKENIZER_FILES:
+        if (source.directory / name).is_file():
+            shutil.copy2(source.directory / name, output / name)

@@ -1,0 +1,98 @@
+"""Sharded safetensors directories, read lazily and written shard by shard, so that a model
+larger than memory converts with only a shard's worth of tensors in memory at once."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+INDEX = "model.safetensors.index.json"
+
+
+class SafetensorsReader:
+    """Tensors of `model.safetensors` or of the shards listed by `model.safetensors.index.json`."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        index = directory / INDEX
+        if index.is_file():
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        else:
+            single = directory / "model.safetensors"
+            if not single.is_file():
+                raise FileNotFoundError(f"{directory}: neither model.safetensors nor {INDEX} found")
+            with safe_open(single, "pt") as handle:
+                weight_map = dict.fromkeys(handle.keys(), "model.safetensors")
+        self.weight_map = weight_map
+        self._handles: dict[str, object] = {}
+
+    def keys(self) -> list[str]:
+        return list(self.weight_map)
+
+    def get(self, name: str) -> Tensor:
+        try:
+            file = self.weight_map[name]
+        except KeyError:
+            raise KeyError(f"{self.directory}: tensor {name!r} not found") from None
+        if file not in self._handles:
+            self._handles[file] = safe_open(self.directory / file, "pt")
+        return self._handles[file].get_tensor(name)  # type: ignore[attr-defined]
+
+
+class ShardedWriter:
+    """Collects tensors and writes a shard whenever `shard_bytes` is reached; `close` writes the
+    index (only when there is more than one shard, as Hugging Face does)."""
+
+    def __init__(
+        self, directory: Path, shard_bytes: int = 2 * 2**30, metadata: dict[str, str] | None = None
+    ) -> None:
+        self.directory, self.shard_bytes = directory, shard_bytes
+        self.metadata = metadata or {"format": "pt"}
+        self._pending: dict[str, Tensor] = {}
+        self._pending_bytes = 0
+        self._shards: list[dict[str, Tensor] | list[str]] = []
+        self._total_bytes = 0
+
+    def add(self, name: str, tensor: Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self._pending and self._pending_bytes + size > self.shard_bytes:
+            self._flush()
+        self._pending[name] = tensor.contiguous()
+        self._pending_bytes += size
+        self._total_bytes += size
+
+    def add_all(self, tensors: Iterable[tuple[str, Tensor]]) -> None:
+        for name, tensor in tensors:
+            self.add(name, tensor)
+
+    def _flush(self) -> None:
+        number = len(self._shards) + 1
+        save_file(self._pending, self.directory / f"shard-{number:05d}.safetensors", self.metadata)
+        self._shards.append(list(self._pending))
+        self._pending, self._pending_bytes = {}, 0
+
+    def close(self) -> None:
+        if self._pending or not self._shards:
+            self._flush()
+        count = len(self._shards)
+        names = [f"model-{n:05d}-of-{count:05d}.safetensors" for n in range(1, count + 1)]
+        if count == 1:
+            names = ["model.safetensors"]
+        weight_map = {}
+        for number, (name, keys) in enumerate(zip(names, self._shards, strict=True), start=1):
+            os.replace(self.directory / f"shard-{number:05d}.safetensors", self.directory / name)
+            weight_map.update(dict.fromkeys(keys, name))
+        if count > 1:
+            index = {"metadata": {"total_size": self._total_bytes}, "weight_map": weight_map}
+            (self.directory / INDEX).write_text(json.dumps(index, indent=2))
+
+
+def tensor_dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]

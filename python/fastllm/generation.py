@@ -1,0 +1,42 @@
+"""`fastllm generate`: load a model and its tokenizer, complete a prompt."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from fastllm.config import ConfigError
+
+
+def generate_text(
+    path: str | Path,
+    prompt: str,
+    *,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    device: str | None = None,
+) -> str:
+    """The prompt followed by its completion (greedy unless `temperature` > 0)."""
+    from tokenizers import Tokenizer
+
+    from fastllm.api import load_model
+    from fastllm.hf import FastLLMForCausalLM
+
+    tokenizer_file = Path(path) / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        raise ConfigError(str(path), "has no tokenizer.json to encode the prompt with")
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model = FastLLMForCausalLM.wrap(load_model(path, device=device))
+    ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+    if not ids:
+        raise ConfigError("--prompt", "encodes to no tokens")
+    sampling = (
+        {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
+    )
+    with torch.no_grad():
+        output = model.generate(
+            torch.tensor([ids], device=device), max_new_tokens=max_new_tokens, **sampling
+        )
+    return tokenizer.decode(output[0].tolist(), skip_special_tokens=False)

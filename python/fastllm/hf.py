@@ -1,0 +1,89 @@
+"""fastllm models as `transformers` PreTrainedModels, so that `generate()` (with a KV cache)
+and the rest of the `transformers` tooling work on them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import torch
+from transformers import DynamicCache, GenerationMixin, PretrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from fastllm.config import BaseModelConfig, build
+from fastllm.model import GPTModel
+
+
+class FastLLMConfig(PretrainedConfig):
+    model_type = "fastllm"
+
+    def __init__(self, base_model: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        self.base_model = base_model or {}
+        # The usual names, which generation utilities (cache sizing) read.
+        transformer = self.base_model.get("transformer", {})
+        for theirs, ours in (
+            ("num_hidden_layers", "num_layers"),
+            ("hidden_size", "hidden_size"),
+            ("num_attention_heads", "num_attention_heads"),
+            ("num_key_value_heads", "head_groups"),
+            ("head_dim", "kv_channels"),
+        ):
+            if ours in transformer:
+                kwargs.setdefault(theirs, transformer[ours])
+        if "vocab_size" in self.base_model:
+            kwargs.setdefault("vocab_size", self.base_model["vocab_size"])
+        kwargs.setdefault("tie_word_embeddings", False)  # the wrapped model handles tying
+        super().__init__(**kwargs)
+
+
+class FastLLMForCausalLM(PreTrainedModel, GenerationMixin):
+    config_class = FastLLMConfig
+    base_model_prefix = "model"
+    _supports_cache_class = True
+
+    def __init__(self, config: FastLLMConfig, model: GPTModel | None = None) -> None:
+        super().__init__(config)
+        self.model = (
+            model if model is not None else GPTModel(build(BaseModelConfig, config.base_model))
+        )
+
+    @classmethod
+    def wrap(cls, model: GPTModel, **config: Any) -> FastLLMForCausalLM:
+        """Wrap an existing model (its weights are shared, not copied)."""
+        wrapper = cls(FastLLMConfig(msgspec.to_builtins(model.config), **config), model)
+        first = next(model.parameters())
+        return wrapper.to(device=first.device, dtype=first.dtype).eval()
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.model.embeddings
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: Any = None,
+        past_key_values: Any = None,
+        use_cache: bool | None = None,
+        labels: torch.Tensor | None = None,
+        **_: Any,
+    ) -> CausalLMOutputWithPast:
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise NotImplementedError(
+                "padded batches are not supported: generate one prompt at a time"
+            )
+        cache = cache if cache is not None else past_key_values  # transformers ≥ 5.24 / older
+        if use_cache and cache is None:
+            cache = DynamicCache()
+        logits = self.model(input_ids, cache=cache if use_cache is not False else None)
+        loss = None
+        if labels is not None:
+            shifted = labels[:, 1:].reshape(-1)
+            loss = torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]).float(), shifted
+            )
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: cache})
+
+
+_CACHE_FIELD = (
+    "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+)

@@ -1,0 +1,82 @@
+"""Self-attention: one fused q/k/v projection, rotary, then the kernels' attention dispatch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from fastllm.config.model import TransformerConfig
+from fastllm_kernels.attention import attention
+from fastllm_kernels.rotary import apply_rotary
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, config: TransformerConfig, layer_index: int) -> None:
+        super().__init__()
+        assert config.kv_channels is not None
+        self.layer_index = layer_index
+        self.heads, self.kv_heads, self.head_size = (
+            config.num_attention_heads,
+            config.head_groups,
+            config.kv_channels,
+        )
+        self.window_size = config.window_size
+        self.q_size, self.kv_size = self.heads * self.head_size, self.kv_heads * self.head_size
+        qkv_bias, dense_bias = config.biases_in_attention_qkv, config.biases_elsewhere
+        hidden = config.hidden_size
+        self.query_key_value = torch.nn.Linear(
+            hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias
+        )
+        self.dense = torch.nn.Linear(self.q_size, hidden, bias=dense_bias)
+
+    def forward(
+        self,
+        x: Tensor,
+        rotary: tuple[Tensor, Tensor] | None,
+        document_ids: Tensor | None = None,
+        cache: Any = None,
+    ) -> Tensor:
+        batch, length, _ = x.shape
+        qkv = F.linear(x, self.query_key_value.weight, self.query_key_value.bias)
+        # Slices rather than split(): rotary rotates q and k in place, which autograd allows on
+        # a plain slice but not on the outputs of a multi-output view op.
+        q_end, k_end = self.q_size, self.q_size + self.kv_size
+        q, k, v = qkv[..., :q_end], qkv[..., q_end:k_end], qkv[..., k_end:]
+        q = q.view(batch, length, self.heads, self.head_size)
+        k = k.view(batch, length, self.kv_heads, self.head_size)
+        v = v.view(batch, length, self.kv_heads, self.head_size)
+        if rotary is not None:
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        if cache is None:
+            out = attention(
+                q, k, v, causal=True, window_size=self.window_size, document_ids=document_ids
+            )
+        else:
+            out = self._attend_with_cache(q, k, v, cache)
+        return self.dense(out.reshape(batch, length, self.q_size))
+
+    def _attend_with_cache(self, q: Tensor, k: Tensor, v: Tensor, cache: Any) -> Tensor:
+        """Generation: `cache.update` (a transformers Cache) appends the new keys and values in
+        its (batch, heads, seq, head) layout and returns all of them."""
+        keys, values = cache.update(k.transpose(1, 2), v.transpose(1, 2), self.layer_index)
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)
+        past = keys.shape[1] - q.shape[1]
+        if past == 0:
+            return attention(q, keys, values, causal=True, window_size=self.window_size)
+        # New queries sit at the end: query i sees keys up to past + i, within the window.
+        query_positions = torch.arange(past, keys.shape[1], device=q.device)[:, None]
+        key_positions = torch.arange(keys.shape[1], device=q.device)[None, :]
+        allowed = key_positions <= query_positions
+        if self.window_size is not None:
+            allowed &= key_positions > query_positions - self.window_size
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=allowed,
+            enable_gqa=self.kv_heads != self.heads,
+        )
+        return out.transpose(1, 2)

@@ -1,0 +1,54 @@
+"""One transformer block: pre-norm attention and MLP, each added to the residual stream."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fastllm.config.model import LayerNormConfig, NormalizationConfig, TransformerConfig
+from fastllm.model.attention import Attention
+from fastllm.model.mlp import MLP, MixtureOfExperts
+from fastllm_kernels.norm import layer_norm, rms_norm
+
+
+class Normalization(torch.nn.Module):
+    """RMSNorm (weight) or LayerNorm (weight and bias) through the fused kernels."""
+
+    def __init__(self, config: NormalizationConfig, hidden_size: int) -> None:
+        super().__init__()
+        self.epsilon = config.epsilon
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size))
+        has_bias = isinstance(config, LayerNormConfig)
+        self.bias = torch.nn.Parameter(torch.zeros(hidden_size)) if has_bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.bias is None:
+            return rms_norm(x, self.weight, self.epsilon)
+        return layer_norm(x, self.weight, self.bias, self.epsilon)
+
+
+class TransformerBlock(torch.nn.Module):
+    def __init__(self, config: TransformerConfig, layer_index: int) -> None:
+        super().__init__()
+        self.norm_1 = Normalization(config.normalization, config.hidden_size)
+        self.attention = Attention(config, layer_index)
+        self.norm_2 = Normalization(config.normalization, config.hidden_size)
+        self.mlp: MLP | MixtureOfExperts = (
+            MixtureOfExperts(config) if config.num_experts > 1 else MLP(config)
+        )
+
+    def forward(
+        self,
+        x: Tensor,
+        rotary: tuple[Tensor, Tensor] | None,
+        document_ids: Tensor | None = None,
+        cache: Any = None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """The new residual stream and the block's auxiliary loss (MoE router), if any."""
+        x = x + self.attention(self.norm_1(x), rotary, document_ids, cache)
+        if isinstance(self.mlp, MixtureOfExperts):
+            out, auxiliary = self.mlp(self.norm_2(x))
+            return x + out, auxiliary
+        return x + self.mlp(self.norm_2(x)), None

@@ -1,0 +1,88 @@
+"""The MLP of a block: dense (gated or plain) or a mixture of experts (looped, for clarity;
+the dropless fast version is a later step)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from fastllm.config.model import TransformerConfig
+from fastllm_kernels.activation import gated_activation_fused
+
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+    "squared_relu": lambda x: F.relu(x).square(),
+}
+
+
+class MLP(torch.nn.Module):
+    """layer_2(act(layer_1 x)); when gated, layer_1 holds [gate; up] and act(gate) * up."""
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        assert config.ffn_hidden_size is not None and config.activation_type is not None
+        self.gated, self.activation = config.gated, config.activation_type
+        inputs = 2 if self.gated else 1
+        bias = config.biases_elsewhere
+        self.layer_1 = torch.nn.Linear(
+            config.hidden_size, inputs * config.ffn_hidden_size, bias=bias
+        )
+        self.layer_2 = torch.nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.layer_2(_activate(self.layer_1(x), self.gated, self.activation))
+
+
+def _activate(h: Tensor, gated: bool, activation: str) -> Tensor:
+    if gated:
+        return gated_activation_fused(h, activation)
+    return _ACTIVATIONS[activation](h)
+
+
+class MixtureOfExperts(torch.nn.Module):
+    """Top-k routing (Mixtral): softmax over experts, the k largest renormalized to sum to 1.
+
+    `forward` returns the output and the router's auxiliary losses (load balancing, z-loss),
+    already weighted by their coefficients."""
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        assert config.ffn_hidden_size is not None and config.activation_type is not None
+        self.gated, self.activation = config.gated, config.activation_type
+        self.num_experts, self.top_k = config.num_experts, config.num_experts_per_token
+        self.auxiliary_coefficient = config.expert_auxiliary_loss_coefficient
+        self.z_loss_coefficient = config.expert_z_loss_coefficient
+        hidden, ffn = config.hidden_size, config.ffn_hidden_size
+        inputs = 2 if self.gated else 1
+        self.router = torch.nn.Linear(hidden, self.num_experts, bias=False)
+        self.layer_1 = torch.nn.Parameter(torch.empty(self.num_experts, inputs * ffn, hidden))
+        self.layer_2 = torch.nn.Parameter(torch.empty(self.num_experts, hidden, ffn))
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        tokens = x.reshape(-1, x.shape[-1])
+        logits = self.router(tokens).float()
+        probabilities = logits.softmax(dim=-1)
+        weights, experts = probabilities.topk(self.top_k, dim=-1)
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+        out = torch.zeros_like(tokens)
+        for expert in range(self.num_experts):
+            rows, slot = torch.nonzero(experts == expert, as_tuple=True)
+            if rows.numel() == 0:
+                continue
+            h = _activate(F.linear(tokens[rows], self.layer_1[expert]), self.gated, self.activation)
+            y = F.linear(h, self.layer_2[expert]) * weights[rows, slot, None]
+            out.index_add_(0, rows, y)
+        return out.view_as(x), self._auxiliary_loss(logits, probabilities, experts)
+
+    def _auxiliary_loss(self, logits: Tensor, probabilities: Tensor, experts: Tensor) -> Tensor:
+        # Switch-Transformer balance as Hugging Face computes it (per layer here):
+        # E * sum_e (tokens routed to e, summed over the k slots, / tokens) * (mean prob of e).
+        routed = F.one_hot(experts, self.num_experts).float().mean(dim=0).sum(dim=0)
+        balance = self.num_experts * (routed * probabilities.mean(dim=0)).sum()
+        loss = self.auxiliary_coefficient * balance
+        if self.z_loss_coefficient:
+            loss = loss + self.z_loss_coefficient * torch.logsumexp(logits, dim=-1).square().mean()
+        return loss

@@ -1,0 +1,57 @@
+//! `fastllm._native.TokenDataset`: a memory-mapped Megatron indexed dataset.
+
+use std::path::PathBuf;
+
+use fastllm_data::IndexedDataset;
+use numpy::{PyArray1, PyArrayMethods};
+use pyo3::prelude::*;
+
+use crate::errors::data_error;
+
+#[pyclass(frozen, module = "fastllm._native")]
+pub struct TokenDataset {
+    inner: IndexedDataset,
+}
+
+#[pymethods]
+impl TokenDataset {
+    /// Open `prefix.bin` + `prefix.idx`, checking the header and the file sizes.
+    #[new]
+    fn open(py: Python<'_>, prefix: PathBuf) -> PyResult<Self> {
+        let inner = py
+            .detach(|| IndexedDataset::open(&prefix))
+            .map_err(data_error)?;
+        Ok(Self { inner })
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.len()
+    }
+
+    #[getter]
+    fn num_tokens(&self) -> u64 {
+        self.inner.num_tokens()
+    }
+
+    /// The on-disk token dtype as a numpy name (`uint16`, `int32`, …).
+    #[getter]
+    fn dtype(&self) -> String {
+        self.inner.dtype().to_string()
+    }
+
+    /// Token count of every document.
+    fn document_lengths<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
+        PyArray1::from_slice(py, self.inner.document_lengths())
+    }
+
+    /// The tokens of document `index` as int64.
+    fn document<'py>(&self, py: Python<'py>, index: usize) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        let tokens = self.inner.document(index).map_err(data_error)?;
+        let array = PyArray1::<i64>::zeros(py, tokens.len(), false);
+        {
+            let mut view = array.readwrite();
+            tokens.copy_to(view.as_slice_mut().expect("a new array is contiguous"));
+        }
+        Ok(array)
+    }
+}

@@ -1,0 +1,98 @@
+"""`fastllm convert` and `fastllm generate` through the command line, on real files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import transformers
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+from tests.model.hf_models import save_hf_model
+from tests.test_cli import fastllm
+
+
+def test_convert_hf_to_fastllm_and_back_through_the_cli(tmp_path: Path) -> None:
+    save_hf_model("mistral", tmp_path / "hf")
+    result = fastllm(
+        "convert", "gpt", "input.format=mistral", f"input.path={tmp_path / 'hf'}",
+        "output.format=fastllm", f"output.path={tmp_path / 'ours'}",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert {"config.yaml", "metadata.json", "model.safetensors"} <= {
+        p.name for p in (tmp_path / "ours").iterdir()
+    }
+    result = fastllm(
+        "convert", f"input.path={tmp_path / 'ours'}", "output.type=mistral",
+        f"output.path={tmp_path / 'back'}", "shard_size_gb=0.00002",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    index = json.loads((tmp_path / "back" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1, "a small shard size must split the model"
+    original = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back")
+    ids = torch.randint(0, 97, (1, 9))
+    assert torch.equal(original(ids).logits, back(ids).logits)
+
+
+def test_convert_refuses_an_existing_output_and_impossible_targets(tmp_path: Path) -> None:
+    save_hf_model("starcoder2", tmp_path / "hf")
+    (tmp_path / "taken").mkdir()
+    result = fastllm(
+        "convert",
+        "input.format=starcoder2",
+        f"input.path={tmp_path / 'hf'}",
+        f"output.path={tmp_path / 'taken'}",
+    )
+    assert result.returncode == 2
+    assert "output.path" in result.stderr and "already exists" in result.stderr
+    result = fastllm(
+        "convert",
+        "input.format=starcoder2",
+        f"input.path={tmp_path / 'hf'}",
+        "output.format=llama",
+        f"output.path={tmp_path / 'llama'}",
+    )
+    assert result.returncode == 2
+    assert "model.base_model.transformer.normalization.type" in result.stderr
+    assert not (tmp_path / "llama").exists()
+    assert not list(tmp_path.glob(".llama.partial-*")), "no partial output may be left"
+    result = fastllm(
+        "convert",
+        "input.format=llama",
+        f"input.path={tmp_path / 'hf'}",
+        f"output.path={tmp_path / 'x'}",
+    )
+    assert result.returncode == 2
+    assert "holds a starcoder2 model, not llama" in result.stderr
+
+
+def test_generate_prints_the_same_completion_as_transformers(tmp_path: Path) -> None:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator(["def add(a, b):\n    return a + b\n"] * 20, trainer)
+    tokenizer.decoder = __import__("tokenizers").decoders.ByteLevel()
+    model = save_hf_model("llama", tmp_path / "hf", vocab_size=tokenizer.get_vocab_size())
+    tokenizer.save(str(tmp_path / "hf" / "tokenizer.json"))
+    result = fastllm(
+        "generate",
+        str(tmp_path / "hf"),
+        "--prompt",
+        "def add(",
+        "--max-new-tokens",
+        "8",
+        "--device",
+        "cpu",
+    )
+    assert result.returncode == 0, result.stderr
+    prompt = tokenizer.encode("def add(").ids
+    expected = model.generate(
+        torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    assert result.stdout.rstrip("\n") == tokenizer.decode(
+        expected[0].tolist(), skip_special_tokens=False
+    )

@@ -1,0 +1,90 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastllm_kernels.activation import (
+    ACTIVATIONS,
+    gated_activation,
+    gated_activation_fused,
+    gated_activation_reference,
+)
+from tests.kernels.conftest import assert_close, cuda, triton_on_cpu
+
+pytestmark = pytest.mark.usefixtures("poisoned_empty")
+
+SHAPES = [(1, 1), (3, 5, 37), (4, 1100)]
+TORCH_ACTIVATIONS = {
+    "silu": torch.nn.functional.silu,
+    "gelu": lambda g: torch.nn.functional.gelu(g, approximate="tanh"),
+    "relu": torch.relu,
+    "squared_relu": lambda g: torch.relu(g) ** 2,
+}
+
+
+def _check_gradients(out, expected, inputs):
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, inputs, grad_out)
+    expected_grads = torch.autograd.grad(expected, inputs, grad_out)
+    for grad, expected_grad in zip(grads, expected_grads, strict=True):
+        assert_close(grad, expected_grad)
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_reference_matches_torch_activations(activation):
+    gate, up = torch.randn(2, 3, 40, dtype=torch.float64).unbind(0)
+    expected = TORCH_ACTIVATIONS[activation](gate) * up
+    torch.testing.assert_close(gated_activation_reference(gate, up, activation), expected)
+
+
+@triton_on_cpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_gated_activation_matches_reference(activation, shape, dtype):
+    gate = (2 * torch.randn(shape)).to(dtype).requires_grad_()
+    up = torch.randn(shape).to(dtype).requires_grad_()
+    out = gated_activation(gate, up, activation)
+    expected = gated_activation_reference(gate, up, activation)
+    assert out.dtype == dtype
+    assert_close(out, expected)
+    _check_gradients(out, expected, [gate, up])
+
+
+@triton_on_cpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_fused_gated_activation_takes_gate_then_up(activation, shape, dtype):
+    x = (2 * torch.randn(*shape[:-1], 2 * shape[-1])).to(dtype).requires_grad_()
+    gate, up = x.chunk(2, dim=-1)
+    out = gated_activation_fused(x, activation)
+    expected = gated_activation_reference(gate, up, activation)
+    assert_close(out, expected)
+    _check_gradients(out, expected, [x])
+
+
+@triton_on_cpu
+def test_gated_activation_reads_views_of_a_fused_tensor():
+    x = torch.randn(6, 7, 2 * 50, requires_grad=True)
+    gate, up = x.chunk(2, dim=-1)
+    out = gated_activation(gate, up, "silu")
+    expected = gated_activation_reference(gate, up, "silu")
+    assert_close(out, expected)
+    _check_gradients(out, expected, [x])
+
+
+def test_unknown_activation_is_an_error():
+    with pytest.raises(ValueError, match="unknown activation"):
+        gated_activation(torch.randn(3), torch.randn(3), "swish")
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_fused_gated_activation_matches_reference_at_model_size(activation):
+    x = torch.randn(8192, 2 * 14336, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    out = gated_activation_fused(x, activation)
+    expected = gated_activation_reference(*x.chunk(2, dim=-1), activation)
+    assert_close(out, expected)
+    _check_gradients(out, expected, [x])

@@ -1,0 +1,132 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fastllm_kernels.attention import attention, attention_reference
+from tests.kernels.conftest import assert_close, cuda
+
+
+def _qkv(batch, seq, heads, kv_heads, head_dim, dtype=torch.float32, device="cpu"):
+    q = torch.randn(batch, seq, heads, head_dim, device=device)
+    k = torch.randn(batch, seq, kv_heads, head_dim, device=device)
+    v = torch.randn(batch, seq, kv_heads, head_dim, device=device)
+    return [t.to(dtype).requires_grad_() for t in (q, k, v)]
+
+
+def _documents(batch, seq, device="cpu"):
+    """Packed documents of random lengths: contiguous runs of equal ids per row."""
+    starts = torch.rand(batch, seq, device=device) < 0.2
+    starts[:, 0] = True
+    return starts.cumsum(dim=1)
+
+
+def _naive(q, k, v, causal, window_size, document_ids, scale):
+    """One query at a time: softmax over the keys it may see, in float64."""
+    batch, seq, heads, head_dim = q.shape
+    group = heads // k.shape[2]
+    scale = head_dim**-0.5 if scale is None else scale
+    out = torch.zeros(batch, seq, heads, head_dim, dtype=torch.float64)
+    for b in range(batch):
+        for h in range(heads):
+            for i in range(seq):
+                keys = [
+                    j
+                    for j in range(seq)
+                    if (not causal or j <= i)
+                    and (window_size is None or abs(i - j) < window_size)
+                    and (document_ids is None or document_ids[b, i] == document_ids[b, j])
+                ]
+                kk = k[b, keys, h // group].double()
+                weights = torch.softmax(kk @ q[b, i, h].double() * scale, dim=0)
+                out[b, i, h] = weights @ v[b, keys, h // group].double()
+    return out
+
+
+CASES = [
+    {"causal": True},
+    {"causal": False},
+    {"causal": True, "window_size": 4},
+    {"causal": False, "window_size": 3},
+    {"causal": True, "documents": True},
+    {"causal": False, "documents": True},
+    {"causal": True, "window_size": 3, "documents": True, "scale": 0.3},
+]
+HEADS = [(4, 4), (4, 2), (6, 1)]  # MHA, GQA, MQA
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), HEADS)
+@pytest.mark.parametrize("case", CASES)
+def test_reference_matches_naive_loop(case, heads, kv_heads):
+    q, k, v = _qkv(2, 11, heads, kv_heads, 8)
+    documents = _documents(2, 11) if case.get("documents") else None
+    options = {
+        "causal": case["causal"],
+        "window_size": case.get("window_size"),
+        "document_ids": documents,
+        "scale": case.get("scale"),
+    }
+    expected = _naive(q, k, v, *options.values())
+    assert_close(attention_reference(q, k, v, **options), expected.float())
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), HEADS)
+@pytest.mark.parametrize("case", CASES)
+def test_attention_matches_reference(case, heads, kv_heads):
+    q, k, v = _qkv(2, 19, heads, kv_heads, 16)
+    documents = _documents(2, 19) if case.get("documents") else None
+    options = {
+        "causal": case["causal"],
+        "window_size": case.get("window_size"),
+        "document_ids": documents,
+        "scale": case.get("scale"),
+    }
+    out = attention(q, k, v, **options)
+    expected = attention_reference(q, k, v, **options)
+    assert out.shape == q.shape
+    assert_close(out, expected)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, [q, k, v], grad_out)
+    expected_grads = torch.autograd.grad(expected, [q, k, v], grad_out)
+    for grad, expected_grad in zip(grads, expected_grads, strict=True):
+        assert_close(grad, expected_grad, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_bf16_matches_fp32_reference():
+    q, k, v = _qkv(2, 23, 4, 2, 16, dtype=torch.bfloat16)
+    documents = _documents(2, 23)
+    out = attention(q, k, v, window_size=5, document_ids=documents)
+    expected = attention_reference(q, k, v, window_size=5, document_ids=documents)
+    assert out.dtype == torch.bfloat16
+    assert_close(out, expected, atol=2e-2)
+
+
+def test_attention_rejects_bad_head_counts():
+    q, k, v = _qkv(1, 4, 6, 4, 8)
+    with pytest.raises(ValueError, match="multiple"):
+        attention(q, k, v)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("case", CASES)
+def test_attention_matches_reference_on_gpu(case):
+    # Dense cases take SDPA (cuDNN first); windows and documents take flash-attn or flex_attention.
+    q, k, v = _qkv(2, 2048, 16, 4, 128, dtype=torch.bfloat16, device="cuda")
+    documents = _documents(2, 2048, device="cuda") if case.get("documents") else None
+    window = case.get("window_size") and case["window_size"] * 100
+    options = {
+        "causal": case["causal"],
+        "window_size": window,
+        "document_ids": documents,
+        "scale": case.get("scale"),
+    }
+    out = attention(q, k, v, **options)
+    expected = attention_reference(q, k, v, **options)
+    assert_close(out, expected, atol=2e-2)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, [q, k, v], grad_out)
+    expected_grads = torch.autograd.grad(expected, [q, k, v], grad_out)
+    for grad, expected_grad in zip(grads, expected_grads, strict=True):
+        scale = expected_grad.abs().max().item()
+        assert_close(grad, expected_grad, rtol=2e-2, atol=2e-2 * scale)

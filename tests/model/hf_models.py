@@ -1,0 +1,80 @@
+"""Small random Hugging Face models of each architecture, built by `transformers` itself."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+COMMON = {
+    "vocab_size": 97,
+    "hidden_size": 48,
+    "intermediate_size": 80,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 6,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+}
+
+CONFIGS = {
+    "llama": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            "rope_theta": 500000.0,
+            "rms_norm_eps": 1e-5,
+        },
+    ),
+    "mistral": (
+        transformers.MistralConfig,
+        transformers.MistralForCausalLM,
+        {"sliding_window": 5, "head_dim": 8, "tie_word_embeddings": False},
+    ),
+    "mixtral": (
+        transformers.MixtralConfig,
+        transformers.MixtralForCausalLM,
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
+    ),
+    "qwen2": (
+        transformers.Qwen2Config,
+        transformers.Qwen2ForCausalLM,
+        {"rope_theta": 1000000.0, "tie_word_embeddings": True},
+    ),
+    "starcoder2": (
+        transformers.Starcoder2Config,
+        transformers.Starcoder2ForCausalLM,
+        {"sliding_window": 6, "use_bias": True, "norm_epsilon": 1e-5},
+    ),
+}
+
+
+def hf_model(architecture: str, seed: int = 0, **overrides: object) -> transformers.PreTrainedModel:
+    config_class, model_class, extra = CONFIGS[architecture]
+    torch.manual_seed(seed)
+    config = config_class(**(COMMON | extra | overrides))
+    config._attn_implementation = "eager"
+    model = model_class(config).float().eval()
+    with torch.no_grad():  # random norms and biases too, so their mapping is exercised
+        for name, parameter in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                parameter.normal_(0.0 if name.endswith("bias") else 1.0, 0.1)
+    return model
+
+
+def save_hf_model(
+    architecture: str, directory: Path, seed: int = 0, **overrides: object
+) -> transformers.PreTrainedModel:
+    model = hf_model(architecture, seed, **overrides)
+    model.save_pretrained(directory)
+    return model

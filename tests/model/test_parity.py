@@ -1,0 +1,141 @@
+"""Our model against `transformers` on the same weights: logits, gradients, round trips."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+import fastllm
+from fastllm.checkpoint.convert import convert
+from fastllm.checkpoint.formats import open_model
+from fastllm.checkpoint.hf_weights import rules
+from fastllm.config import build
+from fastllm.config.convert import ConvertConfig
+from tests.model.hf_models import CONFIGS, save_hf_model
+
+ARCHITECTURES = sorted(CONFIGS)
+
+
+def relative_error(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    return ((ours.double() - theirs.double()).norm() / theirs.double().norm()).item()
+
+
+def all_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    return tensors
+
+
+def on_disk_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers 5 fuses Mixtral's experts in memory; its checkpoints keep one tensor per
+    expert (w1 gate, w3 up, w2 down), which is what our mapping reads."""
+    renamed: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        layer, _, rest = name.partition(".mlp.")
+        if rest == "gate.weight":
+            renamed[f"{layer}.block_sparse_moe.gate.weight"] = tensor
+        elif rest == "experts.gate_up_proj":
+            for e, (w1, w3) in enumerate(t.chunk(2) for t in tensor.unbind(0)):
+                renamed[f"{layer}.block_sparse_moe.experts.{e}.w1.weight"] = w1
+                renamed[f"{layer}.block_sparse_moe.experts.{e}.w3.weight"] = w3
+        elif rest == "experts.down_proj":
+            for e, w2 in enumerate(tensor.unbind(0)):
+                renamed[f"{layer}.block_sparse_moe.experts.{e}.w2.weight"] = w2
+        else:
+            renamed[name] = tensor
+    return renamed
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_logits_and_gradients_match_transformers(architecture: str, tmp_path: Path) -> None:
+    theirs = save_hf_model(architecture, tmp_path)
+    ours = fastllm.load_model(tmp_path)
+    ours.train()
+    generator = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, 97, (2, 13), generator=generator)
+    labels = torch.randint(0, 97, (2, 13), generator=generator)
+
+    our_logits = ours(input_ids)
+    their_logits = theirs(input_ids).logits
+    assert relative_error(our_logits, their_logits) <= 1e-5
+
+    F.cross_entropy(our_logits.flatten(0, 1), labels.flatten()).backward()
+    F.cross_entropy(their_logits.flatten(0, 1), labels.flatten()).backward()
+    their_grads = on_disk_names({name: p.grad for name, p in theirs.named_parameters()})
+    if theirs.config.tie_word_embeddings:
+        their_grads.pop("lm_head.weight", None)
+    source = open_model(tmp_path)
+    our_params = dict(ours.named_parameters())
+    for rule in rules(source.config, architecture):
+        expected = rule.join([their_grads[name] for name in rule.theirs])
+        assert relative_error(our_params[rule.ours].grad, expected) <= 1e-5, rule.ours
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_fused_loss_equals_cross_entropy_of_logits(architecture: str, tmp_path: Path) -> None:
+    save_hf_model(architecture, tmp_path)
+    model = fastllm.load_model(tmp_path)
+    model.config.transformer.expert_auxiliary_loss_coefficient = 0.0
+    for layer in model.layers:
+        if hasattr(layer.mlp, "auxiliary_coefficient"):
+            layer.mlp.auxiliary_coefficient = 0.0
+    input_ids = torch.randint(0, 97, (2, 11))
+    labels = torch.randint(0, 97, (2, 11))
+    labels[0, :3] = -100
+    fused = model.loss(input_ids, labels)
+    reference = F.cross_entropy(model(input_ids).flatten(0, 1), labels.flatten(), ignore_index=-100)
+    assert relative_error(fused, reference) <= 1e-5
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_hf_to_fastllm_to_hf_reproduces_every_tensor(architecture: str, tmp_path: Path) -> None:
+    save_hf_model(architecture, tmp_path / "hf")
+    (tmp_path / "hf" / "tokenizer.json").write_text("{}")
+    first = ConvertConfig
+    convert(
+        build(
+            first,
+            {
+                "input": {"format": architecture, "path": str(tmp_path / "hf")},
+                "output": {"format": "fastllm", "path": str(tmp_path / "ours")},
+            },
+        )
+    )
+    convert(
+        build(
+            ConvertConfig,
+            {
+                "input": {"format": "fastllm", "path": str(tmp_path / "ours")},
+                "output": {"type": architecture, "path": str(tmp_path / "back")},
+            },
+        )
+    )
+    original, back = all_tensors(tmp_path / "hf"), all_tensors(tmp_path / "back")
+    if json.loads((tmp_path / "hf" / "config.json").read_text()).get("tie_word_embeddings"):
+        original.pop("lm_head.weight", None)
+    assert sorted(original) == sorted(back)
+    for name, tensor in original.items():
+        assert torch.equal(tensor, back[name]), name
+    assert (tmp_path / "back" / "tokenizer.json").read_text() == "{}"
+    import transformers
+
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back")
+    assert reloaded.config.model_type == architecture
+
+
+@pytest.mark.parametrize("architecture", ["llama", "starcoder2", "mixtral"])
+def test_generate_matches_transformers_greedy_decoding(architecture: str, tmp_path: Path) -> None:
+    from fastllm.hf import FastLLMForCausalLM
+
+    theirs = save_hf_model(architecture, tmp_path)
+    ours = FastLLMForCausalLM.wrap(fastllm.load_model(tmp_path))
+    prompt = torch.tensor([[5, 17, 33, 8, 60, 2, 41]])
+    settings = {"max_new_tokens": 12, "do_sample": False, "eos_token_id": None, "pad_token_id": 0}
+    expected = theirs.generate(prompt, **settings)
+    assert torch.equal(ours.generate(prompt, **settings), expected)
