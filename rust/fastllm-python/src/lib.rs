@@ -5,6 +5,7 @@
 
 mod dataset;
 mod errors;
+mod layout;
 
 use pyo3::prelude::*;
 
@@ -19,5 +20,6 @@ fn version() -> &'static str {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(version, m)?)?;
     m.add_class::<dataset::TokenDataset>()?;
+    m.add_class::<layout::Layout>()?;
     Ok(())
 }

@@ -1,0 +1,164 @@
+"""The model's parameters as views into flat buffers.
+
+One buffer per stage (the embedding, each block, the head) holds the compute weights; a parallel
+fp32 buffer receives the gradients; this rank's shard of each stage has fp32 master weights (a
+view of the weights themselves in float32 training) and the two Adam moments. The layout —
+offsets, alignment, the shard each data-parallel rank owns — comes from Rust
+(`fastllm._native.Layout`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from fastllm import _native
+from fastllm.model import GPTModel
+
+ALIGNMENT = 128
+"""Elements; every parameter starts at a multiple, so kernels see aligned rows."""
+
+
+def stage_of(name: str, num_layers: int) -> int:
+    """Stage 0: embeddings; stage i + 1: block i; the last stage: final norm and head."""
+    if name.startswith("embeddings."):
+        return 0
+    if name.startswith("layers."):
+        return int(name.split(".")[1]) + 1
+    return num_layers + 1
+
+
+def decays(name: str, parameter: Tensor) -> bool:
+    """Weight decay on matrices, not on norms, biases and embeddings."""
+    return parameter.dim() >= 2 and not name.startswith("embeddings.") and ".norm" not in name
+
+
+@dataclass
+class Shard:
+    """This rank's part of one stage: master weights, moments, and views of the stage's
+    gradient and weight buffers on the same range."""
+
+    master: Tensor
+    exp_avg: Tensor
+    exp_avg_sq: Tensor
+    grad: Tensor
+    weight: Tensor
+    decay_runs: list[tuple[int, int, bool]]
+
+
+class FlatModel:
+    """Turns `model`'s parameters into views of flat buffers and owns those buffers."""
+
+    def __init__(
+        self,
+        model: GPTModel,
+        *,
+        compute_dtype: torch.dtype,
+        device: torch.device,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        self.model, self.compute_dtype, self.device = model, compute_dtype, device
+        self.rank, self.world_size = rank, world_size
+        num_layers = model.config.transformer.num_layers
+        self.names = [name for name, _ in model.named_parameters()]
+        parameters = dict(model.named_parameters())
+        self.shapes = {name: parameters[name].shape for name in self.names}
+        self.specs = [
+            (name, parameters[name].numel(), stage_of(name, num_layers), decays(name, parameters[name]))
+            for name in self.names
+        ]
+        """(name, numel, stage, weight decay) of every parameter, in model order."""
+        self.layout = _native.Layout(self.specs, alignment=ALIGNMENT, world_size=world_size)
+        stages = range(self.layout.num_stages)
+        self.weights = [torch.zeros(self.layout.stage_size(s), dtype=compute_dtype, device=device) for s in stages]
+        self.grads = [torch.zeros(self.layout.stage_size(s), dtype=torch.float32, device=device) for s in stages]
+        self.shards = [self._shard(stage) for stage in stages]
+        for index, name in enumerate(self.names):
+            _set_parameter(model, name, torch.nn.Parameter(self.parameter_view(self.weights, index)))
+        self._hooks = [
+            parameter.register_post_accumulate_grad_hook(self._accumulate_hook(index))
+            for index, (_, parameter) in enumerate(model.named_parameters())
+        ]
+
+    @property
+    def mixed_precision(self) -> bool:
+        return self.compute_dtype != torch.float32
+
+    def parameter_view(self, buffers: list[Tensor], index: int) -> Tensor:
+        stage, offset, numel = self.layout.parameter(index)
+        return buffers[stage][offset : offset + numel].view(self.shapes[self.names[index]])
+
+    def _shard(self, stage: int) -> Shard:
+        start, end = self.layout.shard_range(stage, self.rank)
+        weight, grad = self.weights[stage][start:end], self.grads[stage][start:end]
+        master = weight if not self.mixed_precision else torch.zeros(end - start, dtype=torch.float32, device=self.device)
+        return Shard(
+            master=master,
+            exp_avg=torch.zeros(end - start, dtype=torch.float32, device=self.device),
+            exp_avg_sq=torch.zeros(end - start, dtype=torch.float32, device=self.device),
+            grad=grad,
+            weight=weight,
+            decay_runs=self.layout.decay_runs(stage, self.rank),
+        )
+
+    def _accumulate_hook(self, index: int):
+        grad_view = self.parameter_view(self.grads, index)
+
+        def hook(parameter: Tensor) -> None:
+            # Gradients land in the fp32 buffer (accumulated over micro-batches), never in .grad.
+            grad_view.add_(parameter.grad)
+            parameter.grad = None
+
+        return hook
+
+    def zero_grad(self) -> None:
+        for grad in self.grads:
+            grad.zero_()
+
+    @torch.no_grad()
+    def load_full_parameters(self, tensors: Iterator[tuple[str, Tensor]]) -> None:
+        """Set every parameter (fp32 master shard and compute weights) from full tensors."""
+        seen = set()
+        for name, tensor in tensors:
+            index = self.names.index(name)
+            self.parameter_view(self.weights, index).copy_(tensor)
+            for stage_shard, (param_start, param_end, shard_start, shard_end) in self._owned(index):
+                piece = tensor.reshape(-1)[param_start:param_end].to(self.device, torch.float32)
+                stage_shard.master[shard_start:shard_end].copy_(piece)
+            seen.add(name)
+        missing = set(self.names) - seen
+        if missing:
+            raise KeyError(f"no values given for parameters {sorted(missing)[:5]}")
+        self.sync_weights_from_master()
+
+    def _owned(self, index: int) -> list[tuple[Shard, tuple[int, int, int, int]]]:
+        stage, _, _ = self.layout.parameter(index)
+        return [
+            (self.shards[stage], (p0, p1, s0, s1))
+            for i, p0, p1, s0, s1 in self.layout.shard_parameters(stage, self.rank)
+            if i == index
+        ]
+
+    @torch.no_grad()
+    def sync_weights_from_master(self) -> None:
+        """Compute weights of this rank's shards from the masters (exactly what the optimizer
+        step writes), so that a restored run computes bit for bit as the original did."""
+        if self.mixed_precision:
+            for shard in self.shards:
+                shard.weight.copy_(shard.master)
+
+    def full_parameters(self) -> Iterator[tuple[str, Tensor]]:
+        """Every parameter in the compute dtype (views: copy before the next step)."""
+        for index, name in enumerate(self.names):
+            yield name, self.parameter_view(self.weights, index)
+
+
+def _set_parameter(model: torch.nn.Module, name: str, parameter: torch.nn.Parameter) -> None:
+    *path, leaf = name.split(".")
+    module = model
+    for part in path:
+        module = getattr(module, part)
+    module._parameters[leaf] = parameter

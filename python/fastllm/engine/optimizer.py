@@ -1,0 +1,65 @@
+"""AdamW over the flat shards: one fused kernel call per contiguous run of the same weight
+decay, gradient clipping by global norm, and skipping of steps whose gradients are not finite."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from fastllm.config.training import OptimizerConfig
+from fastllm.engine.flat_model import FlatModel
+from fastllm_kernels import adamw_step_
+
+
+@dataclass(frozen=True)
+class StepReport:
+    grad_norm: float
+    """Global norm of the (unscaled, unclipped) gradient."""
+    skipped: bool
+    """True when the gradient had inf/NaN and the step was not taken."""
+
+
+class AdamW:
+    def __init__(self, flat: FlatModel, config: OptimizerConfig, group: dist.ProcessGroup | None = None) -> None:
+        self.flat, self.config, self.group = flat, config, group
+        self.step_count = 0
+        """Optimizer steps taken (skipped ones excluded); Adam's bias correction uses it."""
+
+    @torch.no_grad()
+    def grad_norm(self, grad_scale: float) -> float:
+        squares = torch.zeros((), dtype=torch.float32, device=self.flat.device)
+        for shard in self.flat.shards:
+            squares += torch.linalg.vector_norm(shard.grad, dtype=torch.float32).square()
+        if self.flat.world_size > 1:
+            dist.all_reduce(squares, group=self.group)
+        return math.sqrt(squares.item()) * grad_scale
+
+    @torch.no_grad()
+    def step(self, lr: float, loss_scale: float = 1.0) -> StepReport:
+        """Update this rank's shards from the gradients (which carry `loss_scale`)."""
+        norm = self.grad_norm(1.0 / loss_scale)
+        if not math.isfinite(norm):
+            return StepReport(norm, skipped=True)
+        clip = self.config.gradient_norm_clipping
+        clip_factor = min(1.0, clip / (norm + 1e-6)) if clip is not None else 1.0
+        self.step_count += 1
+        for shard in self.flat.shards:
+            for start, end, decay in shard.decay_runs:
+                adamw_step_(
+                    shard.master[start:end],
+                    shard.grad[start:end],
+                    shard.exp_avg[start:end],
+                    shard.exp_avg_sq[start:end],
+                    lr=lr,
+                    beta_1=self.config.beta_1,
+                    beta_2=self.config.beta_2,
+                    eps=self.config.epsilon,
+                    weight_decay=self.config.weight_decay if decay else 0.0,
+                    step=self.step_count,
+                    compute_copy=shard.weight[start:end] if self.flat.mixed_precision else None,
+                    grad_scale=clip_factor / loss_scale,
+                )
+        return StepReport(norm, skipped=False)

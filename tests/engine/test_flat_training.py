@@ -1,0 +1,124 @@
+"""The flat-buffer engine against plain PyTorch training of the same model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from fastllm.config import TrainerConfig, load_config
+from fastllm.config.training import LearningRateConfig
+from fastllm.engine.flat_model import FlatModel, decays
+from fastllm.engine.optimizer import AdamW
+from fastllm.engine.schedule import learning_rate
+from fastllm.model import GPTModel, initialize
+from tests.conftest import ROOT
+
+TINY = [
+    "model.base_model.transformer.num_layers=2",
+    "model.base_model.transformer.hidden_size=32",
+    "model.base_model.transformer.num_attention_heads=4",
+    "model.base_model.transformer.ffn_hidden_size=48",
+    "model.base_model.vocab_size=61",
+    "optimizer.weight_decay=0.1",
+    "optimizer.gradient_norm_clipping=0.05",
+]
+
+
+def tiny_config(*overrides: str) -> TrainerConfig:
+    return load_config(TrainerConfig, [ROOT / "examples" / "tiny.yaml"], [*TINY, *overrides])
+
+
+def flat_model(config: TrainerConfig, reference: GPTModel, dtype: torch.dtype) -> tuple[GPTModel, FlatModel]:
+    with torch.device("meta"):
+        model = GPTModel(config.model.base_model)
+    flat = FlatModel(model, compute_dtype=dtype, device=torch.device("cpu"))
+    flat.load_full_parameters(reference.named_parameters())
+    return model, flat
+
+
+def test_parameters_are_views_of_the_flat_buffers() -> None:
+    config = tiny_config()
+    reference = GPTModel(config.model.base_model)
+    initialize(reference, torch.Generator().manual_seed(0))
+    model, flat = flat_model(config, reference, torch.float32)
+    for (name, ours), (_, theirs) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+        assert torch.equal(ours, theirs), name
+        stage, offset, _numel = flat.layout.parameter(name)
+        assert ours.data_ptr() == flat.weights[stage][offset:].data_ptr()
+        assert offset % 128 == 0
+
+
+def test_float32_steps_match_torch_adamw_with_clipping_and_decay_groups() -> None:
+    config = tiny_config()
+    reference = GPTModel(config.model.base_model)
+    initialize(reference, torch.Generator().manual_seed(0))
+    model, flat = flat_model(config, reference, torch.float32)
+    reference = copy.deepcopy(reference)
+    opt = config.optimizer
+    decay = [p for n, p in reference.named_parameters() if decays(n, p)]
+    no_decay = [p for n, p in reference.named_parameters() if not decays(n, p)]
+    torch_adamw = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": opt.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=1.0, betas=(opt.beta_1, opt.beta_2), eps=opt.epsilon,
+    )  # fmt: skip
+    ours = AdamW(flat, opt)
+    schedule = LearningRateConfig(base=1e-2, warmup_iterations=2, decay_style="cosine")
+    generator = torch.Generator().manual_seed(1)
+    for step in range(4):
+        ids = torch.randint(0, 61, (2, 2, 9), generator=generator)
+        labels = torch.randint(0, 61, (2, 2, 9), generator=generator)
+        lr = learning_rate(schedule, step, 4)
+        for micro in range(2):  # two micro-batches accumulate
+            (model.loss(ids[micro], labels[micro]) / 2).backward()
+            (reference.loss(ids[micro], labels[micro]) / 2).backward()
+        norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), opt.gradient_norm_clipping)
+        for group in torch_adamw.param_groups:
+            group["lr"] = lr
+        torch_adamw.step()
+        torch_adamw.zero_grad()
+        report = ours.step(lr)
+        flat.zero_grad()
+        assert report.grad_norm == pytest.approx(norm.item(), rel=1e-5)
+        for (name, a), (_, b) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_bfloat16_keeps_fp32_masters_and_writes_bf16_weights() -> None:
+    config = tiny_config()
+    reference = GPTModel(config.model.base_model)
+    initialize(reference, torch.Generator().manual_seed(0))
+    model, flat = flat_model(config, reference, torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    ids = torch.randint(0, 61, (2, 9))
+    model.loss(ids, ids).backward()
+    assert all(p.grad is None for p in model.parameters()), "gradients belong in the flat fp32 buffer"
+    assert flat.grads[1].abs().sum() > 0
+    AdamW(flat, config.optimizer).step(1e-3)
+    for shard in flat.shards:
+        assert shard.master.dtype == torch.float32
+        assert torch.equal(shard.weight, shard.master.to(torch.bfloat16))
+
+
+def test_a_step_with_non_finite_gradients_is_skipped() -> None:
+    config = tiny_config()
+    reference = GPTModel(config.model.base_model)
+    initialize(reference, torch.Generator().manual_seed(0))
+    _model, flat = flat_model(config, reference, torch.float32)
+    before = [w.clone() for w in flat.weights]
+    flat.grads[1][3] = float("nan")
+    report = AdamW(flat, config.optimizer).step(1e-3)
+    assert report.skipped
+    assert all(torch.equal(a, b) for a, b in zip(before, flat.weights, strict=True))
+
+
+@pytest.mark.parametrize("style", ["constant", "linear", "cosine", "wsd"])
+def test_schedules_warm_up_then_reach_their_minimum(style: str) -> None:
+    config = LearningRateConfig(base=1.0, warmup_iterations=4, decay_style=style, minimum=0.1)
+    rates = [learning_rate(config, step, 20) for step in range(20)]
+    assert rates[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert max(rates) == pytest.approx(1.0)
+    assert rates[-1] == pytest.approx(1.0 if style == "constant" else 0.1)
+    if style == "wsd":
+        assert rates[4:16] == pytest.approx([1.0] * 12)
