@@ -71,6 +71,46 @@ def _config_validate(args: argparse.Namespace) -> None:
     )
 
 
+def _prepare(args: argparse.Namespace) -> None:
+    import time
+
+    from fastllm.config import load_config
+    from fastllm.config.prepare import PrepareConfig
+    from fastllm.data.prepare import prepare, summary
+
+    _, overrides = _split_family(args.arguments)
+    if args.strict:
+        overrides.append("strict=true")
+    config = load_config(PrepareConfig, args.config, overrides)
+    start = time.perf_counter()
+    report = prepare(config, overwrite=args.overwrite)
+    print(summary(report, config.output.path, time.perf_counter() - start))
+
+
+def _tokenizer_train(args: argparse.Namespace) -> None:
+    from fastllm.config import load_config
+    from fastllm.config.prepare import TokenizerTrainingConfig
+    from fastllm.data.tokenizer_training import train_tokenizer
+
+    _, overrides = _split_family(args.arguments)
+    config = load_config(TokenizerTrainingConfig, args.config, overrides)
+    output, bad = train_tokenizer(config)
+    skipped = f"; {bad} bad record(s) skipped" if bad else ""
+    print(f"{output}/tokenizer.json: byte-level BPE, {config.vocab_size} tokens{skipped}")
+
+
+def _train(args: argparse.Namespace) -> None:
+    from fastllm.config import TrainerConfig, build, load_raw
+    from fastllm.training.setup import check_inputs, with_pretrained_architecture
+
+    _, overrides = _split_family(args.arguments)
+    config = build(TrainerConfig, with_pretrained_architecture(load_raw(args.config, overrides)))
+    check_inputs(config)
+    from fastllm.training import Trainer
+
+    Trainer(config).fit()
+
+
 def _convert(args: argparse.Namespace) -> None:
     from fastllm.checkpoint.convert import convert
     from fastllm.config import load_config
@@ -129,6 +169,38 @@ def build_parser() -> argparse.ArgumentParser:
     validate = config_commands.add_parser("validate", help="check a config and summarize the model")
     _add_config_arguments(validate)
     validate.set_defaults(handler=_config_validate)
+
+    prepare = commands.add_parser(
+        "prepare",
+        help="tokenize text into a training dataset",
+        description="Example: fastllm prepare input.path=data.jsonl tokenizer.path=tokenizer.json "
+        "output.path=datasets/web",
+    )
+    _add_config_arguments(prepare)
+    prepare.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    prepare.add_argument("--strict", action="store_true", help="fail on the first bad record")
+    prepare.set_defaults(handler=_prepare)
+
+    tokenizer = commands.add_parser("tokenizer", help="tokenizer tools")
+    tokenizer_commands = tokenizer.add_subparsers(
+        dest="tokenizer_command", metavar="ACTION", required=True
+    )
+    tokenizer_train = tokenizer_commands.add_parser(
+        "train",
+        help="train a byte-level BPE tokenizer on the inputs prepare reads",
+        description="Example: fastllm tokenizer train input.path=src/ output=tokenizer vocab_size=8192",
+    )
+    _add_config_arguments(tokenizer_train)
+    tokenizer_train.set_defaults(handler=_tokenizer_train)
+
+    train = commands.add_parser(
+        "train",
+        help="train a model (alone or under torchrun)",
+        description="Train from a config; starting again on the same run.experiment_dir resumes "
+        "from its newest complete checkpoint.",
+    )
+    _add_config_arguments(train)
+    train.set_defaults(handler=_train)
 
     convert = commands.add_parser(
         "convert",

@@ -30,7 +30,9 @@ def tiny_config(*overrides: str) -> TrainerConfig:
     return load_config(TrainerConfig, [ROOT / "examples" / "tiny.yaml"], [*TINY, *overrides])
 
 
-def flat_model(config: TrainerConfig, reference: GPTModel, dtype: torch.dtype) -> tuple[GPTModel, FlatModel]:
+def flat_model(
+    config: TrainerConfig, reference: GPTModel, dtype: torch.dtype
+) -> tuple[GPTModel, FlatModel]:
     with torch.device("meta"):
         model = GPTModel(config.model.base_model)
     flat = FlatModel(model, compute_dtype=dtype, device=torch.device("cpu"))
@@ -43,7 +45,9 @@ def test_parameters_are_views_of_the_flat_buffers() -> None:
     reference = GPTModel(config.model.base_model)
     initialize(reference, torch.Generator().manual_seed(0))
     model, flat = flat_model(config, reference, torch.float32)
-    for (name, ours), (_, theirs) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+    for (name, ours), (_, theirs) in zip(
+        model.named_parameters(), reference.named_parameters(), strict=True
+    ):
         assert torch.equal(ours, theirs), name
         stage, offset, _numel = flat.layout.parameter(name)
         assert ours.data_ptr() == flat.weights[stage][offset:].data_ptr()
@@ -81,7 +85,9 @@ def test_float32_steps_match_torch_adamw_with_clipping_and_decay_groups() -> Non
         report = ours.step(lr)
         flat.zero_grad()
         assert report.grad_norm == pytest.approx(norm.item(), rel=1e-5)
-        for (name, a), (_, b) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+        for (name, a), (_, b) in zip(
+            model.named_parameters(), reference.named_parameters(), strict=True
+        ):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
 
 
@@ -93,7 +99,9 @@ def test_bfloat16_keeps_fp32_masters_and_writes_bf16_weights() -> None:
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     ids = torch.randint(0, 61, (2, 9))
     model.loss(ids, ids).backward()
-    assert all(p.grad is None for p in model.parameters()), "gradients belong in the flat fp32 buffer"
+    assert all(p.grad is None for p in model.parameters()), (
+        "gradients belong in the flat fp32 buffer"
+    )
     assert flat.grads[1].abs().sum() > 0
     AdamW(flat, config.optimizer).step(1e-3)
     for shard in flat.shards:

@@ -19,8 +19,7 @@ def convert(config: ConvertConfig) -> Path:
     output = Path(config.output.path)
     if output.exists():
         raise ConfigError("output.path", f"{output} already exists")
-    expected = None if config.input.format == "fastllm" else config.input.format
-    source = open_model(config.input.path, "fastllm" if expected is None else expected)
+    source = open_model(config.input.path, config.input.format)
     dtype = None if config.dtype is None else getattr(torch, config.dtype)
     partial = output.with_name(f".{output.name}.partial-{os.getpid()}")
     try:

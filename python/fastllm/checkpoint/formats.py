@@ -19,6 +19,8 @@ import msgspec
 import yaml
 from torch import Tensor
 
+from fastllm.checkpoint.distributed import MANIFEST, full_tensors
+from fastllm.checkpoint.distributed import model_config as distributed_model_config
 from fastllm.checkpoint.hf_config import ARCHITECTURES, from_hf_config, to_hf_config
 from fastllm.checkpoint.hf_weights import rules
 from fastllm.checkpoint.safetensors_io import SafetensorsReader, ShardedWriter
@@ -48,6 +50,9 @@ class ModelSource:
     _reader: SafetensorsReader | None = field(default=None, repr=False)
 
     def tensors(self) -> Iterator[tuple[str, Tensor]]:
+        if self.format == "distributed":
+            yield from full_tensors(self.directory)
+            return
         reader = self._reader or SafetensorsReader(self.directory)
         if self.format == "fastllm":
             names = parameter_names(self.config)
@@ -91,7 +96,9 @@ def open_model(directory: str | Path, expected_format: str | None = None) -> Mod
     directory = Path(directory)
     if not directory.is_dir():
         raise ConfigError(str(directory), "no such model directory")
-    if (directory / "config.yaml").is_file():
+    if (directory / MANIFEST).is_file():
+        source = ModelSource(directory, "distributed", distributed_model_config(directory))
+    elif (directory / "config.yaml").is_file():
         raw = load_yaml_file(directory / "config.yaml")
         try:
             base_raw = raw["model"]["base_model"]

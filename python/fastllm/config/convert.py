@@ -8,14 +8,17 @@ import msgspec
 
 from fastllm.config.section import ConfigError, Section
 
-CheckpointFormat = Literal["fastllm", "llama", "mistral", "mixtral", "qwen2", "starcoder2"]
+CheckpointFormat = Literal[
+    "fastllm", "distributed", "llama", "mistral", "mixtral", "qwen2", "starcoder2"
+]
 
 
 class CheckpointLocation(Section):
     aliases: ClassVar[dict[str, str]] = {"type": "format"}
 
     format: CheckpointFormat = "fastllm"
-    """fastllm (safetensors + config.yaml) or a Hugging Face architecture; `type` is a synonym."""
+    """fastllm (safetensors + config.yaml), distributed (a training export or checkpoint; input
+    only), or a Hugging Face architecture; `type` is a synonym."""
     path: str = ""
     """Directory of the checkpoint."""
 
@@ -35,5 +38,7 @@ class ConvertConfig(Section):
     """Largest safetensors file written; a bigger model is split into shards."""
 
     def validate(self) -> None:
+        if self.output.format == "distributed":
+            raise ConfigError("output.format", "distributed is written by training, not by convert")
         if self.shard_size_gb <= 0:
             raise ConfigError("shard_size_gb", f"must be positive, got {self.shard_size_gb}")

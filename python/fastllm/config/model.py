@@ -222,8 +222,16 @@ class DistributedConfig(Section):
         check_non_negative(self.seed, "seed")
 
 
+class MultiStageConfig(Section):
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activations recomputed in the backward pass instead of stored: selective recomputes
+    each MLP (its wide intermediate activations), full recomputes whole blocks."""
+
+
 class ModelConfig(Section):
     base_model: BaseModelConfig = msgspec.field(default_factory=BaseModelConfig)
     """The architecture."""
     distributed: DistributedConfig = msgspec.field(default_factory=DistributedConfig)
     """Precision and seeding."""
+    multi_stage: MultiStageConfig = msgspec.field(default_factory=MultiStageConfig)
+    """How the model's memory is traded against compute."""

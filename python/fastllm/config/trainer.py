@@ -2,12 +2,28 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import msgspec
 
 from fastllm.config.data import DataConfig
 from fastllm.config.model import ModelConfig
-from fastllm.config.section import Section
+from fastllm.config.section import ConfigError, Section
 from fastllm.config.training import BatchConfig, OptimizerConfig, RunConfig, TrainingConfig
+
+
+class PretrainedConfig(Section):
+    format: Literal[
+        "fastllm", "distributed", "llama", "mistral", "mixtral", "qwen2", "starcoder2"
+    ] = "fastllm"
+    """Format of the checkpoint to start from."""
+    path: str = ""
+    """Its directory. When the config sets no `model.base_model`, the architecture is taken
+    from the checkpoint."""
+
+    def validate(self) -> None:
+        if not self.path:
+            raise ConfigError("path", "is required")
 
 
 class TrainerConfig(Section):
@@ -23,3 +39,5 @@ class TrainerConfig(Section):
     """Training data."""
     optimizer: OptimizerConfig = msgspec.field(default_factory=OptimizerConfig)
     """AdamW and its learning-rate schedule."""
+    pretrained: PretrainedConfig | None = None
+    """Initialize the model from a checkpoint (fine-tuning, continued pretraining)."""

@@ -17,6 +17,12 @@ class RunConfig(Section):
 class LogsConfig(Section):
     interval: int = 100
     """Steps between two logged lines of metrics."""
+    tensorboard: bool = False
+    """Also write the metrics as TensorBoard events under EXPERIMENT_DIR/tensorboard (needs the
+    tensorboard package)."""
+    wandb_project: str | None = None
+    """Also send the metrics to this Weights & Biases project (needs wandb; WANDB_MODE=offline
+    works without network)."""
 
     def validate(self) -> None:
         check_positive(self.interval, "interval")
@@ -102,7 +108,8 @@ class LearningRateConfig(Section):
     decay_style: Literal["constant", "linear", "cosine", "wsd"] = "constant"
     """Shape after warmup; wsd is warmup-stable-decay (constant, then linear decay)."""
     decay_iterations: int | None = None
-    """Steps of decay after warmup (wsd: of the final decay); default to the end of training."""
+    """Steps of decay: after warmup for linear and cosine (default: to the end of training),
+    at the end of training for wsd (default: the last 20% of it)."""
     minimum: float = 0.0
     """Learning rate at the end of the decay."""
 

@@ -67,17 +67,30 @@ class FlatModel:
         parameters = dict(model.named_parameters())
         self.shapes = {name: parameters[name].shape for name in self.names}
         self.specs = [
-            (name, parameters[name].numel(), stage_of(name, num_layers), decays(name, parameters[name]))
+            (
+                name,
+                parameters[name].numel(),
+                stage_of(name, num_layers),
+                decays(name, parameters[name]),
+            )
             for name in self.names
         ]
         """(name, numel, stage, weight decay) of every parameter, in model order."""
         self.layout = _native.Layout(self.specs, alignment=ALIGNMENT, world_size=world_size)
         stages = range(self.layout.num_stages)
-        self.weights = [torch.zeros(self.layout.stage_size(s), dtype=compute_dtype, device=device) for s in stages]
-        self.grads = [torch.zeros(self.layout.stage_size(s), dtype=torch.float32, device=device) for s in stages]
+        self.weights = [
+            torch.zeros(self.layout.stage_size(s), dtype=compute_dtype, device=device)
+            for s in stages
+        ]
+        self.grads = [
+            torch.zeros(self.layout.stage_size(s), dtype=torch.float32, device=device)
+            for s in stages
+        ]
         self.shards = [self._shard(stage) for stage in stages]
         for index, name in enumerate(self.names):
-            _set_parameter(model, name, torch.nn.Parameter(self.parameter_view(self.weights, index)))
+            _set_parameter(
+                model, name, torch.nn.Parameter(self.parameter_view(self.weights, index))
+            )
         self._hooks = [
             parameter.register_post_accumulate_grad_hook(self._accumulate_hook(index))
             for index, (_, parameter) in enumerate(model.named_parameters())
@@ -94,7 +107,11 @@ class FlatModel:
     def _shard(self, stage: int) -> Shard:
         start, end = self.layout.shard_range(stage, self.rank)
         weight, grad = self.weights[stage][start:end], self.grads[stage][start:end]
-        master = weight if not self.mixed_precision else torch.zeros(end - start, dtype=torch.float32, device=self.device)
+        master = (
+            weight
+            if not self.mixed_precision
+            else torch.zeros(end - start, dtype=torch.float32, device=self.device)
+        )
         return Shard(
             master=master,
             exp_avg=torch.zeros(end - start, dtype=torch.float32, device=self.device),

@@ -23,7 +23,9 @@ class StepReport:
 
 
 class AdamW:
-    def __init__(self, flat: FlatModel, config: OptimizerConfig, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self, flat: FlatModel, config: OptimizerConfig, group: dist.ProcessGroup | None = None
+    ) -> None:
         self.flat, self.config, self.group = flat, config, group
         self.step_count = 0
         """Optimizer steps taken (skipped ones excluded); Adam's bias correction uses it."""

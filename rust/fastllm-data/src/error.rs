@@ -106,9 +106,154 @@ pub enum DataError {
 
     #[error("weight {weight} of dataset {dataset} must be finite and positive")]
     BadWeight { dataset: usize, weight: f64 },
+
+    #[error("{weights} blending weights for {datasets} datasets")]
+    WeightCountMismatch { weights: usize, datasets: usize },
+
+    #[error("FIM {name} {value} must lie between 0 and 1")]
+    BadFimRate { name: &'static str, value: f64 },
+
+    #[error("FIM split at characters needs a text codec (the tokenizer) to decode and re-encode")]
+    FimNeedsCodec,
+
+    #[error("token {token} is not a token id (0 to 2^32 - 1)")]
+    BadTokenId { token: i64 },
+
+    #[error(
+        "batch buffers must have equal lengths, a multiple of the sample length {sample_length} \
+         (tokens {tokens}, document ids {document_ids}, loss mask {loss_mask})"
+    )]
+    BadBatchBuffers {
+        sample_length: usize,
+        tokens: usize,
+        document_ids: usize,
+        loss_mask: usize,
+    },
 }
 
 impl DataError {
+    pub(crate) fn io(path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> Self {
+        let path = path.into();
+        move |source| Self::Io { path, source }
+    }
+}
+
+/// Why the inputs of a `prepare` run (or a [`crate::DocumentReader`]) cannot be listed. Problems
+/// inside files are not errors but [`crate::BadRecord`]s.
+#[derive(Debug, thiserror::Error)]
+pub enum InputError {
+    #[error("no input paths given")]
+    NoInputs,
+
+    #[error("{pattern}: invalid glob pattern: {reason}")]
+    BadPattern { pattern: String, reason: String },
+
+    #[error("{path}: matches no input file")]
+    NothingMatches { path: String },
+
+    #[error(
+        "{path}: cannot tell the format from the name (known: .jsonl, .json, .ndjson, also \
+         with .gz or .zst; .parquet; .txt); name the format"
+    )]
+    UnknownFormat { path: PathBuf },
+
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+
+    #[error("walking {path}: {source}")]
+    Walk {
+        path: PathBuf,
+        #[source]
+        source: walkdir::Error,
+    },
+}
+
+/// Why a tokenizer cannot be loaded or used.
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizerError {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+
+    #[error("{path}: not a valid tokenizer: {reason}")]
+    Invalid { path: PathBuf, reason: String },
+
+    #[error("{path}: {source}")]
+    Config {
+        path: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+
+    #[error("{path}: token {token:?} is not in the vocabulary")]
+    UnknownToken { path: PathBuf, token: String },
+
+    #[error("cannot encode: {0}")]
+    Encode(String),
+
+    #[error("cannot decode: {0}")]
+    Decode(String),
+}
+
+/// Why `prepare` stopped; it leaves no output behind.
+#[derive(Debug, thiserror::Error)]
+pub enum PrepareError {
+    #[error(transparent)]
+    Input(#[from] InputError),
+
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+
+    #[error(transparent)]
+    Data(#[from] DataError),
+
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+
+    #[error("{location}: {source}")]
+    Encode {
+        location: crate::Location,
+        #[source]
+        source: TokenizerError,
+    },
+
+    #[error("{0} (strict mode stops at the first bad record)")]
+    BadRecord(crate::BadRecord),
+
+    #[error("{path}: no end-of-document token found; name one (eos_token)")]
+    NoEosToken { path: PathBuf },
+
+    #[error("{path}: no beginning-of-document token found; name one (bos_token)")]
+    NoBosToken { path: PathBuf },
+
+    #[error("{path} already exists (overwrite replaces it)")]
+    OutputExists { path: PathBuf },
+
+    #[error("{path} exists and is not a prepared dataset (no metadata.json); not replacing it")]
+    NotADataset { path: PathBuf },
+
+    #[error("{path}: the output must name a directory")]
+    BadOutputPath { path: PathBuf },
+
+    #[error("shard_size_tokens must be at least 1")]
+    ZeroShardSize,
+
+    #[error("cancelled")]
+    Cancelled,
+}
+
+impl PrepareError {
     pub(crate) fn io(path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> Self {
         let path = path.into();
         move |source| Self::Io { path, source }

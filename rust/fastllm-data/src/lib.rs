@@ -5,22 +5,39 @@
 //! - [`SamplingIndex`]: which document pieces form each sample, over shuffled epochs, packed or
 //!   truncated, deterministic and cached on disk.
 //! - [`BlendingIndex`]: several datasets mixed into one sample stream by weight.
+//! - [`Fim`]: fill-in-the-middle, StarCoder's way, deterministic per sample.
+//! - [`SampleSource`]: all of the above as training batches (tokens, document ids, loss mask).
+//!
+//! - [`prepare`]: raw text (JSON lines, Parquet, text, source trees) tokenized on every core
+//!   into sharded datasets, through [`DocumentReader`] and [`Tokenizer`].
 //!
 //! Plain Rust with typed errors ([`DataError`]); the Python bindings live in `fastllm-python`.
 
 mod atomic_file;
 mod blending;
 mod error;
+mod fim;
 mod indexed;
+mod input;
+mod prepare;
 mod random;
+mod sample_source;
 mod sampling;
 mod sampling_cache;
 mod stable_hash;
 mod token;
+mod tokenizer;
 
 pub use blending::BlendingIndex;
-pub use error::DataError;
+pub use error::{DataError, InputError, PrepareError, TokenizerError};
+pub use fim::{Fim, FimConfig, FimSplit, TextCodec};
 pub use indexed::{IndexedDataset, IndexedDatasetWriter};
+pub use input::{
+    BadRecord, Batch, Document, DocumentReader, Input, InputFormat, InputSpec, Location,
+};
+pub use prepare::{prepare, PrepareOptions, PrepareReport, Progress, ShardReport, TokenizerReport};
+pub use sample_source::{SampleSource, SampleSourceConfig};
 pub use sampling::{Piece, Pieces, SamplingConfig, SamplingIndex, SamplingMode};
 pub use sampling_cache::CacheStatus;
 pub use token::{TokenDtype, TokenSlice};
+pub use tokenizer::{SpecialToken, Tokenizer, TokenizerImplementation};

@@ -3,9 +3,13 @@
 //! This crate only converts types, maps errors and releases the GIL around real work;
 //! the work itself lives in the plain-Rust crates beside it.
 
+mod checkpoint;
 mod dataset;
 mod errors;
 mod layout;
+mod prepare;
+mod samples;
+mod tokenizer;
 
 use pyo3::prelude::*;
 
@@ -19,7 +23,17 @@ fn version() -> &'static str {
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(version, m)?)?;
+    m.add_class::<checkpoint::CheckpointWriter>()?;
+    m.add_class::<checkpoint::PendingWrite>()?;
+    m.add_function(wrap_pyfunction!(checkpoint::commit_checkpoint, m)?)?;
+    m.add_function(wrap_pyfunction!(checkpoint::verify_checkpoint, m)?)?;
+    m.add_function(wrap_pyfunction!(checkpoint::latest_checkpoint, m)?)?;
     m.add_class::<dataset::TokenDataset>()?;
     m.add_class::<layout::Layout>()?;
+    m.add_class::<prepare::PrepareJob>()?;
+    m.add_class::<prepare::DocumentReader>()?;
+    m.add_function(wrap_pyfunction!(prepare::start_prepare, m)?)?;
+    m.add_class::<samples::SampleSource>()?;
+    m.add_class::<samples::FimOptions>()?;
     Ok(())
 }

@@ -1,0 +1,105 @@
+"""`fastllm prepare` and `fastllm tokenizer train`: raw text in, token datasets out."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from fastllm.config.section import ConfigError, Section, check_positive
+
+
+class InputConfig(Section):
+    path: list[str] = msgspec.field(default_factory=list)
+    """Input files, directories or glob patterns, read in the order given (directories in
+    sorted order)."""
+    format: Literal["auto", "jsonl", "parquet", "text", "files"] = "auto"
+    """jsonl (also .gz and .zst), parquet, text (one document per file), files (a source tree:
+    every matching file is a document); auto picks by extension, and `files` for directories."""
+    field: str = "text"
+    """Field holding the document text in jsonl records and parquet rows."""
+    extensions: list[str] | None = None
+    """For `files`: file extensions to keep, e.g. [.py, .rs] (default: every UTF-8 file)."""
+
+    def validate(self) -> None:
+        if not self.path:
+            raise ConfigError("path", "at least one input is required")
+
+
+class TokenizerConfig(Section):
+    path: str = ""
+    """tokenizer.json, or a Hugging Face tokenizer directory holding one."""
+    eos_token: str | None = None
+    """End-of-document token (default: the tokenizer's, e.g. <|endoftext|> or </s>)."""
+    bos_token: str | None = None
+    """Beginning-of-document token (default: the tokenizer's, if it has one)."""
+
+    def validate(self) -> None:
+        if not self.path:
+            raise ConfigError("path", "is required")
+
+
+class OutputConfig(Section):
+    path: str = ""
+    """Directory to write the dataset to; it must not exist (see --overwrite)."""
+    shard_size_tokens: int = 1_000_000_000
+    """Tokens per shard file (the last shard holds the rest)."""
+
+    def validate(self) -> None:
+        if not self.path:
+            raise ConfigError("path", "is required")
+        check_positive(self.shard_size_tokens, "shard_size_tokens")
+
+
+class PrepareConfig(Section):
+    input: InputConfig = msgspec.field(default_factory=InputConfig)
+    """What to read."""
+    tokenizer: TokenizerConfig = msgspec.field(default_factory=TokenizerConfig)
+    """How to tokenize."""
+    output: OutputConfig = msgspec.field(default_factory=OutputConfig)
+    """Where to write."""
+    workers: int | None = None
+    """Tokenizer threads (default: every core)."""
+    add_eos: bool = True
+    """Append the end-of-document token to each document."""
+    add_bos: bool = False
+    """Prepend the beginning-of-document token to each document."""
+    strict: bool = False
+    """Fail on the first bad record instead of counting and skipping it."""
+
+    def validate(self) -> None:
+        check_positive(self.workers, "workers")
+
+
+class TokenizerTrainingConfig(Section):
+    input: InputConfig = msgspec.field(default_factory=InputConfig)
+    """Text to learn the vocabulary from (same inputs as `fastllm prepare`)."""
+    output: str = ""
+    """Directory to write tokenizer.json (and tokenizer_config.json) to."""
+    vocab_size: int = 8192
+    """Size of the vocabulary, special tokens included."""
+    special_tokens: list[str] = msgspec.field(
+        default_factory=lambda: [
+            "<|endoftext|>",
+            "<fim_prefix>",
+            "<fim_middle>",
+            "<fim_suffix>",
+            "<fim_pad>",
+        ]
+    )
+    """Tokens never split; the first is the end-of-document token."""
+    min_frequency: int = 2
+    """Pairs seen fewer times are not merged."""
+    max_documents: int | None = None
+    """Train on at most this many documents (default: all)."""
+
+    def validate(self) -> None:
+        if not self.output:
+            raise ConfigError("output", "is required")
+        check_positive(self.vocab_size, "vocab_size")
+        if self.vocab_size <= 256 + len(self.special_tokens):
+            raise ConfigError(
+                "vocab_size",
+                f"must exceed the 256 byte tokens plus the special tokens, got {self.vocab_size}",
+            )
+        check_positive(self.max_documents, "max_documents")

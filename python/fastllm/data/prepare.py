@@ -1,0 +1,106 @@
+"""`fastllm prepare`: the Rust pipeline (`fastllm._native.start_prepare`) driven from Python,
+with a progress bar, Ctrl-C cancellation (nothing is left behind) and the final report."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from fastllm import _native
+from fastllm.config import ConfigError
+from fastllm.config.prepare import PrepareConfig
+
+
+def prepare(
+    config: PrepareConfig, *, overwrite: bool = False, progress: bool = True
+) -> dict[str, Any]:
+    """Tokenize `config.input` into a dataset at `config.output.path`; returns the report
+    (the content of its metadata.json)."""
+    if os.path.exists(config.output.path) and not overwrite:
+        raise ConfigError(
+            "output.path", f"{config.output.path} already exists (use --overwrite to replace it)"
+        )
+    job = _native.start_prepare(
+        paths=config.input.path,
+        format=config.input.format,
+        field=config.input.field,
+        extensions=config.input.extensions,
+        tokenizer=config.tokenizer.path,
+        eos_token=config.tokenizer.eos_token,
+        bos_token=config.tokenizer.bos_token,
+        add_eos=config.add_eos,
+        add_bos=config.add_bos,
+        output=config.output.path,
+        shard_size_tokens=config.output.shard_size_tokens,
+        workers=config.workers or 0,
+        strict=config.strict,
+        overwrite=overwrite,
+    )
+    bar = _ProgressBar(enabled=progress)
+    try:
+        while (report := _wait(job, 0.25)) is None:
+            bar.update(job.progress())
+    except KeyboardInterrupt:
+        job.cancel()
+        _wait(job, None, cancelled=True)
+        raise
+    finally:
+        bar.close(job.progress())
+    return report
+
+
+def _wait(job: Any, timeout: float | None, cancelled: bool = False) -> dict[str, Any] | None:
+    try:
+        text = job.wait(3600.0 if timeout is None else timeout)
+    except (OSError, ValueError) as error:
+        if cancelled:
+            return None
+        raise ConfigError("prepare", str(error)) from None
+    return None if text is None else json.loads(text)
+
+
+class _ProgressBar:
+    """One line on stderr: documents, tokens, MB/s and ETA, from the job's byte counters."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled and sys.stderr.isatty()
+        self.start = time.perf_counter()
+
+    def _line(self, counters: dict[str, int]) -> str:
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        done, total = counters["bytes_read"], max(counters["total_bytes"], 1)
+        rate = done / elapsed
+        eta = (total - done) / rate if rate > 0 else 0.0
+        return (
+            f"{100 * done / total:5.1f}% | {counters['documents']:,} documents | {counters['tokens']:,} tokens | "
+            f"{rate / 1e6:.1f} MB/s | {counters['tokens'] / elapsed:,.0f} tokens/s | ETA {eta:.0f}s"
+        )
+
+    def update(self, counters: dict[str, int]) -> None:
+        if self.enabled:
+            sys.stderr.write("\r" + self._line(counters))
+            sys.stderr.flush()
+
+    def close(self, counters: dict[str, int]) -> None:
+        if self.enabled:
+            sys.stderr.write("\r" + self._line(counters) + "\n")
+            sys.stderr.flush()
+
+
+def summary(report: dict[str, Any], output: str, seconds: float) -> str:
+    """What `fastllm prepare` prints when it is done."""
+    lines = [
+        f"{output}: {report['documents']:,} documents, {report['tokens']:,} tokens in "
+        f"{len(report['shards'])} shard(s) ({report['dtype']}, vocabulary {report['vocab_size']:,}), "
+        f"{seconds:.1f}s, {report['tokens'] / max(seconds, 1e-9):,.0f} tokens/s, "
+        f"tokenizer: {report['tokenizer']['implementation']}",
+    ]
+    if report["bad_records"]:
+        lines.append(f"{report['bad_records']:,} bad record(s) skipped; the first ones:")
+        lines += [f"  {record}" for record in report["first_bad_records"]]
+    if report.get("skipped_files"):
+        lines.append(f"{report['skipped_files']:,} file(s) skipped (not UTF-8 text)")
+    return "\n".join(lines)

@@ -1,0 +1,130 @@
+"""The sample stream of a run: the configured datasets cut into samples, blended and (with FIM)
+transformed, in a fixed order — sample i is the same whatever reads it, which makes data-parallel
+splits and resumes exact."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from fastllm import _native
+from fastllm.config import ConfigError
+from fastllm.config.data import DataConfig, FimConfig
+from fastllm.data.dataset import TokenDataset
+
+
+@dataclass
+class Samples:
+    """`count` samples of `sample_length` tokens (the sequence plus the next token)."""
+
+    tokens: np.ndarray  # (count, sample_length) int64
+    document_ids: (
+        np.ndarray
+    )  # (count, sample_length) int32, index of the document within the sample
+    loss_mask: np.ndarray  # (count, sample_length) uint8, 0 on padding
+
+
+class SampleStream:
+    def __init__(
+        self,
+        paths: list[str],
+        config: DataConfig,
+        *,
+        sequence_length: int,
+        num_samples: int,
+        seed: int,
+        cache_dir: str | Path,
+        weights: list[float] | None = None,
+        key: str = "data.path",
+    ) -> None:
+        if not paths:
+            raise ConfigError(key, "no dataset given")
+        datasets = []
+        for i, path in enumerate(paths):
+            try:
+                datasets.append(TokenDataset(path))
+            except (OSError, ValueError) as error:
+                raise ConfigError(f"{key}[{i}]", str(error)) from None
+        prefixes = [prefix for dataset in datasets for prefix in dataset.prefixes]
+        shard_weights = _shard_weights(datasets, weights)
+        fim, tokenizer = _fim_options(config.fim, datasets[0]) if config.fim else (None, None)
+        self.datasets = datasets
+        self._source = _native.SampleSource(
+            [str(p) for p in prefixes],
+            sequence_length=sequence_length,
+            num_samples=num_samples,
+            seed=seed,
+            truncate=config.sampling == "truncated",
+            weights=shard_weights,
+            cache_dir=str(cache_dir),
+            threads=min(8, os.cpu_count() or 1),
+            fim=fim,
+            tokenizer=tokenizer,
+        )
+        self.sample_length = self._source.sample_length
+
+    def __len__(self) -> int:
+        return len(self._source)
+
+    def read(self, first: int, count: int) -> Samples:
+        shape = (count, self.sample_length)
+        tokens = np.empty(shape, dtype=np.int64)
+        document_ids = np.empty(shape, dtype=np.int32)
+        loss_mask = np.empty(shape, dtype=np.uint8)
+        self._source.fill(
+            first, tokens.reshape(-1), document_ids.reshape(-1), loss_mask.reshape(-1)
+        )
+        return Samples(tokens, document_ids, loss_mask)
+
+
+def _shard_weights(datasets: list[TokenDataset], weights: list[float] | None) -> list[float] | None:
+    """Each dataset's weight spread over its shards by token count (None: all by token count)."""
+    if weights is None:
+        return None
+    shard_weights = []
+    for dataset, weight in zip(datasets, weights, strict=True):
+        tokens = dataset.shard_tokens
+        total = sum(tokens) or 1
+        shard_weights += [weight * count / total for count in tokens]
+    return shard_weights
+
+
+def _fim_options(config: FimConfig, dataset: TokenDataset) -> tuple[object, str | None]:
+    from tokenizers import Tokenizer
+
+    tokenizer_file = dataset.path / "tokenizer.json"
+    if not tokenizer_file.is_file():  # datasets keep a copy; else the file prepare read
+        tokenizer_file = Path(dataset.metadata.get("tokenizer", {}).get("path", tokenizer_file))
+    if not tokenizer_file.is_file():
+        raise ConfigError(
+            "data.fim", f"{dataset.path}: its tokenizer.json is needed for the FIM tokens"
+        )
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+
+    def token(key: str) -> int:
+        name = getattr(config, key)
+        token_id = tokenizer.token_to_id(name)
+        if token_id is None:
+            raise ConfigError(f"data.fim.{key}", f"{name!r} is not a token of {tokenizer_file}")
+        return token_id
+
+    eos = (dataset.metadata.get("eos_token") or {}).get("id")
+    if eos is None:
+        raise ConfigError(
+            "data.fim", f"{dataset.path}/metadata.json records no end-of-document token"
+        )
+    options = _native.FimOptions(
+        rate=config.rate,
+        spm_rate=config.spm_rate,
+        max_middle_len=config.max_middle_len,
+        split=config.split,
+        prefix=token("prefix_token"),
+        middle=token("middle_token"),
+        suffix=token("suffix_token"),
+        pad=token("pad_token"),
+        eos=eos,
+    )
+    return options, str(tokenizer_file) if config.split == "character" else None

@@ -1,0 +1,47 @@
+"""Checks and completions of a training config that need the file system, done before any
+work starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from fastllm.config import ConfigError, TrainerConfig
+
+
+def with_pretrained_architecture(raw: dict[str, Any]) -> dict[str, Any]:
+    """When a run starts from a checkpoint and sets no `model.base_model`, take the
+    checkpoint's architecture."""
+    pretrained = raw.get("pretrained")
+    model = raw.get("model") or {}
+    if not isinstance(pretrained, dict) or not isinstance(model, dict) or model.get("base_model"):
+        return raw
+    from fastllm.checkpoint.formats import open_model
+
+    source = open_model(pretrained.get("path", ""), pretrained.get("format", "fastllm"))
+    return {**raw, "model": {**model, "base_model": msgspec.to_builtins(source.config)}}
+
+
+def check_inputs(config: TrainerConfig) -> None:
+    """Everything the run will read exists, and it has somewhere to write."""
+    if config.run.experiment_dir is None:
+        raise ConfigError("run.experiment_dir", "is required to train")
+    if config.training.train_iters <= 0:
+        raise ConfigError("training.train_iters", "must be positive to train")
+    if not config.data.path:
+        raise ConfigError("data.path", "no training dataset given")
+    for key, paths in (
+        ("data.path", config.data.path),
+        ("data.validation_path", config.data.validation_path),
+    ):
+        for i, path in enumerate(paths):
+            if not Path(path).exists():
+                raise ConfigError(f"{key}[{i}]", f"{path}: no such dataset")
+    if config.training.validation.interval and not config.data.validation_path:
+        raise ConfigError(
+            "training.validation.interval", "is set but data.validation_path is empty"
+        )
+    batch = config.batch
+    assert batch.micro_batch_size is not None

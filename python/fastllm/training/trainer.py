@@ -1,0 +1,292 @@
+"""A training run: the model on flat buffers, AdamW, the loss scale and the data position.
+
+Custom loops use the parts (`data_loader`, `train_step` or `forward_backward` +
+`optimizer_step`, `save_checkpoint`, `load_checkpoint`); `fit` is what `fastllm train` runs."""
+
+from __future__ import annotations
+
+import math
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fastllm.config import ConfigError, TrainerConfig
+from fastllm.data import Batch, DataLoader, SampleStream
+from fastllm.engine.flat_model import FlatModel
+from fastllm.engine.optimizer import AdamW
+from fastllm.engine.precision import DTYPES, LossScaler
+from fastllm.engine.process_group import Distributed, setup_distributed
+from fastllm.engine.recompute import apply_recompute
+from fastllm.engine.schedule import learning_rate
+from fastllm.model import GPTModel, initialize
+from fastllm.training import state
+from fastllm.training.metrics import PEAK_FLOPS, MetricsLogger, flops_per_token
+
+
+class Trainer:
+    def __init__(self, config: TrainerConfig, distributed: Distributed | None = None) -> None:
+        self.config = config
+        self.distributed = distributed or setup_distributed()
+        device, dtype = self.distributed.device, DTYPES[config.model.distributed.training_dtype]
+        with torch.device("meta"):
+            self.model = GPTModel(config.model.base_model)
+        self.flat = FlatModel(
+            self.model,
+            compute_dtype=dtype,
+            device=device,
+            rank=self.distributed.rank,
+            world_size=self.distributed.world_size,
+        )
+        apply_recompute(self.model, config.model.multi_stage.recompute)
+        self.optimizer = AdamW(self.flat, config.optimizer)
+        self.scaler = LossScaler(dtype == torch.float16)
+        self.step = 0
+        """Optimizer steps completed (skipped ones included)."""
+        self.consumed_samples = 0
+        self.skipped_steps = 0
+        self._initialize_weights()
+
+    @property
+    def experiment_dir(self) -> Path:
+        if self.config.run.experiment_dir is None:
+            raise ConfigError("run.experiment_dir", "is required to train")
+        return Path(self.config.run.experiment_dir)
+
+    @torch.no_grad()
+    def _initialize_weights(self) -> None:
+        pretrained = self.config.pretrained
+        if pretrained is not None:
+            source = state.open_pretrained(pretrained.format, pretrained.path)
+            self.flat.load_full_parameters(source.tensors())
+            return
+        # Every rank draws the same full fp32 model from the seed and keeps its shard.
+        generator = torch.Generator(self.distributed.device).manual_seed(
+            self.config.model.distributed.seed
+        )
+        with torch.device(self.distributed.device):
+            full = GPTModel(self.config.model.base_model)
+        initialize(full, generator)
+        self.flat.load_full_parameters(full.named_parameters())
+
+    # --- data ---------------------------------------------------------------------------------
+
+    def sample_stream(self, paths: list[str], num_samples: int, key: str) -> SampleStream:
+        data = self.config.data
+        cache = data.cache_dir or str(self.experiment_dir / "cache" / "sampling")
+        return SampleStream(
+            paths,
+            data,
+            sequence_length=self.config.batch.sequence_length,
+            num_samples=num_samples,
+            seed=self.config.model.distributed.seed,
+            cache_dir=cache,
+            weights=data.weights if key == "data.path" else None,
+            key=key,
+        )
+
+    def data_loader(self) -> DataLoader:
+        """Training batches from the current data position to the end of training."""
+        batch = self.config.batch
+        stream = self.sample_stream(
+            self.config.data.path, self.config.training.train_iters * batch.batch_size, "data.path"
+        )
+        assert batch.micro_batch_size is not None
+        per_rank = batch.batch_size // self.distributed.world_size
+        return DataLoader(
+            stream,
+            batch_size=batch.batch_size,
+            micro_batch_size=min(batch.micro_batch_size, per_rank),
+            rank=self.distributed.rank,
+            world_size=self.distributed.world_size,
+            consumed_samples=self.consumed_samples,
+            prefetch=self.config.data.prefetch,
+        )
+
+    # --- steps --------------------------------------------------------------------------------
+
+    def forward_backward(self, batch: Batch, weight: float = 1.0) -> torch.Tensor:
+        """Loss of one micro-batch; its gradient, times `weight`, is added to the flat buffer."""
+        batch = batch.to(self.distributed.device)
+        loss = self.model.loss(batch.input_ids, batch.labels, document_ids=batch.document_ids)
+        (loss * (weight * self.scaler.scale)).backward()
+        return loss.detach()
+
+    def optimizer_step(self) -> dict[str, Any]:
+        """Clip, update (unless the gradient is not finite) and advance the schedule."""
+        lr = learning_rate(
+            self.config.optimizer.learning_rate, self.step, self.config.training.train_iters
+        )
+        report = self.optimizer.step(lr, self.scaler.scale)
+        self.scaler.update(report.skipped)
+        self.step += 1
+        self.skipped_steps += report.skipped
+        self.flat.zero_grad()
+        return {"lr": lr, "grad_norm": report.grad_norm, "skipped": report.skipped}
+
+    def train_step(self, micro_batches: list[Batch]) -> dict[str, Any]:
+        """One optimizer step over the micro-batches of this rank's share of a batch."""
+        losses = [self.forward_backward(batch, 1.0 / len(micro_batches)) for batch in micro_batches]
+        loss = torch.stack(losses).mean()
+        if self.distributed.world_size > 1:
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+        metrics = self.optimizer_step()
+        self.consumed_samples += self.config.batch.batch_size
+        return {"loss": loss.item(), **metrics}
+
+    @torch.no_grad()
+    def validation_loss(self) -> float | None:
+        """Mean loss over `training.validation.iterations` batches of the validation data."""
+        data, batch = self.config.data, self.config.batch
+        if not data.validation_path:
+            return None
+        iterations = self.config.training.validation.iterations
+        stream = self.sample_stream(
+            data.validation_path, iterations * batch.batch_size, "data.validation_path"
+        )
+        loader = DataLoader(
+            stream,
+            batch_size=batch.batch_size,
+            micro_batch_size=min(
+                batch.micro_batch_size or batch.batch_size,
+                batch.batch_size // self.distributed.world_size,
+            ),
+            rank=self.distributed.rank,
+            world_size=self.distributed.world_size,
+        )
+        self.model.eval()
+        try:
+            losses = [
+                self.model.loss(
+                    b.input_ids.to(self.distributed.device),
+                    b.labels.to(self.distributed.device),
+                    document_ids=b.document_ids.to(self.distributed.device),
+                )
+                for step in loader
+                for b in step
+            ]
+        finally:
+            self.model.train()
+        loss = torch.stack(losses).mean()
+        if self.distributed.world_size > 1:
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+        return loss.item()
+
+    # --- checkpoints --------------------------------------------------------------------------
+
+    def save_checkpoint(self, directory: Path | None = None) -> Path:
+        """Write a checkpoint of the whole training state (in the background); returns its
+        directory (default EXPERIMENT_DIR/checkpoint/STEP)."""
+        return state.save_checkpoint(self, directory)
+
+    def wait_for_checkpoints(self) -> None:
+        """Block until every checkpoint in flight is written and committed."""
+        state.wait_for_checkpoints()
+
+    def load_checkpoint(self, directory: Path) -> None:
+        state.load_checkpoint(self, directory)
+
+    def resume(self) -> Path | None:
+        """Load the newest complete checkpoint of the experiment, if there is one."""
+        return state.resume(self)
+
+    # --- the loop -----------------------------------------------------------------------------
+
+    def fit(self) -> None:
+        """Train to `training.train_iters`, resuming from the newest checkpoint, logging,
+        validating, checkpointing and exporting at their intervals. SIGINT/SIGTERM write a
+        checkpoint and stop cleanly."""
+        config, training = self.config, self.config.training
+        experiment = self.experiment_dir
+        experiment.mkdir(parents=True, exist_ok=True)
+        resumed = self.resume()
+        main = self.distributed.is_main
+        if main and resumed is not None:
+            print(f"fastllm: resumed from {resumed} (step {self.step})", flush=True)
+        logger = MetricsLogger(
+            experiment,
+            total_steps=training.train_iters,
+            start_step=self.step,
+            enabled=main,
+            tensorboard=training.logs.tensorboard,
+            wandb_project=training.logs.wandb_project,
+        )
+        stop = _StopSignal()
+        tokens_per_step = config.batch.batch_size * config.batch.sequence_length
+        flops = flops_per_token(config.model.base_model, config.batch.sequence_length)
+        peak = PEAK_FLOPS.get(self.distributed.device.type)
+        window: list[float] = []
+        window_start = time.perf_counter()
+        try:
+            for micro_batches in self.data_loader() if self.step < training.train_iters else []:
+                metrics = self.train_step(micro_batches)
+                window.append(metrics["loss"])
+                step, last = self.step, self.step >= training.train_iters
+                if step % training.logs.interval == 0 or last or stop.requested:
+                    if self.distributed.device.type == "cuda":
+                        torch.cuda.synchronize()
+                    elapsed = time.perf_counter() - window_start
+                    tokens_per_s = (
+                        len(window) * tokens_per_step / elapsed / self.distributed.world_size
+                    )
+                    record = {
+                        "loss": sum(window) / len(window),
+                        "lr": metrics["lr"],
+                        "grad_norm": metrics["grad_norm"]
+                        if math.isfinite(metrics["grad_norm"])
+                        else None,
+                        "tokens_per_s": tokens_per_s,
+                        "tflops": tokens_per_s * flops / 1e12,
+                        "mfu": tokens_per_s * flops / peak if peak else None,
+                        "memory_gib": _memory_gib(self.distributed.device),
+                        "skipped_steps": self.skipped_steps,
+                        "consumed_samples": self.consumed_samples,
+                    }
+                    if training.validation.interval and step % training.validation.interval == 0:
+                        record["validation_loss"] = self.validation_loss()
+                    logger.log(step, record)
+                    window, window_start = [], time.perf_counter()
+                elif training.validation.interval and step % training.validation.interval == 0:
+                    logger.log(step, {"validation_loss": self.validation_loss()})
+                if training.export.interval and step % training.export.interval == 0:
+                    state.export(self, experiment / "export" / str(step), training.export.format)
+                interval = training.checkpoint.interval
+                if last or stop.requested or (interval and step % interval == 0):
+                    self.save_checkpoint()
+                if last or stop.requested:
+                    break
+        finally:
+            state.wait_for_checkpoints()
+            logger.close()
+            stop.restore()
+        if stop.requested and main:
+            print(
+                f"fastllm: stopped by {stop.requested} at step {self.step}; checkpoint written",
+                flush=True,
+            )
+
+
+class _StopSignal:
+    """SIGINT/SIGTERM (preemption) request a checkpoint and a clean stop after the current step."""
+
+    def __init__(self) -> None:
+        self.requested: str | None = None
+        self._previous = {
+            sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)
+        }
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        self.requested = signal.Signals(signum).name
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _memory_gib(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(device) / 2**30

@@ -1,0 +1,178 @@
+use std::path::Path;
+use std::sync::Arc;
+
+use super::batch::{Batch, InputCounts, RawBatch, RawRecord};
+use super::expand::{expand, Input};
+use super::jsonl::JsonlReader;
+use super::parquet_column::ParquetReader;
+use super::record::Record;
+use super::spec::{InputFormat, InputSpec};
+use super::whole_file::read_whole_file;
+use crate::InputError;
+
+/// Reads the documents of an [`InputSpec`] in input order, a batch at a time.
+///
+/// Reading never fails: what cannot be read becomes a [`BadRecord`](super::BadRecord) in the
+/// batch.
+pub struct DocumentReader {
+    inputs: Vec<Input>,
+    field: Arc<str>,
+    /// The next file to open: (input, file of that input).
+    next_file: (usize, usize),
+    current: Option<OpenFile>,
+    /// Bytes of the files read to the end.
+    bytes_done: u64,
+    total_bytes: u64,
+}
+
+struct OpenFile {
+    input: usize,
+    size: u64,
+    reader: FileReader,
+}
+
+enum FileReader {
+    Jsonl(JsonlReader),
+    Parquet(Box<ParquetReader>),
+    /// A file read whole at open; its one record, until taken.
+    Whole(Option<Record>),
+}
+
+impl DocumentReader {
+    /// Expands the spec's paths into the files to read; nothing is read yet.
+    pub fn open(spec: &InputSpec) -> Result<Self, InputError> {
+        let inputs = expand(spec)?;
+        Ok(Self {
+            total_bytes: inputs.iter().map(|input| input.bytes).sum(),
+            inputs,
+            field: spec.field.as_str().into(),
+            next_file: (0, 0),
+            current: None,
+            bytes_done: 0,
+        })
+    }
+
+    /// The next documents, about `max_bytes` of them (a JSON line counts whole); `None` once
+    /// everything has been read.
+    pub fn next_batch(&mut self, max_bytes: usize) -> Option<Batch> {
+        let batch = self.next_raw_batch(max_bytes)?.parse();
+        self.count(&batch.counts);
+        Some(batch)
+    }
+
+    /// Bytes of the input files consumed so far, as stored on disk (compressed).
+    pub fn bytes_read(&self) -> u64 {
+        let current = match &self.current {
+            Some(OpenFile { reader, .. }) => match reader {
+                FileReader::Jsonl(reader) => reader.bytes_read(),
+                FileReader::Parquet(reader) => reader.bytes_read(),
+                FileReader::Whole(_) => 0,
+            },
+            None => 0,
+        };
+        self.bytes_done + current
+    }
+
+    /// Bytes of all input files, as stored on disk.
+    pub fn total_bytes(&self) -> u64 {
+        self.total_bytes
+    }
+
+    /// The inputs with the documents, bad records and skipped files read from each so far.
+    pub fn inputs(&self) -> &[Input] {
+        &self.inputs
+    }
+
+    pub fn into_inputs(self) -> Vec<Input> {
+        self.inputs
+    }
+
+    /// Like [`next_batch`](Self::next_batch), leaving the parsing to the caller, who hands the
+    /// counts of the parsed batch back to [`count`](Self::count).
+    pub(crate) fn next_raw_batch(&mut self, max_bytes: usize) -> Option<RawBatch> {
+        let mut batch = RawBatch::new(self.field.clone());
+        let mut bytes = 0;
+        while bytes < max_bytes {
+            if self.current.is_none() {
+                match self.open_next_file() {
+                    Some(file) => self.current = Some(file),
+                    None => break,
+                }
+            }
+            let current = self.current.as_mut().expect("opened above");
+            let record = match &mut current.reader {
+                FileReader::Jsonl(reader) => {
+                    reader.next_line(batch.lines()).map(|line| match line {
+                        Ok((line_number, range)) => {
+                            bytes += range.len();
+                            RawRecord::JsonLine {
+                                file: reader.file().clone(),
+                                line_number,
+                                range,
+                            }
+                        }
+                        Err(record) => RawRecord::Read(record),
+                    })
+                }
+                FileReader::Parquet(reader) => reader.next().map(RawRecord::Read),
+                FileReader::Whole(record) => record.take().map(RawRecord::Read),
+            };
+            match record {
+                Some(record) => {
+                    if let RawRecord::Read(Record::Document(document)) = &record {
+                        bytes += document.text.len();
+                    }
+                    batch.push(current.input, record);
+                }
+                None => {
+                    self.bytes_done += current.size;
+                    self.current = None;
+                }
+            }
+        }
+        (!batch.is_empty()).then_some(batch)
+    }
+
+    /// Adds what parsed batches held to [`inputs`](Self::inputs).
+    pub(crate) fn count(&mut self, counts: &[InputCounts]) {
+        for counts in counts {
+            counts.add_to(&mut self.inputs);
+        }
+    }
+
+    fn open_next_file(&mut self) -> Option<OpenFile> {
+        let (input_index, file_index) = &mut self.next_file;
+        while *input_index < self.inputs.len() {
+            let input = &self.inputs[*input_index];
+            if let Some((file, size)) = input.files.get(*file_index) {
+                *file_index += 1;
+                return Some(OpenFile {
+                    input: *input_index,
+                    size: *size,
+                    reader: open_file(file.clone(), input.format, &self.field),
+                });
+            }
+            *input_index += 1;
+            *file_index = 0;
+        }
+        None
+    }
+}
+
+fn open_file(file: Arc<Path>, format: InputFormat, field: &str) -> FileReader {
+    let cannot_open =
+        |file: &Arc<Path>, reason: String| FileReader::Whole(Some(Record::bad(file, 0, reason)));
+    match format {
+        InputFormat::Jsonl => match JsonlReader::open(file.clone()) {
+            Ok(reader) => FileReader::Jsonl(reader),
+            Err(error) => cannot_open(&file, format!("cannot read: {error}")),
+        },
+        InputFormat::Parquet => match ParquetReader::open(file.clone(), field) {
+            Ok(reader) => FileReader::Parquet(Box::new(reader)),
+            Err(reason) => cannot_open(&file, reason),
+        },
+        InputFormat::Text | InputFormat::Files | InputFormat::Auto => {
+            FileReader::Whole(Some(read_whole_file(file, format)))
+        }
+    }
+}

@@ -1,0 +1,46 @@
+use serde::Serialize;
+
+/// What to read: paths, how to read them, and where the text is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct InputSpec {
+    /// Files, directories or glob patterns, read in this order; glob matches and directory
+    /// walks in sorted order. A directory stands for every file under it, hidden ones
+    /// excepted, each read in `format` (`Auto`: `Files`).
+    pub paths: Vec<String>,
+    pub format: InputFormat,
+    /// The field holding the text in JSON records and the column holding it in Parquet files
+    /// (a nested column by its dotted path).
+    pub field: String,
+    /// Keeps only files with these extensions (`py` or `.py`) when walking a directory; files
+    /// named explicitly are always read.
+    pub extensions: Option<Vec<String>>,
+}
+
+impl Default for InputSpec {
+    fn default() -> Self {
+        Self {
+            paths: Vec::new(),
+            format: InputFormat::Auto,
+            field: "text".to_owned(),
+            extensions: None,
+        }
+    }
+}
+
+/// How files are turned into documents.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum InputFormat {
+    /// By file name: `.jsonl`, `.json`, `.ndjson` (also `.gz`, `.zst`) are JSON lines,
+    /// `.parquet` is Parquet, `.txt` is text; a directory is a source tree (`Files`).
+    Auto,
+    /// One JSON object per line; compressed when the name ends in `.gz` or `.zst`.
+    Jsonl,
+    /// One document per row, from a string column.
+    Parquet,
+    /// One document per file; a file that is not UTF-8 is a bad record.
+    Text,
+    /// One document per file of a source tree; files that are not UTF-8 or hold a NUL byte
+    /// (binaries) are skipped and counted.
+    Files,
+}

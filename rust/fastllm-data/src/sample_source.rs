@@ -1,0 +1,275 @@
+//! Training batches from one or more datasets: sampling, blending and FIM put together.
+//!
+//! The stream of samples is a pure function of the datasets and the configuration. Blended
+//! sample `i` is sample `j` of dataset `d`, as the [`BlendingIndex`] says (with one dataset,
+//! `d = 0` and `j = i`); sample `j` of a dataset is the pieces its [`SamplingIndex`] lists; FIM
+//! then transforms it with randomness drawn from `(seed, i)`. Any sample can thus be computed
+//! alone, on any thread, in any batch: resuming after `n` consumed samples is simply filling
+//! from sample `n`.
+
+use std::num::NonZeroUsize;
+use std::path::PathBuf;
+use std::thread;
+
+use crate::fim::{Fim, FimSplit};
+use crate::{
+    BlendingIndex, DataError, IndexedDataset, SamplingConfig, SamplingIndex, SamplingMode,
+};
+
+/// Below this many tokens per thread, copying is cheaper than starting a thread.
+const MIN_TOKENS_PER_THREAD: usize = 1 << 17;
+
+/// How a [`SampleSource`] draws its samples.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SampleSourceConfig {
+    /// Tokens the model reads per sample; samples hold one more (see [`SamplingConfig`]).
+    pub sequence_length: u32,
+    /// Samples in the blended stream.
+    pub num_samples: usize,
+    /// Seeds every dataset's sampling index and the FIM transforms.
+    pub seed: u64,
+    pub mode: SamplingMode,
+    /// One blending weight per dataset; `None` weighs each dataset by its token count. Ignored
+    /// for a single dataset.
+    pub weights: Option<Vec<f64>>,
+    /// Where sampling indices are cached (see [`SamplingIndex::load_or_build`]).
+    pub cache_dir: PathBuf,
+    /// Most threads one [`SampleSource::fill`] uses; 0 for one per available core.
+    pub threads: usize,
+}
+
+/// Samples of one or more datasets, written into caller-provided batch buffers.
+pub struct SampleSource {
+    datasets: Vec<IndexedDataset>,
+    indices: Vec<SamplingIndex>,
+    /// `None` for a single dataset, whose samples are the stream's.
+    blending: Option<BlendingIndex>,
+    fim: Option<Fim>,
+    seed: u64,
+    num_samples: usize,
+    sample_length: usize,
+    padding_token: i64,
+    threads: usize,
+}
+
+impl SampleSource {
+    /// Blends `datasets` (building or reusing their sampling indices in `config.cache_dir`) and
+    /// applies `fim`, if any, to every sample.
+    pub fn new(
+        datasets: Vec<IndexedDataset>,
+        config: SampleSourceConfig,
+        fim: Option<Fim>,
+    ) -> Result<Self, DataError> {
+        if datasets.is_empty() {
+            return Err(DataError::NoDatasets);
+        }
+        if let Some(weights) = &config.weights {
+            if weights.len() != datasets.len() {
+                return Err(DataError::WeightCountMismatch {
+                    weights: weights.len(),
+                    datasets: datasets.len(),
+                });
+            }
+        }
+        let blending = if datasets.len() > 1 {
+            let weights = config
+                .weights
+                .clone()
+                .unwrap_or_else(|| datasets.iter().map(|d| d.num_tokens() as f64).collect());
+            Some(BlendingIndex::build(&weights, config.num_samples)?)
+        } else {
+            None
+        };
+        let samples_per_dataset = match &blending {
+            Some(blending) => blending
+                .samples_per_dataset()
+                .iter()
+                .map(|&n| n as usize)
+                .collect(),
+            None => vec![config.num_samples],
+        };
+        let indices = datasets
+            .iter()
+            .zip(samples_per_dataset)
+            .map(|(dataset, num_samples)| {
+                let sampling = SamplingConfig {
+                    sequence_length: config.sequence_length,
+                    num_samples,
+                    seed: config.seed,
+                    mode: config.mode,
+                };
+                SamplingIndex::load_or_build(
+                    &config.cache_dir,
+                    dataset.document_lengths(),
+                    sampling,
+                )
+                .map(|(index, _)| index)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let threads = match config.threads {
+            0 => thread::available_parallelism().map_or(1, NonZeroUsize::get),
+            threads => threads,
+        };
+        Ok(Self {
+            datasets,
+            indices,
+            blending,
+            padding_token: fim.as_ref().map_or(0, |fim| fim.config().pad.into()),
+            fim,
+            seed: config.seed,
+            num_samples: config.num_samples,
+            sample_length: config.sequence_length as usize + 1,
+            threads,
+        })
+    }
+
+    /// Tokens per sample: `sequence_length + 1`.
+    pub fn sample_length(&self) -> usize {
+        self.sample_length
+    }
+
+    /// Samples in the stream.
+    pub fn len(&self) -> usize {
+        self.num_samples
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.num_samples == 0
+    }
+
+    /// Writes samples `first_sample, first_sample + 1, …` into the buffers, one sample per
+    /// `sample_length` positions, as many as the buffers hold:
+    ///
+    /// - `tokens`: the sample's tokens;
+    /// - `document_ids`: for each position, which document piece of its sample it comes from,
+    ///   counted 0, 1, 2, … from the sample's start, so attention can stay inside documents;
+    ///   padding counts as one more document after the last;
+    /// - `loss_mask`: 0 on padding (a short truncated document, or a sample FIM shortened),
+    ///   1 elsewhere. Padding tokens are FIM's pad token, or 0 without FIM.
+    ///
+    /// The buffers must have equal lengths, a multiple of the sample length, and every sample
+    /// must exist: the stream does not wrap around.
+    pub fn fill(
+        &self,
+        first_sample: u64,
+        tokens: &mut [i64],
+        document_ids: &mut [i32],
+        loss_mask: &mut [u8],
+    ) -> Result<(), DataError> {
+        let length = self.sample_length;
+        if tokens.len() % length != 0
+            || document_ids.len() != tokens.len()
+            || loss_mask.len() != tokens.len()
+        {
+            return Err(DataError::BadBatchBuffers {
+                sample_length: length,
+                tokens: tokens.len(),
+                document_ids: document_ids.len(),
+                loss_mask: loss_mask.len(),
+            });
+        }
+        let count = tokens.len() / length;
+        if count == 0 {
+            return Ok(());
+        }
+        let first = usize::try_from(first_sample).unwrap_or(usize::MAX);
+        if first.checked_add(count).is_none_or(|end| end > self.len()) {
+            return Err(DataError::SampleOutOfRange {
+                sample: first.max(self.len()),
+                samples: self.len(),
+            });
+        }
+
+        let threads = self.threads_for(count);
+        if threads == 1 {
+            return self.fill_samples(first, tokens, document_ids, loss_mask);
+        }
+        let per_thread = count.div_ceil(threads) * length;
+        thread::scope(|scope| {
+            let workers: Vec<_> = tokens
+                .chunks_mut(per_thread)
+                .zip(document_ids.chunks_mut(per_thread))
+                .zip(loss_mask.chunks_mut(per_thread))
+                .enumerate()
+                .map(|(k, ((tokens, document_ids), loss_mask))| {
+                    let first = first + k * (per_thread / length);
+                    scope.spawn(move || self.fill_samples(first, tokens, document_ids, loss_mask))
+                })
+                .collect();
+            workers.into_iter().try_for_each(|worker| {
+                worker
+                    .join()
+                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+            })
+        })
+    }
+
+    /// Threads worth starting for `count` samples: character FIM (decoding and re-encoding
+    /// text) is slow enough to spread sample by sample; plain copies only in large batches.
+    fn threads_for(&self, count: usize) -> usize {
+        let character_fim = self
+            .fim
+            .as_ref()
+            .is_some_and(|fim| fim.config().split == FimSplit::Character);
+        let min_samples = if character_fim {
+            1
+        } else {
+            (MIN_TOKENS_PER_THREAD / self.sample_length).max(1)
+        };
+        self.threads.min(count.div_ceil(min_samples)).max(1)
+    }
+
+    fn fill_samples(
+        &self,
+        first: usize,
+        tokens: &mut [i64],
+        document_ids: &mut [i32],
+        loss_mask: &mut [u8],
+    ) -> Result<(), DataError> {
+        let length = self.sample_length;
+        let samples = tokens
+            .chunks_exact_mut(length)
+            .zip(document_ids.chunks_exact_mut(length))
+            .zip(loss_mask.chunks_exact_mut(length));
+        for (k, ((tokens, document_ids), loss_mask)) in samples.enumerate() {
+            self.fill_sample(first + k, tokens, document_ids, loss_mask)?;
+        }
+        Ok(())
+    }
+
+    fn fill_sample(
+        &self,
+        sample: usize,
+        tokens: &mut [i64],
+        document_ids: &mut [i32],
+        loss_mask: &mut [u8],
+    ) -> Result<(), DataError> {
+        let (dataset, dataset_sample) = match &self.blending {
+            Some(blending) => (
+                blending.dataset_indices()[sample] as usize,
+                blending.sample_indices()[sample] as usize,
+            ),
+            None => (0, sample),
+        };
+        let mut end = 0;
+        // A sample has at most `sample_length` pieces, so their ids fit i32 in any real batch.
+        for (id, piece) in self.indices[dataset].pieces(dataset_sample)?.enumerate() {
+            let range = end..end + piece.length as usize;
+            self.datasets[dataset]
+                .tokens(piece.document as usize, piece.offset as usize, range.len())?
+                .copy_to(&mut tokens[range.clone()]);
+            document_ids[range.clone()].fill(id as i32);
+            end = range.end;
+        }
+        let real = match &self.fim {
+            Some(fim) => fim.apply(self.seed, sample as u64, tokens, document_ids, end)?,
+            None => end,
+        };
+        let padding_id = real.checked_sub(1).map_or(0, |last| document_ids[last] + 1);
+        tokens[real..].fill(self.padding_token);
+        document_ids[real..].fill(padding_id);
+        loss_mask[..real].fill(1);
+        loss_mask[real..].fill(0);
+        Ok(())
+    }
+}

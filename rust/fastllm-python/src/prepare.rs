@@ -1,0 +1,190 @@
+//! `fastllm prepare` and the document reader, for Python: the work runs on Rust threads while
+//! Python polls the progress (for its progress bar) and can cancel.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use fastllm_data::{
+    prepare, DocumentReader as Reader, InputFormat, InputSpec, PrepareError, PrepareOptions,
+    PrepareReport, Progress,
+};
+use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+fn input_spec(
+    paths: Vec<String>,
+    format: &str,
+    field: String,
+    extensions: Option<Vec<String>>,
+) -> PyResult<InputSpec> {
+    let format = match format {
+        "auto" => InputFormat::Auto,
+        "jsonl" => InputFormat::Jsonl,
+        "parquet" => InputFormat::Parquet,
+        "text" => InputFormat::Text,
+        "files" => InputFormat::Files,
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "unknown input format {other:?}"
+            )))
+        }
+    };
+    Ok(InputSpec {
+        paths,
+        format,
+        field,
+        extensions,
+    })
+}
+
+fn prepare_error(error: PrepareError) -> PyErr {
+    match error {
+        PrepareError::Io { .. } => PyOSError::new_err(error.to_string()),
+        _ => PyValueError::new_err(error.to_string()),
+    }
+}
+
+type Outcome = Result<PrepareReport, PrepareError>;
+
+/// A `prepare` running on a background thread.
+#[pyclass(frozen, module = "fastllm._native")]
+pub struct PrepareJob {
+    progress: Arc<Progress>,
+    thread: Mutex<Option<JoinHandle<Outcome>>>,
+}
+
+#[pyfunction]
+#[pyo3(signature = (*, paths, format, field, extensions, tokenizer, eos_token, bos_token, add_eos, add_bos, output, shard_size_tokens, workers, strict, overwrite))]
+#[allow(clippy::too_many_arguments)]
+pub fn start_prepare(
+    paths: Vec<String>,
+    format: &str,
+    field: String,
+    extensions: Option<Vec<String>>,
+    tokenizer: PathBuf,
+    eos_token: Option<String>,
+    bos_token: Option<String>,
+    add_eos: bool,
+    add_bos: bool,
+    output: PathBuf,
+    shard_size_tokens: u64,
+    workers: usize,
+    strict: bool,
+    overwrite: bool,
+) -> PyResult<PrepareJob> {
+    let options = PrepareOptions {
+        input: input_spec(paths, format, field, extensions)?,
+        tokenizer,
+        eos_token,
+        bos_token,
+        add_eos,
+        add_bos,
+        output,
+        shard_size_tokens,
+        workers,
+        strict,
+        overwrite,
+    };
+    let progress = Arc::new(Progress::new());
+    let shared = Arc::clone(&progress);
+    let thread = std::thread::spawn(move || prepare(&options, &shared));
+    Ok(PrepareJob {
+        progress,
+        thread: Mutex::new(Some(thread)),
+    })
+}
+
+#[pymethods]
+impl PrepareJob {
+    /// Counters so far: documents, tokens, bytes_read, total_bytes, bad_records.
+    fn progress<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let counters = PyDict::new(py);
+        counters.set_item("documents", self.progress.documents())?;
+        counters.set_item("tokens", self.progress.tokens())?;
+        counters.set_item("bytes_read", self.progress.bytes_read())?;
+        counters.set_item("total_bytes", self.progress.total_bytes())?;
+        counters.set_item("bad_records", self.progress.bad_records())?;
+        Ok(counters)
+    }
+
+    /// Ask the job to stop; it then fails, leaving no output behind.
+    fn cancel(&self) {
+        self.progress.cancel();
+    }
+
+    /// The report as JSON once the job has finished, or None if it is still running after
+    /// `timeout` seconds. Raises the job's error.
+    fn wait(&self, py: Python<'_>, timeout: f64) -> PyResult<Option<String>> {
+        let deadline = Instant::now() + Duration::from_secs_f64(timeout.max(0.0));
+        let finished = py.detach(|| loop {
+            let done = self
+                .thread
+                .lock()
+                .expect("not poisoned")
+                .as_ref()
+                .is_none_or(|t| t.is_finished());
+            if done || Instant::now() >= deadline {
+                return done;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        });
+        if !finished {
+            return Ok(None);
+        }
+        let thread = self.thread.lock().expect("not poisoned").take();
+        let Some(thread) = thread else {
+            return Err(PyRuntimeError::new_err(
+                "the prepare job was already waited for",
+            ));
+        };
+        let report = thread
+            .join()
+            .map_err(|_| PyRuntimeError::new_err("the prepare thread panicked"))?;
+        let report = report.map_err(prepare_error)?;
+        serde_json::to_string(&report)
+            .map(Some)
+            .map_err(|e| PyRuntimeError::new_err(e.to_string()))
+    }
+}
+
+/// Documents of the same inputs `prepare` reads, in order, batch by batch (for training a
+/// tokenizer on them).
+#[pyclass(frozen, module = "fastllm._native")]
+pub struct DocumentReader {
+    inner: Mutex<Reader>,
+}
+
+#[pymethods]
+impl DocumentReader {
+    #[new]
+    #[pyo3(signature = (*, paths, format, field, extensions))]
+    fn new(
+        paths: Vec<String>,
+        format: &str,
+        field: String,
+        extensions: Option<Vec<String>>,
+    ) -> PyResult<Self> {
+        let spec = input_spec(paths, format, field, extensions)?;
+        let inner = Reader::open(&spec).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        Ok(Self {
+            inner: Mutex::new(inner),
+        })
+    }
+
+    /// The next documents (about `max_bytes` of text) and the bad records met on the way
+    /// ("file:line: reason"), or None at the end.
+    fn next_batch(&self, py: Python<'_>, max_bytes: usize) -> Option<(Vec<String>, Vec<String>)> {
+        let batch = py.detach(|| {
+            self.inner
+                .lock()
+                .expect("not poisoned")
+                .next_batch(max_bytes)
+        })?;
+        let documents = batch.documents.into_iter().map(|d| d.text).collect();
+        let bad = batch.bad_records.iter().map(ToString::to_string).collect();
+        Some((documents, bad))
+    }
+}

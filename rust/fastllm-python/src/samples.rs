@@ -1,0 +1,153 @@
+//! `fastllm._native.SampleSource`: training samples from prepared datasets (sampling index,
+//! blending, FIM), written straight into numpy buffers that Python owns.
+
+use std::path::PathBuf;
+
+use fastllm_data::{
+    Fim, FimConfig, FimSplit, IndexedDataset, SampleSource as Source, SampleSourceConfig,
+    SamplingMode,
+};
+use numpy::{PyArray1, PyArrayMethods};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+use crate::errors::data_error;
+
+/// Fill-in-the-middle settings with the special tokens already resolved to ids.
+#[pyclass(frozen, module = "fastllm._native", from_py_object)]
+#[derive(Clone)]
+pub struct FimOptions {
+    config: FimConfig,
+}
+
+#[pymethods]
+impl FimOptions {
+    #[new]
+    #[pyo3(signature = (*, rate, spm_rate, max_middle_len, split, prefix, middle, suffix, pad, eos))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        rate: f64,
+        spm_rate: f64,
+        max_middle_len: Option<usize>,
+        split: &str,
+        prefix: u32,
+        middle: u32,
+        suffix: u32,
+        pad: u32,
+        eos: u32,
+    ) -> PyResult<Self> {
+        let split = match split {
+            "token" => FimSplit::Token,
+            "character" => FimSplit::Character,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "unknown FIM split {other:?}"
+                )))
+            }
+        };
+        let config = FimConfig {
+            rate,
+            spm_rate,
+            max_middle_len,
+            split,
+            prefix,
+            middle,
+            suffix,
+            pad,
+            eos,
+        };
+        Ok(Self { config })
+    }
+}
+
+#[pyclass(frozen, module = "fastllm._native")]
+pub struct SampleSource {
+    inner: Source,
+}
+
+#[pymethods]
+impl SampleSource {
+    /// `prefixes`: the `.bin`/`.idx` prefixes of every dataset (shard) to draw from.
+    #[new]
+    #[pyo3(signature = (prefixes, *, sequence_length, num_samples, seed, truncate, weights, cache_dir, threads=0, fim=None, tokenizer=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        prefixes: Vec<PathBuf>,
+        sequence_length: u32,
+        num_samples: usize,
+        seed: u64,
+        truncate: bool,
+        weights: Option<Vec<f64>>,
+        cache_dir: PathBuf,
+        threads: usize,
+        fim: Option<FimOptions>,
+        tokenizer: Option<PathBuf>,
+    ) -> PyResult<Self> {
+        let mode = if truncate {
+            SamplingMode::Truncated
+        } else {
+            SamplingMode::Packed
+        };
+        let config = SampleSourceConfig {
+            sequence_length,
+            num_samples,
+            seed,
+            mode,
+            weights,
+            cache_dir,
+            threads,
+        };
+        let inner = py.detach(|| -> Result<Source, PyErr> {
+            let datasets = prefixes
+                .iter()
+                .map(IndexedDataset::open)
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(data_error)?;
+            let fim = fim
+                .map(|options| {
+                    let codec =
+                        crate::tokenizer::codec(options.config.split, tokenizer.as_deref())?;
+                    Fim::new(options.config, codec).map_err(data_error)
+                })
+                .transpose()?;
+            Source::new(datasets, config, fim).map_err(data_error)
+        })?;
+        Ok(Self { inner })
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.len()
+    }
+
+    /// Tokens per sample: the sequence length plus one (inputs and shifted labels).
+    #[getter]
+    fn sample_length(&self) -> usize {
+        self.inner.sample_length()
+    }
+
+    /// Write samples `first_sample, first_sample + 1, …` into flat contiguous buffers of
+    /// `count * sample_length` elements each.
+    fn fill(
+        &self,
+        py: Python<'_>,
+        first_sample: u64,
+        tokens: &Bound<'_, PyArray1<i64>>,
+        document_ids: &Bound<'_, PyArray1<i32>>,
+        loss_mask: &Bound<'_, PyArray1<u8>>,
+    ) -> PyResult<()> {
+        let mut tokens = tokens.try_readwrite()?;
+        let mut document_ids = document_ids.try_readwrite()?;
+        let mut loss_mask = loss_mask.try_readwrite()?;
+        let (tokens, document_ids, loss_mask) = (
+            tokens.as_slice_mut()?,
+            document_ids.as_slice_mut()?,
+            loss_mask.as_slice_mut()?,
+        );
+        py.detach(|| {
+            self.inner
+                .fill(first_sample, tokens, document_ids, loss_mask)
+        })
+        .map_err(data_error)
+    }
+}

@@ -1,0 +1,45 @@
+//! The tokenizer as the text codec of character-level FIM.
+
+use std::path::Path;
+
+use fastllm_data::{FimSplit, TextCodec, Tokenizer};
+use pyo3::exceptions::PyValueError;
+use pyo3::PyResult;
+
+struct TokenizerCodec(Tokenizer);
+
+impl TextCodec for TokenizerCodec {
+    // The tokens come from a dataset made with this tokenizer, and its output re-encodes: a
+    // failure means the dataset and the tokenizer do not belong together.
+    fn decode(&self, tokens: &[u32]) -> String {
+        self.0
+            .decode(tokens)
+            .expect("dataset tokens must decode with the dataset's tokenizer")
+    }
+
+    fn encode(&self, text: &str) -> Vec<u32> {
+        let mut ids = Vec::new();
+        self.0
+            .encode(text, &mut ids)
+            .expect("decoded text must encode again");
+        ids
+    }
+}
+
+/// The codec character-level FIM needs (none for token-level FIM).
+pub fn codec(
+    split: FimSplit,
+    tokenizer: Option<&Path>,
+) -> PyResult<Option<Box<dyn TextCodec + Send + Sync>>> {
+    match (split, tokenizer) {
+        (FimSplit::Token, _) => Ok(None),
+        (FimSplit::Character, None) => Err(PyValueError::new_err(
+            "character-level FIM needs the dataset's tokenizer",
+        )),
+        (FimSplit::Character, Some(path)) => {
+            let tokenizer =
+                Tokenizer::load(path).map_err(|e| PyValueError::new_err(e.to_string()))?;
+            Ok(Some(Box::new(TokenizerCodec(tokenizer))))
+        }
+    }
+}

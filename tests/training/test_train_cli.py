@@ -1,0 +1,157 @@
+"""`fastllm train` through the command line on real data: resume, preemption, exports."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+import fastllm
+from tests.conftest import ROOT
+from tests.test_cli import fastllm as run_cli
+from tests.training.conftest import train_arguments
+
+
+def losses(experiment: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (experiment / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def test_resume_reproduces_the_uninterrupted_losses_bit_for_bit(
+    dataset: Path, tmp_path: Path
+) -> None:
+    straight = tmp_path / "straight"
+    result = run_cli(*train_arguments(dataset, straight, "training.train_iters=8"))
+    assert result.returncode == 0, result.stderr
+    interrupted = tmp_path / "interrupted"
+    result = run_cli(*train_arguments(dataset, interrupted, "training.train_iters=4"))
+    assert result.returncode == 0, result.stderr
+    assert (interrupted / "checkpoint" / "4" / "manifest.json").is_file()
+    result = run_cli(*train_arguments(dataset, interrupted, "training.train_iters=8"))
+    assert result.returncode == 0, result.stderr
+    assert "resumed from" in result.stdout
+    expected = losses(straight)
+    assert sorted(expected) == list(range(1, 9))
+    assert losses(interrupted) == expected
+    assert expected[8] < expected[1], "the loss falls"
+
+
+def test_sigterm_writes_a_checkpoint_and_exits_cleanly(dataset: Path, tmp_path: Path) -> None:
+    experiment = tmp_path / "run"
+    command = [
+        sys.executable,
+        "-m",
+        "fastllm.cli",
+        *train_arguments(dataset, experiment, "training.train_iters=100000"),
+    ]
+    process = subprocess.Popen(
+        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 120
+    while not (experiment / "metrics.jsonl").is_file() or not losses(experiment):
+        assert process.poll() is None, process.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 0, err
+    assert "stopped by SIGTERM" in out
+    (checkpoint,) = (experiment / "checkpoint").iterdir()
+    assert (checkpoint / "manifest.json").is_file()
+    assert int(checkpoint.name) == max(losses(experiment))
+
+
+def test_a_corrupt_newest_checkpoint_is_skipped_with_a_warning(
+    dataset: Path, tmp_path: Path
+) -> None:
+    experiment = tmp_path / "run"
+    args = train_arguments(
+        dataset, experiment, "training.train_iters=4", "training.checkpoint.interval=2"
+    )
+    assert run_cli(*args).returncode == 0
+    newest = experiment / "checkpoint" / "4"
+    data = next(newest.glob("rank_*.safetensors"))
+    raw = bytearray(data.read_bytes())
+    raw[-5] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    (experiment / "checkpoint" / ".6.partial").mkdir()  # a writer killed mid-checkpoint
+    result = run_cli(
+        *train_arguments(
+            dataset, experiment, "training.train_iters=5", "training.checkpoint.interval=2"
+        )
+    )
+    assert result.returncode == 0, result.stderr
+    assert "checkpoint/2 (step 2)" in result.stdout
+    assert str(data.name) in result.stderr, "the warning names the bad file"
+
+
+def test_export_converts_to_hugging_face_and_matches_load_model(
+    dataset: Path, tmp_path: Path
+) -> None:
+    experiment = tmp_path / "run"
+    result = run_cli(
+        *train_arguments(
+            dataset,
+            experiment,
+            "training.train_iters=3",
+            "training.export.interval=3",
+            "training.export.format=distributed",
+        )
+    )
+    assert result.returncode == 0, result.stderr
+    export = experiment / "export" / "3"
+    assert (export / "manifest.json").is_file()
+    hf = tmp_path / "hf"
+    result = run_cli(
+        "convert",
+        "gpt",
+        "input.format=distributed",
+        f"input.path={export}",
+        "output.type=starcoder2",
+        f"output.path={hf}",
+    )
+    assert result.returncode == 0, result.stderr
+    ours = fastllm.load_model(export)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(hf).eval()
+    ids = torch.randint(0, 512, (2, 17))
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(ids).logits, ours(ids), rtol=1e-5, atol=1e-5)
+
+
+def test_bad_config_is_rejected_before_any_work(dataset: Path, tmp_path: Path) -> None:
+    experiment = tmp_path / "run"
+    result = run_cli(*train_arguments(tmp_path / "missing", experiment, "training.train_iters=2"))
+    assert result.returncode == 2
+    assert "data.path[0]" in result.stderr and "no such dataset" in result.stderr
+    assert not experiment.exists()
+    result = run_cli(*train_arguments(dataset, experiment, "optimizer.learning_rate.base=-1"))
+    assert result.returncode == 2
+    assert "optimizer.learning_rate.base: must be non-negative" in result.stderr
+    assert not experiment.exists()
+
+
+def test_custom_loop_example_runs(dataset: Path, tmp_path: Path) -> None:
+    env = {
+        **os.environ,
+        "FASTLLM_EXAMPLE_DATA": str(dataset),
+        "FASTLLM_EXAMPLE_DIR": str(tmp_path / "custom"),
+    }
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "custom_loop.py")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "loss" in result.stdout
+    assert (tmp_path / "custom" / "checkpoint" / "3" / "manifest.json").is_file()
+    shutil.rmtree(tmp_path / "custom")
