@@ -145,6 +145,9 @@ def write_model(
         (output / "metadata.json").write_text(json.dumps(metadata, indent=2) + "\n")
     elif output_format in ARCHITECTURES:
         hf_config = to_hf_config(source.config, output_format, source.hf_config)
+        for key, value in special_token_ids(source.directory).items():
+            if hf_config.get(key) is None or key not in (source.hf_config or {}):
+                hf_config[key] = value
         writer = ShardedWriter(output, shard_bytes)
         by_name = {rule.ours: rule for rule in rules(source.config, output_format)}
         for name, tensor in source.tensors():
@@ -155,6 +158,31 @@ def write_model(
         (output / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
     else:
         raise ConfigError("output.format", f"unknown format {output_format!r}")
+    copy_tokenizer_files(source.directory, output)
+
+
+def special_token_ids(directory: Path) -> dict[str, int | None]:
+    """bos/eos ids for a Hugging Face config.json, from the tokenizer files in `directory`
+    (None where unknown, so that transformers' defaults of another vocabulary never apply)."""
+    ids: dict[str, int | None] = {"bos_token_id": None, "eos_token_id": None}
+    settings, vocabulary = directory / "tokenizer_config.json", directory / "tokenizer.json"
+    if not (settings.is_file() and vocabulary.is_file()):
+        return ids
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(vocabulary))
+    config = json.loads(settings.read_text())
+    for name in ("bos", "eos"):
+        token = config.get(f"{name}_token")
+        if isinstance(token, dict):
+            token = token.get("content")
+        if isinstance(token, str):
+            ids[f"{name}_token_id"] = tokenizer.token_to_id(token)
+    return ids
+
+
+def copy_tokenizer_files(source: Path, destination: Path) -> None:
+    """Tokenizer files travel with the weights, so the result is usable on its own."""
     for name in TOKENIZER_FILES:
-        if (source.directory / name).is_file():
-            shutil.copy2(source.directory / name, output / name)
+        if (source / name).is_file():
+            shutil.copy2(source / name, destination / name)

@@ -22,7 +22,7 @@ from safetensors import safe_open
 
 from fastllm import _native
 from fastllm.checkpoint.distributed import MANIFEST, SavedLayout, ShardFiles, rank_file, stage_key
-from fastllm.checkpoint.formats import ModelSource, open_model, write_model
+from fastllm.checkpoint.formats import ModelSource, copy_tokenizer_files, open_model, write_model
 from fastllm.config import ConfigError
 from fastllm.engine.flat_model import ALIGNMENT
 
@@ -219,6 +219,8 @@ def export(trainer: Trainer, directory: Path, output_format: str) -> None:
             shutil.rmtree(partial, ignore_errors=True)
         trainer.distributed.barrier()
         job, buffers = _submit(trainer, partial, ("master",), {})
+        if trainer.distributed.is_main:
+            copy_tokenizer_files(Path(trainer.config.data.path[0]), partial)
         manifest = {
             "format": "distributed",
             "kind": "export",
@@ -237,6 +239,7 @@ def export(trainer: Trainer, directory: Path, output_format: str) -> None:
         partial = directory.with_name(f".{directory.name}.partial")
         shutil.rmtree(partial, ignore_errors=True)
         write_model(source, partial, output_format)
+        copy_tokenizer_files(Path(trainer.config.data.path[0]), partial)
         partial.rename(directory)
     trainer.distributed.barrier()
 

@@ -105,7 +105,12 @@ fn every_format_is_tokenized_in_input_order_like_the_tokenizers_crate_plus_eos()
         assert_eq!(report.skipped_files, 1);
         assert_eq!(
             entries(&output),
-            ["metadata.json", "shard_00000.bin", "shard_00000.idx"]
+            [
+                "metadata.json",
+                "shard_00000.bin",
+                "shard_00000.idx",
+                "tokenizer.json"
+            ]
         );
         let metadata = read_metadata(&output);
         assert_eq!(metadata, serde_json::to_value(&report).unwrap());
@@ -458,7 +463,12 @@ fn input_without_documents_gives_an_empty_dataset() {
     assert_eq!((report.documents, report.bad_records), (0, 1));
     assert_eq!(
         entries(&output),
-        ["metadata.json", "shard_00000.bin", "shard_00000.idx"]
+        [
+            "metadata.json",
+            "shard_00000.bin",
+            "shard_00000.idx",
+            "tokenizer.json"
+        ]
     );
     assert!(read_documents(&output).is_empty());
 }

@@ -11,7 +11,7 @@ mod pipeline;
 mod progress;
 mod writer;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 pub use metadata::{PrepareReport, ShardReport, TokenizerReport};
 pub use progress::Progress;
@@ -115,11 +115,28 @@ pub fn prepare(
         shards,
     };
     write_metadata(partial.path(), &report)?;
+    copy_tokenizer_files(&tokenizer, partial.path())?;
     if progress.is_cancelled() {
         return Err(PrepareError::Cancelled);
     }
     partial.commit(options.overwrite)?;
     Ok(report)
+}
+
+/// The dataset keeps its tokenizer (`tokenizer.json` and, when present, the
+/// `tokenizer_config.json` beside it), so that training, FIM and exported models find it.
+fn copy_tokenizer_files(tokenizer: &Tokenizer, dataset: &Path) -> Result<(), PrepareError> {
+    let json = tokenizer.json_path();
+    let settings = json.with_file_name("tokenizer_config.json");
+    for (source, name) in [
+        (json, "tokenizer.json"),
+        (settings.as_path(), "tokenizer_config.json"),
+    ] {
+        if source.is_file() {
+            std::fs::copy(source, dataset.join(name)).map_err(PrepareError::io(source))?;
+        }
+    }
+    Ok(())
 }
 
 /// The id to add around each document, if `add`.
