@@ -106,9 +106,15 @@ def _train(args: argparse.Namespace) -> None:
     _, overrides = _split_family(args.arguments)
     config = build(TrainerConfig, with_pretrained_architecture(load_raw(args.config, overrides)))
     check_inputs(config)
+    import torch.distributed as dist
+
     from fastllm.training import Trainer
 
-    Trainer(config).fit()
+    try:
+        Trainer(config).fit()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _convert(args: argparse.Namespace) -> None:

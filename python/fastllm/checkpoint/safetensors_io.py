@@ -8,7 +8,6 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
@@ -92,7 +91,3 @@ class ShardedWriter:
         if count > 1:
             index = {"metadata": {"total_size": self._total_bytes}, "weight_map": weight_map}
             (self.directory / INDEX).write_text(json.dumps(index, indent=2))
-
-
-def tensor_dtype(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]

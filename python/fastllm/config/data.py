@@ -62,7 +62,5 @@ class DataConfig(Section):
                 "weights", f"has {len(self.weights)} entries but path has {len(self.path)}"
             )
         for i, weight in enumerate(self.weights):
-            if not (math.isfinite(weight) and weight >= 0):
-                raise ConfigError(f"weights[{i}]", f"must be finite and non-negative, got {weight}")
-        if self.path and sum(self.weights) <= 0:
-            raise ConfigError("weights", "must not all be zero")
+            if not (math.isfinite(weight) and weight > 0):
+                raise ConfigError(f"weights[{i}]", f"must be finite and positive, got {weight}")

@@ -1,7 +1,23 @@
-"""Token data: prepared datasets, the sample stream of a run and its loader."""
+"""Token data: prepared datasets, the sample stream of a run and its loader.
 
-from fastllm.data.dataset import TokenDataset
-from fastllm.data.loader import Batch, DataLoader
-from fastllm.data.samples import Samples, SampleStream
+The names are imported on first use, so that `fastllm prepare` (which lives here too) starts
+without importing torch."""
 
-__all__ = ["Batch", "DataLoader", "SampleStream", "Samples", "TokenDataset"]
+from typing import Any
+
+_EXPORTS = {
+    "TokenDataset": "fastllm.data.dataset",
+    "Batch": "fastllm.data.loader",
+    "DataLoader": "fastllm.data.loader",
+    "SampleStream": "fastllm.data.samples",
+    "Samples": "fastllm.data.samples",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'fastllm.data' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -3,6 +3,7 @@ with a progress bar, Ctrl-C cancellation (nothing is left behind) and the final 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -45,7 +46,8 @@ def prepare(
             bar.update(job.progress())
     except KeyboardInterrupt:
         job.cancel()
-        _wait(job, None, cancelled=True)
+        with contextlib.suppress(RuntimeError):  # the job had just finished and was collected
+            _wait(job, None, cancelled=True)
         raise
     finally:
         bar.close(job.progress())

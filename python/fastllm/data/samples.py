@@ -52,18 +52,21 @@ class SampleStream:
         shard_weights = _shard_weights(datasets, weights)
         fim, tokenizer = _fim_options(config.fim, datasets[0]) if config.fim else (None, None)
         self.datasets = datasets
-        self._source = _native.SampleSource(
-            [str(p) for p in prefixes],
-            sequence_length=sequence_length,
-            num_samples=num_samples,
-            seed=seed,
-            truncate=config.sampling == "truncated",
-            weights=shard_weights,
-            cache_dir=str(cache_dir),
-            threads=min(8, os.cpu_count() or 1),
-            fim=fim,
-            tokenizer=tokenizer,
-        )
+        try:  # a weight of 0 or an empty dataset in the blend, found while building the index
+            self._source = _native.SampleSource(
+                [str(p) for p in prefixes],
+                sequence_length=sequence_length,
+                num_samples=num_samples,
+                seed=seed,
+                truncate=config.sampling == "truncated",
+                weights=shard_weights,
+                cache_dir=str(cache_dir),
+                threads=min(8, os.cpu_count() or 1),
+                fim=fim,
+                tokenizer=tokenizer,
+            )
+        except ValueError as error:
+            raise ConfigError(key, str(error)) from None
         self.sample_length = self._source.sample_length
 
     def __len__(self) -> int:

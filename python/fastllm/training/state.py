@@ -21,9 +21,10 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from fastllm import _native
-from fastllm.checkpoint.distributed import MANIFEST, SavedLayout, ShardFiles, rank_file, stage_key
+from fastllm.checkpoint.distributed import SavedLayout, ShardFiles, rank_file, stage_key
 from fastllm.checkpoint.formats import ModelSource, copy_tokenizer_files, open_model, write_model
 from fastllm.config import ConfigError
+from fastllm.engine.data_parallel import gather_weights
 from fastllm.engine.flat_model import ALIGNMENT
 
 if TYPE_CHECKING:
@@ -68,7 +69,8 @@ def _submit(
     trainer: Trainer, directory: Path, kinds: tuple[str, ...], extra: dict[str, torch.Tensor]
 ) -> list[Any]:
     """Copy this rank's shards to host memory and hand them to the background writer."""
-    global _writer
+    global _writer, _world
+    _world = (trainer.distributed.rank, trainer.distributed.world_size)
     if _writer is None:
         _writer = _native.CheckpointWriter()
     pin = trainer.distributed.device.type == "cuda"
@@ -98,8 +100,6 @@ def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
 
 def save_checkpoint(trainer: Trainer, directory: Path | None = None) -> Path:
     """Start writing a checkpoint of the full training state; see the module doc."""
-    global _world
-    _world = (trainer.distributed.rank, trainer.distributed.world_size)
     wait_for_checkpoints()
     root = trainer.experiment_dir / "checkpoint"
     final = directory or root / str(trainer.step)
@@ -177,6 +177,7 @@ def load_checkpoint(
         manifest = json.loads(_native.verify_checkpoint(str(directory)))
     _load_shards(trainer, directory, manifest, STATE_KINDS)
     trainer.flat.sync_weights_from_master()
+    gather_weights(trainer.flat)  # the other ranks' shards of the compute weights
     trainer.step = manifest["step"]
     trainer.optimizer.step_count = manifest["optimizer_steps"]
     trainer.consumed_samples = manifest["consumed_samples"]
@@ -246,14 +247,3 @@ def export(trainer: Trainer, directory: Path, output_format: str) -> None:
 
 def open_pretrained(format_name: str, path: str) -> ModelSource:
     return open_model(path, format_name)
-
-
-__all__ = [
-    "MANIFEST",
-    "export",
-    "load_checkpoint",
-    "open_pretrained",
-    "resume",
-    "save_checkpoint",
-    "wait_for_checkpoints",
-]

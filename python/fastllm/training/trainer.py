@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from fastllm.config import ConfigError, TrainerConfig
 from fastllm.data import Batch, DataLoader, SampleStream
+from fastllm.engine.data_parallel import gather_weights, sum_gradients
 from fastllm.engine.flat_model import FlatModel
 from fastllm.engine.optimizer import AdamW
 from fastllm.engine.precision import DTYPES, LossScaler
@@ -123,7 +124,11 @@ class Trainer:
         lr = learning_rate(
             self.config.optimizer.learning_rate, self.step, self.config.training.train_iters
         )
-        report = self.optimizer.step(lr, self.scaler.scale)
+        sum_gradients(self.flat)
+        # The gradients summed over ranks are divided by the world size with the loss scale.
+        report = self.optimizer.step(lr, self.scaler.scale * self.distributed.world_size)
+        if not report.skipped:
+            gather_weights(self.flat)
         self.scaler.update(report.skipped)
         self.step += 1
         self.skipped_steps += report.skipped

@@ -1,0 +1,79 @@
+"""Data parallelism under torchrun (Gloo on CPU processes) against the single-process run of
+the same global batch, and resharded resumption."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.conftest import ROOT
+from tests.test_cli import fastllm as run_cli
+from tests.training.conftest import train_arguments
+from tests.training.test_train_cli import losses
+
+
+def torchrun(processes: int, *arguments: str) -> subprocess.CompletedProcess[str]:
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
+        "-m", "fastllm.cli", *arguments,
+    ]  # fmt: skip
+    return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300)
+
+
+def final_weights(experiment: Path, step: int) -> dict[str, torch.Tensor]:
+    import fastllm
+
+    return dict(fastllm.load_model(experiment / "export" / str(step)).state_dict())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_two_ranks_match_one_process_on_the_same_global_batch(
+    dataset: Path, tmp_path: Path, dtype: str
+) -> None:
+    overrides = (
+        f"model.distributed.training_dtype={dtype}",
+        "training.train_iters=6",
+        "training.export.interval=6",
+        "training.export.format=distributed",
+    )
+    single = tmp_path / "single"
+    result = run_cli(*train_arguments(dataset, single, *overrides))
+    assert result.returncode == 0, result.stderr
+    double = tmp_path / "double"
+    result = torchrun(2, *train_arguments(dataset, double, *overrides))
+    assert result.returncode == 0, result.stderr
+    expected, got = losses(single), losses(double)
+    assert sorted(got) == sorted(expected)
+    tolerance = 1e-5 if dtype == "float32" else 1e-2
+    for step, loss in expected.items():
+        assert got[step] == pytest.approx(loss, rel=tolerance), step
+    manifest = json.loads((double / "export" / "6" / "manifest.json").read_text())
+    assert manifest["world_size"] == 2
+    assert len(list((double / "export" / "6").glob("rank_*.safetensors"))) == 2
+    ours, theirs = final_weights(double, 6), final_weights(single, 6)
+    for name, tensor in theirs.items():
+        torch.testing.assert_close(ours[name], tensor, rtol=tolerance, atol=tolerance, msg=name)
+
+
+def test_a_four_rank_checkpoint_resumes_on_two_ranks(dataset: Path, tmp_path: Path) -> None:
+    straight = tmp_path / "straight"
+    assert run_cli(*train_arguments(dataset, straight, "training.train_iters=6")).returncode == 0
+    resharded = tmp_path / "resharded"
+    result = torchrun(4, *train_arguments(dataset, resharded, "training.train_iters=3"))
+    assert result.returncode == 0, result.stderr
+    checkpoint = resharded / "checkpoint" / "3"
+    assert len(list(checkpoint.glob("rank_*.safetensors"))) == 4
+    shard = load_file(checkpoint / "rank_00003.safetensors")
+    assert any(key.startswith("exp_avg.") for key in shard)
+    result = torchrun(2, *train_arguments(dataset, resharded, "training.train_iters=6"))
+    assert result.returncode == 0, result.stderr
+    assert "resumed from" in result.stdout
+    expected, got = losses(straight), losses(resharded)
+    for step, loss in expected.items():
+        assert got[step] == pytest.approx(loss, rel=1e-5), step
