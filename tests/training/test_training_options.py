@@ -1,0 +1,95 @@
+"""Training options that change how a step is computed but not what it computes, and the ones
+that start or watch a run: recomputation, float16 loss scaling, pretrained weights, validation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastllm.config import TrainerConfig, build, load_raw
+from fastllm.training import Trainer
+from fastllm.training.setup import with_pretrained_architecture
+from tests.model.hf_models import save_hf_model
+from tests.test_cli import fastllm as run_cli
+from tests.training.conftest import train_arguments
+
+
+def trainer(dataset: Path, experiment: Path, *overrides: str) -> Trainer:
+    arguments = train_arguments(dataset, experiment, *overrides)
+    files = [arguments[arguments.index("-c") + 1]]
+    overrides = [a for a in arguments[3:] if "=" in a]
+    return Trainer(build(TrainerConfig, with_pretrained_architecture(load_raw(files, overrides))))
+
+
+@pytest.mark.parametrize("level", ["selective", "full"])
+def test_recomputation_gives_the_same_losses_and_gradients(
+    dataset: Path, tmp_path: Path, level: str
+) -> None:
+    plain = trainer(dataset, tmp_path / "a", "training.train_iters=2")
+    recomputed = trainer(
+        dataset, tmp_path / "b", "training.train_iters=2", f"model.multi_stage.recompute={level}"
+    )
+    (batch,) = next(iter(plain.data_loader()))[:1]
+    loss_plain = plain.forward_backward(batch)
+    loss_recomputed = recomputed.forward_backward(batch)
+    assert loss_recomputed.item() == loss_plain.item()
+    for ours, theirs in zip(recomputed.flat.grads, plain.flat.grads, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
+
+
+def test_float16_scales_the_loss_and_backs_off_on_overflow(dataset: Path, tmp_path: Path) -> None:
+    run = trainer(
+        dataset,
+        tmp_path / "fp16",
+        "training.train_iters=3",
+        "model.distributed.training_dtype=float16",
+    )
+    assert run.scaler.enabled and run.scaler.scale == 2.0**16
+    steps = iter(run.data_loader())
+    metrics = run.train_step(next(steps))
+    assert not metrics["skipped"] and run.scaler.scale == 2.0**16
+    run.scaler.scale = 2.0**120  # far beyond float16's range: the gradient overflows
+    metrics = run.train_step(next(steps))
+    assert metrics["skipped"] and run.skipped_steps == 1
+    assert run.scaler.scale == 2.0**119
+
+
+def test_pretrained_hugging_face_weights_initialize_the_run(dataset: Path, tmp_path: Path) -> None:
+    model = save_hf_model("starcoder2", tmp_path / "hf", vocab_size=512, hidden_size=64, intermediate_size=128,
+                          num_attention_heads=4, num_key_value_heads=2, sliding_window=32)  # fmt: skip
+    run = trainer(
+        dataset, tmp_path / "run", "training.train_iters=1",
+        "pretrained.format=starcoder2", f"pretrained.path={tmp_path / 'hf'}",
+    )  # fmt: skip
+    ids = torch.randint(0, 512, (1, 11))
+    with torch.no_grad():
+        torch.testing.assert_close(run.model(ids), model(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_architecture_comes_from_the_checkpoint_when_the_config_sets_none(tmp_path: Path) -> None:
+    save_hf_model("qwen2", tmp_path / "hf")
+    raw = with_pretrained_architecture(
+        {"pretrained": {"format": "qwen2", "path": str(tmp_path / "hf")}}
+    )
+    config = build(TrainerConfig, raw)
+    assert config.model.base_model.transformer.add_linear_biases == "only_attn_qkv"
+    assert config.model.base_model.vocab_size == 97
+
+
+def test_validation_loss_is_logged_at_its_interval(dataset: Path, tmp_path: Path) -> None:
+    experiment = tmp_path / "run"
+    arguments = train_arguments(
+        dataset, experiment, "training.train_iters=4", "training.validation.interval=2",
+        "training.validation.iterations=2", f"data.validation_path=[{dataset}]",
+    )  # fmt: skip
+    result = run_cli(*arguments)
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in (experiment / "metrics.jsonl").read_text().splitlines()]
+    validated = {
+        r["step"]: r["validation_loss"] for r in records if r.get("validation_loss") is not None
+    }
+    assert sorted(validated) == [2, 4]
+    assert all(0 < loss < 10 for loss in validated.values())
