@@ -23,6 +23,14 @@ def initialize(model: GPTModel, generator: torch.Generator | None = None) -> Non
     def normal(tensor: torch.Tensor, scale: float) -> None:
         tensor.normal_(0.0, scale, generator=generator)
 
+    def input_and_output(first: torch.nn.Linear, second: torch.nn.Linear) -> None:
+        """The projection into a sub-layer and the (scaled-down) one back to the residual."""
+        normal(first.weight, std)
+        normal(second.weight, output_std)
+        for linear in (first, second):
+            if linear.bias is not None:
+                linear.bias.zero_()
+
     normal(model.embeddings.weight, std)
     if model.head is not None:
         normal(model.head.weight, std)
@@ -32,17 +40,9 @@ def initialize(model: GPTModel, generator: torch.Generator | None = None) -> Non
             if module.bias is not None:
                 module.bias.zero_()
         elif isinstance(module, Attention):
-            normal(module.query_key_value.weight, std)
-            normal(module.dense.weight, output_std)
-            for linear in (module.query_key_value, module.dense):
-                if linear.bias is not None:
-                    linear.bias.zero_()
+            input_and_output(module.query_key_value, module.dense)
         elif isinstance(module, MLP):
-            normal(module.layer_1.weight, std)
-            normal(module.layer_2.weight, output_std)
-            for linear in (module.layer_1, module.layer_2):
-                if linear.bias is not None:
-                    linear.bias.zero_()
+            input_and_output(module.layer_1, module.layer_2)
         elif isinstance(module, MixtureOfExperts):
             normal(module.router.weight, std)
             normal(module.layer_1, std)
