@@ -32,12 +32,15 @@ def final_weights(experiment: Path, step: int) -> dict[str, torch.Tensor]:
     return dict(fastllm.load_model(experiment / "export" / str(step)).state_dict())
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    ("dtype", "zero_stage"), [("float32", 1), ("bfloat16", 1), ("float32", 2), ("bfloat16", 2)]
+)
 def test_two_ranks_match_one_process_on_the_same_global_batch(
-    dataset: Path, tmp_path: Path, dtype: str
+    dataset: Path, tmp_path: Path, dtype: str, zero_stage: int
 ) -> None:
     overrides = (
         f"model.distributed.training_dtype={dtype}",
+        f"model.multi_stage.zero_stage={zero_stage}",
         "training.train_iters=6",
         "training.export.interval=6",
         "training.export.format=distributed",
@@ -61,11 +64,18 @@ def test_two_ranks_match_one_process_on_the_same_global_batch(
         torch.testing.assert_close(ours[name], tensor, rtol=tolerance, atol=tolerance, msg=name)
 
 
-def test_a_four_rank_checkpoint_resumes_on_two_ranks(dataset: Path, tmp_path: Path) -> None:
+def test_a_four_rank_zero2_checkpoint_resumes_on_two_ranks_with_zero1(
+    dataset: Path, tmp_path: Path
+) -> None:
     straight = tmp_path / "straight"
     assert run_cli(*train_arguments(dataset, straight, "training.train_iters=6")).returncode == 0
     resharded = tmp_path / "resharded"
-    result = torchrun(4, *train_arguments(dataset, resharded, "training.train_iters=3"))
+    result = torchrun(
+        4,
+        *train_arguments(
+            dataset, resharded, "training.train_iters=3", "model.multi_stage.zero_stage=2"
+        ),
+    )
     assert result.returncode == 0, result.stderr
     checkpoint = resharded / "checkpoint" / "3"
     assert len(list(checkpoint.glob("rank_*.safetensors"))) == 4

@@ -223,6 +223,9 @@ class DistributedConfig(Section):
 
 
 class MultiStageConfig(Section):
+    zero_stage: Literal[1, 2] = 1
+    """What data-parallel ranks shard: 1, the fp32 master weights and Adam moments; 2, also the
+    gradients (each stage is reduce-scattered as soon as its backward pass is done)."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activations recomputed in the backward pass instead of stored: selective recomputes
     each MLP (its wide intermediate activations), full recomputes whole blocks."""

@@ -1,7 +1,8 @@
-"""Data parallelism over the flat buffers: every rank holds the full compute weights and the
-full gradient buffer, but only its shard of the fp32 masters and Adam moments (ZeRO stage 1).
-After the backward passes, gradients are summed over ranks; after the optimizer step, each
-rank's updated weight shard is all-gathered back into everyone's weights."""
+"""Data parallelism over the flat buffers: every rank holds the full compute weights but only
+its shard of the fp32 masters and Adam moments (ZeRO-1), and with ZeRO-2 only its shard of the
+gradients too. After the backward passes, ZeRO-1 sums the full gradient buffers over ranks
+(ZeRO-2 reduce-scatters each stage as its backward finishes, in FlatModel); after the optimizer
+step, each rank's updated weight shard is all-gathered back into everyone's weights."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from fastllm.engine.flat_model import FlatModel
 
 @torch.no_grad()
 def sum_gradients(flat: FlatModel) -> None:
-    """Sum the gradient buffers over ranks (the optimizer divides by the world size)."""
-    if flat.world_size == 1:
+    """Sum the gradient buffers over ranks (the optimizer divides by the world size); with
+    ZeRO-2 they were already reduce-scattered during the backward pass."""
+    if flat.world_size == 1 or flat.shard_gradients:
         return
     for grad in flat.grads:
         dist.all_reduce(grad)

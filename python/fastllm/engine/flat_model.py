@@ -59,9 +59,11 @@ class FlatModel:
         device: torch.device,
         rank: int = 0,
         world_size: int = 1,
+        zero_stage: int = 1,
     ) -> None:
         self.model, self.compute_dtype, self.device = model, compute_dtype, device
         self.rank, self.world_size = rank, world_size
+        self.shard_gradients = zero_stage >= 2 and world_size > 1
         num_layers = model.config.transformer.num_layers
         self.names = [name for name, _ in model.named_parameters()]
         parameters = dict(model.named_parameters())
@@ -82,11 +84,20 @@ class FlatModel:
             torch.zeros(self.layout.stage_size(s), dtype=compute_dtype, device=device)
             for s in stages
         ]
-        self.grads = [
-            torch.zeros(self.layout.stage_size(s), dtype=torch.float32, device=device)
-            for s in stages
-        ]
+        if self.shard_gradients:
+            # ZeRO-2: a stage's full gradient only lives while its backward runs; consecutive
+            # stages alternate between two buffers, and each finished stage is reduce-scattered
+            # into this rank's shard (see GradientReducer).
+            largest = max(self.layout.stage_size(s) for s in stages)
+            pool = [torch.zeros(largest, dtype=torch.float32, device=device) for _ in range(2)]
+            self.grads = [pool[s % 2][: self.layout.stage_size(s)] for s in stages]
+        else:
+            self.grads = [
+                torch.zeros(self.layout.stage_size(s), dtype=torch.float32, device=device)
+                for s in stages
+            ]
         self.shards = [self._shard(stage) for stage in stages]
+        self.reducer = GradientReducer(self) if self.shard_gradients else None
         for index, name in enumerate(self.names):
             _set_parameter(
                 model, name, torch.nn.Parameter(self.parameter_view(self.weights, index))
@@ -107,6 +118,8 @@ class FlatModel:
     def _shard(self, stage: int) -> Shard:
         start, end = self.layout.shard_range(stage, self.rank)
         weight, grad = self.weights[stage][start:end], self.grads[stage][start:end]
+        if self.shard_gradients:
+            grad = torch.zeros(end - start, dtype=torch.float32, device=self.device)
         master = (
             weight
             if not self.mixed_precision
@@ -124,16 +137,28 @@ class FlatModel:
     def _accumulate_hook(self, index: int):
         grad_view = self.parameter_view(self.grads, index)
 
+        stage = self.layout.parameter(index)[0]
+
         def hook(parameter: Tensor) -> None:
             # Gradients land in the fp32 buffer (accumulated over micro-batches), never in .grad.
             grad_view.add_(parameter.grad)
             parameter.grad = None
+            if self.reducer is not None:
+                self.reducer.parameter_done(stage)
 
         return hook
+
+    def finish_backward(self) -> None:
+        """After each backward pass: reduce the gradients of stages still pending (ZeRO-2)."""
+        if self.reducer is not None:
+            self.reducer.flush()
 
     def zero_grad(self) -> None:
         for grad in self.grads:
             grad.zero_()
+        if self.shard_gradients:
+            for shard in self.shards:
+                shard.grad.zero_()
 
     @torch.no_grad()
     def load_full_parameters(self, tensors: Iterator[tuple[str, Tensor]]) -> None:
@@ -179,3 +204,39 @@ def _set_parameter(model: torch.nn.Module, name: str, parameter: torch.nn.Parame
     for part in path:
         module = getattr(module, part)
     module._parameters[leaf] = parameter
+
+
+class GradientReducer:
+    """ZeRO-2: once every parameter of a stage has its gradient for this backward pass, the
+    stage's full gradient is summed over ranks straight into each rank's shard
+    (reduce-scatter), added to the shard's accumulator, and the full buffer is cleared for the
+    stage that reuses it. Stages finish in the same order on every rank, so the collectives
+    match."""
+
+    def __init__(self, flat: FlatModel) -> None:
+        self.flat = flat
+        self.expected = [0] * flat.layout.num_stages
+        for _, _, stage, _ in flat.specs:
+            self.expected[stage] += 1
+        self.received = [0] * flat.layout.num_stages
+        self.scratch = [torch.empty_like(shard.grad) for shard in flat.shards]
+
+    def parameter_done(self, stage: int) -> None:
+        self.received[stage] += 1
+        if self.received[stage] == self.expected[stage]:
+            self._reduce(stage)
+
+    def flush(self) -> None:
+        for stage in reversed(range(len(self.received))):
+            if self.received[stage] < self.expected[stage]:
+                self._reduce(stage)
+        self.received = [0] * len(self.received)
+
+    @torch.no_grad()
+    def _reduce(self, stage: int) -> None:
+        import torch.distributed as dist
+
+        self.received[stage] = self.expected[stage]
+        dist.reduce_scatter_tensor(self.scratch[stage], self.flat.grads[stage])
+        self.flat.shards[stage].grad.add_(self.scratch[stage])
+        self.flat.grads[stage].zero_()

@@ -44,6 +44,7 @@ class Trainer:
             device=device,
             rank=self.distributed.rank,
             world_size=self.distributed.world_size,
+            zero_stage=config.model.multi_stage.zero_stage,
         )
         apply_recompute(self.model, config.model.multi_stage.recompute)
         self.optimizer = AdamW(self.flat, config.optimizer)
@@ -117,6 +118,7 @@ class Trainer:
         batch = batch.to(self.distributed.device)
         loss = self.model.loss(batch.input_ids, batch.labels, document_ids=batch.document_ids)
         (loss * (weight * self.scaler.scale)).backward()
+        self.flat.finish_backward()
         return loss.detach()
 
     def optimizer_step(self) -> dict[str, Any]:
