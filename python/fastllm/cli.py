@@ -110,11 +110,11 @@ def _train(args: argparse.Namespace) -> None:
 
     from fastllm.training import Trainer
 
-    try:
-        Trainer(config).fit()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    Trainer(config).fit()
+    if dist.is_initialized():
+        # No rank tears down the group (rank 0 hosts its store) while another still uses it.
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def _convert(args: argparse.Namespace) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -141,6 +142,8 @@ class FlatModel:
 
         def hook(parameter: Tensor) -> None:
             # Gradients land in the fp32 buffer (accumulated over micro-batches), never in .grad.
+            if self.reducer is not None:
+                self.reducer.before_accumulate(stage)
             grad_view.add_(parameter.grad)
             parameter.grad = None
             if self.reducer is not None:
@@ -208,10 +211,11 @@ def _set_parameter(model: torch.nn.Module, name: str, parameter: torch.nn.Parame
 
 class GradientReducer:
     """ZeRO-2: once every parameter of a stage has its gradient for this backward pass, the
-    stage's full gradient is summed over ranks straight into each rank's shard
-    (reduce-scatter), added to the shard's accumulator, and the full buffer is cleared for the
-    stage that reuses it. Stages finish in the same order on every rank, so the collectives
-    match."""
+    stage's full gradient is summed over ranks straight into each rank's shard by an
+    asynchronous reduce-scatter, which overlaps the backward pass of the stages before it. The
+    result is added to the shard's accumulator, and the full buffer cleared, just before the
+    stage that reuses that buffer needs it (or at the end of the pass). Stages finish in the
+    same order on every rank, so the collectives match."""
 
     def __init__(self, flat: FlatModel) -> None:
         self.flat = flat
@@ -220,23 +224,42 @@ class GradientReducer:
             self.expected[stage] += 1
         self.received = [0] * flat.layout.num_stages
         self.scratch = [torch.empty_like(shard.grad) for shard in flat.shards]
+        self.in_flight: dict[int, tuple[Any, int]] = {}
+        """Per gradient buffer (stage parity): the reduce-scatter reading it, and its stage."""
+
+    def before_accumulate(self, stage: int) -> None:
+        pending = self.in_flight.get(stage % 2)
+        if pending is not None and pending[1] != stage:
+            self._complete(stage % 2)
 
     def parameter_done(self, stage: int) -> None:
         self.received[stage] += 1
         if self.received[stage] == self.expected[stage]:
-            self._reduce(stage)
+            self._start(stage)
 
     def flush(self) -> None:
         for stage in reversed(range(len(self.received))):
             if self.received[stage] < self.expected[stage]:
-                self._reduce(stage)
+                self._start(stage)
+        for parity in list(self.in_flight):
+            self._complete(parity)
         self.received = [0] * len(self.received)
 
     @torch.no_grad()
-    def _reduce(self, stage: int) -> None:
+    def _start(self, stage: int) -> None:
         import torch.distributed as dist
 
+        if stage % 2 in self.in_flight:
+            self._complete(stage % 2)
         self.received[stage] = self.expected[stage]
-        dist.reduce_scatter_tensor(self.scratch[stage], self.flat.grads[stage])
+        work = dist.reduce_scatter_tensor(
+            self.scratch[stage], self.flat.grads[stage], async_op=True
+        )
+        self.in_flight[stage % 2] = (work, stage)
+
+    @torch.no_grad()
+    def _complete(self, parity: int) -> None:
+        work, stage = self.in_flight.pop(parity)
+        work.wait()
         self.flat.shards[stage].grad.add_(self.scratch[stage])
         self.flat.grads[stage].zero_()
