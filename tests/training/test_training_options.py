@@ -93,3 +93,20 @@ def test_validation_loss_is_logged_at_its_interval(dataset: Path, tmp_path: Path
     }
     assert sorted(validated) == [2, 4]
     assert all(0 < loss < 10 for loss in validated.values())
+
+
+def test_metrics_also_go_to_tensorboard_and_offline_wandb(
+    dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    experiment = tmp_path / "run"
+    arguments = train_arguments(
+        dataset, experiment, "training.train_iters=2",
+        "training.logs.tensorboard=true", "training.logs.wandb_project=fastllm-test",
+    )  # fmt: skip
+    result = run_cli(*arguments)
+    assert result.returncode == 0, result.stderr
+    assert list((experiment / "tensorboard").glob("events.out.tfevents.*"))
+    offline_runs = list((experiment / "wandb").glob("offline-run-*"))
+    assert offline_runs and list(offline_runs[0].glob("*.wandb"))
