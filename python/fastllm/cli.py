@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from fastllm.config import ConfigError
 
@@ -13,7 +13,15 @@ MODEL_FAMILIES = ("gpt",)
 """Model families a config can describe; `gpt` (decoder-only transformers) is the default."""
 
 
-def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
+def _config_command(
+    commands: argparse._SubParsersAction,
+    name: str,
+    handler: Callable[[argparse.Namespace], None],
+    **kwargs: str,
+) -> argparse.ArgumentParser:
+    """A command driven by a config: `-c FILE` (repeatable), then [FAMILY] KEY=VALUE overrides."""
+    parser = commands.add_parser(name, **kwargs)
+    parser.set_defaults(handler=handler)
     parser.add_argument(
         "-c",
         "--config",
@@ -29,6 +37,7 @@ def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"optional model family ({', '.join(MODEL_FAMILIES)}; default gpt), then overrides "
         "such as training.train_iters=10 or data.path[0]=/data/x (values are YAML)",
     )
+    return parser
 
 
 def _split_family(arguments: Sequence[str]) -> tuple[str, list[str]]:
@@ -167,55 +176,56 @@ def build_parser() -> argparse.ArgumentParser:
 
     config = commands.add_parser("config", help="show or validate a training config")
     config_commands = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)
-    show = config_commands.add_parser(
-        "show", help="print the resolved config with every default, as YAML"
+    _config_command(
+        config_commands,
+        "show",
+        _config_show,
+        help="print the resolved config with every default, as YAML",
     )
-    _add_config_arguments(show)
-    show.set_defaults(handler=_config_show)
-    validate = config_commands.add_parser("validate", help="check a config and summarize the model")
-    _add_config_arguments(validate)
-    validate.set_defaults(handler=_config_validate)
+    _config_command(
+        config_commands, "validate", _config_validate, help="check a config and summarize the model"
+    )
 
-    prepare = commands.add_parser(
+    prepare = _config_command(
+        commands,
         "prepare",
+        _prepare,
         help="tokenize text into a training dataset",
         description="Example: fastllm prepare input.path=data.jsonl tokenizer.path=tokenizer.json "
         "output.path=datasets/web",
     )
-    _add_config_arguments(prepare)
     prepare.add_argument("--overwrite", action="store_true", help="replace an existing output")
     prepare.add_argument("--strict", action="store_true", help="fail on the first bad record")
-    prepare.set_defaults(handler=_prepare)
 
     tokenizer = commands.add_parser("tokenizer", help="tokenizer tools")
     tokenizer_commands = tokenizer.add_subparsers(
         dest="tokenizer_command", metavar="ACTION", required=True
     )
-    tokenizer_train = tokenizer_commands.add_parser(
+    _config_command(
+        tokenizer_commands,
         "train",
+        _tokenizer_train,
         help="train a byte-level BPE tokenizer on the inputs prepare reads",
         description="Example: fastllm tokenizer train input.path=src/ output=tokenizer vocab_size=8192",
     )
-    _add_config_arguments(tokenizer_train)
-    tokenizer_train.set_defaults(handler=_tokenizer_train)
 
-    train = commands.add_parser(
+    _config_command(
+        commands,
         "train",
+        _train,
         help="train a model (alone or under torchrun)",
         description="Train from a config; starting again on the same run.experiment_dir resumes "
         "from its newest complete checkpoint.",
     )
-    _add_config_arguments(train)
-    train.set_defaults(handler=_train)
 
-    convert = commands.add_parser(
+    _config_command(
+        commands,
         "convert",
+        _convert,
         help="convert a checkpoint between fastllm and Hugging Face formats",
         description="Example: fastllm convert gpt input.format=llama input.path=HF_DIR "
         "output.format=fastllm output.path=OUT (output.type is a synonym of output.format)",
     )
-    _add_config_arguments(convert)
-    convert.set_defaults(handler=_convert)
 
     generate = commands.add_parser("generate", help="complete a prompt with a trained model")
     generate.add_argument("path", help="model directory (fastllm or Hugging Face format)")

@@ -47,13 +47,18 @@ class ModelSource:
     format: str
     config: BaseModelConfig
     hf_config: dict[str, Any] | None = None
-    _reader: SafetensorsReader | None = field(default=None, repr=False)
+    loaded: dict[str, Tensor] | None = field(default=None, repr=False)
+    """Tensors already in memory under fastllm's names (a model being trained), read instead
+    of the directory's files."""
 
     def tensors(self) -> Iterator[tuple[str, Tensor]]:
         if self.format == "distributed":
             yield from full_tensors(self.directory)
             return
-        reader = self._reader or SafetensorsReader(self.directory)
+        if self.loaded is not None:
+            yield from self.loaded.items()
+            return
+        reader = SafetensorsReader(self.directory)
         if self.format == "fastllm":
             names = parameter_names(self.config)
             _check_names(self.directory, set(reader.keys()), set(names))

@@ -22,7 +22,7 @@ from safetensors import safe_open
 
 from fastllm import _native
 from fastllm.checkpoint.distributed import SavedLayout, ShardFiles, rank_file, stage_key
-from fastllm.checkpoint.formats import ModelSource, copy_tokenizer_files, open_model, write_model
+from fastllm.checkpoint.formats import ModelSource, copy_tokenizer_files, write_model
 from fastllm.config import ConfigError
 from fastllm.engine.data_parallel import gather_weights
 from fastllm.engine.flat_model import ALIGNMENT
@@ -235,15 +235,11 @@ def export(trainer: Trainer, directory: Path, output_format: str) -> None:
         tensors = {
             name: t.detach().to("cpu", copy=True) for name, t in trainer.flat.full_parameters()
         }
-        source = ModelSource(directory, "fastllm", trainer.config.model.base_model)
-        source.tensors = lambda: iter(tensors.items())  # type: ignore[method-assign]
+        # The dataset's directory as the source's: write_model copies its tokenizer files.
+        dataset = Path(trainer.config.data.path[0])
+        source = ModelSource(dataset, "fastllm", trainer.config.model.base_model, loaded=tensors)
         partial = directory.with_name(f".{directory.name}.partial")
         shutil.rmtree(partial, ignore_errors=True)
         write_model(source, partial, output_format)
-        copy_tokenizer_files(Path(trainer.config.data.path[0]), partial)
         partial.rename(directory)
     trainer.distributed.barrier()
-
-
-def open_pretrained(format_name: str, path: str) -> ModelSource:
-    return open_model(path, format_name)

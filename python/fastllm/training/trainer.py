@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fastllm.checkpoint.formats import open_model
 from fastllm.config import ConfigError, TrainerConfig
 from fastllm.data import Batch, DataLoader, SampleStream
 from fastllm.engine.data_parallel import gather_weights, sum_gradients
@@ -65,7 +66,7 @@ class Trainer:
     def _initialize_weights(self) -> None:
         pretrained = self.config.pretrained
         if pretrained is not None:
-            source = state.open_pretrained(pretrained.format, pretrained.path)
+            source = open_model(pretrained.path, pretrained.format)
             self.flat.load_full_parameters(source.tensors())
             return
         # Every rank draws the same full fp32 model from the seed and keeps its shard.
@@ -95,10 +96,16 @@ class Trainer:
 
     def data_loader(self) -> DataLoader:
         """Training batches from the current data position to the end of training."""
-        batch = self.config.batch
         stream = self.sample_stream(
-            self.config.data.path, self.config.training.train_iters * batch.batch_size, "data.path"
+            self.config.data.path,
+            self.config.training.train_iters * self.config.batch.batch_size,
+            "data.path",
         )
+        return self._loader(stream, self.consumed_samples)
+
+    def _loader(self, stream: SampleStream, consumed_samples: int = 0) -> DataLoader:
+        """This rank's share of each batch of `stream`, in micro-batches."""
+        batch = self.config.batch
         assert batch.micro_batch_size is not None
         per_rank = batch.batch_size // self.distributed.world_size
         return DataLoader(
@@ -107,7 +114,7 @@ class Trainer:
             micro_batch_size=min(batch.micro_batch_size, per_rank),
             rank=self.distributed.rank,
             world_size=self.distributed.world_size,
-            consumed_samples=self.consumed_samples,
+            consumed_samples=consumed_samples,
             prefetch=self.config.data.prefetch,
         )
 
@@ -157,16 +164,7 @@ class Trainer:
         stream = self.sample_stream(
             data.validation_path, iterations * batch.batch_size, "data.validation_path"
         )
-        loader = DataLoader(
-            stream,
-            batch_size=batch.batch_size,
-            micro_batch_size=min(
-                batch.micro_batch_size or batch.batch_size,
-                batch.batch_size // self.distributed.world_size,
-            ),
-            rank=self.distributed.rank,
-            world_size=self.distributed.world_size,
-        )
+        loader = self._loader(stream)
         self.model.eval()
         try:
             losses = [
