@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 from dataclasses import dataclass
 
@@ -35,6 +36,11 @@ def setup_distributed() -> Distributed:
     else:
         device = torch.device("cpu")
     if world_size > 1 and not dist.is_initialized():
+        # Imported after the group exists (by torch.compile), torch._dynamo keeps references to
+        # it that outlive destroy_process_group; Gloo's threads then live into interpreter
+        # shutdown, where releasing a tensor can abort the process.
+        importlib.import_module("torch._dynamo")
+
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
     return Distributed(rank, world_size, local_rank, device)

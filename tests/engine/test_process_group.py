@@ -1,0 +1,29 @@
+"""The process group is really gone after destroy_process_group, so no communication thread
+outlives it into interpreter shutdown (where releasing a tensor can abort the process)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.conftest import ROOT
+
+SCRIPT = """
+import os, torch, torch.distributed as dist
+from fastllm.engine.process_group import setup_distributed
+setup_distributed()
+compiled = torch.compile(lambda x: x * 2)  # what the model's attention does
+dist.destroy_process_group()
+threads = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+print("gloo threads left:", [t for t in threads if "gloo" in t])
+"""
+
+
+def test_destroying_the_group_stops_its_threads() -> None:
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "--no-python", sys.executable, "-c", SCRIPT,
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("gloo threads left: []") == 2, result.stdout
