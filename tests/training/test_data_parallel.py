@@ -33,7 +33,15 @@ def final_weights(experiment: Path, step: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    ("dtype", "zero_stage"), [("float32", 1), ("bfloat16", 1), ("float32", 2), ("bfloat16", 2)]
+    ("dtype", "zero_stage"),
+    [
+        ("float32", 1),
+        ("bfloat16", 1),
+        ("float32", 2),
+        ("bfloat16", 2),
+        ("float32", 3),
+        ("bfloat16", 3),
+    ],
 )
 def test_two_ranks_match_one_process_on_the_same_global_batch(
     dataset: Path, tmp_path: Path, dtype: str, zero_stage: int
@@ -64,18 +72,60 @@ def test_two_ranks_match_one_process_on_the_same_global_batch(
         torch.testing.assert_close(ours[name], tensor, rtol=tolerance, atol=tolerance, msg=name)
 
 
-def test_a_four_rank_zero2_checkpoint_resumes_on_two_ranks_with_zero1(
+def test_zero3_with_untied_head_recompute_stages_of_two_blocks_validation_and_hf_export(
+    dataset: Path, tmp_path: Path
+) -> None:
+    overrides = (
+        "model.base_model.tie_word_embeddings=false",
+        "model.base_model.transformer.num_layers=3",
+        "model.multi_stage.recompute=full",
+        f"data.validation_path=[{dataset}]",
+        "training.validation.interval=2",
+        "training.validation.iterations=2",
+        "training.train_iters=4",
+        "training.export.interval=4",
+        "training.export.format=starcoder2",
+    )
+    single = tmp_path / "single"
+    assert run_cli(*train_arguments(dataset, single, *overrides)).returncode == 0
+    sharded = tmp_path / "sharded"
+    result = torchrun(
+        2,
+        *train_arguments(
+            dataset,
+            sharded,
+            *overrides,
+            "model.multi_stage.zero_stage=3",
+            "model.multi_stage.layers_per_stage=2",
+        ),
+    )
+    assert result.returncode == 0, result.stderr
+    expected, got = records(single), records(sharded)
+    assert [sorted(r) for r in got] == [sorted(r) for r in expected]
+    for ours, theirs in zip(got, expected, strict=True):
+        for key in ("loss", "validation_loss"):
+            if key in theirs:
+                assert ours[key] == pytest.approx(theirs[key], rel=1e-5), (theirs["step"], key)
+    ours_hf, theirs_hf = (
+        load_file(run / "export" / "4" / "model.safetensors") for run in (sharded, single)
+    )
+    for name, tensor in theirs_hf.items():
+        torch.testing.assert_close(ours_hf[name], tensor, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def records(experiment: Path) -> list[dict]:
+    lines = (experiment / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def test_a_four_rank_zero3_checkpoint_resumes_on_two_ranks_with_zero1(
     dataset: Path, tmp_path: Path
 ) -> None:
     straight = tmp_path / "straight"
     assert run_cli(*train_arguments(dataset, straight, "training.train_iters=6")).returncode == 0
     resharded = tmp_path / "resharded"
-    result = torchrun(
-        4,
-        *train_arguments(
-            dataset, resharded, "training.train_iters=3", "model.multi_stage.zero_stage=2"
-        ),
-    )
+    zero3 = ("model.multi_stage.zero_stage=3", "model.multi_stage.layers_per_stage=2")
+    result = torchrun(4, *train_arguments(dataset, resharded, "training.train_iters=3", *zero3))
     assert result.returncode == 0, result.stderr
     checkpoint = resharded / "checkpoint" / "3"
     assert len(list(checkpoint.glob("rank_*.safetensors"))) == 4

@@ -223,12 +223,20 @@ class DistributedConfig(Section):
 
 
 class MultiStageConfig(Section):
-    zero_stage: Literal[1, 2] = 1
+    zero_stage: Literal[1, 2, 3] = 1
     """What data-parallel ranks shard: 1, the fp32 master weights and Adam moments; 2, also the
-    gradients (each stage is reduce-scattered as soon as its backward pass is done)."""
+    gradients (each stage is reduce-scattered as soon as its backward pass is done); 3, also
+    the compute weights (each stage is all-gathered one stage ahead of its use in the forward
+    and backward passes, and freed after)."""
+    layers_per_stage: int = 1
+    """Transformer blocks per stage: the unit in which weights are laid out, gradients
+    reduce-scattered and (ZeRO-3) weights gathered. Larger stages mean fewer, larger messages."""
     recompute: Literal["none", "selective", "full"] = "none"
     """Activations recomputed in the backward pass instead of stored: selective recomputes
     each MLP (its wide intermediate activations), full recomputes whole blocks."""
+
+    def validate(self) -> None:
+        check_positive(self.layers_per_stage, "layers_per_stage")
 
 
 class ModelConfig(Section):

@@ -2,7 +2,8 @@
 its shard of the fp32 masters and Adam moments (ZeRO-1), and with ZeRO-2 only its shard of the
 gradients too. After the backward passes, ZeRO-1 sums the full gradient buffers over ranks
 (ZeRO-2 reduce-scatters each stage as its backward finishes, in FlatModel); after the optimizer
-step, each rank's updated weight shard is all-gathered back into everyone's weights."""
+step, each rank's updated weight shard is all-gathered back into everyone's weights (ZeRO-3
+gathers each stage only while it runs: see WeightGatherer)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,11 @@ def sum_gradients(flat: FlatModel) -> None:
 
 @torch.no_grad()
 def gather_weights(flat: FlatModel) -> None:
-    """Every rank's updated shard of the compute weights, into every rank's full buffers."""
+    """Every rank's updated shard of the compute weights, into every rank's full buffers (with
+    ZeRO-3, gathered copies of the old weights are dropped: stages are gathered when used)."""
+    if flat.gatherer is not None:
+        flat.gatherer.keep_only(set())
+        return
     if flat.world_size == 1:
         return
     for stage, shard in enumerate(flat.shards):

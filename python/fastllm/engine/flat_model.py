@@ -1,8 +1,10 @@
 """The model's parameters as views into flat buffers.
 
-One buffer per stage (the embedding, each block, the head) holds the compute weights; a parallel
-fp32 buffer receives the gradients; this rank's shard of each stage has fp32 master weights (a
-view of the weights themselves in float32 training) and the two Adam moments. The layout —
+One buffer per stage (the embedding, each group of `layers_per_stage` blocks, the head) holds
+the compute weights; a parallel fp32 buffer receives the gradients; this rank's shard of each
+stage has fp32 master weights (a view of the weights themselves in float32 training) and the
+two Adam moments. ZeRO-2 keeps only the shard of the gradients (GradientReducer), ZeRO-3 also
+only the shard of the compute weights (WeightGatherer). The layout —
 offsets, alignment, the shard each data-parallel rank owns — comes from Rust
 (`fastllm._native.Layout`)."""
 
@@ -10,25 +12,35 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from fastllm import _native
+from fastllm.engine.gradient_reducer import GradientReducer
+from fastllm.engine.weight_gatherer import WeightGatherer
 from fastllm.model import GPTModel
 
 ALIGNMENT = 128
 """Elements; every parameter starts at a multiple, so kernels see aligned rows."""
 
 
-def stage_of(name: str, num_layers: int) -> int:
-    """Stage 0: embeddings; stage i + 1: block i; the last stage: final norm and head."""
+def stage_of(name: str, num_layers: int, layers_per_stage: int = 1) -> int:
+    """Stage 0: embeddings; then `layers_per_stage` blocks per stage; the last stage: final
+    norm and head."""
     if name.startswith("embeddings."):
         return 0
     if name.startswith("layers."):
-        return int(name.split(".")[1]) + 1
-    return num_layers + 1
+        return int(name.split(".")[1]) // layers_per_stage + 1
+    return -(-num_layers // layers_per_stage) + 1
+
+
+def stage_modules(model: GPTModel, layers_per_stage: int) -> list[list[torch.nn.Module]]:
+    """The modules each stage's forward pass runs, in order (the head's weight is read by the
+    loss after the final norm, which starts the last stage)."""
+    layers = list(model.layers)
+    blocks = [layers[i : i + layers_per_stage] for i in range(0, len(layers), layers_per_stage)]
+    return [[model.embeddings], *blocks, [model.final_norm]]
 
 
 def decays(name: str, parameter: Tensor) -> bool:
@@ -61,10 +73,12 @@ class FlatModel:
         rank: int = 0,
         world_size: int = 1,
         zero_stage: int = 1,
+        layers_per_stage: int = 1,
     ) -> None:
         self.model, self.compute_dtype, self.device = model, compute_dtype, device
         self.rank, self.world_size = rank, world_size
         self.shard_gradients = zero_stage >= 2 and world_size > 1
+        self.shard_weights = zero_stage >= 3 and world_size > 1
         num_layers = model.config.transformer.num_layers
         self.names = [name for name, _ in model.named_parameters()]
         parameters = dict(model.named_parameters())
@@ -73,7 +87,7 @@ class FlatModel:
             (
                 name,
                 parameters[name].numel(),
-                stage_of(name, num_layers),
+                stage_of(name, num_layers, layers_per_stage),
                 decays(name, parameters[name]),
             )
             for name in self.names
@@ -107,6 +121,11 @@ class FlatModel:
             parameter.register_post_accumulate_grad_hook(self._accumulate_hook(index))
             for index, (_, parameter) in enumerate(model.named_parameters())
         ]
+        self.gatherer = (
+            WeightGatherer(self, stage_modules(model, layers_per_stage))
+            if self.shard_weights
+            else None
+        )
 
     @property
     def mixed_precision(self) -> bool:
@@ -119,6 +138,8 @@ class FlatModel:
     def _shard(self, stage: int) -> Shard:
         start, end = self.layout.shard_range(stage, self.rank)
         weight, grad = self.weights[stage][start:end], self.grads[stage][start:end]
+        if self.shard_weights:  # the full buffer only holds the stage while it is in use
+            weight = torch.zeros(end - start, dtype=self.compute_dtype, device=self.device)
         if self.shard_gradients:
             grad = torch.zeros(end - start, dtype=torch.float32, device=self.device)
         master = (
@@ -152,9 +173,12 @@ class FlatModel:
         return hook
 
     def finish_backward(self) -> None:
-        """After each backward pass: reduce the gradients of stages still pending (ZeRO-2)."""
+        """After each backward pass: reduce the gradients of stages still pending (ZeRO-2) and
+        free the gathered weights (ZeRO-3)."""
         if self.reducer is not None:
             self.reducer.flush()
+        if self.gatherer is not None:
+            self.gatherer.keep_only(set())
 
     def zero_grad(self) -> None:
         for grad in self.grads:
@@ -169,7 +193,8 @@ class FlatModel:
         seen = set()
         for name, tensor in tensors:
             index = self.names.index(name)
-            self.parameter_view(self.weights, index).copy_(tensor)
+            if not self.shard_weights:
+                self.parameter_view(self.weights, index).copy_(tensor)
             for stage_shard, (param_start, param_end, shard_start, shard_end) in self._owned(index):
                 piece = tensor.reshape(-1)[param_start:param_end].to(self.device, torch.float32)
                 stage_shard.master[shard_start:shard_end].copy_(piece)
@@ -196,9 +221,16 @@ class FlatModel:
                 shard.weight.copy_(shard.master)
 
     def full_parameters(self) -> Iterator[tuple[str, Tensor]]:
-        """Every parameter in the compute dtype (views: copy before the next step)."""
-        for index, name in enumerate(self.names):
-            yield name, self.parameter_view(self.weights, index)
+        """Every parameter in the compute dtype (views: copy each before taking the next). With
+        ZeRO-3 each stage is gathered in turn: every rank must iterate to the end."""
+        for stage in range(self.layout.num_stages):
+            if self.gatherer is not None:
+                self.gatherer.ensure(stage)
+            for index, name in enumerate(self.names):
+                if self.layout.parameter(index)[0] == stage:
+                    yield name, self.parameter_view(self.weights, index)
+            if self.gatherer is not None:
+                self.gatherer.release(stage)
 
 
 def _set_parameter(model: torch.nn.Module, name: str, parameter: torch.nn.Parameter) -> None:
@@ -207,59 +239,3 @@ def _set_parameter(model: torch.nn.Module, name: str, parameter: torch.nn.Parame
     for part in path:
         module = getattr(module, part)
     module._parameters[leaf] = parameter
-
-
-class GradientReducer:
-    """ZeRO-2: once every parameter of a stage has its gradient for this backward pass, the
-    stage's full gradient is summed over ranks straight into each rank's shard by an
-    asynchronous reduce-scatter, which overlaps the backward pass of the stages before it. The
-    result is added to the shard's accumulator, and the full buffer cleared, just before the
-    stage that reuses that buffer needs it (or at the end of the pass). Stages finish in the
-    same order on every rank, so the collectives match."""
-
-    def __init__(self, flat: FlatModel) -> None:
-        self.flat = flat
-        self.expected = [0] * flat.layout.num_stages
-        for _, _, stage, _ in flat.specs:
-            self.expected[stage] += 1
-        self.received = [0] * flat.layout.num_stages
-        self.scratch = [torch.empty_like(shard.grad) for shard in flat.shards]
-        self.in_flight: dict[int, tuple[Any, int]] = {}
-        """Per gradient buffer (stage parity): the reduce-scatter reading it, and its stage."""
-
-    def before_accumulate(self, stage: int) -> None:
-        pending = self.in_flight.get(stage % 2)
-        if pending is not None and pending[1] != stage:
-            self._complete(stage % 2)
-
-    def parameter_done(self, stage: int) -> None:
-        self.received[stage] += 1
-        if self.received[stage] == self.expected[stage]:
-            self._start(stage)
-
-    def flush(self) -> None:
-        for stage in reversed(range(len(self.received))):
-            if self.received[stage] < self.expected[stage]:
-                self._start(stage)
-        for parity in list(self.in_flight):
-            self._complete(parity)
-        self.received = [0] * len(self.received)
-
-    @torch.no_grad()
-    def _start(self, stage: int) -> None:
-        import torch.distributed as dist
-
-        if stage % 2 in self.in_flight:
-            self._complete(stage % 2)
-        self.received[stage] = self.expected[stage]
-        work = dist.reduce_scatter_tensor(
-            self.scratch[stage], self.flat.grads[stage], async_op=True
-        )
-        self.in_flight[stage % 2] = (work, stage)
-
-    @torch.no_grad()
-    def _complete(self, parity: int) -> None:
-        work, stage = self.in_flight.pop(parity)
-        work.wait()
-        self.flat.shards[stage].grad.add_(self.scratch[stage])
-        self.flat.grads[stage].zero_()

@@ -231,10 +231,13 @@ def export(trainer: Trainer, directory: Path, output_format: str) -> None:
         _pending.append(_Pending(job, partial, directory, manifest, None, buffers))
         wait_for_checkpoints()
         return
+    # Every rank takes part (ZeRO-3 gathers each stage); rank 0 keeps the copies.
+    tensors = {
+        name: t.detach().to("cpu", copy=True)
+        for name, t in trainer.flat.full_parameters()
+        if trainer.distributed.is_main
+    }
     if trainer.distributed.is_main:
-        tensors = {
-            name: t.detach().to("cpu", copy=True) for name, t in trainer.flat.full_parameters()
-        }
         # The dataset's directory as the source's: write_model copies its tokenizer files.
         dataset = Path(trainer.config.data.path[0])
         source = ModelSource(dataset, "fastllm", trainer.config.model.base_model, loaded=tensors)

@@ -46,6 +46,7 @@ class Trainer:
             rank=self.distributed.rank,
             world_size=self.distributed.world_size,
             zero_stage=config.model.multi_stage.zero_stage,
+            layers_per_stage=config.model.multi_stage.layers_per_stage,
         )
         apply_recompute(self.model, config.model.multi_stage.recompute)
         self.optimizer = AdamW(self.flat, config.optimizer)
