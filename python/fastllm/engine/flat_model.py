@@ -95,10 +95,7 @@ class FlatModel:
         """(name, numel, stage, weight decay) of every parameter, in model order."""
         self.layout = _native.Layout(self.specs, alignment=ALIGNMENT, world_size=world_size)
         stages = range(self.layout.num_stages)
-        self.weights = [
-            torch.zeros(self.layout.stage_size(s), dtype=compute_dtype, device=device)
-            for s in stages
-        ]
+        self.weights = [self._weight_buffer(model, s) for s in stages]
         if self.shard_gradients:
             # ZeRO-2: a stage's full gradient only lives while its backward runs; consecutive
             # stages alternate between two buffers, and each finished stage is reduce-scattered
@@ -113,10 +110,6 @@ class FlatModel:
             ]
         self.shards = [self._shard(stage) for stage in stages]
         self.reducer = GradientReducer(self) if self.shard_gradients else None
-        for index, name in enumerate(self.names):
-            _set_parameter(
-                model, name, torch.nn.Parameter(self.parameter_view(self.weights, index))
-            )
         self._hooks = [
             parameter.register_post_accumulate_grad_hook(self._accumulate_hook(index))
             for index, (_, parameter) in enumerate(model.named_parameters())
@@ -135,11 +128,30 @@ class FlatModel:
         stage, offset, numel = self.layout.parameter(index)
         return buffers[stage][offset : offset + numel].view(self.shapes[self.names[index]])
 
+    def _weight_buffer(self, model: GPTModel, stage: int) -> Tensor:
+        """The stage's compute weights, its parameters made views of it. With ZeRO-3 its
+        memory is freed at once (before the next stage's is taken): it holds the stage only
+        while the stage runs (WeightGatherer)."""
+        buffer = torch.zeros(
+            self.layout.stage_size(stage), dtype=self.compute_dtype, device=self.device
+        )
+        for index, name in enumerate(self.names):
+            parameter_stage, offset, numel = self.layout.parameter(index)
+            if parameter_stage == stage:
+                view = buffer[offset : offset + numel].view(self.shapes[name])
+                _set_parameter(model, name, torch.nn.Parameter(view))
+        if self.shard_weights:
+            buffer.untyped_storage().resize_(0)
+        return buffer
+
     def _shard(self, stage: int) -> Shard:
         start, end = self.layout.shard_range(stage, self.rank)
-        weight, grad = self.weights[stage][start:end], self.grads[stage][start:end]
-        if self.shard_weights:  # the full buffer only holds the stage while it is in use
-            weight = torch.zeros(end - start, dtype=self.compute_dtype, device=self.device)
+        grad = self.grads[stage][start:end]
+        weight = (
+            torch.zeros(end - start, dtype=self.compute_dtype, device=self.device)
+            if self.shard_weights
+            else self.weights[stage][start:end]
+        )
         if self.shard_gradients:
             grad = torch.zeros(end - start, dtype=torch.float32, device=self.device)
         master = (

@@ -34,8 +34,6 @@ class WeightGatherer:
         """Stages whose all-gather is still in flight."""
         self.last = len(modules) - 1
         self.tied = flat.model.head is None
-        for buffer in self.buffers:
-            buffer.untyped_storage().resize_(0)
         for stage, stage_modules in enumerate(modules):
             stage_modules[0].register_forward_pre_hook(self._forward_hook(stage))
             stage_modules[-1].register_forward_hook(self._output_hook(stage))

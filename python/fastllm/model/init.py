@@ -4,6 +4,7 @@ of each block scaled down by sqrt(2 * num_layers) (GPT-2, Megatron), zero biases
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -12,33 +13,43 @@ from fastllm.model.block import Normalization
 from fastllm.model.gpt import GPTModel
 from fastllm.model.mlp import MLP, MixtureOfExperts
 
+Initializer = Callable[[torch.Tensor], None]
 
-@torch.no_grad()
-def initialize(model: GPTModel, generator: torch.Generator | None = None) -> None:
+
+def initializers(
+    model: GPTModel, generator: torch.Generator | None = None
+) -> list[tuple[str, Initializer]]:
+    """Each parameter's name and the function that fills it, in the order the random draws are
+    made: running them in turn on tensors of the parameters' shapes (anywhere: one at a time,
+    or on a model that lives on the meta device) gives exactly what `initialize` gives."""
     transformer = model.config.transformer
     std = transformer.init_method_std
     assert std is not None
     output_std = std / math.sqrt(2 * transformer.num_layers)
+    names = {id(p): name for name, p in model.named_parameters()}
+    plan: list[tuple[str, Initializer]] = []
 
-    def normal(tensor: torch.Tensor, scale: float) -> None:
-        tensor.normal_(0.0, scale, generator=generator)
+    def normal(parameter: torch.Tensor, scale: float) -> None:
+        plan.append((names[id(parameter)], lambda t: t.normal_(0.0, scale, generator=generator)))
+
+    def constant(parameter: torch.Tensor | None, value: float) -> None:
+        if parameter is not None:
+            plan.append((names[id(parameter)], lambda t: t.fill_(value)))
 
     def input_and_output(first: torch.nn.Linear, second: torch.nn.Linear) -> None:
         """The projection into a sub-layer and the (scaled-down) one back to the residual."""
         normal(first.weight, std)
         normal(second.weight, output_std)
         for linear in (first, second):
-            if linear.bias is not None:
-                linear.bias.zero_()
+            constant(linear.bias, 0.0)
 
     normal(model.embeddings.weight, std)
     if model.head is not None:
         normal(model.head.weight, std)
     for module in model.modules():
         if isinstance(module, Normalization):
-            module.weight.fill_(1.0)
-            if module.bias is not None:
-                module.bias.zero_()
+            constant(module.weight, 1.0)
+            constant(module.bias, 0.0)
         elif isinstance(module, Attention):
             input_and_output(module.query_key_value, module.dense)
         elif isinstance(module, MLP):
@@ -47,3 +58,11 @@ def initialize(model: GPTModel, generator: torch.Generator | None = None) -> Non
             normal(module.router.weight, std)
             normal(module.layer_1, std)
             normal(module.layer_2, output_std)
+    return plan
+
+
+@torch.no_grad()
+def initialize(model: GPTModel, generator: torch.Generator | None = None) -> None:
+    parameters = dict(model.named_parameters())
+    for name, fill in initializers(model, generator):
+        fill(parameters[name])

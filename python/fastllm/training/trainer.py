@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,8 @@ from fastllm.engine.precision import DTYPES, LossScaler
 from fastllm.engine.process_group import Distributed, setup_distributed
 from fastllm.engine.recompute import apply_recompute
 from fastllm.engine.schedule import learning_rate
-from fastllm.model import GPTModel, initialize
+from fastllm.model import GPTModel
+from fastllm.model.init import initializers
 from fastllm.training import state
 from fastllm.training.metrics import PEAK_FLOPS, MetricsLogger, flops_per_token
 
@@ -70,14 +72,18 @@ class Trainer:
             source = open_model(pretrained.path, pretrained.format)
             self.flat.load_full_parameters(source.tensors())
             return
-        # Every rank draws the same full fp32 model from the seed and keeps its shard.
-        generator = torch.Generator(self.distributed.device).manual_seed(
-            self.config.model.distributed.seed
-        )
-        with torch.device(self.distributed.device):
-            full = GPTModel(self.config.model.base_model)
-        initialize(full, generator)
-        self.flat.load_full_parameters(full.named_parameters())
+        # Every rank draws the same full fp32 model from the seed, one parameter at a time (so
+        # a model only ZeRO-3 fits is never whole), and keeps its shard.
+        device = self.distributed.device
+        generator = torch.Generator(device).manual_seed(self.config.model.distributed.seed)
+
+        def drawn() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, fill in initializers(self.model, generator):
+                tensor = torch.empty(self.flat.shapes[name], dtype=torch.float32, device=device)
+                fill(tensor)
+                yield name, tensor
+
+        self.flat.load_full_parameters(drawn())
 
     # --- data ---------------------------------------------------------------------------------
 
