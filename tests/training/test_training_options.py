@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from fastllm.config import TrainerConfig, build, load_raw
+from fastllm.data import Batch
 from fastllm.training import Trainer
 from fastllm.training.setup import with_pretrained_architecture
 from tests.model.hf_models import save_hf_model
@@ -110,3 +111,22 @@ def test_metrics_also_go_to_tensorboard_and_offline_wandb(
     assert list((experiment / "tensorboard").glob("events.out.tfevents.*"))
     offline_runs = list((experiment / "wandb").glob("offline-run-*"))
     assert offline_runs and list(offline_runs[0].glob("*.wandb"))
+
+
+def test_attention_keeps_within_documents_only_when_asked_and_when_it_matters(
+    dataset: Path, tmp_path: Path
+) -> None:
+    crossing = trainer(dataset, tmp_path / "a")
+    within = trainer(dataset, tmp_path / "b", "batch.cross_document_attention=false")
+    mixed = next(
+        b
+        for step in within.data_loader()
+        for b in step
+        if any(len(row.unique()) > 1 for row in b.document_ids)
+    )
+    assert crossing._attention_documents(mixed) is None
+    assert torch.equal(within._attention_documents(mixed), mixed.document_ids)
+    single = Batch(mixed.input_ids, mixed.labels, torch.zeros_like(mixed.document_ids))
+    assert within._attention_documents(single) is None  # plain causal attention is the same
+    # The two settings really compute different things on packed samples.
+    assert crossing.forward_backward(mixed).item() != within.forward_backward(mixed).item()

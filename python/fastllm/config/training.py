@@ -86,6 +86,10 @@ class BatchConfig(Section):
     micro_batch_size: int | None = None
     """Sequences per forward/backward pass on one rank; gradients are accumulated over the
     micro-batches of a step. Default: the whole batch at once."""
+    cross_document_attention: bool = True
+    """Whether tokens attend to the earlier documents packed into the same sequence (as in
+    Fast-LLM, Megatron-LM and torchtitan by default). false keeps attention, and positions,
+    within each document (varlen / block-masked attention: slower)."""
 
     def validate(self) -> None:
         check_positive(self.batch_size, "batch_size")

@@ -125,12 +125,25 @@ class Trainer:
             prefetch=self.config.data.prefetch,
         )
 
+    def _attention_documents(self, batch: Batch) -> torch.Tensor | None:
+        """The document ids attention must keep within, on the device; None when it may cross
+        documents (`batch.cross_document_attention`) or each sequence is a single document,
+        where plain causal attention (the fastest kernels) is the same."""
+        ids = batch.document_ids
+        if self.config.batch.cross_document_attention or bool((ids == ids[:, :1]).all()):
+            return None
+        return ids.to(self.distributed.device, non_blocking=True)
+
     # --- steps --------------------------------------------------------------------------------
 
     def forward_backward(self, batch: Batch, weight: float = 1.0) -> torch.Tensor:
         """Loss of one micro-batch; its gradient, times `weight`, is added to the flat buffer."""
-        batch = batch.to(self.distributed.device)
-        loss = self.model.loss(batch.input_ids, batch.labels, document_ids=batch.document_ids)
+        device = self.distributed.device
+        loss = self.model.loss(
+            batch.input_ids.to(device, non_blocking=True),
+            batch.labels.to(device, non_blocking=True),
+            document_ids=self._attention_documents(batch),
+        )
         (loss * (weight * self.scaler.scale)).backward()
         self.flat.finish_backward()
         return loss.detach()
@@ -178,7 +191,7 @@ class Trainer:
                 self.model.loss(
                     b.input_ids.to(self.distributed.device),
                     b.labels.to(self.distributed.device),
-                    document_ids=b.document_ids.to(self.distributed.device),
+                    document_ids=self._attention_documents(b),
                 )
                 for step in loader
                 for b in step
