@@ -126,3 +126,20 @@ def test_fim_parts_put_back_in_order_give_the_original_documents(
             checked += 1
     assert checked > COUNT / 2
     assert min(forms.values()) > COUNT / 10, forms
+
+
+def test_a_dataset_with_a_larger_vocabulary_than_the_fim_tokenizer_is_refused(
+    dataset: Path, tmp_path: Path
+) -> None:
+    import json
+    import shutil
+
+    from fastllm.config import ConfigError
+
+    copy = tmp_path / "bigger"
+    shutil.copytree(dataset, copy)
+    metadata = json.loads((copy / "metadata.json").read_text())
+    metadata["vocab_size"] = 100_000
+    (copy / "metadata.json").write_text(json.dumps(metadata))
+    with pytest.raises(ConfigError, match=r"vocabulary of 100000 tokens but the FIM tokenizer"):
+        stream(copy, tmp_path / "cache", FimConfig(rate=0.5, split="character"))

@@ -50,7 +50,7 @@ class SampleStream:
                 raise ConfigError(f"{key}[{i}]", str(error)) from None
         prefixes = [prefix for dataset in datasets for prefix in dataset.prefixes]
         shard_weights = _shard_weights(datasets, weights)
-        fim, tokenizer = _fim_options(config.fim, datasets[0]) if config.fim else (None, None)
+        fim, tokenizer = _fim_options(config.fim, datasets, key) if config.fim else (None, None)
         self.datasets = datasets
         try:  # a weight of 0 or an empty dataset in the blend, found while building the index
             self._source = _native.SampleSource(
@@ -95,9 +95,14 @@ def _shard_weights(datasets: list[TokenDataset], weights: list[float] | None) ->
     return shard_weights
 
 
-def _fim_options(config: FimConfig, dataset: TokenDataset) -> tuple[object, str | None]:
+def _fim_options(
+    config: FimConfig, datasets: list[TokenDataset], key: str
+) -> tuple[object, str | None]:
+    """FIM applies the first dataset's tokenizer to the whole blend: the others must have
+    been made with the same one."""
     from tokenizers import Tokenizer
 
+    dataset = datasets[0]
     tokenizer_file = dataset.path / "tokenizer.json"
     if not tokenizer_file.is_file():  # datasets keep a copy; else the file prepare read
         tokenizer_file = Path(dataset.metadata.get("tokenizer", {}).get("path", tokenizer_file))
@@ -106,6 +111,22 @@ def _fim_options(config: FimConfig, dataset: TokenDataset) -> tuple[object, str 
             "data.fim", f"{dataset.path}: its tokenizer.json is needed for the FIM tokens"
         )
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    digest = dataset.metadata.get("tokenizer", {}).get("sha256")
+    for i, other in enumerate(datasets):
+        vocab_size = other.metadata.get("vocab_size")
+        if vocab_size is not None and vocab_size > tokenizer.get_vocab_size():
+            raise ConfigError(
+                f"{key}[{i}]",
+                f"{other.path} has a vocabulary of {vocab_size} tokens but the FIM tokenizer "
+                f"{tokenizer_file} only {tokenizer.get_vocab_size()}",
+            )
+        other_digest = other.metadata.get("tokenizer", {}).get("sha256")
+        if digest and other_digest and other_digest != digest:
+            raise ConfigError(
+                f"{key}[{i}]",
+                f"{other.path} was made with another tokenizer than {dataset.path}; FIM "
+                "needs one tokenizer for the whole blend",
+            )
 
     def token(key: str) -> int:
         name = getattr(config, key)

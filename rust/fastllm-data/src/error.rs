@@ -119,6 +119,9 @@ pub enum DataError {
     #[error("token {token} is not a token id (0 to 2^32 - 1)")]
     BadTokenId { token: i64 },
 
+    #[error("character-level FIM: {0}")]
+    Codec(String),
+
     #[error(
         "batch buffers must have equal lengths, a multiple of the sample length {sample_length} \
          (tokens {tokens}, document ids {document_ids}, loss mask {loss_mask})"

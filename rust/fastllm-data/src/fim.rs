@@ -26,10 +26,11 @@ const FIM_STREAM: u64 = 0x4649_4d5f_7374_7265;
 /// Turns tokens into text and back, for [`FimSplit::Character`].
 ///
 /// `encode` must add no special tokens (no BOS or EOS), since the prefix, middle and suffix are
-/// encoded separately and placed between FIM sentinels.
+/// encoded separately and placed between FIM sentinels. Errors (tokens the codec does not know:
+/// a dataset made with another tokenizer) are reported, as [`DataError::Codec`].
 pub trait TextCodec {
-    fn decode(&self, tokens: &[u32]) -> String;
-    fn encode(&self, text: &str) -> Vec<u32>;
+    fn decode(&self, tokens: &[u32]) -> Result<String, String>;
+    fn encode(&self, text: &str) -> Result<Vec<u32>, String>;
 }
 
 /// Where documents are split into prefix, middle and suffix.
@@ -189,7 +190,7 @@ impl Fim {
                     .iter()
                     .map(|&token| u32::try_from(token).map_err(|_| DataError::BadTokenId { token }))
                     .collect::<Result<Vec<u32>, _>>()?;
-                let text = codec.decode(&ids);
+                let text = codec.decode(&ids).map_err(DataError::Codec)?;
                 let (start, end) = self.split_points(text.chars().count(), rng);
                 let byte = |char_index| {
                     text.char_indices()
@@ -197,13 +198,14 @@ impl Fim {
                         .map_or(text.len(), |(i, _)| i)
                 };
                 let (start, end) = (byte(start), byte(end));
-                let encode = |part: &str| -> Vec<i64> {
-                    codec.encode(part).into_iter().map(i64::from).collect()
+                let encode = |part: &str| -> Result<Vec<i64>, DataError> {
+                    let ids = codec.encode(part).map_err(DataError::Codec)?;
+                    Ok(ids.into_iter().map(i64::from).collect())
                 };
                 let (prefix, middle, suffix) = (
-                    encode(&text[..start]),
-                    encode(&text[start..end]),
-                    encode(&text[end..]),
+                    encode(&text[..start])?,
+                    encode(&text[start..end])?,
+                    encode(&text[end..])?,
                 );
                 let parts = Parts {
                     prefix: &prefix,

@@ -29,13 +29,16 @@ fn token_fim(rate: f64, spm_rate: f64) -> Fim {
 struct ByteCodec;
 
 impl TextCodec for ByteCodec {
-    fn decode(&self, tokens: &[u32]) -> String {
-        let bytes: Vec<u8> = tokens.iter().map(|&t| u8::try_from(t).unwrap()).collect();
-        String::from_utf8(bytes).expect("FIM splits text only between characters")
+    fn decode(&self, tokens: &[u32]) -> Result<String, String> {
+        let bytes = tokens
+            .iter()
+            .map(|&t| u8::try_from(t).map_err(|_| format!("{t} is not a byte")))
+            .collect::<Result<Vec<u8>, _>>()?;
+        Ok(String::from_utf8(bytes).expect("FIM splits text only between characters"))
     }
 
-    fn encode(&self, text: &str) -> Vec<u32> {
-        text.bytes().map(u32::from).collect()
+    fn encode(&self, text: &str) -> Result<Vec<u32>, String> {
+        Ok(text.bytes().map(u32::from).collect())
     }
 }
 
@@ -44,15 +47,15 @@ impl TextCodec for ByteCodec {
 struct PairCodec;
 
 impl TextCodec for PairCodec {
-    fn decode(&self, tokens: &[u32]) -> String {
-        tokens.iter().map(|&t| "a".repeat(t as usize)).collect()
+    fn decode(&self, tokens: &[u32]) -> Result<String, String> {
+        Ok(tokens.iter().map(|&t| "a".repeat(t as usize)).collect())
     }
 
-    fn encode(&self, text: &str) -> Vec<u32> {
+    fn encode(&self, text: &str) -> Result<Vec<u32>, String> {
         let n = text.len();
         let mut tokens = vec![2; n / 2];
         tokens.extend(std::iter::repeat_n(1, n % 2));
-        tokens
+        Ok(tokens)
     }
 }
 
@@ -251,7 +254,7 @@ fn character_split_with_a_byte_codec_restores_text_and_splits_only_between_chara
                 for (segment, _) in segments(&out_tokens, &out_ids) {
                     if let Some(Parts { middle, .. }) = parts(split_eos(segment).0) {
                         let ids: Vec<u32> = middle.iter().map(|&t| t as u32).collect();
-                        assert!(ByteCodec.decode(&ids).chars().count() <= limit);
+                        assert!(ByteCodec.decode(&ids).unwrap().chars().count() <= limit);
                     }
                 }
             }
@@ -270,12 +273,13 @@ mod hf {
     struct HfCodec(Tokenizer);
 
     impl TextCodec for HfCodec {
-        fn decode(&self, tokens: &[u32]) -> String {
-            self.0.decode(tokens, false).unwrap()
+        fn decode(&self, tokens: &[u32]) -> Result<String, String> {
+            self.0.decode(tokens, false).map_err(|e| e.to_string())
         }
 
-        fn encode(&self, text: &str) -> Vec<u32> {
-            self.0.encode(text, false).unwrap().get_ids().to_vec()
+        fn encode(&self, text: &str) -> Result<Vec<u32>, String> {
+            let encoding = self.0.encode(text, false).map_err(|e| e.to_string())?;
+            Ok(encoding.get_ids().to_vec())
         }
     }
 
@@ -330,7 +334,7 @@ mod hf {
         let codec = HfCodec(tokenizer.clone());
         let mut tokens = Vec::new();
         for document in CORPUS {
-            tokens.extend(codec.encode(document).into_iter().map(i64::from));
+            tokens.extend(codec.encode(document).unwrap().into_iter().map(i64::from));
             tokens.push(fim_config.eos.into());
         }
         let fim = Fim::new(fim_config, Some(Box::new(HfCodec(tokenizer)))).unwrap();
@@ -341,8 +345,10 @@ mod hf {
             fim_config.eos,
         ]
         .map(i64::from);
-        let decode =
-            |tokens: &[i64]| codec.decode(&tokens.iter().map(|&t| t as u32).collect::<Vec<_>>());
+        let decode = |tokens: &[i64]| {
+            let ids: Vec<u32> = tokens.iter().map(|&t| t as u32).collect();
+            codec.decode(&ids).unwrap()
+        };
         let mut forms = [0; 2];
         for sample in 0..100 {
             let mut out = tokens.clone();
@@ -547,4 +553,9 @@ fn invalid_settings_and_tokens_are_errors() {
         fim.apply(0, 0, &mut tokens, &mut ids, 3),
         Err(DataError::BadTokenId { token: -1 })
     ));
+    // Tokens the codec does not know (a dataset made with another tokenizer): an error, not a
+    // panic.
+    let (mut tokens, mut ids) = (vec![65, 300, 66], vec![0; 3]);
+    let error = fim.apply(0, 0, &mut tokens, &mut ids, 3).unwrap_err();
+    assert_eq!(error.to_string(), "character-level FIM: 300 is not a byte");
 }

@@ -81,12 +81,15 @@ fn fim_config(split: FimSplit) -> FimConfig {
 struct CharCodec;
 
 impl TextCodec for CharCodec {
-    fn decode(&self, tokens: &[u32]) -> String {
-        tokens.iter().map(|&t| char::from_u32(t).unwrap()).collect()
+    fn decode(&self, tokens: &[u32]) -> Result<String, String> {
+        tokens
+            .iter()
+            .map(|&t| char::from_u32(t).ok_or_else(|| format!("no character {t}")))
+            .collect()
     }
 
-    fn encode(&self, text: &str) -> Vec<u32> {
-        text.chars().map(u32::from).collect()
+    fn encode(&self, text: &str) -> Result<Vec<u32>, String> {
+        Ok(text.chars().map(u32::from).collect())
     }
 }
 

@@ -9,20 +9,19 @@ use pyo3::PyResult;
 struct TokenizerCodec(Tokenizer);
 
 impl TextCodec for TokenizerCodec {
-    // The tokens come from a dataset made with this tokenizer, and its output re-encodes: a
-    // failure means the dataset and the tokenizer do not belong together.
-    fn decode(&self, tokens: &[u32]) -> String {
-        self.0
-            .decode(tokens)
-            .expect("dataset tokens must decode with the dataset's tokenizer")
+    // A failure means the dataset and the tokenizer do not belong together.
+    fn decode(&self, tokens: &[u32]) -> Result<String, String> {
+        self.0.decode(tokens).map_err(|error| {
+            format!("the dataset's tokens do not decode with its tokenizer.json ({error})")
+        })
     }
 
-    fn encode(&self, text: &str) -> Vec<u32> {
+    fn encode(&self, text: &str) -> Result<Vec<u32>, String> {
         let mut ids = Vec::new();
         self.0
             .encode(text, &mut ids)
-            .expect("decoded text must encode again");
-        ids
+            .map_err(|error| format!("decoded text does not encode again ({error})"))?;
+        Ok(ids)
     }
 }
 
