@@ -49,6 +49,8 @@ def attention(
 ) -> Tensor:
     """q (batch, seq, heads, head_dim), k/v (batch, seq, kv_heads, head_dim) → like q."""
     _check(q, k, v, window_size, document_ids)
+    if window_size is not None and window_size >= k.shape[1]:
+        window_size = None  # masks nothing: keep the fastest (dense) kernels
     if not q.is_cuda:
         mask = _dense_mask(q, causal, window_size, document_ids)
         if mask is None:

@@ -48,6 +48,8 @@ CASES = [
     {"causal": False},
     {"causal": True, "window_size": 4},
     {"causal": False, "window_size": 3},
+    {"causal": True, "window_size": 19},  # as long as the sequence (19): masks nothing
+    {"causal": False, "window_size": 25},
     {"causal": True, "documents": True},
     {"causal": False, "documents": True},
     {"causal": True, "window_size": 3, "documents": True, "scale": 0.3},

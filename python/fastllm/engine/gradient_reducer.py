@@ -26,7 +26,10 @@ class GradientReducer:
         for _, _, stage, _ in flat.specs:
             self.expected[stage] += 1
         self.received = [0] * flat.layout.num_stages
-        self.scratch = [torch.empty_like(shard.grad) for shard in flat.shards]
+        # What a reduce-scatter writes, one buffer per gradient buffer (stage parity).
+        largest = max(shard.grad.numel() for shard in flat.shards)
+        pool = [torch.empty(largest, dtype=torch.float32, device=flat.device) for _ in range(2)]
+        self.scratch = [pool[s % 2][: shard.grad.numel()] for s, shard in enumerate(flat.shards)]
         self.in_flight: dict[int, tuple[Any, int]] = {}
         """Per gradient buffer (stage parity): the reduce-scatter reading it, and its stage."""
 
