@@ -1,0 +1,161 @@
+"""Helpers shared by the training benchmarks (train_bench.py, scale_bench.py): provenance,
+a random-token dataset, result files, markdown tables and optional plotting.
+
+Importing this module must stay cheap (no torch): `--plot` runs on machines without a GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import socket
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+GIB = 2**30
+
+
+# ---------------------------------------------------------------- provenance
+
+
+def commit_info(explicit: str | None) -> dict[str, Any]:
+    """The commit that ran: --commit when given (the GPU machine's copy has no .git), else
+    HEAD of this checkout, with whether the working tree differs from it."""
+    if explicit:
+        return {"commit": explicit, "dirty": None, "commit_source": "--commit"}
+
+    def git(*arguments: str) -> str | None:
+        try:
+            result = subprocess.run(["git", *arguments], capture_output=True, text=True, cwd=ROOT)
+        except OSError:
+            return None
+        return result.stdout.strip() if result.returncode == 0 else None
+
+    head = git("rev-parse", "HEAD")
+    if head is None:
+        return {"commit": "unknown", "dirty": None, "commit_source": "none"}
+    dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    return {"commit": head, "dirty": dirty, "commit_source": "git"}
+
+
+def machine_info() -> dict[str, Any]:
+    """Host, library versions and accelerators (imports torch: call from a measuring process)."""
+    import torch
+
+    info: dict[str, Any] = {
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
+    }
+    for name in ("fastllm", "fastllm_kernels", "transformers", "triton", "flash_attn"):
+        try:
+            module = __import__(name)
+            info[name] = getattr(module, "__version__", "installed")
+        except ImportError:
+            info[name] = None
+    return info
+
+
+# ---------------------------------------------------------------- data
+
+
+def write_random_dataset(
+    directory: Path, *, vocab_size: int, tokens: int, document_length: int | None, seed: int
+) -> dict[str, Any]:
+    """Uniformly random tokens as a Megatron MMIDIDX v1 dataset (DIRECTORY/data.bin + .idx),
+    the format `fastllm prepare` writes and `fastllm train` reads. Written under a temporary
+    name and renamed, so an interrupted write never leaves a dataset that looks complete.
+
+    `document_length` None makes one document of all tokens: every training sample then lies
+    inside one document, so the packed-document attention does the work of plain causal
+    attention, as the baseline does."""
+    dtype = np.uint16 if vocab_size <= 1 << 16 else np.int32
+    code = 8 if dtype == np.uint16 else 4  # Megatron's dtype codes
+    length = document_length or tokens
+    lengths = np.full(tokens // length, length, dtype=np.int32)
+    if tokens % length:
+        lengths = np.append(lengths, np.int32(tokens % length))
+    partial = directory.with_name(f".{directory.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    generator = np.random.default_rng(seed)
+    generator.integers(0, vocab_size, size=tokens, dtype=dtype).tofile(partial / "data.bin")
+    pointers = np.zeros(len(lengths), dtype=np.int64)
+    np.cumsum(lengths[:-1].astype(np.int64) * np.dtype(dtype).itemsize, out=pointers[1:])
+    with open(partial / "data.idx", "wb") as index:
+        index.write(b"MMIDIDX\x00\x00")
+        index.write(np.array([1], "<u8").tobytes() + bytes([code]))
+        index.write(np.array([len(lengths), len(lengths) + 1], "<u8").tobytes())
+        index.write(lengths.astype("<i4").tobytes())
+        index.write(pointers.astype("<i8").tobytes())
+        index.write(np.arange(len(lengths) + 1, dtype="<i8").tobytes())
+    shutil.rmtree(directory, ignore_errors=True)
+    partial.rename(directory)
+    return {
+        "path": str(directory),
+        "kind": "uniformly random tokens",
+        "vocab_size": vocab_size,
+        "tokens": tokens,
+        "documents": len(lengths),
+        "document_length": int(lengths[0]),
+        "seed": seed,
+    }
+
+
+# ---------------------------------------------------------------- results
+
+
+def write_json(path: Path, value: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(value, indent=2) + "\n")
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(path.read_text())
+
+
+def harmonic_mean(rates: list[float]) -> float:
+    """The rate over equal amounts of work done at `rates` (total work / total time)."""
+    return len(rates) / sum(1.0 / rate for rate in rates)
+
+
+def markdown_table(headers: list[str], rows: list[list[str]], text_columns: int = 1) -> str:
+    """Text in the first `text_columns` columns (left-aligned), numbers after them."""
+    align = ["---"] * text_columns + ["---:"] * (len(headers) - text_columns)
+    lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join(align) + " |"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def fmt(value: float | None, spec: str, missing: str = "—") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def pyplot() -> Any:
+    """matplotlib.pyplot on a file-only backend, or None where matplotlib is missing (the GPU
+    image): the plot is then made later with `--plot RESULT.json`."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
