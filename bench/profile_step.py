@@ -1,0 +1,140 @@
+"""Where a fastllm training step spends its GPU time: the step of bench/train_bench.py (the same
+config, data and code path) under torch.profiler, its kernels grouped by what they do.
+
+    python bench/profile_step.py --model 1b --out bench/results/profile_h200_1b
+    python bench/profile_step.py --model 1b --tiny --device cpu --out /tmp/profile   # smoke
+
+Writes OUT/profile.json (per group and per kernel: calls, total ms per step, share of the step)
+and OUT/profile.md; with --trace, a Chrome trace too (large)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from bench_common import commit_info, machine_info, markdown_table, write_json, write_random_dataset
+from train_bench import MODELS, load_trainer_config, model_overrides, run_overrides
+
+GROUPS = [
+    ("attention", r"cudnn|fmha|flash|attention|sdpa"),
+    ("nccl", r"nccl"),
+    ("matmul", r"gemm|cutlass|sm90|sm100|nvjet|matmul|xmma|cublas"),
+    ("fastllm triton", r"_kernel|triton"),
+    ("copy / cast", r"copy|memcpy|memset|convert|cast"),
+    ("elementwise / reduce", r"elementwise|reduce|vectorized|unrolled|index|scatter|gather"),
+]
+
+
+def group_of(name: str) -> str:
+    lowered = name.lower()
+    for group, pattern in GROUPS:
+        if re.search(pattern, lowered):
+            return group
+    return "other"
+
+
+def profile(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from fastllm.training import Trainer
+
+    work = Path(tempfile.mkdtemp(prefix="fastllm-profile-"))
+    config = load_trainer_config(args.model, model_overrides(args.model, args))
+    dataset = write_random_dataset(
+        work / "dataset",
+        vocab_size=config.model.base_model.vocab_size,
+        tokens=(args.warmup + args.steps + 1) * 64 * (args.seq + 1),
+        document_length=None,
+        seed=0,
+    )
+    args.accumulate = 1
+    overrides = run_overrides(args.model, args, work / "exp", Path(dataset["path"]))
+    trainer = Trainer(load_trainer_config(args.model, overrides))
+    cuda = trainer.distributed.device.type == "cuda"
+    batches = iter(trainer.data_loader())
+    for _ in range(args.warmup):
+        trainer.train_step(next(batches))
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with torch_profile(activities=activities) as prof:
+        for _ in range(args.steps):
+            trainer.train_step(next(batches))
+        if cuda:
+            torch.cuda.synchronize()
+    if args.trace:
+        prof.export_chrome_trace(str(args.out / "trace.json"))
+    kernels: dict[str, dict[str, float]] = defaultdict(lambda: {"calls": 0, "ms": 0.0})
+    for event in prof.key_averages():
+        time_us = event.device_time_total if cuda else event.self_cpu_time_total
+        if time_us <= 0 or (cuda and event.device_type.name != "CUDA"):
+            continue
+        kernels[event.key]["calls"] += event.count / args.steps
+        kernels[event.key]["ms"] += time_us / 1e3 / args.steps
+    total = sum(k["ms"] for k in kernels.values()) or 1.0
+    groups: dict[str, float] = defaultdict(float)
+    for name, stats in kernels.items():
+        groups[group_of(name)] += stats["ms"]
+    top = sorted(kernels.items(), key=lambda item: -item[1]["ms"])[: args.top]
+    return {
+        "benchmark": "profile",
+        **commit_info(args.commit),
+        "machine": machine_info(),
+        "model": args.model,
+        "seq": args.seq,
+        "micro_batch": trainer.config.batch.micro_batch_size,
+        "timed": "device kernels" if cuda else "CPU operators (self time)",
+        "ms_per_step": total,
+        "groups": {g: {"ms": ms, "share": ms / total} for g, ms in sorted(groups.items())},
+        "kernels": [
+            {"name": name, "group": group_of(name), **stats, "share": stats["ms"] / total}
+            for name, stats in top
+        ],
+    }
+
+
+def table(report: dict[str, Any]) -> str:
+    rows = [
+        [group, f"{v['ms']:.2f}", f"{100 * v['share']:.1f}"]
+        for group, v in sorted(report["groups"].items(), key=lambda item: -item[1]["ms"])
+    ]
+    rows += [
+        [k["name"][:90], f"{k['ms']:.2f}", f"{100 * k['share']:.1f}"] for k in report["kernels"]
+    ]
+    return markdown_table(["group / kernel", "ms per step", "% of step"], rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="1b")
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--micro-batch", type=int, default=None)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--top", type=int, default=30, help="kernels listed")
+    parser.add_argument("--trace", action="store_true")
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--device", choices=["auto", "cpu"], default="auto")
+    parser.add_argument("--commit", default=None)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    if args.tiny:
+        args.seq = min(args.seq, 64)
+    if args.device == "cpu":
+        import os
+
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    args.out.mkdir(parents=True, exist_ok=True)
+    report = profile(args)
+    write_json(args.out / "profile.json", report)
+    text = table(report)
+    (args.out / "profile.md").write_text(text + "\n")
+    print(f"{report['ms_per_step']:.1f} ms per step ({report['timed']})\n\n{text}")
+
+
+if __name__ == "__main__":
+    main()
