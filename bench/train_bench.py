@@ -56,7 +56,8 @@ from bench_common import (
 
 PEAK_FLOPS = 989.4e12
 """H100/H200 dense bf16 peak (fastllm.training.metrics.PEAK_FLOPS["cuda"], torchtitan's)."""
-SYSTEMS = ("fastllm", "hf")
+SYSTEMS = ("fastllm", "fastllm-compile", "hf")
+"""fastllm-compile: the same run with training.compile=true (torch.compile of each block)."""
 T = "model.base_model.transformer."
 
 
@@ -404,7 +405,7 @@ def child(spec_path: Path) -> None:
     result: dict[str, Any] = {"model": spec["model"], "system": spec["system"]}
     start = time.perf_counter()
     try:
-        runner = run_fastllm if spec["system"] == "fastllm" else run_hf
+        runner = run_hf if spec["system"] == "hf" else run_fastllm
         result.update(runner(spec), status="ok")
     except Exception as error:
         # Some allocation failures (cuBLAS workspaces, compiled kernels) are not OutOfMemoryError.
@@ -509,8 +510,13 @@ def comparisons(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """fastllm against the baseline, per model, where both ran."""
     by_key = {(run["model"], run["system"]): run for run in runs}
     rows = []
-    for model in dict.fromkeys(run["model"] for run in runs):
-        ours, theirs = by_key.get((model, "fastllm")), by_key.get((model, "hf"))
+    pairs = [
+        (model, system)
+        for model in dict.fromkeys(run["model"] for run in runs)
+        for system in SYSTEMS[:-1]
+    ]
+    for model, system in pairs:
+        ours, theirs = by_key.get((model, system)), by_key.get((model, "hf"))
         if not (ours and theirs and ours["status"] == theirs["status"] == "ok"):
             continue
         ours_memory = ours["peak_memory"]["timed_steps"]["allocated_gib"]
@@ -518,6 +524,7 @@ def comparisons(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         rows.append(
             {
                 "model": model,
+                "system": system,
                 "tokens_per_s_ratio": ours["tokens_per_s"] / theirs["tokens_per_s"],
                 "mfu_fastllm": ours["mfu"],
                 "mfu_hf": theirs["mfu"],
@@ -566,7 +573,7 @@ def table(report: dict[str, Any]) -> str:
     if report["comparisons"]:
         ratio_rows = [
             [
-                row["model"],
+                f"{row['model']} ({row.get('system', 'fastllm')})",
                 f"{row['tokens_per_s_ratio']:.2f}x",
                 fmt(row["peak_allocated_ratio"], ".2f"),
                 "yes" if row["flops_per_token_agree"] else "NO",
@@ -589,7 +596,11 @@ def plot(report: dict[str, Any], path: Path) -> bool:
     by_key = {(run["model"], run["system"]): run for run in report["runs"]}
     figure, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     width = 0.8 / len(systems)
-    labels = {"fastllm": "fastllm (bf16, fp32 masters)", "hf": "HF + torch.compile (bf16)"}
+    labels = {
+        "fastllm": "fastllm (bf16, fp32 masters)",
+        "fastllm-compile": "fastllm, blocks compiled",
+        "hf": "HF + torch.compile (bf16)",
+    }
     for axis, key, scale, title in (
         (axes[0], "tokens_per_s", 1.0, "tokens/s per GPU"),
         (axes[1], "mfu", 100.0, "MFU (%)"),
@@ -669,7 +680,7 @@ def parse_args() -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["1b", "3b", "8b"])
-    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=["fastllm", "hf"])
     parser.add_argument("--steps", type=int, help="timed steps (default 10; --tiny 3)")
     parser.add_argument("--warmup", type=int, help="untimed first steps (default 3; --tiny 1)")
     parser.add_argument("--seq", type=int, help="sequence length (default 4096; --tiny 128)")
@@ -749,6 +760,8 @@ def run_one(
     probe = load_trainer_config(model, model_overrides(model, args))
     dataset = datasets.get(probe.model.base_model.vocab_size, {}).get("path", str(work))
     overrides = run_overrides(model, args, work / f"exp_{model}", Path(dataset))
+    if system == "fastllm-compile":
+        overrides.append("training.compile=true")
     config = load_trainer_config(model, overrides)
     spec = {
         "model": model,
@@ -791,7 +804,8 @@ def main() -> None:
         return
     work = args.work or Path(tempfile.mkdtemp(prefix="fastllm-train-bench-"))
     (args.out / "logs").mkdir(parents=True, exist_ok=True)
-    datasets = write_datasets(args.models, args, work) if "fastllm" in args.systems else {}
+    fastllm = any(system != "hf" for system in args.systems)
+    datasets = write_datasets(args.models, args, work) if fastllm else {}
     result = args.out / "train_bench.json"
     runs: list[dict[str, Any]] = []
     for model in args.models:

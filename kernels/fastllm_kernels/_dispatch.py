@@ -10,7 +10,10 @@ import triton
 
 
 def use_triton(*tensors: torch.Tensor | None) -> bool:
-    """Triton on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1; the reference otherwise."""
+    """Triton on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1; the reference otherwise,
+    and while torch.compile traces (inductor fuses the reference with its neighbours)."""
+    if torch.compiler.is_compiling():
+        return False
     present = [t for t in tensors if t is not None]
     if all(t.is_cuda for t in present):
         return True

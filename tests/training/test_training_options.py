@@ -3,6 +3,7 @@ that start or watch a run: recomputation, float16 loss scaling, pretrained weigh
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -130,3 +131,20 @@ def test_attention_keeps_within_documents_only_when_asked_and_when_it_matters(
     assert within._attention_documents(single) is None  # plain causal attention is the same
     # The two settings really compute different things on packed samples.
     assert crossing.forward_backward(mixed).item() != within.forward_backward(mixed).item()
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_compiled_blocks_give_the_same_losses_and_gradients(
+    dataset: Path, tmp_path: Path, recompute: str
+) -> None:
+    options = ("training.train_iters=2", f"model.multi_stage.recompute={recompute}")
+    eager = trainer(dataset, tmp_path / "a", *options)
+    compiled = trainer(dataset, tmp_path / "b", *options, "training.compile=true")
+    for micro_batches in itertools.islice(eager.data_loader(), 2):
+        for batch in micro_batches:
+            ours, theirs = compiled.forward_backward(batch), eager.forward_backward(batch)
+            assert ours.item() == pytest.approx(theirs.item(), rel=1e-5)
+        for ours, theirs in zip(compiled.flat.grads, eager.flat.grads, strict=True):
+            torch.testing.assert_close(ours, theirs, rtol=1e-3, atol=1e-5)
+        compiled.optimizer_step()
+        eager.optimizer_step()

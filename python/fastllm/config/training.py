@@ -73,6 +73,9 @@ class TrainingConfig(Section):
     """Exports of the weights."""
     validation: ValidationConfig = msgspec.field(default_factory=ValidationConfig)
     """Loss on the validation datasets."""
+    compile: bool = False
+    """torch.compile each transformer block, fusing the elementwise work around the matmuls
+    and attention (the first steps are slower: they compile)."""
 
     def validate(self) -> None:
         check_non_negative(self.train_iters, "train_iters")

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from fastllm.checkpoint.formats import open_model
 from fastllm.config import ConfigError, TrainerConfig
 from fastllm.data import Batch, DataLoader, SampleStream
+from fastllm.engine.compile import apply_compile
 from fastllm.engine.data_parallel import gather_weights, sum_gradients
 from fastllm.engine.flat_model import FlatModel
 from fastllm.engine.optimizer import AdamW
@@ -51,6 +52,8 @@ class Trainer:
             layers_per_stage=config.model.multi_stage.layers_per_stage,
         )
         apply_recompute(self.model, config.model.multi_stage.recompute)
+        if config.training.compile:
+            apply_compile(self.model)
         self.optimizer = AdamW(self.flat, config.optimizer)
         self.scaler = LossScaler(dtype == torch.float16)
         self.step = 0
