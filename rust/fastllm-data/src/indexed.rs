@@ -20,7 +20,6 @@
 use std::ffi::OsString;
 use std::fs::{self, File};
 use std::io::{self, BufWriter, Write};
-use std::ops::RangeInclusive;
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
@@ -37,7 +36,7 @@ fn idx_path(prefix: &Path) -> PathBuf {
     with_suffix(prefix, ".idx")
 }
 
-fn bin_path(prefix: &Path) -> PathBuf {
+pub(crate) fn bin_path(prefix: &Path) -> PathBuf {
     with_suffix(prefix, ".bin")
 }
 
@@ -334,18 +333,8 @@ impl IndexedDatasetWriter {
             path: self.bin_path.clone(),
             length: tokens.len(),
         })?;
-        let range = self.dtype.range();
-        let out = &mut self.encoded;
-        out.clear();
-        let encoded = match self.dtype {
-            TokenDtype::U8 => encode(tokens, range, out, |v| (v as u8).to_le_bytes()),
-            TokenDtype::I8 => encode(tokens, range, out, |v| (v as i8).to_le_bytes()),
-            TokenDtype::I16 => encode(tokens, range, out, |v| (v as i16).to_le_bytes()),
-            TokenDtype::U16 => encode(tokens, range, out, |v| (v as u16).to_le_bytes()),
-            TokenDtype::I32 => encode(tokens, range, out, |v| (v as i32).to_le_bytes()),
-            TokenDtype::I64 => encode(tokens, range, out, i64::to_le_bytes),
-        };
-        if let Err(value) = encoded {
+        self.encoded.clear();
+        if let Err(value) = encode_tokens(self.dtype, tokens, &mut self.encoded) {
             return Err(DataError::TokenOutOfRange {
                 path: self.bin_path.clone(),
                 value,
@@ -356,6 +345,16 @@ impl IndexedDatasetWriter {
             .write_all(&self.encoded)
             .map_err(DataError::io(&self.bin_path))?;
         self.lengths.push(length);
+        Ok(())
+    }
+
+    /// Appends documents already encoded by [`encode_tokens`]: `tokens` holds them back to back,
+    /// `lengths` counts the tokens of each.
+    pub(crate) fn add_encoded(&mut self, tokens: &[u8], lengths: &[i32]) -> Result<(), DataError> {
+        self.bin
+            .write_all(tokens)
+            .map_err(DataError::io(&self.bin_path))?;
+        self.lengths.extend_from_slice(lengths);
         Ok(())
     }
 
@@ -390,21 +389,36 @@ impl IndexedDatasetWriter {
     }
 }
 
-/// Appends the little-endian bytes of every token to `out`, or returns the first token outside
-/// `range`.
-fn encode<T: Copy + Into<i64>, const N: usize>(
+/// Appends the little-endian bytes of every token in `dtype` to `out`, as `.bin` stores them, or
+/// returns the first token that does not fit and leaves `out` as it was.
+pub(crate) fn encode_tokens<T: Copy + Into<i64>>(
+    dtype: TokenDtype,
     tokens: &[T],
-    range: RangeInclusive<i64>,
     out: &mut Vec<u8>,
-    to_bytes: impl Fn(i64) -> [u8; N],
 ) -> Result<(), i64> {
-    out.reserve(tokens.len() * N);
-    for &token in tokens {
-        let value = token.into();
-        if !range.contains(&value) {
-            return Err(value);
-        }
-        out.extend_from_slice(&to_bytes(value));
+    let range = dtype.range();
+    let fits = |token: &T| range.contains(&(*token).into());
+    // Check, then copy: two loops without early exits beat one that checks as it copies.
+    if !tokens.iter().fold(true, |all, token| all & fits(token)) {
+        let token = tokens.iter().find(|token| !fits(token));
+        return Err((*token.expect("a token does not fit")).into());
+    }
+    match dtype {
+        TokenDtype::U8 => extend(tokens, out, |v| (v as u8).to_le_bytes()),
+        TokenDtype::I8 => extend(tokens, out, |v| (v as i8).to_le_bytes()),
+        TokenDtype::I16 => extend(tokens, out, |v| (v as i16).to_le_bytes()),
+        TokenDtype::U16 => extend(tokens, out, |v| (v as u16).to_le_bytes()),
+        TokenDtype::I32 => extend(tokens, out, |v| (v as i32).to_le_bytes()),
+        TokenDtype::I64 => extend(tokens, out, i64::to_le_bytes),
     }
     Ok(())
+}
+
+fn extend<T: Copy + Into<i64>, const N: usize>(
+    tokens: &[T],
+    out: &mut Vec<u8>,
+    to_bytes: impl Fn(i64) -> [u8; N],
+) {
+    out.reserve(N * tokens.len());
+    out.extend(tokens.iter().flat_map(|&token| to_bytes(token.into())));
 }

@@ -1,9 +1,9 @@
 //! `fastllm prepare`: raw text in, a tokenized dataset out.
 //!
-//! A reader thread turns the inputs into numbered batches of records, `workers` threads parse
-//! and tokenize them, and the calling thread writes them back in input order into
-//! `shard_NNNNN.bin/.idx` files plus a `metadata.json`. The output directory appears complete,
-//! or not at all.
+//! A reader thread turns the inputs into numbered batches of records, `workers` threads parse,
+//! tokenize and encode them, and the calling thread puts them back in input order and splits
+//! them into `shard_NNNNN.bin/.idx` files, each written by a thread of its own, plus a
+//! `metadata.json`. The output directory appears complete, or not at all.
 
 mod metadata;
 mod output_dir;
@@ -49,9 +49,10 @@ pub struct PrepareOptions {
 
 /// Tokenizes the inputs of `options` into a dataset directory at `options.output`.
 ///
-/// Runs on the calling thread plus `workers + 1` threads; `progress` can be read and cancelled
-/// from another thread meanwhile. On any error, cancellation included, nothing is left at
-/// `output` (an existing dataset there is kept) and no temporary files remain.
+/// Runs on the calling thread plus `workers + 1` threads and a thread per shard being written;
+/// `progress` can be read and cancelled from another thread meanwhile. On any error,
+/// cancellation included, nothing is left at `output` (an existing dataset there is kept) and no
+/// temporary files remain.
 pub fn prepare(
     options: &PrepareOptions,
     progress: &Progress,
@@ -77,20 +78,30 @@ pub fn prepare(
     let partial = PartialDir::create(&options.output)?;
     let vocab_size = tokenizer.vocab_size() as u64;
     let dtype = TokenDtype::for_vocab_size(vocab_size);
-    let mut writer = DatasetWriter::create(
-        partial.path().to_owned(),
-        dtype,
-        options.shard_size_tokens,
-        options.strict,
-    )?;
     let workers = match options.workers {
         0 => std::thread::available_parallelism().map_or(1, usize::from),
         workers => workers,
     };
-    let mut reader = pipeline::run(reader, &tokenizer, framing, workers, progress, |batch| {
-        writer.write(batch, progress)
+    let (mut reader, shards, tally) = std::thread::scope(|scope| {
+        let mut writer = DatasetWriter::create(
+            scope,
+            partial.path().to_owned(),
+            dtype,
+            options.shard_size_tokens,
+            options.strict,
+        )?;
+        let reader = pipeline::run(
+            reader,
+            &tokenizer,
+            framing,
+            dtype,
+            workers,
+            progress,
+            |batch, permit| writer.write(batch, permit, progress),
+        )?;
+        let (shards, tally) = writer.finish()?;
+        Ok::<_, PrepareError>((reader, shards, tally))
     })?;
-    let (shards, tally) = writer.finish()?;
     reader.count(&tally.input_counts);
     let report = PrepareReport {
         documents: shards.iter().map(|shard| shard.documents).sum(),

@@ -1,9 +1,10 @@
-//! The threads of `prepare`: one reads numbered batches, `workers` parse and tokenize them, and
-//! the calling thread hands them to a sink in input order.
+//! The threads of `prepare`: one reads numbered batches, `workers` parse, tokenize and encode
+//! them, and the calling thread hands them to a sink in input order.
 //!
 //! Stopping: when the sink fails or the run is cancelled, the calling thread drops its channel
 //! ends and raises `stop`; every other thread then finds a closed channel or the flag within a
-//! document, and exits.
+//! document, and exits. The reader may first wait for a permit: those the sink still holds come
+//! back once it has written or dropped their batches.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -13,9 +14,10 @@ use std::time::Duration;
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 
 use super::progress::Progress;
+use crate::indexed::encode_tokens;
 use crate::input::{BadRecord, DocumentReader, InputCounts, RawBatch};
 use crate::tokenizer::Tokenizer;
-use crate::PrepareError;
+use crate::{PrepareError, TokenDtype};
 
 /// Text per batch: large enough to amortize channel traffic, small enough to keep every worker
 /// busy and memory low.
@@ -30,23 +32,57 @@ pub(super) struct Framing {
     pub eos: Option<u32>,
 }
 
-/// The documents of one batch, tokenized and framed, with what the reader met besides them.
+/// The documents of one batch, tokenized, framed and encoded as `.bin` stores them, with what
+/// the reader met besides them.
 pub(super) struct TokenizedBatch {
-    /// The documents' tokens back to back.
-    pub tokens: Vec<u32>,
-    pub lengths: Vec<usize>,
+    pub documents: EncodedDocuments,
+    /// Why the document after the last of `documents` cannot be stored; the batch ends there.
+    pub unstorable: Option<Unstorable>,
     pub bad_records: Vec<BadRecord>,
     pub skipped_files: u64,
     pub counts: Vec<InputCounts>,
 }
 
-impl TokenizedBatch {
-    pub fn documents(&self) -> impl Iterator<Item = &[u32]> {
-        self.lengths.iter().scan(0, |start, &length| {
-            let document = &self.tokens[*start..*start + length];
-            *start += length;
-            Some(document)
-        })
+/// Documents encoded by the workers, so that writing them is only copying bytes.
+pub(super) struct EncodedDocuments {
+    /// The documents' tokens back to back, little-endian in the dataset's dtype.
+    pub tokens: Vec<u8>,
+    /// Tokens per document.
+    pub lengths: Vec<i32>,
+}
+
+/// A document that does not fit the format; the writer reports it with the shard it would go in.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Unstorable {
+    TooLong { length: usize },
+    TokenOutOfRange { value: i64 },
+}
+
+impl EncodedDocuments {
+    pub fn push(&mut self, tokens: &[u32], dtype: TokenDtype) -> Result<(), Unstorable> {
+        let length = tokens.len();
+        let length = i32::try_from(length).map_err(|_| Unstorable::TooLong { length })?;
+        encode_tokens(dtype, tokens, &mut self.tokens)
+            .map_err(|value| Unstorable::TokenOutOfRange { value })?;
+        self.lengths.push(length);
+        Ok(())
+    }
+}
+
+/// A batch's place among those in flight: dropping it lets the reader read one more. The sink
+/// keeps it until done with its batch.
+pub(super) struct Permit(Sender<()>);
+
+impl Permit {
+    pub fn new(returns_to: Sender<()>) -> Self {
+        Self(returns_to)
+    }
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        // The reader may have stopped taking permits: it is done.
+        let _ = self.0.send(());
     }
 }
 
@@ -58,12 +94,14 @@ pub(super) fn run(
     reader: DocumentReader,
     tokenizer: &Tokenizer,
     framing: Framing,
+    dtype: TokenDtype,
     workers: usize,
     progress: &Progress,
-    sink: impl FnMut(TokenizedBatch) -> Result<(), PrepareError>,
+    sink: impl FnMut(TokenizedBatch, Permit) -> Result<(), PrepareError>,
 ) -> Result<DocumentReader, PrepareError> {
-    // Batches between the reader taking a permit and the sink releasing it: this bounds the
-    // memory held while a slow batch keeps later ones waiting to be sunk in order.
+    // Batches between the reader taking a permit and the sink dropping it: this bounds the
+    // memory held while a slow batch keeps later ones waiting to be sunk in order, or while
+    // the sink is slower than the workers.
     let in_flight = 2 * workers + 2;
     let stop = &AtomicBool::new(false);
     thread::scope(|scope| {
@@ -81,8 +119,11 @@ pub(super) fn run(
             let (batches, done_sender) = (batches.clone(), done_sender.clone());
             scope.spawn(move || {
                 let should_stop = || stop.load(Ordering::Relaxed) || progress.is_cancelled();
+                let mut scratch = Vec::new();
                 for (number, batch) in batches {
-                    let Some(tokenized) = tokenize(batch, tokenizer, framing, should_stop) else {
+                    let tokenized =
+                        tokenize(batch, tokenizer, framing, dtype, &mut scratch, should_stop);
+                    let Some(tokenized) = tokenized else {
                         return;
                     };
                     if done_sender.send((number, tokenized)).is_err() {
@@ -125,48 +166,59 @@ fn read(
     reader
 }
 
-/// Parses `batch` and tokenizes its documents, or gives up (`None`) once `should_stop`.
+/// Parses `batch`, tokenizes its documents (through `scratch`) and encodes them in `dtype`, or
+/// gives up (`None`) once `should_stop`.
 fn tokenize(
     batch: RawBatch,
     tokenizer: &Tokenizer,
     framing: Framing,
+    dtype: TokenDtype,
+    scratch: &mut Vec<u32>,
     should_stop: impl Fn() -> bool,
 ) -> Option<Result<TokenizedBatch, PrepareError>> {
     let batch = batch.parse();
     let text_bytes: usize = batch.documents.iter().map(|d| d.text.len()).sum();
+    // About 4 bytes of text per token for English and code.
+    let tokens = text_bytes / 4 + 2 * batch.documents.len();
     let mut tokenized = TokenizedBatch {
-        // About 4 bytes of text per token for English and code.
-        tokens: Vec::with_capacity(text_bytes / 4 + 2 * batch.documents.len()),
-        lengths: Vec::with_capacity(batch.documents.len()),
+        documents: EncodedDocuments {
+            tokens: Vec::with_capacity(tokens * dtype.size()),
+            lengths: Vec::with_capacity(batch.documents.len()),
+        },
+        unstorable: None,
         bad_records: batch.bad_records,
         skipped_files: batch.skipped_files,
         counts: batch.counts,
     };
-    let tokens = &mut tokenized.tokens;
     for document in batch.documents {
         if should_stop() {
             return None;
         }
-        let start = tokens.len();
-        tokens.extend(framing.bos);
-        if let Err(source) = tokenizer.encode(&document.text, tokens) {
+        scratch.clear();
+        scratch.extend(framing.bos);
+        if let Err(source) = tokenizer.encode(&document.text, scratch) {
             return Some(Err(PrepareError::Encode {
                 location: document.location,
                 source,
             }));
         }
-        tokens.extend(framing.eos);
-        tokenized.lengths.push(tokens.len() - start);
+        scratch.extend(framing.eos);
+        // Past an unstorable document only encoding errors matter: they fail the batch first.
+        if tokenized.unstorable.is_none() {
+            if let Err(unstorable) = tokenized.documents.push(scratch, dtype) {
+                tokenized.unstorable = Some(unstorable);
+            }
+        }
     }
     Some(Ok(tokenized))
 }
 
-/// Passes batches to `sink` in batch order, returning a permit to the reader for each.
+/// Passes batches to `sink` in batch order, each with the permit that the reader took for it.
 fn sink_in_order(
     done: Receiver<Numbered<Result<TokenizedBatch, PrepareError>>>,
     permits: Sender<()>,
     progress: &Progress,
-    mut sink: impl FnMut(TokenizedBatch) -> Result<(), PrepareError>,
+    mut sink: impl FnMut(TokenizedBatch, Permit) -> Result<(), PrepareError>,
 ) -> Result<(), PrepareError> {
     let mut waiting = BTreeMap::new();
     let mut next = 0;
@@ -184,10 +236,8 @@ fn sink_in_order(
             Err(RecvTimeoutError::Disconnected) => return Ok(()),
         }
         while let Some(batch) = waiting.remove(&next) {
-            sink(batch?)?;
+            sink(batch?, Permit::new(permits.clone()))?;
             next += 1;
-            // The reader may have stopped taking permits: it is done.
-            let _ = permits.send(());
         }
     }
 }
