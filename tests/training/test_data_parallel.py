@@ -1,4 +1,4 @@
-"""Data parallelism under torchrun (Gloo on CPU processes) against the single-process run of
+"""Data parallelism under torchrun (2 and 4 Gloo CPU processes) against the single-process run of
 the same global batch, and resharded resumption."""
 
 from __future__ import annotations
@@ -33,18 +33,14 @@ def final_weights(experiment: Path, step: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    ("dtype", "zero_stage"),
+    ("ranks", "dtype", "zero_stage"),
     [
-        ("float32", 1),
-        ("bfloat16", 1),
-        ("float32", 2),
-        ("bfloat16", 2),
-        ("float32", 3),
-        ("bfloat16", 3),
+        *((2, dtype, stage) for stage in (1, 2, 3) for dtype in ("float32", "bfloat16")),
+        *((4, "float32", stage) for stage in (1, 2, 3)),
     ],
 )
-def test_two_ranks_match_one_process_on_the_same_global_batch(
-    dataset: Path, tmp_path: Path, dtype: str, zero_stage: int
+def test_ranks_match_one_process_on_the_same_global_batch(
+    dataset: Path, tmp_path: Path, ranks: int, dtype: str, zero_stage: int
 ) -> None:
     overrides = (
         f"model.distributed.training_dtype={dtype}",
@@ -57,7 +53,7 @@ def test_two_ranks_match_one_process_on_the_same_global_batch(
     result = run_cli(*train_arguments(dataset, single, *overrides))
     assert result.returncode == 0, result.stderr
     double = tmp_path / "double"
-    result = torchrun(2, *train_arguments(dataset, double, *overrides))
+    result = torchrun(ranks, *train_arguments(dataset, double, *overrides))
     assert result.returncode == 0, result.stderr
     expected, got = losses(single), losses(double)
     assert sorted(got) == sorted(expected)
@@ -65,8 +61,8 @@ def test_two_ranks_match_one_process_on_the_same_global_batch(
     for step, loss in expected.items():
         assert got[step] == pytest.approx(loss, rel=tolerance), step
     manifest = json.loads((double / "export" / "6" / "manifest.json").read_text())
-    assert manifest["world_size"] == 2
-    assert len(list((double / "export" / "6").glob("rank_*.safetensors"))) == 2
+    assert manifest["world_size"] == ranks
+    assert len(list((double / "export" / "6").glob("rank_*.safetensors"))) == ranks
     ours, theirs = final_weights(double, 6), final_weights(single, 6)
     for name, tensor in theirs.items():
         torch.testing.assert_close(ours[name], tensor, rtol=tolerance, atol=tolerance, msg=name)
