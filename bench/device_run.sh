@@ -18,7 +18,7 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv | 
 python3 -c "import fastllm, fastllm._native, fastllm_kernels, msgspec; print('fastllm', fastllm.__version__)" || exit 1
 case $PART in
   kernels)
-    python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels 2>&1 | tail -5 | tee "$OUT/gpu_tests.log"
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/training/test_training_options.py 2>&1 | tail -5 | tee "$OUT/gpu_tests.log"
     python3 bench/kernels.py --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"
     # The standard library 8 times over (about 90 MB): long enough to occupy 16 cores.
     timeout 240 python3 bench/prepare_bench.py --cores 1 2 4 8 16 --copies 8 --repeats 1 \
