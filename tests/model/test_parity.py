@@ -16,6 +16,7 @@ from fastllm.checkpoint.formats import open_model
 from fastllm.checkpoint.hf_weights import rules
 from fastllm.config import build
 from fastllm.config.convert import ConvertConfig
+from fastllm.config.model import YarnRotaryConfig
 from tests.model.hf_models import CONFIGS, save_hf_model
 
 ARCHITECTURES = sorted(CONFIGS)
@@ -139,3 +140,26 @@ def test_generate_matches_transformers_greedy_decoding(architecture: str, tmp_pa
     settings = {"max_new_tokens": 12, "do_sample": False, "eos_token_id": None, "pad_token_id": 0}
     expected = theirs.generate(prompt, **settings)
     assert torch.equal(ours.generate(prompt, **settings), expected)
+
+
+@pytest.mark.parametrize(
+    "yarn",
+    [
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+        {
+            "rope_type": "yarn",
+            "factor": 8.0,
+            "original_max_position_embeddings": 32,
+            "beta_fast": 16.0,
+            "beta_slow": 2.0,
+        },
+    ],
+)
+def test_yarn_rotary_matches_transformers_past_the_original_context(
+    yarn: dict, tmp_path: Path
+) -> None:
+    theirs = save_hf_model("qwen2", tmp_path, rope_scaling=yarn)
+    ours = fastllm.load_model(tmp_path)
+    assert isinstance(ours.config.transformer.rotary, YarnRotaryConfig)
+    input_ids = torch.randint(0, 97, (1, 160), generator=torch.Generator().manual_seed(2))
+    assert relative_error(ours(input_ids), theirs(input_ids).logits) <= 1e-5
