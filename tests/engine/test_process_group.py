@@ -3,10 +3,7 @@ outlives it into interpreter shutdown (where releasing a tensor can abort the pr
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
-from tests.conftest import ROOT
+from tests.torchrun import torchrun_script
 
 SCRIPT = """
 import os, torch, torch.distributed as dist
@@ -20,9 +17,5 @@ assert not [t for t in threads if "gloo" in t], threads
 
 
 def test_destroying_the_group_stops_its_threads() -> None:
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "--no-python", sys.executable, "-c", SCRIPT,
-    ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    result = torchrun_script(2, SCRIPT)
     assert result.returncode == 0, result.stderr

@@ -3,10 +3,7 @@ than a stage, the next and (for a tied head) the embedding are ever gathered at 
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
-from tests.conftest import ROOT
+from tests.torchrun import torchrun_script
 
 SCRIPT = """
 import torch
@@ -59,9 +56,5 @@ assert most == 3, most
 
 
 def test_zero3_gathers_stages_just_in_time_with_exact_gradients() -> None:
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "--no-python", sys.executable, "-c", SCRIPT,
-    ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    result = torchrun_script(2, SCRIPT)
     assert result.returncode == 0, result.stderr

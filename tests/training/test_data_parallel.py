@@ -4,26 +4,16 @@ the same global batch, and resharded resumption."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import ROOT
 from tests.test_cli import fastllm as run_cli
+from tests.torchrun import torchrun
 from tests.training.conftest import train_arguments
 from tests.training.test_train_cli import losses
-
-
-def torchrun(processes: int, *arguments: str) -> subprocess.CompletedProcess[str]:
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
-        "-m", "fastllm.cli", *arguments,
-    ]  # fmt: skip
-    return subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300)
 
 
 def final_weights(experiment: Path, step: int) -> dict[str, torch.Tensor]:

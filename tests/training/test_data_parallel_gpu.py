@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.torchrun import torchrun
 from tests.training.conftest import train_arguments
-from tests.training.test_data_parallel import torchrun
 
 pytestmark = [
     pytest.mark.gpu,
