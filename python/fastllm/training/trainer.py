@@ -273,6 +273,7 @@ class Trainer:
                         "tflops": tokens_per_s * flops / 1e12,
                         "mfu": tokens_per_s * flops / peak if peak else None,
                         "memory_gib": _memory_gib(self.distributed.device),
+                        "memory_reserved_gib": _memory_gib(self.distributed.device, reserved=True),
                         "skipped_steps": self.skipped_steps,
                         "consumed_samples": self.consumed_samples,
                     }
@@ -317,7 +318,9 @@ class _StopSignal:
             signal.signal(sig, handler)
 
 
-def _memory_gib(device: torch.device) -> float | None:
+def _memory_gib(device: torch.device, reserved: bool = False) -> float | None:
+    """Peak memory since the start: allocated by tensors, or reserved by the caching allocator."""
     if device.type != "cuda":
         return None
-    return torch.cuda.max_memory_allocated(device) / 2**30
+    peak = torch.cuda.max_memory_reserved if reserved else torch.cuda.max_memory_allocated
+    return peak(device) / 2**30
