@@ -246,6 +246,10 @@ def steady_state(records: list[dict[str, Any]], skip: int, per_gpu_tokens: int) 
         "mfu": harmonic_mean(mfus) if len(mfus) == len(steady) else None,
         "step_s": [per_gpu_tokens / r["tokens_per_s"] for r in steady],
         "peak_memory_gib": max(memories) if memories else None,
+        "peak_reserved_gib": max(
+            (r["memory_reserved_gib"] for r in records if r.get("memory_reserved_gib")),
+            default=None,
+        ),
         "losses": [r.get("loss") for r in records],
     }
 
