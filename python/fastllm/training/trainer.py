@@ -224,6 +224,29 @@ class Trainer:
         """Load the newest complete checkpoint of the experiment, if there is one."""
         return state.resume(self)
 
+    def _describe(self) -> str:
+        """One line: the model, where and how it trains."""
+        config, distributed = self.config, self.distributed
+        batch, stages = config.batch, config.model.multi_stage
+        per_rank = batch.batch_size // distributed.world_size
+        assert batch.micro_batch_size is not None
+        micro = min(batch.micro_batch_size, per_rank)
+        parts = [
+            f"{config.model.base_model.num_parameters():,} parameters",
+            f"{distributed.world_size} × {distributed.device.type}",
+            f"{config.model.distributed.training_dtype}"
+            + (" (fp32 masters)" if self.flat.mixed_precision else ""),
+            f"batch {batch.batch_size} × {batch.sequence_length} tokens"
+            f" ({micro} per micro-batch, {per_rank // micro} accumulated)",
+        ]
+        if distributed.world_size > 1:
+            parts.append(f"ZeRO-{stages.zero_stage}, {stages.layers_per_stage} layer(s)/stage")
+        if stages.recompute != "none":
+            parts.append(f"{stages.recompute} recomputation")
+        if config.training.compile:
+            parts.append("compiled blocks")
+        return ", ".join(parts)
+
     # --- the loop -----------------------------------------------------------------------------
 
     def fit(self) -> None:
@@ -235,6 +258,8 @@ class Trainer:
         experiment.mkdir(parents=True, exist_ok=True)
         resumed = self.resume()
         main = self.distributed.is_main
+        if main:
+            print(f"fastllm: {self._describe()}", flush=True)
         if main and resumed is not None:
             print(f"fastllm: resumed from {resumed} (step {self.step})", flush=True)
         logger = MetricsLogger(
