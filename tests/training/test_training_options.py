@@ -133,11 +133,19 @@ def test_attention_keeps_within_documents_only_when_asked_and_when_it_matters(
     assert crossing.forward_backward(mixed).item() != within.forward_backward(mixed).item()
 
 
-@pytest.mark.parametrize("recompute", ["none", "full"])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        ("model.multi_stage.recompute=none",),
+        ("model.multi_stage.recompute=full",),
+        ("model.base_model.transformer.num_experts=4",),
+    ],
+    ids=["plain", "recompute", "moe"],
+)
 def test_compiled_blocks_give_the_same_losses_and_gradients(
-    dataset: Path, tmp_path: Path, recompute: str
+    dataset: Path, tmp_path: Path, variant: tuple[str, ...]
 ) -> None:
-    options = ("training.train_iters=2", f"model.multi_stage.recompute={recompute}")
+    options = ("training.train_iters=2", *variant)
     eager = trainer(dataset, tmp_path / "a", *options)
     compiled = trainer(dataset, tmp_path / "b", *options, "training.compile=true")
     for micro_batches in itertools.islice(eager.data_loader(), 2):

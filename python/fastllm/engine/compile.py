@@ -13,4 +13,6 @@ def apply_compile(model: GPTModel) -> None:
     norms, rotary, activations. While compiling, the kernels hand over their torch references
     for inductor to fuse; the loss head and the optimizer keep their own kernels."""
     for layer in model.layers:
-        layer.forward = torch.compile(layer.forward, dynamic=False)  # type: ignore[method-assign]
+        # Default dynamism: dense blocks see one shape; MoE routing varies the tokens per
+        # expert, which dynamo then marks dynamic instead of recompiling for every count.
+        layer.forward = torch.compile(layer.forward)  # type: ignore[method-assign]
