@@ -20,9 +20,12 @@ case $PART in
   kernels)
     python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/training/test_training_options.py 2>&1 | tail -5 | tee "$OUT/gpu_tests.log"
     python3 bench/kernels.py --out "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log"
-    # The standard library 8 times over (about 90 MB): long enough to occupy 16 cores.
-    timeout 240 python3 bench/prepare_bench.py --cores 1 2 4 8 16 --copies 8 --repeats 1 \
-      --out "$OUT/prepare_h200.json" 2>&1 | tail -20 | tee "$OUT/prepare.log" ;;
+    # Against the Python pipelines on the standard library, then fastllm alone on it 32 times
+    # over (about 340 MB), long enough for 16 cores to show their scaling.
+    timeout 200 python3 bench/prepare_bench.py --cores 1 2 4 8 16 \
+      --out "$OUT/prepare_h200.json" 2>&1 | tail -12 | tee "$OUT/prepare.log"
+    timeout 120 python3 bench/prepare_bench.py --cores 1 2 4 8 16 --copies 32 --baselines-up-to 0 \
+      --out "$OUT/prepare_h200_scaling.json" 2>&1 | tail -12 | tee -a "$OUT/prepare.log" ;;
   train-1b | train-3b)
     model=${PART#train-}
     python3 bench/train_bench.py --models "$model" --systems fastllm fastllm-compile hf \
