@@ -8,6 +8,8 @@ from fastllm_kernels.activation import (
     gated_activation,
     gated_activation_fused,
     gated_activation_reference,
+    gated_linear,
+    gated_linear_reference,
 )
 from fastllm_kernels.adam import adamw_step_, adamw_step_reference_
 from fastllm_kernels.attention import attention, attention_reference
@@ -32,6 +34,8 @@ __all__ = [
     "gated_activation",
     "gated_activation_fused",
     "gated_activation_reference",
+    "gated_linear",
+    "gated_linear_reference",
     "layer_norm",
     "layer_norm_reference",
     "linear_cross_entropy",

@@ -2,7 +2,8 @@
 
 `gated_activation_fused(x)` takes the fused projection output whose last dimension is the
 concatenation [gate | up]: gate = x[..., :d], up = x[..., d:]. One kernel does the forward
-and one the backward (both input gradients at once).
+and one the backward (both input gradients at once). `gated_linear` adds the MLP's second
+projection and recomputes the activation in the backward pass instead of storing it.
 """
 
 from __future__ import annotations
@@ -33,6 +34,29 @@ def gated_activation_fused(x: Tensor, activation: str = "silu") -> Tensor:
         return _FusedGatedFunction.apply(x, activation)
     gate, up = x.chunk(2, dim=-1)
     return gated_activation_reference(gate, up, activation)
+
+
+def gated_linear(
+    x: Tensor, weight: Tensor, bias: Tensor | None, activation: str = "silu"
+) -> Tensor:
+    """linear(act(x[..., :d]) * x[..., d:], weight, bias): the second projection of a gated MLP.
+
+    The activation output (d per token) is not stored for the backward pass but recomputed
+    there from x, which the activation's own backward needs anyway: a gated MLP then keeps a
+    third less activation memory for one extra elementwise pass."""
+    _check(activation, x.shape[-1] % 2 == 0 and weight.shape[-1] * 2 == x.shape[-1], x, weight)
+    if use_triton(x, weight, bias):
+        return _GatedLinearFunction.apply(x, weight, bias, activation)
+    return gated_linear_reference(x, weight, bias, activation)
+
+
+def gated_linear_reference(
+    x: Tensor, weight: Tensor, bias: Tensor | None, activation: str
+) -> Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.linear(
+        gated_activation_reference(gate, up, activation), weight, bias
+    )
 
 
 def gated_activation_reference(gate: Tensor, up: Tensor, activation: str) -> Tensor:
@@ -78,12 +102,10 @@ class _FusedGatedFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, activation):
         x2 = as_rows(x)
-        d = x2.shape[1] // 2
-        out = torch.empty((x2.shape[0], d), dtype=x.dtype, device=x.device)
-        _launch_forward(x2[:, :d], x2[:, d:], out, activation)
+        out = _gated_rows(x2, activation)
         ctx.save_for_backward(x2)
         ctx.activation = activation
-        return out.view(*x.shape[:-1], d)
+        return out.view(*x.shape[:-1], out.shape[1])
 
     @staticmethod
     def backward(ctx, dy):
@@ -92,6 +114,43 @@ class _FusedGatedFunction(torch.autograd.Function):
         dx = torch.empty_like(x2)
         _launch_backward(as_rows(dy), x2[:, :d], x2[:, d:], dx[:, :d], dx[:, d:], ctx.activation)
         return dx.view(*dy.shape[:-1], 2 * d), None
+
+
+class _GatedLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, activation):
+        x2 = as_rows(x)
+        out = torch.nn.functional.linear(_gated_rows(x2, activation), weight, bias)
+        ctx.save_for_backward(x2, weight)
+        ctx.activation, ctx.has_bias = activation, bias is not None
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight = ctx.saved_tensors
+        need_x, need_weight, need_bias = ctx.needs_input_grad[:3]
+        dy2 = as_rows(dy)
+        d_weight = d_bias = dx = None
+        if need_weight:
+            d_weight = dy2.T @ _gated_rows(x2, ctx.activation)  # the recomputed activation
+        if need_bias and ctx.has_bias:
+            d_bias = dy2.sum(dim=0, dtype=torch.float32).to(dy.dtype)
+        if need_x:
+            d = x2.shape[1] // 2
+            d_activation = dy2 @ weight
+            dx2 = torch.empty_like(x2)
+            _launch_backward(
+                d_activation, x2[:, :d], x2[:, d:], dx2[:, :d], dx2[:, d:], ctx.activation
+            )
+            dx = dx2.view(*dy.shape[:-1], 2 * d)
+        return dx, d_weight, d_bias, None
+
+
+def _gated_rows(x2: Tensor, activation: str) -> Tensor:
+    d = x2.shape[1] // 2
+    out = torch.empty((x2.shape[0], d), dtype=x2.dtype, device=x2.device)
+    _launch_forward(x2[:, :d], x2[:, d:], out, activation)
+    return out
 
 
 _BLOCK = 1024

@@ -8,6 +8,8 @@ from fastllm_kernels.activation import (
     gated_activation,
     gated_activation_fused,
     gated_activation_reference,
+    gated_linear,
+    gated_linear_reference,
 )
 from tests.kernels.conftest import assert_close, cuda, triton_on_cpu
 
@@ -74,6 +76,40 @@ def test_gated_activation_reads_views_of_a_fused_tensor():
     _check_gradients(out, expected, [x])
 
 
+@triton_on_cpu
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", [(1, 1), (3, 5, 37)])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_gated_linear_matches_reference(activation, shape, bias):
+    x = (2 * torch.randn(*shape[:-1], 2 * shape[-1])).requires_grad_()
+    weight = torch.randn(11, shape[-1], requires_grad=True)
+    b = torch.randn(11, requires_grad=True) if bias else None
+    out = gated_linear(x, weight, b, activation)
+    expected = gated_linear_reference(x, weight, b, activation)
+    assert out.shape == (*shape[:-1], 11)
+    assert_close(out, expected)
+    _check_gradients(out, expected, [x, weight] + ([b] if bias else []))
+
+
+@triton_on_cpu
+def test_gated_linear_computes_only_the_gradients_asked_for():
+    x = torch.randn(4, 2 * 8, requires_grad=True)
+    weight = torch.randn(5, 8)  # frozen
+    (grad_x,) = torch.autograd.grad(gated_linear(x, weight, None).sum(), [x])
+    expected = torch.autograd.grad(gated_linear_reference(x, weight, None, "silu").sum(), [x])[0]
+    assert_close(grad_x, expected)
+
+
+@triton_on_cpu
+def test_gated_linear_stores_its_input_not_the_activation():
+    x = torch.randn(6, 2 * 40, requires_grad=True)
+    weight = torch.randn(9, 40, requires_grad=True)
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        gated_linear(x, weight, None)
+    assert sorted(t.numel() for t in saved) == sorted([x.numel(), weight.numel()])
+
+
 def test_unknown_activation_is_an_error():
     with pytest.raises(ValueError, match="unknown activation"):
         gated_activation(torch.randn(3), torch.randn(3), "swish")
@@ -88,3 +124,18 @@ def test_fused_gated_activation_matches_reference_at_model_size(activation):
     expected = gated_activation_reference(*x.chunk(2, dim=-1), activation)
     assert_close(out, expected)
     _check_gradients(out, expected, [x])
+
+
+@pytest.mark.gpu
+@cuda
+def test_gated_linear_matches_reference_at_model_size():
+    x = torch.randn(4096, 2 * 14336, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    weight = (torch.randn(4096, 14336, device="cuda") / 120).to(torch.bfloat16).requires_grad_()
+    out = gated_linear(x, weight, None, "silu")
+    expected = gated_linear_reference(x, weight, None, "silu")
+    assert_close(out, expected, rtol=2e-2, atol=2e-2)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, [x, weight], grad_out)
+    expected_grads = torch.autograd.grad(expected, [x, weight], grad_out)
+    for grad, expected_grad in zip(grads, expected_grads, strict=True):
+        assert (grad.float() - expected_grad.float()).norm() <= 1e-2 * expected_grad.float().norm()

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fastllm.config.model import TransformerConfig
-from fastllm_kernels.activation import gated_activation_fused
+from fastllm_kernels.activation import gated_activation_fused, gated_linear
 
 _ACTIVATIONS = {
     "silu": F.silu,
@@ -33,7 +33,10 @@ class MLP(torch.nn.Module):
         self.layer_2 = torch.nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.layer_2(_activate(self.layer_1(x), self.gated, self.activation))
+        h = self.layer_1(x)
+        if self.gated:  # the activation is recomputed in the backward pass, not stored
+            return gated_linear(h, self.layer_2.weight, self.layer_2.bias, self.activation)
+        return self.layer_2(_ACTIVATIONS[self.activation](h))
 
 
 def _activate(h: Tensor, gated: bool, activation: str) -> Tensor:
