@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fastllm.config.model import TransformerConfig
-from fastllm_kernels.activation import gated_activation_fused, gated_linear
+from fastllm_kernels.activation import gated_linear
 
 _ACTIVATIONS = {
     "silu": F.silu,
@@ -34,15 +34,17 @@ class MLP(torch.nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.layer_1(x)
-        if self.gated:  # the activation is recomputed in the backward pass, not stored
-            return gated_linear(h, self.layer_2.weight, self.layer_2.bias, self.activation)
-        return self.layer_2(_ACTIVATIONS[self.activation](h))
+        return _project(h, self.layer_2.weight, self.layer_2.bias, self.gated, self.activation)
 
 
-def _activate(h: Tensor, gated: bool, activation: str) -> Tensor:
+def _project(
+    h: Tensor, weight: Tensor, bias: Tensor | None, gated: bool, activation: str
+) -> Tensor:
+    """The second projection of act(h); a gated activation is recomputed in the backward
+    pass rather than stored."""
     if gated:
-        return gated_activation_fused(h, activation)
-    return _ACTIVATIONS[activation](h)
+        return gated_linear(h, weight, bias, activation)
+    return F.linear(_ACTIVATIONS[activation](h), weight, bias)
 
 
 class MixtureOfExperts(torch.nn.Module):
@@ -75,8 +77,14 @@ class MixtureOfExperts(torch.nn.Module):
             rows, slot = torch.nonzero(experts == expert, as_tuple=True)
             if rows.numel() == 0:
                 continue
-            h = _activate(F.linear(tokens[rows], self.layer_1[expert]), self.gated, self.activation)
-            y = F.linear(h, self.layer_2[expert]) * weights[rows, slot, None]
+            y = _project(
+                F.linear(tokens[rows], self.layer_1[expert]),
+                self.layer_2[expert],
+                None,
+                self.gated,
+                self.activation,
+            )
+            y = y * weights[rows, slot, None]
             out.index_add_(0, rows, y)
         return out.view_as(x), self._auxiliary_loss(logits, probabilities, experts)
 
