@@ -108,6 +108,7 @@ def overrides(gpus: int, args: argparse.Namespace, experiment: Path, dataset: Pa
         f"training.train_iters={args.steps}",
         "training.logs.interval=1",
         "training.checkpoint.interval=null",
+        "training.checkpoint.at_end=false",
         "training.export.interval=null",
         *args.set,
     ]
@@ -287,7 +288,7 @@ def run_gpus(gpus: int, args: argparse.Namespace, work: Path, dataset: Path) -> 
         run["warning"] = "every step was logged but the launch exited with an error"
     if metrics.is_file():
         shutil.copy2(metrics, args.out / "runs" / f"gpus_{gpus}.metrics.jsonl")
-    if not args.keep_experiments:  # the final checkpoint of a 7B run is ~90 GB
+    if not args.keep_experiments:  # sampling caches and logs only: no checkpoint is written
         shutil.rmtree(experiment, ignore_errors=True)
     run["geometry"] = geometry(config)
     write_json(args.out / "runs" / f"gpus_{gpus}.json", run)
@@ -513,7 +514,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--kill-at-end",
         action="store_true",
-        help="end each launch once its last step is logged, skipping the final checkpoint",
+        help="end each launch once its last step is logged, skipping its teardown",
     )
     parser.add_argument("--keep-experiments", action="store_true", help="keep EXP directories")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per launch")

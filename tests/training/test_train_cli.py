@@ -155,3 +155,14 @@ def test_custom_loop_example_runs(dataset: Path, tmp_path: Path) -> None:
     assert "loss" in result.stdout
     assert (tmp_path / "custom" / "checkpoint" / "3" / "manifest.json").is_file()
     shutil.rmtree(tmp_path / "custom")
+
+
+def test_the_final_checkpoint_can_be_left_out(dataset: Path, tmp_path: Path) -> None:
+    experiment = tmp_path / "run"
+    arguments = train_arguments(
+        dataset, experiment, "training.train_iters=2", "training.checkpoint.at_end=false"
+    )
+    result = run_cli(*arguments)
+    assert result.returncode == 0, result.stderr
+    assert sorted(losses(experiment)) == [1, 2]
+    assert not list((experiment / "checkpoint").glob("[0-9]*"))

@@ -33,6 +33,9 @@ class CheckpointConfig(Section):
     """Steps between two checkpoints (none: only on interruption and at the end)."""
     keep: int | None = 5
     """Newest checkpoints kept on disk (none: all)."""
+    at_end: bool = True
+    """Write one after the last step (false for benchmarks and throwaway runs; an
+    interruption still writes one)."""
 
     def validate(self) -> None:
         check_positive(self.interval, "interval")

@@ -310,8 +310,13 @@ class Trainer:
                     logger.log(step, {"validation_loss": self.validation_loss()})
                 if training.export.interval and step % training.export.interval == 0:
                     state.export(self, experiment / "export" / str(step), training.export.format)
-                interval = training.checkpoint.interval
-                if last or stop.requested or (interval and step % interval == 0):
+                checkpoint = training.checkpoint
+                at_end = last and checkpoint.at_end
+                if (
+                    at_end
+                    or stop.requested
+                    or (checkpoint.interval and step % checkpoint.interval == 0)
+                ):
                     self.save_checkpoint()
                 if last or stop.requested:
                     break
