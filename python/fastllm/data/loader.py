@@ -22,14 +22,6 @@ class Batch:
     labels: Tensor
     document_ids: Tensor
 
-    def to(self, device: torch.device | str) -> Batch:
-        return Batch(
-            *(
-                t.to(device, non_blocking=True)
-                for t in (self.input_ids, self.labels, self.document_ids)
-            )
-        )
-
 
 class DataLoader:
     """Steps of `batch_size` samples from `stream`; this rank gets its contiguous share of each

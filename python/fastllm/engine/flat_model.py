@@ -95,6 +95,10 @@ class FlatModel:
         """(name, numel, stage, weight decay) of every parameter, in model order."""
         self.layout = _native.Layout(self.specs, alignment=ALIGNMENT, world_size=world_size)
         stages = range(self.layout.num_stages)
+        self.stage_parameters: list[list[int]] = [[] for _ in stages]
+        """Indices of each stage's parameters, in model order."""
+        for index in range(len(self.names)):
+            self.stage_parameters[self.layout.parameter(index)[0]].append(index)
         self.weights = [self._weight_buffer(model, s) for s in stages]
         if self.shard_gradients:
             # ZeRO-2: a stage's full gradient only lives while its backward runs; consecutive
@@ -125,8 +129,11 @@ class FlatModel:
         return self.compute_dtype != torch.float32
 
     def parameter_view(self, buffers: list[Tensor], index: int) -> Tensor:
-        stage, offset, numel = self.layout.parameter(index)
-        return buffers[stage][offset : offset + numel].view(self.shapes[self.names[index]])
+        return self._view(buffers[self.layout.parameter(index)[0]], index)
+
+    def _view(self, stage_buffer: Tensor, index: int) -> Tensor:
+        _, offset, numel = self.layout.parameter(index)
+        return stage_buffer[offset : offset + numel].view(self.shapes[self.names[index]])
 
     def _weight_buffer(self, model: GPTModel, stage: int) -> Tensor:
         """The stage's compute weights, its parameters made views of it. With ZeRO-3 its
@@ -135,11 +142,8 @@ class FlatModel:
         buffer = torch.zeros(
             self.layout.stage_size(stage), dtype=self.compute_dtype, device=self.device
         )
-        for index, name in enumerate(self.names):
-            parameter_stage, offset, numel = self.layout.parameter(index)
-            if parameter_stage == stage:
-                view = buffer[offset : offset + numel].view(self.shapes[name])
-                _set_parameter(model, name, torch.nn.Parameter(view))
+        for index in self.stage_parameters[stage]:
+            _set_parameter(model, self.names[index], torch.nn.Parameter(self._view(buffer, index)))
         if self.shard_weights:
             buffer.untyped_storage().resize_(0)
         return buffer
@@ -238,9 +242,8 @@ class FlatModel:
         for stage in range(self.layout.num_stages):
             if self.gatherer is not None:
                 self.gatherer.ensure(stage)
-            for index, name in enumerate(self.names):
-                if self.layout.parameter(index)[0] == stage:
-                    yield name, self.parameter_view(self.weights, index)
+            for index in self.stage_parameters[stage]:
+                yield self.names[index], self._view(self.weights[stage], index)
             if self.gatherer is not None:
                 self.gatherer.release(stage)
 

@@ -128,6 +128,14 @@ class Trainer:
             prefetch=self.config.data.prefetch,
         )
 
+    def _loss(self, batch: Batch) -> torch.Tensor:
+        device = self.distributed.device
+        return self.model.loss(
+            batch.input_ids.to(device, non_blocking=True),
+            batch.labels.to(device, non_blocking=True),
+            document_ids=self._attention_documents(batch),
+        )
+
     def _attention_documents(self, batch: Batch) -> torch.Tensor | None:
         """The document ids attention must keep within, on the device; None when it may cross
         documents (`batch.cross_document_attention`) or each sequence is a single document,
@@ -141,12 +149,7 @@ class Trainer:
 
     def forward_backward(self, batch: Batch, weight: float = 1.0) -> torch.Tensor:
         """Loss of one micro-batch; its gradient, times `weight`, is added to the flat buffer."""
-        device = self.distributed.device
-        loss = self.model.loss(
-            batch.input_ids.to(device, non_blocking=True),
-            batch.labels.to(device, non_blocking=True),
-            document_ids=self._attention_documents(batch),
-        )
+        loss = self._loss(batch)
         (loss * (weight * self.scaler.scale)).backward()
         self.flat.finish_backward()
         return loss.detach()
@@ -190,15 +193,7 @@ class Trainer:
         loader = self._loader(stream)
         self.model.eval()
         try:
-            losses = [
-                self.model.loss(
-                    b.input_ids.to(self.distributed.device),
-                    b.labels.to(self.distributed.device),
-                    document_ids=self._attention_documents(b),
-                )
-                for step in loader
-                for b in step
-            ]
+            losses = [self._loss(b) for step in loader for b in step]
         finally:
             self.model.train()
         loss = torch.stack(losses).mean()
