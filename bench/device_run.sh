@@ -15,6 +15,7 @@ COMMIT=$1
 shift
 OUT=${OUT:-/tmp/out}
 RES=/tmp/results
+rm -rf "$RES"  # a warm machine keeps the last call's files
 mkdir -p "$OUT" "$RES" /tmp/site
 for wheel in dist/*.whl; do python3 -m zipfile -e "$wheel" /tmp/site; done  # abi3/pure wheels
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
@@ -26,10 +27,13 @@ pack() { tar -czf "$OUT/results.tgz.part" -C "$RES" . && mv "$OUT/results.tgz.pa
 run_part() {
   case $1 in
     tests)
-      timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/training 2>&1 | tail -25 ;;
+      timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/training \
+        >"$RES/gpu_tests.log" 2>&1
+      grep -E "^(FAILED|ERROR)|^E  |passed|failed" "$RES/gpu_tests.log" | tail -40 ;;
     kernels)
       timeout 150 python3 bench/kernels.py --out "$RES/kernels.json" ;;
     prepare)
+      lscpu | grep -E "^(Model name|Socket|Core|Thread|CPU\(s\))"; grep -H . /sys/devices/system/cpu/cpu{0,1,16}/topology/thread_siblings_list
       # Against the Python pipelines on the standard library, then fastllm alone on it 32 times
       # over (about 340 MB), long enough for 16 cores to show their scaling.
       timeout 120 python3 bench/prepare_bench.py --cores 1 2 4 8 16 --repeats 2 \
@@ -38,14 +42,14 @@ run_part() {
         --out "$RES/prepare_h200_scaling.json" 2>&1 | tail -12 ;;
     train-1b | train-3b)
       local model=${1#train-}
-      python3 bench/train_bench.py --models "$model" --systems fastllm fastllm-compile hf \
+      python3 bench/train_bench.py --models "$model" --systems ${SYSTEMS:-fastllm fastllm-compile hf} \
         --timeout 170 --commit "$COMMIT" --out "$RES/train_$model" 2>&1 | tail -30
       timeout 90 python3 bench/profile_step.py --model "$model" --commit "$COMMIT" \
         --out "$RES/profile_$model" 2>&1 | tail -45 ;;
     zero-8b)
       for stage in 2 3; do
         python3 bench/scale_bench.py --config examples/llama3-8b.yaml --gpus 2 --zero-stage "$stage" \
-          --micro-batch 1 --per-gpu-batch 2 --steps 6 --kill-at-end --timeout 150 \
+          --micro-batch "${MICRO_BATCH:-2}" --per-gpu-batch 2 --steps 6 --kill-at-end --timeout 150 \
           --commit "$COMMIT" --out "$RES/zero${stage}_8b" 2>&1 | tail -8
       done ;;
     scale-x2)

@@ -42,6 +42,30 @@ CHUNK_BYTES = 1 << 20
 # ---------------------------------------------------------------- the input and the tokenizer
 
 
+def physical_cores_first(cpus: set[int]) -> list[int]:
+    """The CPUs ordered so that every physical core comes before a second hardware thread of
+    any core: C cores then means C physical cores wherever the machine has them (Linux numbers
+    SMT siblings either adjacently or half the machine apart)."""
+
+    def sibling_rank(cpu: int) -> int:
+        siblings = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
+        try:
+            text = siblings.read_text().strip()
+        except OSError:
+            return 0
+        members = sorted(
+            n for part in text.split(",") for n in _cpu_range(part) if n in cpus or n == cpu
+        )
+        return members.index(cpu)
+
+    return sorted(cpus, key=lambda cpu: (sibling_rank(cpu), cpu))
+
+
+def _cpu_range(part: str) -> range:
+    low, _, high = part.partition("-")
+    return range(int(low), int(high or low) + 1)
+
+
 def build_corpus(path: Path, copies: int = 1) -> dict:
     """Every *.py file of the standard library (site-packages excluded) that is UTF-8, one
     record per file, in sorted path order; `copies` times over."""
@@ -365,7 +389,7 @@ def main() -> None:
         print(json.dumps(CHILDREN[args.child](args)))
         return
 
-    usable = sorted(os.sched_getaffinity(0))
+    usable = physical_cores_first(os.sched_getaffinity(0))
     core_counts = args.cores or sorted({1, len(usable)})
     if max(core_counts) > len(usable):
         parser.error(f"only {len(usable)} usable cores")
@@ -437,7 +461,11 @@ def main() -> None:
         },
         "versions": versions(),
         "input": {**corpus_info, "vocab_size": args.vocab_size, "tokenizer_training_s": training_s},
-        "method": "median of the work alone (after imports) over the repeats; each run a fresh process pinned to the cores",
+        "method": "median of the work alone (after imports) over the repeats; each run a fresh process pinned to the cores, one hardware thread per physical core before any second one",
+        "cpus_used": {
+            str(count): physical_cores_first(os.sched_getaffinity(0))[:count]
+            for count in core_counts
+        },
         "repeats": args.repeats,
         "results": results,
     }

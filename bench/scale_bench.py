@@ -16,7 +16,7 @@ Each run logs every step to EXP/metrics.jsonl (rank 0; tokens_per_s is per GPU).
 state excludes the first --skip logged steps (compilation, autotuning, the loader's start);
 tokens/s per GPU is the harmonic mean of the remaining steps (total tokens / total time), MFU
 likewise; peak memory is the largest memory_gib logged (torch.cuda.max_memory_allocated of
-rank 0 since its start, initialization included). Scaling efficiency = tokens/s per GPU at G /
+rank 0 over each logging interval, so the peak of training, setup excluded). Scaling efficiency = tokens/s per GPU at G /
 tokens/s per GPU at 1 GPU — or, when the 1-GPU run failed (a 7B model with fp32 masters and
 Adam moments needs about 130 GB before activations), at the fewest GPUs that ran; the JSON
 names that reference.
@@ -353,7 +353,7 @@ def report_of(args: argparse.Namespace, dataset: dict, runs: list[dict]) -> dict
             "one torchrun launch of `fastllm train` per GPU count; metrics.jsonl logged every "
             "step by rank 0; steady state = logged steps after the first `skip`; tokens/s per "
             "GPU and MFU = harmonic means over those steps; peak memory = max memory_gib "
-            "(max_memory_allocated of rank 0, initialization included)"
+            "(max_memory_allocated of rank 0 per logging interval: training, not setup)"
         ),
         "dataset": dataset,
         **with_efficiency(runs),

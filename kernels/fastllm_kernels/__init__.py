@@ -4,6 +4,7 @@ Depends on torch and triton only; knows nothing of fastllm. Every op runs its Tr
 CUDA tensors (and on CPU tensors under TRITON_INTERPRET=1) and its `*_reference` otherwise.
 """
 
+from fastllm_kernels.accumulate import accumulate_, accumulate_reference_
 from fastllm_kernels.activation import (
     gated_activation,
     gated_activation_fused,
@@ -19,10 +20,18 @@ from fastllm_kernels.cross_entropy import (
     linear_cross_entropy,
     linear_cross_entropy_reference,
 )
+from fastllm_kernels.linear import linear, matmul_into_fp32_, weight_gradient
 from fastllm_kernels.norm import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
-from fastllm_kernels.rotary import apply_rotary, apply_rotary_reference
+from fastllm_kernels.rotary import (
+    apply_rotary,
+    apply_rotary_reference,
+    split_qkv_rotary,
+    split_qkv_rotary_reference,
+)
 
 __all__ = [
+    "accumulate_",
+    "accumulate_reference_",
     "adamw_step_",
     "adamw_step_reference_",
     "apply_rotary",
@@ -38,8 +47,13 @@ __all__ = [
     "gated_linear_reference",
     "layer_norm",
     "layer_norm_reference",
+    "linear",
     "linear_cross_entropy",
     "linear_cross_entropy_reference",
+    "matmul_into_fp32_",
     "rms_norm",
     "rms_norm_reference",
+    "split_qkv_rotary",
+    "split_qkv_rotary_reference",
+    "weight_gradient",
 ]

@@ -14,6 +14,7 @@ import triton.language as tl
 from torch import Tensor
 
 from fastllm_kernels._dispatch import as_rows, use_triton
+from fastllm_kernels.linear import weight_gradient
 
 ACTIVATIONS = ("silu", "gelu", "relu", "squared_relu")
 """Supported names; "gelu" is the tanh approximation (torch's approximate="tanh")."""
@@ -132,7 +133,8 @@ class _GatedLinearFunction(torch.autograd.Function):
         dy2 = as_rows(dy)
         d_weight = d_bias = dx = None
         if need_weight:
-            d_weight = dy2.T @ _gated_rows(x2, ctx.activation)  # the recomputed activation
+            # From the recomputed activation.
+            d_weight = weight_gradient(weight, dy2, _gated_rows(x2, ctx.activation))
         if need_bias and ctx.has_bias:
             d_bias = dy2.sum(dim=0, dtype=torch.float32).to(dy.dtype)
         if need_x:

@@ -3,8 +3,13 @@
 The pair rotated together is (x[..., i], x[..., i + head_dim // 2]):
     out[i]       = x[i] * cos[i] - x[i + d/2] * sin[i]
     out[i + d/2] = x[i + d/2] * cos[i] + x[i] * sin[i]
-The Triton path rotates x in place (x may be a strided view, e.g. q inside a fused qkv output) and
-returns it, so callers must use the return value and not rely on x being unchanged.
+`apply_rotary`'s Triton path rotates x in place (x may be a strided view, e.g. q inside a fused qkv
+output) and returns it, so callers must use the return value and not rely on x being unchanged.
+
+`split_qkv_rotary` takes the fused qkv projection whole and returns new q, k, v with q and k
+rotated. Slicing qkv and rotating the slices in place instead costs, in autograd's view and
+in-place bookkeeping (CopySlices), zero-filled, copied and summed full-size gradient buffers;
+here the backward pass writes dqkv once, from dq, dk and dv of any strides.
 """
 
 from __future__ import annotations
@@ -34,6 +39,31 @@ def apply_rotary_reference(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
+def split_qkv_rotary(
+    qkv: Tensor, heads: int, kv_heads: int, cos: Tensor | None, sin: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Split qkv (batch, seq, (heads + 2 * kv_heads) * head_dim), of any strides, into
+    q (batch, seq, heads, head_dim) and k, v (batch, seq, kv_heads, head_dim), rotating q and k
+    as apply_rotary does; cos = sin = None for no rotation. The Triton path returns new
+    contiguous tensors; gradients flow to qkv only."""
+    head_dim = _check_qkv_shapes(qkv, heads, kv_heads, cos, sin)
+    if use_triton(qkv, cos, sin):
+        return _SplitQKVRotaryFunction.apply(qkv, heads, kv_heads, head_dim, cos, sin)
+    return split_qkv_rotary_reference(qkv, heads, kv_heads, cos, sin)
+
+
+def split_qkv_rotary_reference(
+    qkv: Tensor, heads: int, kv_heads: int, cos: Tensor | None, sin: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """v (and q, k without rotation) are views of qkv here, not copies."""
+    batch, seq, width = qkv.shape
+    heads_of_qkv = qkv.view(batch, seq, heads + 2 * kv_heads, width // (heads + 2 * kv_heads))
+    q, k, v = heads_of_qkv.split([heads, kv_heads, kv_heads], dim=2)
+    if cos is not None and sin is not None:
+        q, k = apply_rotary_reference(q, cos, sin), apply_rotary_reference(k, cos, sin)
+    return q, k, v
+
+
 def _broadcastable(angles: Tensor) -> Tensor:
     """(seq, d/2) or (batch, seq, d/2) → (batch or 1, seq, 1, d/2) fp32."""
     return angles.float().reshape(-1, *angles.shape[-2:]).unsqueeze(2)
@@ -43,6 +73,29 @@ def _check_shapes(x: Tensor, cos: Tensor, sin: Tensor) -> None:
     batch, seq, _, head_dim = x.shape
     if head_dim % 2 or cos.shape != sin.shape:
         raise ValueError(f"bad rotary shapes: x {tuple(x.shape)}, cos {tuple(cos.shape)}")
+    _check_angles(batch, seq, head_dim, cos)
+
+
+def _check_qkv_shapes(
+    qkv: Tensor, heads: int, kv_heads: int, cos: Tensor | None, sin: Tensor | None
+) -> int:
+    """Checks the shapes and returns head_dim."""
+    if qkv.dim() != 3 or qkv.shape[-1] % (heads + 2 * kv_heads):
+        raise ValueError(
+            f"qkv {tuple(qkv.shape)} is not (batch, seq, {heads + 2 * kv_heads} heads)"
+        )
+    batch, seq, width = qkv.shape
+    head_dim = width // (heads + 2 * kv_heads)
+    if (cos is None) != (sin is None):
+        raise ValueError("cos and sin must both be given or both be None")
+    if cos is not None and sin is not None:
+        if head_dim % 2 or cos.shape != sin.shape:
+            raise ValueError(f"bad rotary shapes: qkv {tuple(qkv.shape)}, cos {tuple(cos.shape)}")
+        _check_angles(batch, seq, head_dim, cos)
+    return head_dim
+
+
+def _check_angles(batch: int, seq: int, head_dim: int, cos: Tensor) -> None:
     if cos.shape not in ((seq, head_dim // 2), (batch, seq, head_dim // 2)):
         raise ValueError(
             f"cos/sin must be ({seq}, {head_dim // 2}) or ({batch}, {seq}, {head_dim // 2})"
@@ -103,3 +156,171 @@ def _rotary_kernel(
     out1_ptr = out_ptr + b * out_stride_b + s * out_stride_s + h * out_stride_h + d
     tl.store(out1_ptr, (x1 * cos - x2 * sin).to(out_ptr.dtype.element_ty), mask=mask)
     tl.store(out1_ptr + half, (x2 * cos + x1 * sin).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+class _SplitQKVRotaryFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qkv, heads, kv_heads, head_dim, cos, sin):
+        batch, seq, _ = qkv.shape
+        q = torch.empty((batch, seq, heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+        k = torch.empty((batch, seq, kv_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+        v = torch.empty((batch, seq, kv_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+        grid, args, constants = _qkv_launch(qkv, heads, kv_heads, head_dim, cos, sin)
+        _split_qkv_rotary_kernel[grid](qkv, q, k, v, *args, *qkv.stride(), **constants)
+        ctx.save_for_backward(cos, sin)
+        ctx.heads, ctx.kv_heads, ctx.head_dim = heads, kv_heads, head_dim
+        # Unused outputs get None gradients rather than zero-filled ones: the backward kernel
+        # writes their zeros into dqkv itself.
+        ctx.set_materialize_grads(False)
+        return q, k, v
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        cos, sin = ctx.saved_tensors
+        grads = (dq, dk, dv)
+        some = next(g for g in grads if g is not None)
+        batch, seq = some.shape[:2]
+        width = (ctx.heads + 2 * ctx.kv_heads) * ctx.head_dim
+        dqkv = torch.empty((batch, seq, width), dtype=some.dtype, device=some.device)
+        grid, args, constants = _qkv_launch(dqkv, ctx.heads, ctx.kv_heads, ctx.head_dim, cos, sin)
+        # A missing gradient is read as zeros; dqkv stands in for its pointer, never dereferenced.
+        pointers = [dqkv if g is None else g for g in grads]
+        strides = [s for g in grads for s in ((0,) * 4 if g is None else g.stride())]
+        _split_qkv_rotary_backward_kernel[grid](
+            *pointers, dqkv, *args, *strides,
+            HAS_DQ=dq is not None, HAS_DK=dk is not None, HAS_DV=dv is not None, **constants,
+        )  # fmt: skip
+        return dqkv, None, None, None, None, None
+
+
+def _qkv_launch(
+    x: Tensor, heads: int, kv_heads: int, head_dim: int, cos: Tensor | None, sin: Tensor | None
+) -> tuple[tuple[int, int], tuple, dict]:
+    """Grid, shared arguments and constants of the split kernels; x stands in for absent angles."""
+    rotate = cos is not None and sin is not None
+    # A program takes a block of heads of one token, each as two halves that rotate together;
+    # without rotation a head is one "half" (head_dim may then be odd).
+    half = head_dim // 2 if rotate else head_dim
+    block_d = triton.next_power_of_2(half)
+    all_heads = heads + 2 * kv_heads
+    block_h = min(triton.next_power_of_2(all_heads), max(1, 4096 // block_d))
+    grid = (x.shape[0] * x.shape[1], triton.cdiv(all_heads, block_h))
+    if rotate:
+        cos, sin = cos.contiguous(), sin.contiguous()
+        cos_stride_b = cos.stride(0) if cos.dim() == 3 else 0
+    else:
+        cos, sin, cos_stride_b = x, x, 0
+    args = (cos, sin, x.shape[1], heads, kv_heads, head_dim, half, cos_stride_b)
+    constants = {"ROTATE": rotate, "BLOCK_H": block_h, "BLOCK_D": block_d, "num_warps": 4}
+    return grid, args, constants
+
+
+@triton.jit
+def _qkv_tile(seq, heads, kv_heads, half, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's token (b, s), heads h (of q, k, v in turn) and columns d within a half."""
+    token = tl.program_id(0).to(tl.int64)
+    h = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < heads + 2 * kv_heads) & (d < half)
+    is_q = h < heads
+    is_v = h >= heads + kv_heads
+    return token, token // seq, token % seq, h, d, mask, is_q, ~is_q & ~is_v, is_v
+
+
+@triton.jit
+def _rotate_halves(x1, x2, cos_ptr, sin_ptr, b, s, d, half, cos_stride_b, sign, rotate):
+    """(x1, x2) rotated by sign * angle in fp32 where `rotate` (q and k), kept elsewhere (v)."""
+    angle_offset = b * cos_stride_b + s * half + d
+    cos = tl.load(cos_ptr + angle_offset, mask=d < half, other=0.0).to(tl.float32)
+    sin = sign * tl.load(sin_ptr + angle_offset, mask=d < half, other=0.0).to(tl.float32)
+    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+    return tl.where(rotate, x1 * cos - x2 * sin, x1), tl.where(rotate, x2 * cos + x1 * sin, x2)
+
+
+@triton.jit
+def _split_qkv_rotary_kernel(
+    qkv_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, seq, heads, kv_heads, head_dim, half,
+    cos_stride_b, qkv_stride_b, qkv_stride_s, qkv_stride_c,
+    ROTATE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    token, b, s, h, d, mask, is_q, is_k, is_v = _qkv_tile(
+        seq, heads, kv_heads, half, BLOCK_H, BLOCK_D
+    )
+    x_ptrs = qkv_ptr + b * qkv_stride_b + s * qkv_stride_s + (h * head_dim + d) * qkv_stride_c
+    # q, k and v are contiguous; lanes of the other two parts point at head 0 (masked off).
+    q_ptrs = q_ptr + (token * heads + tl.where(is_q, h, 0)) * head_dim + d
+    k_ptrs = k_ptr + (token * kv_heads + tl.where(is_k, h - heads, 0)) * head_dim + d
+    v_ptrs = v_ptr + (token * kv_heads + tl.where(is_v, h - heads - kv_heads, 0)) * head_dim + d
+    x1 = tl.load(x_ptrs, mask=mask)
+    if ROTATE:
+        x2 = tl.load(x_ptrs + half * qkv_stride_c, mask=mask)
+        y1, y2 = _rotate_halves(x1, x2, cos_ptr, sin_ptr, b, s, d, half, cos_stride_b, 1.0, ~is_v)
+        _store_split(q_ptrs, k_ptrs, v_ptrs, y1, mask, is_q, is_k, is_v)
+        _store_split(q_ptrs + half, k_ptrs + half, v_ptrs + half, y2, mask, is_q, is_k, is_v)
+    else:
+        _store_split(q_ptrs, k_ptrs, v_ptrs, x1, mask, is_q, is_k, is_v)
+
+
+@triton.jit
+def _store_split(q_ptrs, k_ptrs, v_ptrs, x, mask, is_q, is_k, is_v):
+    x = x.to(q_ptrs.dtype.element_ty)
+    tl.store(q_ptrs, x, mask=mask & is_q)
+    tl.store(k_ptrs, x, mask=mask & is_k)
+    tl.store(v_ptrs, x, mask=mask & is_v)
+
+
+@triton.jit
+def _split_qkv_rotary_backward_kernel(
+    dq_ptr, dk_ptr, dv_ptr, dqkv_ptr, cos_ptr, sin_ptr, seq, heads, kv_heads, head_dim, half,
+    cos_stride_b, dq_stride_b, dq_stride_s, dq_stride_h, dq_stride_d,
+    dk_stride_b, dk_stride_s, dk_stride_h, dk_stride_d,
+    dv_stride_b, dv_stride_s, dv_stride_h, dv_stride_d,
+    HAS_DQ: tl.constexpr, HAS_DK: tl.constexpr, HAS_DV: tl.constexpr,
+    ROTATE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    token, b, s, h, d, mask, is_q, is_k, is_v = _qkv_tile(
+        seq, heads, kv_heads, half, BLOCK_H, BLOCK_D
+    )
+    # Gradients come with any strides (attention kernels return (batch, heads, seq)-major
+    # ones); lanes of the other two parts point at head 0 (masked off).
+    dq_ptrs = _strided(
+        dq_ptr, b, s, tl.where(is_q, h, 0), d, dq_stride_b, dq_stride_s, dq_stride_h, dq_stride_d
+    )
+    dk_h = tl.where(is_k, h - heads, 0)
+    dk_ptrs = _strided(dk_ptr, b, s, dk_h, d, dk_stride_b, dk_stride_s, dk_stride_h, dk_stride_d)
+    dv_h = tl.where(is_v, h - heads - kv_heads, 0)
+    dv_ptrs = _strided(dv_ptr, b, s, dv_h, d, dv_stride_b, dv_stride_s, dv_stride_h, dv_stride_d)
+    out_ptrs = dqkv_ptr + token * (heads + 2 * kv_heads) * head_dim + h * head_dim + d
+    g1 = _load_split(dq_ptrs, dk_ptrs, dv_ptrs, mask, is_q, is_k, is_v, HAS_DQ, HAS_DK, HAS_DV)
+    if ROTATE:
+        g2 = _load_split(
+            dq_ptrs + half * dq_stride_d, dk_ptrs + half * dk_stride_d, dv_ptrs + half * dv_stride_d,
+            mask, is_q, is_k, is_v, HAS_DQ, HAS_DK, HAS_DV,
+        )  # fmt: skip
+        # The transpose of a rotation by angle is the rotation by -angle.
+        y1, y2 = _rotate_halves(g1, g2, cos_ptr, sin_ptr, b, s, d, half, cos_stride_b, -1.0, ~is_v)
+        tl.store(out_ptrs, y1.to(dqkv_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptrs + half, y2.to(dqkv_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptrs, g1, mask=mask)
+
+
+@triton.jit
+def _strided(ptr, b, s, h, d, stride_b, stride_s, stride_h, stride_d):
+    return ptr + b * stride_b + s * stride_s + h * stride_h + d * stride_d
+
+
+@triton.jit
+def _load_split(
+    q_ptrs, k_ptrs, v_ptrs, mask, is_q, is_k, is_v,
+    HAS_Q: tl.constexpr, HAS_K: tl.constexpr, HAS_V: tl.constexpr,
+):  # fmt: skip
+    """The gradient of each lane's part; zeros for a part whose gradient is absent."""
+    x = tl.zeros(mask.shape, dtype=q_ptrs.dtype.element_ty)
+    if HAS_Q:
+        x = tl.where(is_q, tl.load(q_ptrs, mask=mask & is_q, other=0.0), x)
+    if HAS_K:
+        x = tl.where(is_k, tl.load(k_ptrs, mask=mask & is_k, other=0.0), x)
+    if HAS_V:
+        x = tl.where(is_v, tl.load(v_ptrs, mask=mask & is_v, other=0.0), x)
+    return x

@@ -76,6 +76,7 @@ def test_float32_steps_match_torch_adamw_with_clipping_and_decay_groups() -> Non
         lr = learning_rate(schedule, step, 4)
         for micro in range(2):  # two micro-batches accumulate
             (model.loss(ids[micro], labels[micro]) / 2).backward()
+            flat.finish_backward()
             (reference.loss(ids[micro], labels[micro]) / 2).backward()
         norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), opt.gradient_norm_clipping)
         for group in torch_adamw.param_groups:
@@ -103,6 +104,7 @@ def test_bfloat16_keeps_fp32_masters_and_writes_bf16_weights() -> None:
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     ids = torch.randint(0, 61, (2, 9))
     model.loss(ids, ids).backward()
+    flat.finish_backward()
     assert all(p.grad is None for p in model.parameters()), (
         "gradients belong in the flat fp32 buffer"
     )
@@ -113,6 +115,25 @@ def test_bfloat16_keeps_fp32_masters_and_writes_bf16_weights() -> None:
         # The step writes the bf16 copy itself; Triton's interpreter truncates where the GPU
         # rounds to nearest, so allow one bf16 ulp.
         torch.testing.assert_close(shard.weight.float(), shard.master, rtol=2**-7, atol=0)
+
+
+def test_a_new_step_overwrites_gradients_and_zeroes_those_not_computed() -> None:
+    config = tiny_config()
+    reference = GPTModel(config.model.base_model)
+    initialize(reference, torch.Generator().manual_seed(0))
+    model, flat = flat_model(config, reference, torch.float32)
+    ids = torch.randint(0, 61, (2, 9))
+    model.loss(ids, ids).backward()
+    flat.finish_backward()
+    flat.zero_grad()  # a new step: buffers keep their old values until overwritten
+    assert all(grad.abs().sum() > 0 for grad in flat.grads)
+    model.embeddings(ids).sum().backward()  # only the embedding gets a gradient
+    flat.finish_backward()
+    expected = torch.zeros(model.embeddings.weight.shape).index_add_(
+        0, ids.reshape(-1), torch.ones(ids.numel(), model.embeddings.weight.shape[1])
+    )
+    torch.testing.assert_close(flat.parameter_view(flat.grads, 0), expected)
+    assert all(not grad.any() for grad in flat.grads[1:]), "stale gradients left in place"
 
 
 def test_a_step_with_non_finite_gradients_is_skipped() -> None:

@@ -3,7 +3,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastllm_kernels.rotary import apply_rotary, apply_rotary_reference
+from fastllm_kernels.rotary import (
+    apply_rotary,
+    apply_rotary_reference,
+    split_qkv_rotary,
+    split_qkv_rotary_reference,
+)
 from tests.kernels.conftest import assert_close, cuda, triton_on_cpu
 
 pytestmark = pytest.mark.usefixtures("poisoned_empty")
@@ -72,6 +77,94 @@ def test_rotary_rejects_mismatched_angles():
         apply_rotary(x, cos, sin)
 
 
+def _transposed_like(x):
+    """A gradient as cuDNN attention returns it: a (batch, heads, seq, dim)-contiguous view."""
+    batch, seq, heads, head_dim = x.shape
+    return torch.randn(batch, heads, seq, head_dim, device=x.device).to(x.dtype).transpose(1, 2)
+
+
+@triton_on_cpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("angles", ["shared", "per_batch", None])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 8), (4, 2, 12), (3, 3, 12), (5, 1, 6)])
+def test_split_qkv_rotary_matches_reference(heads, kv_heads, head_dim, angles, dtype):
+    batch, seq = 2, 5
+    qkv = torch.randn(batch, seq, (heads + 2 * kv_heads) * head_dim).to(dtype).requires_grad_()
+    cos, sin = (
+        (None, None) if angles is None else _angles(batch, seq, head_dim, angles == "per_batch")
+    )
+    out = split_qkv_rotary(qkv, heads, kv_heads, cos, sin)
+    expected = split_qkv_rotary_reference(qkv, heads, kv_heads, cos, sin)
+    grads = [_transposed_like(x) for x in expected]
+    (dqkv,) = torch.autograd.grad(out, qkv, grads)
+    (expected_dqkv,) = torch.autograd.grad(expected, qkv, grads)
+    # fp32 is exact: both compute the same fp32 expressions; NaN shows an element left unwritten.
+    tolerances = {"rtol": 0, "atol": 1e-6} if dtype == torch.float32 else {}
+    for actual, reference in zip([*out, dqkv], [*expected, expected_dqkv], strict=True):
+        assert actual.is_contiguous()
+        assert_close(actual, reference, **tolerances)
+
+
+@triton_on_cpu
+@pytest.mark.parametrize("per_batch", [False, True])
+def test_split_qkv_rotary_matches_rotary_of_slices(per_batch):
+    batch, seq, heads, kv_heads, head_dim = 2, 4, 4, 2, 12
+    qkv = torch.randn(batch, seq, 8 * head_dim, requires_grad=True)
+    cos, sin = _angles(batch, seq, head_dim, per_batch)
+    q, k, v = split_qkv_rotary(qkv, heads, kv_heads, cos, sin)
+    parts = (qkv * 1).view(batch, seq, 8, head_dim)
+    expected = (
+        apply_rotary(parts[:, :, :heads], cos, sin),
+        apply_rotary(parts[:, :, heads : heads + kv_heads], cos, sin),
+        parts[:, :, heads + kv_heads :],
+    )
+    grads = [_transposed_like(x) for x in expected]
+    (dqkv,) = torch.autograd.grad((q, k, v), qkv, grads)
+    (expected_dqkv,) = torch.autograd.grad(expected, qkv, grads)
+    for actual, reference in zip((q, k, v, dqkv), (*expected, expected_dqkv), strict=True):
+        assert_close(actual, reference)
+
+
+@triton_on_cpu
+def test_split_qkv_rotary_reads_a_strided_qkv():
+    batch, seq, heads, kv_heads, head_dim = 2, 3, 4, 2, 8
+    # (seq, batch)-major and wider than its 8 heads, as a slice of a larger projection would be.
+    qkv = torch.randn(seq, batch, 9 * head_dim).transpose(0, 1)[..., : 8 * head_dim]
+    qkv.requires_grad_()
+    cos, sin = _angles(batch, seq, head_dim, per_batch=True)
+    out = split_qkv_rotary(qkv, heads, kv_heads, cos, sin)
+    expected = split_qkv_rotary_reference(qkv, heads, kv_heads, cos, sin)
+    grads = [_transposed_like(x) for x in expected]
+    (dqkv,) = torch.autograd.grad(out, qkv, grads)
+    (expected_dqkv,) = torch.autograd.grad(expected, qkv, grads)
+    for actual, reference in zip([*out, dqkv], [*expected, expected_dqkv], strict=True):
+        assert_close(actual, reference, rtol=0, atol=1e-6)
+
+
+@triton_on_cpu
+@pytest.mark.parametrize("used", [(0,), (1,), (2,), (0, 2)])
+def test_split_qkv_rotary_gradient_of_unused_outputs_is_zero(used):
+    qkv = torch.randn(2, 3, 8 * 8, requires_grad=True)
+    cos, sin = _angles(2, 3, 8, per_batch=False)
+    out = split_qkv_rotary(qkv, 4, 2, cos, sin)
+    expected = split_qkv_rotary_reference(qkv, 4, 2, cos, sin)
+    grads = [_transposed_like(out[i]) for i in used]
+    (dqkv,) = torch.autograd.grad([out[i] for i in used], qkv, grads)
+    (expected_dqkv,) = torch.autograd.grad([expected[i] for i in used], qkv, grads)
+    assert_close(dqkv, expected_dqkv, rtol=0, atol=1e-6)
+
+
+@triton_on_cpu
+def test_split_qkv_rotary_rejects_bad_shapes():
+    cos, sin = _angles(2, 5, 8, per_batch=False)
+    with pytest.raises(ValueError, match="heads"):
+        split_qkv_rotary(torch.randn(2, 5, 8 * 8 + 2), 4, 2, cos, sin)
+    with pytest.raises(ValueError, match="cos/sin"):
+        split_qkv_rotary(torch.randn(2, 6, 8 * 8), 4, 2, cos, sin)
+    with pytest.raises(ValueError, match="both"):
+        split_qkv_rotary(torch.randn(2, 5, 8 * 8), 4, 2, cos, None)
+
+
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("per_batch", [False, True])
@@ -87,3 +180,20 @@ def test_rotary_matches_reference_at_model_size(per_batch):
     (grad,) = torch.autograd.grad(out, qkv, grad_out)
     (expected_grad,) = torch.autograd.grad(expected, qkv, grad_out)
     assert_close(grad, expected_grad)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("per_batch", [False, True])
+def test_split_qkv_rotary_matches_reference_at_model_size(per_batch):
+    batch, seq, heads, kv_heads, head_dim = 2, 4096, 32, 8, 128
+    qkv = torch.randn(batch, seq, 48 * head_dim, device="cuda", dtype=torch.bfloat16)
+    qkv.requires_grad_()
+    cos, sin = _angles(batch, seq, head_dim, per_batch, device="cuda")
+    out = split_qkv_rotary(qkv, heads, kv_heads, cos, sin)
+    expected = split_qkv_rotary_reference(qkv, heads, kv_heads, cos, sin)
+    grads = [_transposed_like(x) for x in expected]
+    (dqkv,) = torch.autograd.grad(out, qkv, grads)
+    (expected_dqkv,) = torch.autograd.grad(expected, qkv, grads)
+    for actual, reference in zip([*out, dqkv], [*expected, expected_dqkv], strict=True):
+        assert_close(actual, reference)

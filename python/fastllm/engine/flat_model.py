@@ -20,6 +20,8 @@ from fastllm import _native
 from fastllm.engine.gradient_reducer import GradientReducer
 from fastllm.engine.weight_gatherer import WeightGatherer
 from fastllm.model import GPTModel
+from fastllm_kernels.accumulate import accumulate_
+from fastllm_kernels.linear import matmul_into_fp32_
 
 ALIGNMENT = 128
 """Elements; every parameter starts at a multiple, so kernels see aligned rows."""
@@ -112,12 +114,24 @@ class FlatModel:
                 torch.zeros(self.layout.stage_size(s), dtype=torch.float32, device=device)
                 for s in stages
             ]
+        self._grad_views = [self.parameter_view(self.grads, i) for i in range(len(self.names))]
+        self._fresh = [True] * len(self.names)
+        """Per parameter: its gradient view holds stale values that the next gradient
+        overwrites (see _write_gradient)."""
+        self._gaps = [self._alignment_gaps(stage) for stage in stages]
         self.shards = [self._shard(stage) for stage in stages]
         self.reducer = GradientReducer(self) if self.shard_gradients else None
         self._hooks = [
             parameter.register_post_accumulate_grad_hook(self._accumulate_hook(index))
             for index, (_, parameter) in enumerate(model.named_parameters())
         ]
+        # Linear layers' weight gradients go straight from the matmul into the fp32 buffer.
+        linear_weights = {
+            id(module.weight) for module in model.modules() if isinstance(module, torch.nn.Linear)
+        }
+        for index, (_, parameter) in enumerate(model.named_parameters()):
+            if id(parameter) in linear_weights:
+                parameter.gradient_sink = self._gradient_sink(index)
         self.gatherer = (
             WeightGatherer(self, stage_modules(model, layers_per_stage))
             if self.shard_weights
@@ -148,6 +162,18 @@ class FlatModel:
             buffer.untyped_storage().resize_(0)
         return buffer
 
+    def _alignment_gaps(self, stage: int) -> list[tuple[int, int]]:
+        """The ranges of the stage's buffer that no parameter covers."""
+        gaps, position = [], 0
+        for index in self.stage_parameters[stage]:
+            _, offset, numel = self.layout.parameter(index)
+            if offset > position:
+                gaps.append((position, offset))
+            position = offset + numel
+        if self.layout.stage_size(stage) > position:
+            gaps.append((position, self.layout.stage_size(stage)))
+        return gaps
+
     def _shard(self, stage: int) -> Shard:
         start, end = self.layout.shard_range(stage, self.rank)
         grad = self.grads[stage][start:end]
@@ -173,35 +199,68 @@ class FlatModel:
         )
 
     def _accumulate_hook(self, index: int):
-        grad_view = self.parameter_view(self.grads, index)
-
-        stage = self.layout.parameter(index)[0]
-
         def hook(parameter: Tensor) -> None:
             # Gradients land in the fp32 buffer (accumulated over micro-batches), never in .grad.
-            if self.reducer is not None:
-                self.reducer.before_accumulate(stage)
-            grad_view.add_(parameter.grad)
+            grad = parameter.grad
+            if grad is None:  # the gradient went to the parameter's sink
+                return
+            self._write_gradient(index, lambda out, add: _add_into(out, grad, add))
             parameter.grad = None
-            if self.reducer is not None:
-                self.reducer.parameter_done(stage)
 
         return hook
+
+    def _gradient_sink(self, index: int):
+        def sink(a: Tensor, b: Tensor) -> None:
+            self._write_gradient(index, lambda out, add: matmul_into_fp32_(out, a, b, add))
+
+        return sink
+
+    def _write_gradient(self, index: int, write) -> None:
+        """Add this backward pass's gradient of a parameter to its fp32 buffer with
+        `write(out, accumulate)`; the first since the buffer was last consumed overwrites it
+        (no zero-filling pass)."""
+        stage = self.layout.parameter(index)[0]
+        if self.reducer is not None:
+            self.reducer.before_accumulate(stage)
+        write(self._grad_views[index], not self._fresh[index])
+        self._fresh[index] = False
+        if self.reducer is not None:
+            self.reducer.parameter_done(stage)
+
+    def complete_gradients(self, stage: int) -> None:
+        """Before the stage's gradient buffer is read: zero what this pass did not write (a
+        parameter that got no gradient; with ZeRO-2, the alignment gaps, which another stage
+        sharing the buffer may have written)."""
+        for index in self.stage_parameters[stage]:
+            if self._fresh[index]:
+                self._grad_views[index].zero_()
+                self._fresh[index] = False
+        if self.shard_gradients:
+            for start, end in self._gaps[stage]:
+                self.grads[stage][start:end].zero_()
+
+    def consumed_gradients(self, stage: int) -> None:
+        """The stage's gradient buffer was read: the next gradients overwrite it."""
+        for index in self.stage_parameters[stage]:
+            self._fresh[index] = True
 
     def finish_backward(self) -> None:
         """After each backward pass: reduce the gradients of stages still pending (ZeRO-2) and
         free the gathered weights (ZeRO-3)."""
         if self.reducer is not None:
             self.reducer.flush()
+        else:
+            for stage in range(self.layout.num_stages):
+                self.complete_gradients(stage)
         if self.gatherer is not None:
             self.gatherer.keep_only(set())
 
     def zero_grad(self) -> None:
-        for grad in self.grads:
-            grad.zero_()
-        if self.shard_gradients:
-            for shard in self.shards:
-                shard.grad.zero_()
+        """Start a new step: the next gradients overwrite the buffers and the shards."""
+        for stage in range(self.layout.num_stages):
+            self.consumed_gradients(stage)
+        if self.reducer is not None:
+            self.reducer.new_step()
 
     @torch.no_grad()
     def load_full_parameters(self, tensors: Iterator[tuple[str, Tensor]]) -> None:
@@ -246,6 +305,13 @@ class FlatModel:
                 yield self.names[index], self._view(self.weights[stage], index)
             if self.gatherer is not None:
                 self.gatherer.release(stage)
+
+
+def _add_into(out: Tensor, grad: Tensor, accumulate: bool) -> None:
+    if accumulate:
+        accumulate_(out, grad)
+    else:
+        out.copy_(grad)
 
 
 def _set_parameter(model: torch.nn.Module, name: str, parameter: torch.nn.Parameter) -> None:

@@ -14,11 +14,11 @@ if TYPE_CHECKING:
 
 class GradientReducer:
     """ZeRO-2: once every parameter of a stage has its gradient for this backward pass, the
-    stage's full gradient is summed over ranks straight into each rank's shard by an
-    asynchronous reduce-scatter, which overlaps the backward pass of the stages before it. The
-    result is added to the shard's accumulator, and the full buffer cleared, just before the
-    stage that reuses that buffer needs it (or at the end of the pass). Stages finish in the
-    same order on every rank, so the collectives match."""
+    stage's full gradient is summed over ranks into each rank's shard by an asynchronous
+    reduce-scatter, which overlaps the backward pass of the stages before it: straight into the
+    shard for the step's first micro-batch, else into a scratch buffer added to the shard just
+    before the stage that reuses that buffer needs it (or at the end of the pass). Stages finish
+    in the same order on every rank, so the collectives match."""
 
     def __init__(self, flat: FlatModel) -> None:
         self.flat = flat
@@ -32,6 +32,11 @@ class GradientReducer:
         self.scratch = [pool[s % 2][: shard.grad.numel()] for s, shard in enumerate(flat.shards)]
         self.in_flight: dict[int, tuple[Any, int]] = {}
         """Per gradient buffer (stage parity): the reduce-scatter reading it, and its stage."""
+        self.shard_fresh = [True] * flat.layout.num_stages
+        """Per stage: the shard holds no gradient of this step yet."""
+
+    def new_step(self) -> None:
+        self.shard_fresh = [True] * len(self.shard_fresh)
 
     def before_accumulate(self, stage: int) -> None:
         pending = self.in_flight.get(stage % 2)
@@ -56,14 +61,17 @@ class GradientReducer:
         if stage % 2 in self.in_flight:
             self._complete(stage % 2)
         self.received[stage] = self.expected[stage]
-        work = dist.reduce_scatter_tensor(
-            self.scratch[stage], self.flat.grads[stage], async_op=True
-        )
+        self.flat.complete_gradients(stage)
+        target = self.flat.shards[stage].grad if self.shard_fresh[stage] else self.scratch[stage]
+        work = dist.reduce_scatter_tensor(target, self.flat.grads[stage], async_op=True)
         self.in_flight[stage % 2] = (work, stage)
 
     @torch.no_grad()
     def _complete(self, parity: int) -> None:
         work, stage = self.in_flight.pop(parity)
         work.wait()
-        self.flat.shards[stage].grad.add_(self.scratch[stage])
-        self.flat.grads[stage].zero_()
+        if self.shard_fresh[stage]:
+            self.shard_fresh[stage] = False
+        else:
+            self.flat.shards[stage].grad.add_(self.scratch[stage])
+        self.flat.consumed_gradients(stage)

@@ -10,7 +10,8 @@ from torch import Tensor
 
 from fastllm.config.model import TransformerConfig
 from fastllm_kernels.attention import attention
-from fastllm_kernels.rotary import apply_rotary
+from fastllm_kernels.linear import linear
+from fastllm_kernels.rotary import split_qkv_rotary
 
 
 class Attention(torch.nn.Module):
@@ -40,23 +41,16 @@ class Attention(torch.nn.Module):
         cache: Any = None,
     ) -> Tensor:
         batch, length, _ = x.shape
-        qkv = F.linear(x, self.query_key_value.weight, self.query_key_value.bias)
-        # Slices rather than split(): rotary rotates q and k in place, which autograd allows on
-        # a plain slice but not on the outputs of a multi-output view op.
-        q_end, k_end = self.q_size, self.q_size + self.kv_size
-        q, k, v = qkv[..., :q_end], qkv[..., q_end:k_end], qkv[..., k_end:]
-        q = q.view(batch, length, self.heads, self.head_size)
-        k = k.view(batch, length, self.kv_heads, self.head_size)
-        v = v.view(batch, length, self.kv_heads, self.head_size)
-        if rotary is not None:
-            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        qkv = linear(x, self.query_key_value.weight, self.query_key_value.bias)
+        cos, sin = rotary if rotary is not None else (None, None)
+        q, k, v = split_qkv_rotary(qkv, self.heads, self.kv_heads, cos, sin)
         if cache is None:
             out = attention(
                 q, k, v, causal=True, window_size=self.window_size, document_ids=document_ids
             )
         else:
             out = self._attend_with_cache(q, k, v, cache)
-        return self.dense(out.reshape(batch, length, self.q_size))
+        return linear(out.reshape(batch, length, self.q_size), self.dense.weight, self.dense.bias)
 
     def _attend_with_cache(self, q: Tensor, k: Tensor, v: Tensor, cache: Any) -> Tensor:
         """Generation: `cache.update` (a transformers Cache) appends the new keys and values in

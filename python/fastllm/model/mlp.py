@@ -9,6 +9,7 @@ from torch import Tensor
 
 from fastllm.config.model import TransformerConfig
 from fastllm_kernels.activation import gated_linear
+from fastllm_kernels.linear import linear
 
 _ACTIVATIONS = {
     "silu": F.silu,
@@ -33,7 +34,7 @@ class MLP(torch.nn.Module):
         self.layer_2 = torch.nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        h = self.layer_1(x)
+        h = linear(x, self.layer_1.weight, self.layer_1.bias)
         return _project(h, self.layer_2.weight, self.layer_2.bias, self.gated, self.activation)
 
 
@@ -44,7 +45,7 @@ def _project(
     pass rather than stored."""
     if gated:
         return gated_linear(h, weight, bias, activation)
-    return F.linear(_ACTIVATIONS[activation](h), weight, bias)
+    return linear(_ACTIVATIONS[activation](h), weight, bias)
 
 
 class MixtureOfExperts(torch.nn.Module):

@@ -254,7 +254,10 @@ class Trainer:
         resumed = self.resume()
         main = self.distributed.is_main
         if main:
-            print(f"fastllm: {self._describe()}", flush=True)
+            setup = _memory_gib(self.distributed.device)
+            memory = "" if setup is None else f", {setup:.1f} GiB after setup"
+            print(f"fastllm: {self._describe()}{memory}", flush=True)
+        _reset_memory_peak(self.distributed.device)
         if main and resumed is not None:
             print(f"fastllm: resumed from {resumed} (step {self.step})", flush=True)
         logger = MetricsLogger(
@@ -300,6 +303,7 @@ class Trainer:
                     if training.validation.interval and step % training.validation.interval == 0:
                         record["validation_loss"] = self.validation_loss()
                     logger.log(step, record)
+                    _reset_memory_peak(self.distributed.device)
                     window, window_start = [], time.perf_counter()
                 elif training.validation.interval and step % training.validation.interval == 0:
                     logger.log(step, {"validation_loss": self.validation_loss()})
@@ -344,8 +348,14 @@ class _StopSignal:
 
 
 def _memory_gib(device: torch.device, reserved: bool = False) -> float | None:
-    """Peak memory since the start: allocated by tensors, or reserved by the caching allocator."""
+    """Peak memory since the last reset (the last log, or the end of setup): allocated by
+    tensors, or reserved by the caching allocator."""
     if device.type != "cuda":
         return None
     peak = torch.cuda.max_memory_reserved if reserved else torch.cuda.max_memory_allocated
     return peak(device) / 2**30
+
+
+def _reset_memory_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
