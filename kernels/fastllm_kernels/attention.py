@@ -6,9 +6,10 @@ No kernel of our own: the op picks the fastest existing one for the case.
   TFLOP/s forward / 440 forward+backward against ~310 / 265 for flash, so cuDNN comes first
   even when the flash-attn package is installed.
 - Window or documents on CUDA: flash-attn (window_size, varlen for documents) when importable
-  and the dtype is fp16/bf16; otherwise torch's compiled flex_attention with a block mask. Both
-  skip the key blocks the mask removes entirely, which an explicit boolean mask given to SDPA
-  cannot (it also costs seq² memory and rules out the cuDNN and flash backends).
+  and the dtype is fp16/bf16; otherwise torch's compiled flex_attention with a block mask
+  (SDPA with a boolean mask below 128 keys, one flex block). Both skip the key blocks the mask
+  removes entirely, which an explicit boolean mask given to SDPA cannot (it also costs seq²
+  memory and rules out the cuDNN and flash backends).
 - CPU: SDPA with an explicit boolean mask.
 Masks: query i sees key j when j <= i (causal), i - window_size < j (window; |i - j| < window
 when not causal) and document_ids[b, i] == document_ids[b, j]. Each document must be one
@@ -28,6 +29,9 @@ try:
     from flash_attn import flash_attn_func, flash_attn_varlen_func
 except ImportError:  # optional: most installs use SDPA / flex_attention
     flash_attn_func = flash_attn_varlen_func = None
+
+_FLEX_MIN_KEYS = 128
+"""flex_attention's block size: masks on fewer keys go to SDPA as a dense boolean mask."""
 
 _SDPA_PRIORITY = [
     SDPBackend.CUDNN_ATTENTION,
@@ -61,6 +65,11 @@ def attention(
             return _sdpa(q, k, v, is_causal=causal, scale=scale)
     if flash_attn_func is not None and q.dtype in (torch.float16, torch.bfloat16):
         return _flash_attn(q, k, v, causal, window_size, document_ids, scale)
+    if k.shape[1] < _FLEX_MIN_KEYS:
+        # Shorter than one of flex_attention's blocks, so there is nothing to skip; and torch
+        # 2.11's inductor found no kernel config for head dim 128 at 48 keys (H200).
+        mask = _dense_mask(q, causal, window_size, document_ids)
+        return _sdpa(q, k, v, attn_mask=mask, scale=scale)
     return _flex(q, k, v, causal, window_size, document_ids, scale)
 
 
