@@ -22,6 +22,7 @@ from fastllm_kernels.cross_entropy import (
 )
 from fastllm_kernels.linear import linear, matmul_into_fp32_, weight_gradient
 from fastllm_kernels.norm import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
+from fastllm_kernels.norm_linear import norm_linear, norm_linear_reference
 from fastllm_kernels.rotary import (
     apply_rotary,
     apply_rotary_reference,
@@ -51,6 +52,8 @@ __all__ = [
     "linear_cross_entropy",
     "linear_cross_entropy_reference",
     "matmul_into_fp32_",
+    "norm_linear",
+    "norm_linear_reference",
     "rms_norm",
     "rms_norm_reference",
     "split_qkv_rotary",

@@ -54,42 +54,64 @@ class _NormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps, is_rms):
         rows = as_rows(x)
-        n_rows, n_cols = rows.shape
-        block, num_warps = row_block(n_cols)
-        y = torch.empty((n_rows, n_cols), dtype=x.dtype, device=x.device)
-        rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
-        mean = rstd if is_rms else torch.empty_like(rstd)  # never written for RMSNorm
-        _norm_forward_kernel[(n_rows,)](
-            rows, rows.stride(0), y, weight, bias if bias is not None else weight, mean, rstd,
-            n_cols, eps, IS_RMS=is_rms, HAS_BIAS=bias is not None, BLOCK=block,
-            num_warps=num_warps,
-        )  # fmt: skip
+        y, mean, rstd = norm_forward(rows, weight, bias, eps, is_rms)
         ctx.save_for_backward(rows, weight, mean, rstd)
-        ctx.is_rms, ctx.has_bias = is_rms, bias is not None
-        ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.is_rms, ctx.bias_dtype = is_rms, None if bias is None else bias.dtype
         return y.view(x.shape)
 
     @staticmethod
     def backward(ctx, dy):
         rows, weight, mean, rstd = ctx.saved_tensors
-        n_rows, n_cols = rows.shape
-        dy_rows = as_rows(dy)
-        block, num_warps = row_block(n_cols)
-        tile_rows = max(1, min(_TILE_ELEMENTS // block, triton.next_power_of_2(n_rows)))
-        programs = min(num_programs(rows.device) * _PROGRAMS_PER_SM, triton.cdiv(n_rows, tile_rows))
-        rows_per_program = triton.cdiv(triton.cdiv(n_rows, programs), tile_rows) * tile_rows
-        dx = torch.empty((n_rows, n_cols), dtype=rows.dtype, device=rows.device)
-        dw_partial = torch.empty((programs, n_cols), dtype=torch.float32, device=rows.device)
-        db_partial = torch.empty_like(dw_partial) if ctx.has_bias else dw_partial
-        _norm_backward_kernel[(programs,)](
-            dy_rows, dy_rows.stride(0), rows, rows.stride(0), weight, mean, rstd, dx,
-            dw_partial, db_partial, n_rows, n_cols, rows_per_program,
-            IS_RMS=ctx.is_rms, HAS_BIAS=ctx.has_bias, ROWS=tile_rows, BLOCK=block,
-            num_warps=num_warps,
-        )  # fmt: skip
-        dw = dw_partial.sum(0).to(weight.dtype)
-        db = db_partial.sum(0).to(ctx.bias_dtype) if ctx.has_bias else None
+        dx, dw, db = norm_backward(
+            as_rows(dy), rows, weight, mean, rstd, ctx.is_rms, ctx.bias_dtype
+        )
         return dx.view(dy.shape), dw, db, None, None
+
+
+def norm_forward(
+    rows: Tensor, weight: Tensor, bias: Tensor | None, eps: float, is_rms: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The normalized (rows, n_cols) rows, their means (LayerNorm) and reciprocal std devs."""
+    n_rows, n_cols = rows.shape
+    block, num_warps = row_block(n_cols)
+    y = torch.empty((n_rows, n_cols), dtype=rows.dtype, device=rows.device)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=rows.device)
+    mean = rstd if is_rms else torch.empty_like(rstd)  # never written for RMSNorm
+    _norm_forward_kernel[(n_rows,)](
+        rows, rows.stride(0), y, weight, bias if bias is not None else weight, mean, rstd,
+        n_cols, eps, IS_RMS=is_rms, HAS_BIAS=bias is not None, BLOCK=block,
+        num_warps=num_warps,
+    )  # fmt: skip
+    return y, mean, rstd
+
+
+def norm_backward(
+    dy_rows: Tensor,
+    rows: Tensor,
+    weight: Tensor,
+    mean: Tensor,
+    rstd: Tensor,
+    is_rms: bool,
+    bias_dtype: torch.dtype | None,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """dx, d(weight) and d(bias) (None when bias_dtype is) from the output gradient."""
+    n_rows, n_cols = rows.shape
+    has_bias = bias_dtype is not None
+    block, num_warps = row_block(n_cols)
+    tile_rows = max(1, min(_TILE_ELEMENTS // block, triton.next_power_of_2(n_rows)))
+    programs = min(num_programs(rows.device) * _PROGRAMS_PER_SM, triton.cdiv(n_rows, tile_rows))
+    rows_per_program = triton.cdiv(triton.cdiv(n_rows, programs), tile_rows) * tile_rows
+    dx = torch.empty((n_rows, n_cols), dtype=rows.dtype, device=rows.device)
+    dw_partial = torch.empty((programs, n_cols), dtype=torch.float32, device=rows.device)
+    db_partial = torch.empty_like(dw_partial) if has_bias else dw_partial
+    _norm_backward_kernel[(programs,)](
+        dy_rows, dy_rows.stride(0), rows, rows.stride(0), weight, mean, rstd, dx,
+        dw_partial, db_partial, n_rows, n_cols, rows_per_program,
+        IS_RMS=is_rms, HAS_BIAS=has_bias, ROWS=tile_rows, BLOCK=block, num_warps=num_warps,
+    )  # fmt: skip
+    dw = dw_partial.sum(0).to(weight.dtype)
+    db = db_partial.sum(0).to(bias_dtype) if has_bias else None
+    return dx, dw, db
 
 
 @triton.jit

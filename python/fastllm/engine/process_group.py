@@ -28,6 +28,10 @@ class Distributed:
 
 def setup_distributed() -> Distributed:
     """Join the process group torchrun described (NCCL on GPUs, Gloo on CPUs), or run alone."""
+    # Segments that grow in place instead of new blocks of fixed sizes: less memory reserved
+    # beyond what tensors use (torchtitan's launcher sets the same). Read when CUDA first
+    # allocates, so a process that already has will keep its setting; a user's value stands.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():

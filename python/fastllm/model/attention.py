@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +12,9 @@ from fastllm.config.model import TransformerConfig
 from fastllm_kernels.attention import attention
 from fastllm_kernels.linear import linear
 from fastllm_kernels.rotary import split_qkv_rotary
+
+if TYPE_CHECKING:
+    from fastllm.model.block import Normalization
 
 
 class Attention(torch.nn.Module):
@@ -36,12 +39,14 @@ class Attention(torch.nn.Module):
     def forward(
         self,
         x: Tensor,
+        norm: Normalization,
         rotary: tuple[Tensor, Tensor] | None,
         document_ids: Tensor | None = None,
         cache: Any = None,
     ) -> Tensor:
+        """Attention over norm(x) (the block's input, normalized by the q/k/v projection)."""
         batch, length, _ = x.shape
-        qkv = linear(x, self.query_key_value.weight, self.query_key_value.bias)
+        qkv = norm.project(x, self.query_key_value.weight, self.query_key_value.bias)
         cos, sin = rotary if rotary is not None else (None, None)
         q, k, v = split_qkv_rotary(qkv, self.heads, self.kv_heads, cos, sin)
         if cache is None:

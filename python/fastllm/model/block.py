@@ -11,6 +11,7 @@ from fastllm.config.model import LayerNormConfig, NormalizationConfig, Transform
 from fastllm.model.attention import Attention
 from fastllm.model.mlp import MLP, MixtureOfExperts
 from fastllm_kernels.norm import layer_norm, rms_norm
+from fastllm_kernels.norm_linear import norm_linear
 
 
 class Normalization(torch.nn.Module):
@@ -27,6 +28,11 @@ class Normalization(torch.nn.Module):
         if self.bias is None:
             return rms_norm(x, self.weight, self.epsilon)
         return layer_norm(x, self.weight, self.bias, self.epsilon)
+
+    def project(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        """linear(self(x), weight, bias), storing x rather than self(x) for the backward pass."""
+        rms = self.bias is None
+        return norm_linear(x, self.weight, self.bias, self.epsilon, rms, weight, bias)
 
 
 class TransformerBlock(torch.nn.Module):
@@ -47,8 +53,8 @@ class TransformerBlock(torch.nn.Module):
         cache: Any = None,
     ) -> tuple[Tensor, Tensor | None]:
         """The new residual stream and the block's auxiliary loss (MoE router), if any."""
-        x = x + self.attention(self.norm_1(x), rotary, document_ids, cache)
+        x = x + self.attention(x, self.norm_1, rotary, document_ids, cache)
         if isinstance(self.mlp, MixtureOfExperts):
             out, auxiliary = self.mlp(self.norm_2(x))
             return x + out, auxiliary
-        return x + self.mlp(self.norm_2(x)), None
+        return x + self.mlp(x, self.norm_2), None

@@ -3,6 +3,8 @@ the dropless fast version is a later step)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -10,6 +12,9 @@ from torch import Tensor
 from fastllm.config.model import TransformerConfig
 from fastllm_kernels.activation import gated_linear
 from fastllm_kernels.linear import linear
+
+if TYPE_CHECKING:
+    from fastllm.model.block import Normalization
 
 _ACTIVATIONS = {
     "silu": F.silu,
@@ -33,8 +38,9 @@ class MLP(torch.nn.Module):
         )
         self.layer_2 = torch.nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=bias)
 
-    def forward(self, x: Tensor) -> Tensor:
-        h = linear(x, self.layer_1.weight, self.layer_1.bias)
+    def forward(self, x: Tensor, norm: Normalization) -> Tensor:
+        """The MLP of norm(x) (the block's residual stream, normalized by the first projection)."""
+        h = norm.project(x, self.layer_1.weight, self.layer_1.bias)
         return _project(h, self.layer_2.weight, self.layer_2.bias, self.gated, self.activation)
 
 
