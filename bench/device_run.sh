@@ -44,8 +44,8 @@ run_part() {
       local model=${1#train-}
       python3 bench/train_bench.py --models "$model" --systems ${SYSTEMS:-fastllm fastllm-compile hf} \
         --timeout 170 --commit "$COMMIT" --out "$RES/train_$model" 2>&1 | tail -30
-      timeout 90 python3 bench/profile_step.py --model "$model" --commit "$COMMIT" \
-        --out "$RES/profile_$model" 2>&1 | tail -45 ;;
+      [ "${PROFILE:-1}" = 0 ] || timeout 90 python3 bench/profile_step.py --model "$model" \
+        --commit "$COMMIT" --out "$RES/profile_$model" 2>&1 | tail -45 ;;
     zero-8b)
       for stage in 2 3; do
         python3 bench/scale_bench.py --config examples/llama3-8b.yaml --gpus 2 --zero-stage "$stage" \
