@@ -23,7 +23,8 @@ GROUPS = [
     ("attention", r"cudnn|fmha|flash|attention|sdpa"),
     ("nccl", r"nccl"),
     ("matmul", r"gemm|cutlass|sm90|sm100|nvjet|matmul|xmma|cublas"),
-    ("fastllm triton", r"_kernel|triton"),
+    # Our Triton kernels are named `_name_kernel`; torch's are `void at::native::..._kernel<...>`.
+    ("fastllm triton", r"^_[a-z0-9_]+_kernel$|triton"),
     ("copy / cast", r"copy|memcpy|memset|convert|cast"),
     ("elementwise / reduce", r"elementwise|reduce|vectorized|unrolled|index|scatter|gather"),
 ]
