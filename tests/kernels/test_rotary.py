@@ -125,6 +125,17 @@ def test_split_qkv_rotary_matches_rotary_of_slices(per_batch):
         assert_close(actual, reference)
 
 
+def _check_against_reference(qkv, heads, kv_heads, cos, sin, **tolerances):
+    """Outputs and dqkv (from transposed output gradients) against the reference."""
+    out = split_qkv_rotary(qkv, heads, kv_heads, cos, sin)
+    expected = split_qkv_rotary_reference(qkv, heads, kv_heads, cos, sin)
+    grads = [_transposed_like(x) for x in expected]
+    (dqkv,) = torch.autograd.grad(out, qkv, grads)
+    (expected_dqkv,) = torch.autograd.grad(expected, qkv, grads)
+    for actual, reference in zip([*out, dqkv], [*expected, expected_dqkv], strict=True):
+        assert_close(actual, reference, **tolerances)
+
+
 @triton_on_cpu
 def test_split_qkv_rotary_reads_a_strided_qkv():
     batch, seq, heads, kv_heads, head_dim = 2, 3, 4, 2, 8
@@ -132,13 +143,7 @@ def test_split_qkv_rotary_reads_a_strided_qkv():
     qkv = torch.randn(seq, batch, 9 * head_dim).transpose(0, 1)[..., : 8 * head_dim]
     qkv.requires_grad_()
     cos, sin = _angles(batch, seq, head_dim, per_batch=True)
-    out = split_qkv_rotary(qkv, heads, kv_heads, cos, sin)
-    expected = split_qkv_rotary_reference(qkv, heads, kv_heads, cos, sin)
-    grads = [_transposed_like(x) for x in expected]
-    (dqkv,) = torch.autograd.grad(out, qkv, grads)
-    (expected_dqkv,) = torch.autograd.grad(expected, qkv, grads)
-    for actual, reference in zip([*out, dqkv], [*expected, expected_dqkv], strict=True):
-        assert_close(actual, reference, rtol=0, atol=1e-6)
+    _check_against_reference(qkv, heads, kv_heads, cos, sin, rtol=0, atol=1e-6)
 
 
 @triton_on_cpu
@@ -190,10 +195,4 @@ def test_split_qkv_rotary_matches_reference_at_model_size(per_batch):
     qkv = torch.randn(batch, seq, 48 * head_dim, device="cuda", dtype=torch.bfloat16)
     qkv.requires_grad_()
     cos, sin = _angles(batch, seq, head_dim, per_batch, device="cuda")
-    out = split_qkv_rotary(qkv, heads, kv_heads, cos, sin)
-    expected = split_qkv_rotary_reference(qkv, heads, kv_heads, cos, sin)
-    grads = [_transposed_like(x) for x in expected]
-    (dqkv,) = torch.autograd.grad(out, qkv, grads)
-    (expected_dqkv,) = torch.autograd.grad(expected, qkv, grads)
-    for actual, reference in zip([*out, dqkv], [*expected, expected_dqkv], strict=True):
-        assert_close(actual, reference)
+    _check_against_reference(qkv, heads, kv_heads, cos, sin)
