@@ -249,6 +249,33 @@ def run_child(
     return measured
 
 
+CPU_REFERENCE_JOB = (
+    "import hashlib, os, time\n"
+    "block = os.urandom(1 << 24)\n"
+    "start = time.perf_counter()\n"
+    "digest = hashlib.sha256()\n"
+    "for _ in range(24):\n"
+    "    digest.update(block)\n"
+    "print(time.perf_counter() - start)\n"
+)
+"""A fixed CPU-bound job (SHA-256 of 384 MiB, no shared data): one copy per core shows how
+the machine itself scales with busy cores (clock boost, shared caches), apart from fastllm."""
+
+
+def cpu_reference(cores: list[int]) -> float:
+    """Seconds of the slowest of one CPU_REFERENCE_JOB per core, all run at once."""
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", CPU_REFERENCE_JOB],
+            stdout=subprocess.PIPE,
+            text=True,
+            preexec_fn=lambda core=core: os.sched_setaffinity(0, [core]),
+        )
+        for core in cores
+    ]
+    return max(float(process.communicate()[0]) for process in processes)
+
+
 def measure(
     kind: str, cores: list[int], repeats: int, work: Path, tokenizer: Path, corpus: Path
 ) -> dict:
@@ -338,14 +365,16 @@ def table(results: list[dict]) -> str:
         return "—" if value is None else f"{value:.1f}x"
 
     lines = [
-        "| cores | fastllm prepare | fastllm vs 1 core | Python Pool pipeline "
+        "| cores | fastllm prepare | fastllm vs 1 core | machine (SHA-256 per core) vs 1 core "
+        "| Python Pool pipeline "
         "| tokenizers encode_batch alone | fastllm vs pipeline | fastllm vs encode_batch "
         "| fastllm process wall |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in results:
         lines.append(
             f"| {row['cores']} | {cell(row['fastllm'])} | {ratio(row.get('fastllm_vs_1_core'))} "
+            f"| {ratio(row.get('cpu_reference_vs_1_core'))} "
             f"| {cell(row.get('python'))} | {cell(row.get('tokenizers'))} "
             f"| {ratio(row.get('fastllm_vs_python'))} | {ratio(row.get('fastllm_vs_tokenizers'))} "
             f"| {row['fastllm']['wall_s']:.2f} s |"
@@ -431,11 +460,17 @@ def main() -> None:
             for kind in ("fastllm", "python", "tokenizers") if baselines else ("fastllm",):
                 print(f"{count} core(s): {kind} ...", file=sys.stderr)
                 row[kind] = measure(kind, cores, args.repeats, work, tokenizer, corpus)
+            row["cpu_reference_s"] = cpu_reference(cores)
             first = results[0] if results else row
+            one_core = first["cores"] == 1
             row["fastllm_vs_1_core"] = (
                 row["fastllm"]["tokens_per_s"] / first["fastllm"]["tokens_per_s"]
-                if first["cores"] == 1
+                if one_core
                 else None
+            )
+            # What the machine itself gives with `count` busy cores: count × (1-core time / time).
+            row["cpu_reference_vs_1_core"] = (
+                count * first["cpu_reference_s"] / row["cpu_reference_s"] if one_core else None
             )
             if baselines:
                 assert (
