@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 from fastllm.config import TrainerConfig, load_config
+from fastllm.data import TokenDataset
 from fastllm.training import Trainer
 
 data = os.environ.get("FASTLLM_EXAMPLE_DATA", "exp/demo/dataset")
@@ -19,7 +20,7 @@ config = load_config(
     [
         f"data.path=[{data}]",
         f"run.experiment_dir={experiment}",
-        "model.base_model.vocab_size=512",
+        f"model.base_model.vocab_size={TokenDataset(data).metadata['vocab_size']}",
         "model.base_model.transformer.num_layers=2",
         "batch.sequence_length=64",
         "batch.batch_size=4",
@@ -28,8 +29,12 @@ config = load_config(
 )
 trainer = Trainer(config)  # the model on flat buffers (fp32 masters), AdamW, loss scale
 for micro_batches in trainer.data_loader():  # this rank's micro-batches of one step
+    # last=True on the step's last micro-batch lets data parallelism (ZeRO-1) sum the gradients
+    # over ranks during that backward pass instead of after it.
+    last = len(micro_batches) - 1
     losses = [
-        trainer.forward_backward(batch, weight=1 / len(micro_batches)) for batch in micro_batches
+        trainer.forward_backward(batch, weight=1 / len(micro_batches), last=i == last)
+        for i, batch in enumerate(micro_batches)
     ]
     report = trainer.optimizer_step()  # clip, update, advance the schedule
     trainer.consumed_samples += config.batch.batch_size

@@ -32,9 +32,29 @@ def final_weights(experiment: Path, step: int) -> dict[str, torch.Tensor]:
 def test_ranks_match_one_process_on_the_same_global_batch(
     dataset: Path, tmp_path: Path, ranks: int, dtype: str, zero_stage: int
 ) -> None:
+    _assert_ranks_match_one_process(
+        dataset, tmp_path, ranks, dtype, f"model.multi_stage.zero_stage={zero_stage}"
+    )
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2])
+def test_accumulated_micro_batches_match_one_process(
+    dataset: Path, tmp_path: Path, zero_stage: int
+) -> None:
+    # 8 sequences over 2 ranks in micro-batches of 2: each rank accumulates 2, and ZeRO-1 sums
+    # over ranks during the second backward pass only.
+    _assert_ranks_match_one_process(
+        dataset, tmp_path, 2, "float32",
+        f"model.multi_stage.zero_stage={zero_stage}", "batch.batch_size=8",
+    )  # fmt: skip
+
+
+def _assert_ranks_match_one_process(
+    dataset: Path, tmp_path: Path, ranks: int, dtype: str, *overrides: str
+) -> None:
     overrides = (
         f"model.distributed.training_dtype={dtype}",
-        f"model.multi_stage.zero_stage={zero_stage}",
+        *overrides,
         "training.train_iters=6",
         "training.export.interval=6",
         "training.export.format=distributed",

@@ -138,6 +138,17 @@ def test_bad_config_is_rejected_before_any_work(dataset: Path, tmp_path: Path) -
     assert not experiment.exists()
 
 
+def test_a_dataset_with_more_tokens_than_the_model_is_refused(
+    dataset: Path, tmp_path: Path
+) -> None:
+    experiment = tmp_path / "run"
+    arguments = train_arguments(dataset, experiment, "model.base_model.vocab_size=256")
+    result = run_cli(*arguments)
+    assert result.returncode != 0
+    assert "data.path[0]" in result.stderr and "vocab_size is 256" in result.stderr
+    assert "512-token tokenizer" in result.stderr
+
+
 def test_custom_loop_example_runs(dataset: Path, tmp_path: Path) -> None:
     env = {
         **os.environ,

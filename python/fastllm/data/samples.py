@@ -39,7 +39,9 @@ class SampleStream:
         cache_dir: str | Path,
         weights: list[float] | None = None,
         key: str = "data.path",
+        vocab_size: int | None = None,
     ) -> None:
+        """`vocab_size`: the model's; a dataset whose tokenizer has more tokens is refused."""
         if not paths:
             raise ConfigError(key, "no dataset given")
         datasets = []
@@ -48,6 +50,13 @@ class SampleStream:
                 datasets.append(TokenDataset(path))
             except (OSError, ValueError) as error:
                 raise ConfigError(f"{key}[{i}]", str(error)) from None
+            tokens = datasets[-1].metadata.get("vocab_size")
+            if vocab_size is not None and tokens is not None and tokens > vocab_size:
+                raise ConfigError(
+                    f"{key}[{i}]",
+                    f"{path} holds token ids up to {tokens - 1} (a {tokens}-token tokenizer) but "
+                    f"model.base_model.vocab_size is {vocab_size}",
+                )
         prefixes = [prefix for dataset in datasets for prefix in dataset.prefixes]
         shard_weights = _shard_weights(datasets, weights)
         fim, tokenizer = _fim_options(config.fim, datasets, key) if config.fim else (None, None)

@@ -120,7 +120,7 @@ class FlatModel:
         overwrites (see _write_gradient)."""
         self._gaps = [self._alignment_gaps(stage) for stage in stages]
         self.shards = [self._shard(stage) for stage in stages]
-        self.reducer = GradientReducer(self) if self.shard_gradients else None
+        self.reducer = GradientReducer(self) if world_size > 1 else None
         self._hooks = [
             parameter.register_post_accumulate_grad_hook(self._accumulate_hook(index))
             for index, (_, parameter) in enumerate(model.named_parameters())
@@ -244,9 +244,15 @@ class FlatModel:
         for index in self.stage_parameters[stage]:
             self._fresh[index] = True
 
+    def start_backward(self, last_micro_batch: bool) -> None:
+        """Before a backward pass: whether it is the step's last, in which ZeRO-1 sums the
+        gradients over ranks while the pass runs (else after it, in `reduce_gradients`)."""
+        if self.reducer is not None:
+            self.reducer.arm(last_micro_batch)
+
     def finish_backward(self) -> None:
-        """After each backward pass: reduce the gradients of stages still pending (ZeRO-2) and
-        free the gathered weights (ZeRO-3)."""
+        """After each backward pass: reduce the gradients of stages still pending and free the
+        gathered weights (ZeRO-3)."""
         if self.reducer is not None:
             self.reducer.flush()
         else:
@@ -254,6 +260,11 @@ class FlatModel:
                 self.complete_gradients(stage)
         if self.gatherer is not None:
             self.gatherer.keep_only(set())
+
+    def reduce_gradients(self) -> None:
+        """Before the optimizer reads the shards: every rank's gradients summed into them."""
+        if self.reducer is not None:
+            self.reducer.ensure_reduced()
 
     def zero_grad(self) -> None:
         """Start a new step: the next gradients overwrite the buffers and the shards."""

@@ -1,5 +1,8 @@
-"""ZeRO-2: each stage's gradient is reduce-scattered into the ranks' shards as soon as its
-backward pass is done, overlapping the backward pass of the stages before it."""
+"""Summing the gradients over data-parallel ranks into each rank's shard, stage by stage, as
+soon as a stage's backward pass is done, overlapping the backward pass of the stages before it.
+ZeRO-2 and 3 do it in every backward pass (the full gradient of a stage lives only that long);
+ZeRO-1 in the last backward pass of a step, or after it when the step's last micro-batch was
+not announced."""
 
 from __future__ import annotations
 
@@ -13,48 +16,84 @@ if TYPE_CHECKING:
 
 
 class GradientReducer:
-    """ZeRO-2: once every parameter of a stage has its gradient for this backward pass, the
-    stage's full gradient is summed over ranks into each rank's shard by an asynchronous
-    reduce-scatter, which overlaps the backward pass of the stages before it: straight into the
-    shard for the step's first micro-batch, else into a scratch buffer added to the shard just
-    before the stage that reuses that buffer needs it (or at the end of the pass). Stages finish
-    in the same order on every rank, so the collectives match."""
+    """Once every parameter of a stage has its gradient for this backward pass, the stage's full
+    gradient is summed over ranks into each rank's shard by an asynchronous reduce-scatter.
+
+    ZeRO-2 (`flat.shard_gradients`): straight into the shard for the step's first micro-batch,
+    else into a scratch buffer added to the shard just before the stage that reuses the full
+    buffer (stage parity) needs it, or at the end of the pass. ZeRO-1: into a scratch buffer
+    copied over the shard's part of the full buffer, only while `armed` (the step's last
+    backward pass). Stages finish in the same order on every rank, so the collectives match."""
 
     def __init__(self, flat: FlatModel) -> None:
         self.flat = flat
+        self.sharded = flat.shard_gradients
+        self.armed = self.sharded
+        """Reduce in this backward pass (always with ZeRO-2)."""
         self.expected = [0] * flat.layout.num_stages
         for _, _, stage, _ in flat.specs:
             self.expected[stage] += 1
         self.received = [0] * flat.layout.num_stages
-        # What a reduce-scatter writes, one buffer per gradient buffer (stage parity).
+        # What a reduce-scatter writes: two buffers used in turn (by stage parity).
         largest = max(shard.grad.numel() for shard in flat.shards)
         pool = [torch.empty(largest, dtype=torch.float32, device=flat.device) for _ in range(2)]
         self.scratch = [pool[s % 2][: shard.grad.numel()] for s, shard in enumerate(flat.shards)]
         self.in_flight: dict[int, tuple[Any, int]] = {}
-        """Per gradient buffer (stage parity): the reduce-scatter reading it, and its stage."""
+        """Per scratch buffer (stage parity): the reduce-scatter writing it, and its stage."""
         self.shard_fresh = [True] * flat.layout.num_stages
-        """Per stage: the shard holds no gradient of this step yet."""
+        """ZeRO-2, per stage: the shard holds no gradient of this step yet."""
+        self.reduced = False
+        """ZeRO-1: this step's gradients are summed; another backward pass would be lost."""
 
     def new_step(self) -> None:
         self.shard_fresh = [True] * len(self.shard_fresh)
+        self.reduced = False
+        self.armed = self.sharded
+
+    def arm(self, last_micro_batch: bool) -> None:
+        """ZeRO-1: reduce during the coming backward pass if it is the step's last."""
+        if not self.sharded:
+            self.armed = last_micro_batch
 
     def before_accumulate(self, stage: int) -> None:
+        if self.reduced:
+            raise RuntimeError(
+                "a backward pass after this step's gradients were summed over ranks: only the "
+                "step's last micro-batch may be passed with last=True"
+            )
         pending = self.in_flight.get(stage % 2)
-        if pending is not None and pending[1] != stage:
+        if self.sharded and pending is not None and pending[1] != stage:
             self._complete(stage % 2)
 
     def parameter_done(self, stage: int) -> None:
         self.received[stage] += 1
-        if self.received[stage] == self.expected[stage]:
+        if self.armed and self.received[stage] == self.expected[stage]:
             self._start(stage)
 
     def flush(self) -> None:
+        """End of a backward pass: when armed, reduce the stages still pending (a parameter
+        without gradient leaves its stage incomplete) and wait for every reduction."""
+        if self.armed:
+            self._reduce_remaining()
+            self.reduced = not self.sharded
+        else:
+            for stage in range(len(self.received)):
+                self.flat.complete_gradients(stage)
+        self.received = [0] * len(self.received)
+
+    def ensure_reduced(self) -> None:
+        """Before the optimizer reads the shards: ZeRO-1 sums now if no backward pass did."""
+        if not self.sharded and not self.reduced:
+            self.received = [0] * len(self.received)
+            self._reduce_remaining()
+            self.reduced = True
+
+    def _reduce_remaining(self) -> None:
         for stage in reversed(range(len(self.received))):
             if self.received[stage] < self.expected[stage]:
                 self._start(stage)
         for parity in list(self.in_flight):
             self._complete(parity)
-        self.received = [0] * len(self.received)
 
     @torch.no_grad()
     def _start(self, stage: int) -> None:
@@ -62,7 +101,9 @@ class GradientReducer:
             self._complete(stage % 2)
         self.received[stage] = self.expected[stage]
         self.flat.complete_gradients(stage)
-        target = self.flat.shards[stage].grad if self.shard_fresh[stage] else self.scratch[stage]
+        shard = self.flat.shards[stage]
+        direct = self.sharded and self.shard_fresh[stage]
+        target = shard.grad if direct else self.scratch[stage]
         work = dist.reduce_scatter_tensor(target, self.flat.grads[stage], async_op=True)
         self.in_flight[stage % 2] = (work, stage)
 
@@ -70,8 +111,12 @@ class GradientReducer:
     def _complete(self, parity: int) -> None:
         work, stage = self.in_flight.pop(parity)
         work.wait()
+        shard = self.flat.shards[stage]
+        if not self.sharded:
+            shard.grad.copy_(self.scratch[stage])  # the rank's range of its full buffer
+            return
         if self.shard_fresh[stage]:
             self.shard_fresh[stage] = False
         else:
-            self.flat.shards[stage].grad.add_(self.scratch[stage])
+            shard.grad.add_(self.scratch[stage])
         self.flat.consumed_gradients(stage)

@@ -19,7 +19,7 @@ from fastllm.checkpoint.formats import open_model
 from fastllm.config import ConfigError, TrainerConfig
 from fastllm.data import Batch, DataLoader, SampleStream
 from fastllm.engine.compile import apply_compile
-from fastllm.engine.data_parallel import gather_weights, sum_gradients
+from fastllm.engine.data_parallel import gather_weights
 from fastllm.engine.flat_model import FlatModel
 from fastllm.engine.optimizer import AdamW
 from fastllm.engine.precision import DTYPES, LossScaler
@@ -102,6 +102,7 @@ class Trainer:
             cache_dir=cache,
             weights=data.weights if key == "data.path" else None,
             key=key,
+            vocab_size=self.config.model.base_model.vocab_size,
         )
 
     def data_loader(self) -> DataLoader:
@@ -147,9 +148,14 @@ class Trainer:
 
     # --- steps --------------------------------------------------------------------------------
 
-    def forward_backward(self, batch: Batch, weight: float = 1.0) -> torch.Tensor:
-        """Loss of one micro-batch; its gradient, times `weight`, is added to the flat buffer."""
+    def forward_backward(
+        self, batch: Batch, weight: float = 1.0, last: bool = False
+    ) -> torch.Tensor:
+        """Loss of one micro-batch; its gradient, times `weight`, is added to the flat buffer.
+        `last`: the step's last micro-batch, whose backward pass then also sums the gradients
+        over data-parallel ranks (ZeRO-1), overlapping it; otherwise `optimizer_step` does."""
         loss = self._loss(batch)
+        self.flat.start_backward(last)
         (loss * (weight * self.scaler.scale)).backward()
         self.flat.finish_backward()
         return loss.detach()
@@ -159,7 +165,7 @@ class Trainer:
         lr = learning_rate(
             self.config.optimizer.learning_rate, self.step, self.config.training.train_iters
         )
-        sum_gradients(self.flat)
+        self.flat.reduce_gradients()
         # The gradients summed over ranks are divided by the world size with the loss scale.
         report = self.optimizer.step(lr, self.scaler.scale * self.distributed.world_size)
         if not report.skipped:
@@ -172,7 +178,11 @@ class Trainer:
 
     def train_step(self, micro_batches: list[Batch]) -> dict[str, Any]:
         """One optimizer step over the micro-batches of this rank's share of a batch."""
-        losses = [self.forward_backward(batch, 1.0 / len(micro_batches)) for batch in micro_batches]
+        count = len(micro_batches)
+        losses = [
+            self.forward_backward(batch, 1.0 / count, last=i == count - 1)
+            for i, batch in enumerate(micro_batches)
+        ]
         loss = torch.stack(losses).mean()
         if self.distributed.world_size > 1:
             dist.all_reduce(loss, op=dist.ReduceOp.AVG)
