@@ -19,9 +19,14 @@ use crate::input::{BadRecord, DocumentReader, InputCounts, RawBatch};
 use crate::tokenizer::Tokenizer;
 use crate::{PrepareError, TokenDtype};
 
-/// Text per batch: large enough to amortize channel traffic, small enough to keep every worker
-/// busy and memory low.
-const BATCH_BYTES: usize = 1 << 20;
+/// Text per batch at most: large enough to amortize channel traffic, small enough to keep memory
+/// low.
+const MAX_BATCH_BYTES: usize = 1 << 20;
+/// Text per batch at least, however small the input.
+const MIN_BATCH_BYTES: usize = 64 << 10;
+/// Batches per worker that a small input is cut into, so that every worker gets some and they
+/// finish together.
+const BATCHES_PER_WORKER: u64 = 8;
 /// How often the calling thread looks at the cancel flag while it waits.
 const CANCEL_POLL: Duration = Duration::from_millis(20);
 
@@ -114,7 +119,7 @@ pub(super) fn run(
                 .expect("the channel has room for every permit");
         }
         let reader_thread =
-            scope.spawn(move || read(reader, batch_sender, permits, progress, stop));
+            scope.spawn(move || read(reader, workers, batch_sender, permits, progress, stop));
         for _ in 0..workers {
             let (batches, done_sender) = (batches.clone(), done_sender.clone());
             scope.spawn(move || {
@@ -144,18 +149,26 @@ pub(super) fn run(
     })
 }
 
+/// The batch size for `total_bytes` of input over `workers`.
+fn batch_bytes(total_bytes: u64, workers: usize) -> usize {
+    let share = total_bytes / (workers.max(1) as u64 * BATCHES_PER_WORKER);
+    share.clamp(MIN_BATCH_BYTES as u64, MAX_BATCH_BYTES as u64) as usize
+}
+
 fn read(
     mut reader: DocumentReader,
+    workers: usize,
     batches: Sender<Numbered<RawBatch>>,
     permits: Receiver<()>,
     progress: &Progress,
     stop: &AtomicBool,
 ) -> DocumentReader {
+    let batch_bytes = batch_bytes(reader.total_bytes(), workers);
     for number in 0.. {
         if permits.recv().is_err() || stop.load(Ordering::Relaxed) || progress.is_cancelled() {
             break;
         }
-        let Some(batch) = reader.next_raw_batch(BATCH_BYTES) else {
+        let Some(batch) = reader.next_raw_batch(batch_bytes) else {
             break;
         };
         progress.set_bytes_read(reader.bytes_read());
@@ -239,5 +252,21 @@ fn sink_in_order(
             sink(batch?, Permit::new(permits.clone()))?;
             next += 1;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn small_inputs_are_cut_into_several_batches_per_worker() {
+        // 10.7 MB over 16 workers: 128 batches of about 84 kB, where 1 MB batches made 11.
+        let bytes = batch_bytes(10_700_000, 16);
+        assert_eq!(bytes, 10_700_000 / 128);
+        assert!(10_700_000 / bytes as u64 >= 16 * BATCHES_PER_WORKER);
+        assert_eq!(batch_bytes(10 << 30, 16), MAX_BATCH_BYTES);
+        assert_eq!(batch_bytes(1000, 16), MIN_BATCH_BYTES);
+        assert_eq!(batch_bytes(1000, 0), MIN_BATCH_BYTES);
     }
 }
