@@ -1,12 +1,12 @@
 """The model's parameters as views into flat buffers.
 
 One buffer per stage (the embedding, each group of `layers_per_stage` blocks, the head) holds
-the compute weights; a parallel fp32 buffer receives the gradients; this rank's shard of each
-stage has fp32 master weights (a view of the weights themselves in float32 training) and the
-two Adam moments. ZeRO-2 keeps only the shard of the gradients (GradientReducer), ZeRO-3 also
-only the shard of the compute weights (WeightGatherer). The layout —
-offsets, alignment, the shard each data-parallel rank owns — comes from Rust
-(`fastllm._native.Layout`)."""
+the compute weights; a parallel fp32 buffer receives the gradients (GradientBuffers); this
+rank's shard of each stage has fp32 master weights (a view of the weights themselves in float32
+training) and the two Adam moments. With data parallelism the gradients are summed into the
+shards during the backward pass (GradientReducer); ZeRO-2 keeps only the shard of the gradients,
+ZeRO-3 also only the shard of the compute weights (WeightGatherer). The layout — offsets,
+alignment, the shard each data-parallel rank owns — comes from Rust (`fastllm._native.Layout`)."""
 
 from __future__ import annotations
 
@@ -17,11 +17,10 @@ import torch
 from torch import Tensor
 
 from fastllm import _native
+from fastllm.engine.gradient_buffers import GradientBuffers
 from fastllm.engine.gradient_reducer import GradientReducer
 from fastllm.engine.weight_gatherer import WeightGatherer
 from fastllm.model import GPTModel
-from fastllm_kernels.accumulate import accumulate_
-from fastllm_kernels.linear import matmul_into_fp32_
 
 ALIGNMENT = 128
 """Elements; every parameter starts at a multiple, so kernels see aligned rows."""
@@ -102,23 +101,15 @@ class FlatModel:
         for index in range(len(self.names)):
             self.stage_parameters[self.layout.parameter(index)[0]].append(index)
         self.weights = [self._weight_buffer(model, s) for s in stages]
-        if self.shard_gradients:
-            # ZeRO-2: a stage's full gradient only lives while its backward runs; consecutive
-            # stages alternate between two buffers, and each finished stage is reduce-scattered
-            # into this rank's shard (see GradientReducer).
-            largest = max(self.layout.stage_size(s) for s in stages)
-            pool = [torch.zeros(largest, dtype=torch.float32, device=device) for _ in range(2)]
-            self.grads = [pool[s % 2][: self.layout.stage_size(s)] for s in stages]
-        else:
-            self.grads = [
-                torch.zeros(self.layout.stage_size(s), dtype=torch.float32, device=device)
-                for s in stages
-            ]
-        self._grad_views = [self.parameter_view(self.grads, i) for i in range(len(self.names))]
-        self._fresh = [True] * len(self.names)
-        """Per parameter: its gradient view holds stale values that the next gradient
-        overwrites (see _write_gradient)."""
-        self._gaps = [self._alignment_gaps(stage) for stage in stages]
+        self.gradients = GradientBuffers(
+            [self.layout.stage_size(s) for s in stages],
+            self.stage_parameters,
+            self._view,
+            self.layout.parameter,
+            device,
+            pooled=self.shard_gradients,  # ZeRO-2: each stage's full gradient is reduced at once
+        )
+        self.grads = self.gradients.buffers
         self.shards = [self._shard(stage) for stage in stages]
         self.reducer = GradientReducer(self) if world_size > 1 else None
         self._hooks = [
@@ -162,18 +153,6 @@ class FlatModel:
             buffer.untyped_storage().resize_(0)
         return buffer
 
-    def _alignment_gaps(self, stage: int) -> list[tuple[int, int]]:
-        """The ranges of the stage's buffer that no parameter covers."""
-        gaps, position = [], 0
-        for index in self.stage_parameters[stage]:
-            _, offset, numel = self.layout.parameter(index)
-            if offset > position:
-                gaps.append((position, offset))
-            position = offset + numel
-        if self.layout.stage_size(stage) > position:
-            gaps.append((position, self.layout.stage_size(stage)))
-        return gaps
-
     def _shard(self, stage: int) -> Shard:
         start, end = self.layout.shard_range(stage, self.rank)
         grad = self.grads[stage][start:end]
@@ -204,45 +183,26 @@ class FlatModel:
             grad = parameter.grad
             if grad is None:  # the gradient went to the parameter's sink
                 return
-            self._write_gradient(index, lambda out, add: _add_into(out, grad, add))
+            self._write_gradient(index, lambda: self.gradients.add(index, grad))
             parameter.grad = None
 
         return hook
 
     def _gradient_sink(self, index: int):
         def sink(a: Tensor, b: Tensor) -> None:
-            self._write_gradient(index, lambda out, add: matmul_into_fp32_(out, a, b, add))
+            self._write_gradient(index, lambda: self.gradients.add_product(index, a, b))
 
         return sink
 
     def _write_gradient(self, index: int, write) -> None:
-        """Add this backward pass's gradient of a parameter to its fp32 buffer with
-        `write(out, accumulate)`; the first since the buffer was last consumed overwrites it
-        (no zero-filling pass)."""
+        """`write()` adds this backward pass's gradient of a parameter to its buffer; with data
+        parallelism, the reducer frees the buffer first and reduces it once the stage is done."""
         stage = self.layout.parameter(index)[0]
         if self.reducer is not None:
             self.reducer.before_accumulate(stage)
-        write(self._grad_views[index], not self._fresh[index])
-        self._fresh[index] = False
+        write()
         if self.reducer is not None:
             self.reducer.parameter_done(stage)
-
-    def complete_gradients(self, stage: int) -> None:
-        """Before the stage's gradient buffer is read: zero what this pass did not write (a
-        parameter that got no gradient; with ZeRO-2, the alignment gaps, which another stage
-        sharing the buffer may have written)."""
-        for index in self.stage_parameters[stage]:
-            if self._fresh[index]:
-                self._grad_views[index].zero_()
-                self._fresh[index] = False
-        if self.shard_gradients:
-            for start, end in self._gaps[stage]:
-                self.grads[stage][start:end].zero_()
-
-    def consumed_gradients(self, stage: int) -> None:
-        """The stage's gradient buffer was read: the next gradients overwrite it."""
-        for index in self.stage_parameters[stage]:
-            self._fresh[index] = True
 
     def start_backward(self, last_micro_batch: bool) -> None:
         """Before a backward pass: whether it is the step's last, in which ZeRO-1 sums the
@@ -257,7 +217,7 @@ class FlatModel:
             self.reducer.flush()
         else:
             for stage in range(self.layout.num_stages):
-                self.complete_gradients(stage)
+                self.gradients.complete(stage)
         if self.gatherer is not None:
             self.gatherer.keep_only(set())
 
@@ -269,7 +229,7 @@ class FlatModel:
     def zero_grad(self) -> None:
         """Start a new step: the next gradients overwrite the buffers and the shards."""
         for stage in range(self.layout.num_stages):
-            self.consumed_gradients(stage)
+            self.gradients.consumed(stage)
         if self.reducer is not None:
             self.reducer.new_step()
 
@@ -316,13 +276,6 @@ class FlatModel:
                 yield self.names[index], self._view(self.weights[stage], index)
             if self.gatherer is not None:
                 self.gatherer.release(stage)
-
-
-def _add_into(out: Tensor, grad: Tensor, accumulate: bool) -> None:
-    if accumulate:
-        accumulate_(out, grad)
-    else:
-        out.copy_(grad)
 
 
 def _set_parameter(model: torch.nn.Module, name: str, parameter: torch.nn.Parameter) -> None:

@@ -78,7 +78,7 @@ class GradientReducer:
             self.reduced = not self.sharded
         else:
             for stage in range(len(self.received)):
-                self.flat.complete_gradients(stage)
+                self.flat.gradients.complete(stage)
         self.received = [0] * len(self.received)
 
     def ensure_reduced(self) -> None:
@@ -100,7 +100,7 @@ class GradientReducer:
         if stage % 2 in self.in_flight:
             self._complete(stage % 2)
         self.received[stage] = self.expected[stage]
-        self.flat.complete_gradients(stage)
+        self.flat.gradients.complete(stage)
         shard = self.flat.shards[stage]
         direct = self.sharded and self.shard_fresh[stage]
         target = shard.grad if direct else self.scratch[stage]
@@ -119,4 +119,4 @@ class GradientReducer:
             self.shard_fresh[stage] = False
         else:
             shard.grad.add_(self.scratch[stage])
-        self.flat.consumed_gradients(stage)
+        self.flat.gradients.consumed(stage)

@@ -1,0 +1,92 @@
+"""The fp32 gradient buffers of the flat model: one per stage, every parameter's gradient a view
+of it, accumulated over the micro-batches of a step.
+
+Nothing zero-fills them: the first gradient a parameter gets after its buffer was consumed
+(reduced over ranks, or read by the optimizer) overwrites its view, later ones add to it, and
+before a buffer is read whatever the pass did not write is zeroed (`complete`). Gradients come
+from autograd (`add`) or straight from a matmul (`add_product`, for the linear layers' gradient
+sinks)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from fastllm_kernels.accumulate import accumulate_
+from fastllm_kernels.linear import matmul_into_fp32_
+
+
+class GradientBuffers:
+    def __init__(
+        self,
+        stage_sizes: list[int],
+        stage_parameters: list[list[int]],
+        view: Callable[[Tensor, int], Tensor],
+        ranges: Callable[[int], tuple[int, int, int]],
+        device: torch.device,
+        pooled: bool,
+    ) -> None:
+        """`view(stage_buffer, index)`: a parameter's view of its stage's buffer; `ranges(index)`:
+        its (stage, offset, numel). `pooled` (ZeRO-2): consecutive stages share two buffers,
+        since a stage's gradient only lives while its backward pass runs."""
+        self.stage_parameters, self.pooled = stage_parameters, pooled
+        stages = range(len(stage_sizes))
+        if pooled:
+            largest = max(stage_sizes)
+            pool = [torch.zeros(largest, dtype=torch.float32, device=device) for _ in range(2)]
+            self.buffers = [pool[s % 2][: stage_sizes[s]] for s in stages]
+        else:
+            self.buffers = [
+                torch.zeros(size, dtype=torch.float32, device=device) for size in stage_sizes
+            ]
+        count = sum(len(indices) for indices in stage_parameters)
+        self.views = [view(self.buffers[ranges(index)[0]], index) for index in range(count)]
+        self.fresh = [True] * count
+        """Per parameter: its view holds stale values that the next gradient overwrites."""
+        self.gaps = [
+            _gaps(stage_sizes[s], [ranges(i) for i in stage_parameters[s]]) for s in stages
+        ]
+
+    def add(self, index: int, grad: Tensor) -> None:
+        if self.fresh[index]:
+            self.views[index].copy_(grad)
+            self.fresh[index] = False
+        else:
+            accumulate_(self.views[index], grad)
+
+    def add_product(self, index: int, a: Tensor, b: Tensor) -> None:
+        """Adds a @ b, computed in fp32."""
+        matmul_into_fp32_(self.views[index], a, b, accumulate=not self.fresh[index])
+        self.fresh[index] = False
+
+    def complete(self, stage: int) -> None:
+        """Before the stage's buffer is read: zero what this pass did not write (a parameter
+        that got no gradient; when pooled, the alignment gaps, which the other stages sharing
+        the buffer may have written)."""
+        for index in self.stage_parameters[stage]:
+            if self.fresh[index]:
+                self.views[index].zero_()
+                self.fresh[index] = False
+        if self.pooled:
+            for start, end in self.gaps[stage]:
+                self.buffers[stage][start:end].zero_()
+
+    def consumed(self, stage: int) -> None:
+        """The stage's buffer was read: the next gradients overwrite it."""
+        for index in self.stage_parameters[stage]:
+            self.fresh[index] = True
+
+
+def _gaps(size: int, parameters: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
+    """The ranges of a stage's buffer that none of its (stage, offset, numel) parameters
+    cover."""
+    gaps, position = [], 0
+    for _, offset, numel in sorted(parameters, key=lambda p: p[1]):
+        if offset > position:
+            gaps.append((position, offset))
+        position = offset + numel
+    if size > position:
+        gaps.append((position, size))
+    return gaps
