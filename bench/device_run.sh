@@ -9,7 +9,8 @@
 #   nvidia-h200-x8: bash bench/device_run.sh HASH scale-x8
 # Parts: tests (GPU tests; the data-parallel ones need 2 GPUs), kernels (kernel timings),
 # prepare (16-core scaling), train-1b | train-3b (train_bench + profile), zero-8b (llama-8b
-# ZeRO-2 and 3 on 2 GPUs), scale-x2 | scale-x8 (Mistral-7B scaling).
+# ZeRO-2 and 3 on 2 GPUs), profile-8b (one profiled llama-8b step on 2 GPUs), scale-x2 |
+# scale-x8 (Mistral-7B scaling).
 set -uo pipefail
 COMMIT=$1
 shift
@@ -52,6 +53,13 @@ run_part() {
           --micro-batch "${MICRO_BATCH:-2}" --per-gpu-batch 2 --steps 6 --kill-at-end --timeout 150 \
           --commit "$COMMIT" --out "$RES/zero${stage}_8b" 2>&1 | tail -8
       done ;;
+    profile-8b)
+      # One step of llama-8b on 2 GPUs under torch.profiler (training.profile): per-rank tables.
+      python3 bench/scale_bench.py --config examples/llama3-8b.yaml --gpus 2 \
+        --zero-stage "${ZERO:-3}" --micro-batch 2 --per-gpu-batch 2 --steps 5 --kill-at-end \
+        --timeout 150 --keep-experiments --work /tmp/profile8b --set training.profile.step=4 \
+        --commit "$COMMIT" --out "$RES/profile_8b" 2>&1 | tail -8
+      cp /tmp/profile8b/exp_gpus_2/profile/rank_*.txt "$RES/profile_8b/" ;;
     scale-x2)
       python3 bench/scale_bench.py --gpus 1 2 --per-gpu-batch 8 --steps 5 --kill-at-end --timeout 150 \
         --commit "$COMMIT" --out "$RES/scale_x2" 2>&1 | tail -12 ;;

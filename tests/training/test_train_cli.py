@@ -177,3 +177,20 @@ def test_the_final_checkpoint_can_be_left_out(dataset: Path, tmp_path: Path) -> 
     assert result.returncode == 0, result.stderr
     assert sorted(losses(experiment)) == [1, 2]
     assert not list((experiment / "checkpoint").glob("[0-9]*"))
+
+
+def test_profile_writes_a_trace_and_a_table_of_the_chosen_steps(
+    dataset: Path, tmp_path: Path
+) -> None:
+    experiment = tmp_path / "run"
+    arguments = train_arguments(
+        dataset, experiment, "training.train_iters=4",
+        "training.profile.step=2", "training.profile.steps=2",
+    )  # fmt: skip
+    result = run_cli(*arguments)
+    assert result.returncode == 0, result.stderr
+    trace = json.loads((experiment / "profile" / "rank_0.json").read_text())
+    names = {event.get("name", "") for event in trace["traceEvents"]}
+    assert any("aten::mm" in name or "aten::addmm" in name for name in names)
+    assert "Self CPU" in (experiment / "profile" / "rank_0.txt").read_text()
+    assert sorted(losses(experiment)) == [1, 2, 3, 4]

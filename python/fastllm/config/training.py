@@ -65,6 +65,19 @@ class ValidationConfig(Section):
         check_positive(self.iterations, "iterations")
 
 
+class ProfileConfig(Section):
+    step: int | None = None
+    """Profile the optimizer steps from this one (none: never): per rank, a trace viewable in
+    Perfetto or chrome://tracing and a table of the time per operator and kernel, under
+    EXPERIMENT_DIR/profile/."""
+    steps: int = 1
+    """Steps profiled."""
+
+    def validate(self) -> None:
+        check_positive(self.step, "step")
+        check_positive(self.steps, "steps")
+
+
 class TrainingConfig(Section):
     train_iters: int = 0
     """Optimizer steps of the whole run."""
@@ -79,6 +92,8 @@ class TrainingConfig(Section):
     compile: bool = False
     """torch.compile each transformer block, fusing the elementwise work around the matmuls
     and attention (the first steps are slower: they compile)."""
+    profile: ProfileConfig = msgspec.field(default_factory=ProfileConfig)
+    """torch.profiler traces of chosen steps."""
 
     def validate(self) -> None:
         check_non_negative(self.train_iters, "train_iters")

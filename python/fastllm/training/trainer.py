@@ -30,6 +30,7 @@ from fastllm.model import GPTModel
 from fastllm.model.init import initializers
 from fastllm.training import state
 from fastllm.training.metrics import PEAK_FLOPS, MetricsLogger, flops_per_token
+from fastllm.training.profiling import StepProfiler
 
 
 class Trainer:
@@ -284,9 +285,14 @@ class Trainer:
         peak = PEAK_FLOPS.get(self.distributed.device.type)
         window: list[float] = []
         window_start = time.perf_counter()
+        profiler = StepProfiler(
+            training.profile, experiment / "profile", self.distributed.rank, self.distributed.device
+        )
         try:
             for micro_batches in self.data_loader() if self.step < training.train_iters else []:
+                profiler.before(self.step + 1)
                 metrics = self.train_step(micro_batches)
+                profiler.after(self.step)
                 window.append(metrics["loss"])
                 step, last = self.step, self.step >= training.train_iters
                 if step % training.logs.interval == 0 or last or stop.requested:
@@ -330,6 +336,7 @@ class Trainer:
                 if last or stop.requested:
                     break
         finally:
+            profiler.close()
             state.wait_for_checkpoints()
             logger.close()
             stop.restore()
