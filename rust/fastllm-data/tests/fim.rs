@@ -1,3 +1,5 @@
+mod text_fixtures;
+
 use fastllm_data::{DataError, Fim, FimConfig, FimSplit, TextCodec};
 use proptest::prelude::*;
 
@@ -264,11 +266,8 @@ fn character_split_with_a_byte_codec_restores_text_and_splits_only_between_chara
 
 mod hf {
     use super::*;
-    use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
-    use tokenizers::models::bpe::{BpeTrainerBuilder, BPE};
-    use tokenizers::models::TrainerWrapper;
-    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
-    use tokenizers::{AddedToken, Tokenizer};
+    use text_fixtures::train_byte_level_bpe;
+    use tokenizers::Tokenizer;
 
     struct HfCodec(Tokenizer);
 
@@ -299,24 +298,8 @@ mod hf {
             "<fim_suffix>",
             "<fim_pad>",
         ];
-        let mut trainer: TrainerWrapper = BpeTrainerBuilder::new()
-            .vocab_size(400)
-            .show_progress(false)
-            .special_tokens(
-                specials
-                    .iter()
-                    .map(|t| AddedToken::from(*t, true))
-                    .collect(),
-            )
-            .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
-            .build()
-            .into();
-        let mut tokenizer = Tokenizer::new(BPE::default());
-        tokenizer.with_pre_tokenizer(Some(ByteLevel::default().add_prefix_space(false)));
-        tokenizer.with_decoder(Some(ByteLevelDecoder::default()));
         let texts: Vec<String> = (0..20).flat_map(|_| CORPUS.map(String::from)).collect();
-        tokenizer.train(&mut trainer, texts.iter()).unwrap();
-        tokenizer
+        train_byte_level_bpe(&texts, &specials, 0, false)
     }
 
     #[test]

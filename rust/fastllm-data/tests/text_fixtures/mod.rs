@@ -45,12 +45,27 @@ pub fn sample_texts() -> Vec<String> {
 /// Writes a byte-level BPE (GPT-2 style) trained on [`sample_texts`] to `dir/tokenizer.json`;
 /// with `normalize`, an NFC normalizer that the fast encoder does not support.
 pub fn write_tokenizer(dir: &Path, normalize: bool) -> PathBuf {
+    let tokenizer = train_byte_level_bpe(&sample_texts(), &SPECIAL_TOKENS, 2, normalize);
+    fs::create_dir_all(dir).unwrap();
+    let path = dir.join("tokenizer.json");
+    tokenizer.save(&path, false).expect("saves");
+    path
+}
+
+/// A GPT-2-style byte-level BPE of 400 tokens trained on `texts`, with `specials` and merges
+/// seen at least `min_frequency` times; with `normalize`, an NFC normalizer.
+pub fn train_byte_level_bpe(
+    texts: &[String],
+    specials: &[&str],
+    min_frequency: u64,
+    normalize: bool,
+) -> tokenizers::Tokenizer {
     let mut trainer: TrainerWrapper = BpeTrainerBuilder::new()
         .vocab_size(400)
-        .min_frequency(2)
+        .min_frequency(min_frequency)
         .show_progress(false)
         .special_tokens(
-            SPECIAL_TOKENS
+            specials
                 .iter()
                 .map(|t| AddedToken::from(*t, true))
                 .collect(),
@@ -65,12 +80,9 @@ pub fn write_tokenizer(dir: &Path, normalize: bool) -> PathBuf {
         tokenizer.with_normalizer(Some(NFC)).unwrap();
     }
     tokenizer
-        .train(&mut trainer, sample_texts().iter())
+        .train(&mut trainer, texts.iter())
         .expect("training succeeds");
-    fs::create_dir_all(dir).unwrap();
-    let path = dir.join("tokenizer.json");
-    tokenizer.save(&path, false).expect("saves");
-    path
+    tokenizer
 }
 
 /// What the `tokenizers` crate makes of `text`, without special tokens: the reference.
