@@ -55,22 +55,20 @@ def attention(
     _check(q, k, v, window_size, document_ids)
     if window_size is not None and window_size >= k.shape[1]:
         window_size = None  # masks nothing: keep the fastest (dense) kernels
-    if not q.is_cuda:
-        mask = _dense_mask(q, causal, window_size, document_ids)
-        if mask is None:
-            return _sdpa(q, k, v, is_causal=causal, scale=scale)
-        return _sdpa(q, k, v, attn_mask=mask, scale=scale)
-    if window_size is None and document_ids is None:
+    masked = window_size is not None or document_ids is not None
+    if q.is_cuda and not masked:
         with sdpa_kernel(_SDPA_PRIORITY, set_priority=True):
             return _sdpa(q, k, v, is_causal=causal, scale=scale)
-    if flash_attn_func is not None and q.dtype in (torch.float16, torch.bfloat16):
+    if q.is_cuda and flash_attn_func is not None and q.dtype in (torch.float16, torch.bfloat16):
         return _flash_attn(q, k, v, causal, window_size, document_ids, scale)
-    if k.shape[1] < _FLEX_MIN_KEYS:
-        # Shorter than one of flex_attention's blocks, so there is nothing to skip; and torch
-        # 2.11's inductor found no kernel config for head dim 128 at 48 keys (H200).
-        mask = _dense_mask(q, causal, window_size, document_ids)
-        return _sdpa(q, k, v, attn_mask=mask, scale=scale)
-    return _flex(q, k, v, causal, window_size, document_ids, scale)
+    # Fewer keys than one flex block leave nothing to skip; and torch 2.11's inductor found no
+    # flex kernel config for head dim 128 at 48 keys (H200).
+    if q.is_cuda and k.shape[1] >= _FLEX_MIN_KEYS:
+        return _flex(q, k, v, causal, window_size, document_ids, scale)
+    mask = _dense_mask(q, causal, window_size, document_ids)
+    if mask is None:
+        return _sdpa(q, k, v, is_causal=causal, scale=scale)
+    return _sdpa(q, k, v, attn_mask=mask, scale=scale)
 
 
 def attention_reference(
