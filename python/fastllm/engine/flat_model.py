@@ -112,15 +112,14 @@ class FlatModel:
         self.grads = self.gradients.buffers
         self.shards = [self._shard(stage) for stage in stages]
         self.reducer = GradientReducer(self) if world_size > 1 else None
-        self._hooks = [
-            parameter.register_post_accumulate_grad_hook(self._accumulate_hook(index))
-            for index, (_, parameter) in enumerate(model.named_parameters())
-        ]
         # Linear layers' weight gradients go straight from the matmul into the fp32 buffer.
         linear_weights = {
             id(module.weight) for module in model.modules() if isinstance(module, torch.nn.Linear)
         }
+        self._hooks = []
         for index, (_, parameter) in enumerate(model.named_parameters()):
+            hook = self._accumulate_hook(index)
+            self._hooks.append(parameter.register_post_accumulate_grad_hook(hook))
             if id(parameter) in linear_weights:
                 parameter.gradient_sink = self._gradient_sink(index)
         self.gatherer = (
@@ -178,31 +177,40 @@ class FlatModel:
         )
 
     def _accumulate_hook(self, index: int):
+        write = self._gradient_writer(index)
+
         def hook(parameter: Tensor) -> None:
             # Gradients land in the fp32 buffer (accumulated over micro-batches), never in .grad.
             grad = parameter.grad
             if grad is None:  # the gradient went to the parameter's sink
                 return
-            self._write_gradient(index, lambda: self.gradients.add(index, grad))
+            write(lambda: self.gradients.add(index, grad))
             parameter.grad = None
 
         return hook
 
     def _gradient_sink(self, index: int):
+        write = self._gradient_writer(index)
+
         def sink(a: Tensor, b: Tensor) -> None:
-            self._write_gradient(index, lambda: self.gradients.add_product(index, a, b))
+            write(lambda: self.gradients.add_product(index, a, b))
 
         return sink
 
-    def _write_gradient(self, index: int, write) -> None:
-        """`write()` adds this backward pass's gradient of a parameter to its buffer; with data
-        parallelism, the reducer frees the buffer first and reduces it once the stage is done."""
+    def _gradient_writer(self, index: int):
+        """`writer(add)`: `add()` puts this backward pass's gradient of the parameter into its
+        buffer; with data parallelism, the reducer frees the buffer first and reduces it once
+        the stage is done."""
         stage = self.layout.parameter(index)[0]
-        if self.reducer is not None:
-            self.reducer.before_accumulate(stage)
-        write()
-        if self.reducer is not None:
-            self.reducer.parameter_done(stage)
+
+        def writer(add) -> None:
+            if self.reducer is not None:
+                self.reducer.before_accumulate(stage)
+            add()
+            if self.reducer is not None:
+                self.reducer.parameter_done(stage)
+
+        return writer
 
     def start_backward(self, last_micro_batch: bool) -> None:
         """Before a backward pass: whether it is the step's last, in which ZeRO-1 sums the
