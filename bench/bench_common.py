@@ -11,6 +11,7 @@ import platform
 import shutil
 import socket
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -152,6 +153,23 @@ def pyplot() -> Any:
     except ImportError:
         return None
     return plt
+
+
+def replot_report(
+    report: dict[str, Any],
+    directory: Path,
+    stem: str,
+    merged: bool,
+    table: Callable[[dict[str, Any]], str],
+    plot: Callable[[dict[str, Any], Path], bool],
+) -> None:
+    """`--plot`: the table of saved results and their chart as directory/stem.png; results
+    merged from several files are also saved as directory/stem.json."""
+    if merged:
+        write_json(directory / f"{stem}.json", report)
+    print(table(report))
+    if plot(report, directory / f"{stem}.png"):
+        print(f"\n{directory / f'{stem}.png'}")
 
 
 def log_tail(path: Path, lines: int = 40) -> str:

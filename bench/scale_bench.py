@@ -53,6 +53,7 @@ from bench_common import (
     markdown_table,
     pyplot,
     read_json,
+    replot_report,
     write_json,
     write_random_dataset,
 )
@@ -471,7 +472,6 @@ def replot(results: list[Path], out: Path | None) -> None:
     runs = {run["gpus"]: run for report in reports for run in report["runs"]}
     merged = {**reports[0], "runs": sorted(runs.values(), key=lambda run: run["gpus"])}
     merged.update(with_efficiency(merged["runs"]))
-    directory = out or results[0].parent
     stem = results[0].stem
     if len(results) > 1:
         stem = "scale_bench_merged"
@@ -479,10 +479,7 @@ def replot(results: list[Path], out: Path | None) -> None:
             {"file": str(path), "commit": report["commit"], "machine": report["machine"]}
             for path, report in zip(results, reports, strict=True)
         ]
-        write_json(directory / f"{stem}.json", merged)
-    print(table(merged))
-    if plot(merged, directory / f"{stem}.png"):
-        print(f"\n{directory / f'{stem}.png'}")
+    replot_report(merged, out or results[0].parent, stem, len(results) > 1, table, plot)
 
 
 # ---------------------------------------------------------------- the driver

@@ -50,6 +50,7 @@ from bench_common import (
     markdown_table,
     pyplot,
     read_json,
+    replot_report,
     write_json,
     write_random_dataset,
 )
@@ -665,14 +666,8 @@ def merge(results: list[Path]) -> dict[str, Any]:
 
 def replot(results: list[Path], out: Path | None) -> None:
     """Table and chart of saved results (here, where matplotlib is); several are merged."""
-    report = merge(results)
-    directory = out or results[0].parent
     stem = results[0].stem if len(results) == 1 else "train_bench_merged"
-    if len(results) > 1:
-        write_json(directory / f"{stem}.json", report)
-    print(table(report))
-    if plot(report, directory / f"{stem}.png"):
-        print(f"\n{directory / f'{stem}.png'}")
+    replot_report(merge(results), out or results[0].parent, stem, len(results) > 1, table, plot)
 
 
 def parse_args() -> argparse.Namespace:
