@@ -7,6 +7,9 @@
 #   nvidia-h200-x2: bash bench/device_run.sh HASH train-1b scale-x2
 #   nvidia-h200:    bash bench/device_run.sh HASH train-3b
 #   nvidia-h200-x8: bash bench/device_run.sh HASH scale-x8
+# A second setting of a train part in the same call (its results under train_MODEL_TAG):
+#   ... && APPEND=1 SYSTEMS=fastllm SET=model.multi_stage.recompute=none TAG=store \
+#          bash bench/device_run.sh HASH train-1b
 # Parts: tests (GPU tests; the data-parallel ones need 2 GPUs), kernels (kernel timings),
 # prepare (16-core scaling), train-1b | train-3b (train_bench + profile), zero-8b (llama-8b
 # ZeRO-2 and 3 on 2 GPUs), profile-8b (one profiled llama-8b step on 2 GPUs), scale-x2 |
@@ -16,7 +19,9 @@ COMMIT=$1
 shift
 OUT=${OUT:-/tmp/out}
 RES=/tmp/results
-rm -rf "$RES"  # a warm machine keeps the last call's files
+# A warm machine keeps the last call's files; APPEND=1 adds to this call's earlier results
+# (a second invocation in the same command, with other settings).
+[ -n "${APPEND:-}" ] || rm -rf "$RES"
 mkdir -p "$OUT" "$RES" /tmp/site
 for wheel in dist/*.whl; do python3 -m zipfile -e "$wheel" /tmp/site; done  # abi3/pure wheels
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
@@ -43,10 +48,13 @@ run_part() {
         --out "$RES/prepare_h200_scaling.json" 2>&1 | tail -12 ;;
     train-1b | train-3b)
       local model=${1#train-}
+      # SET: more overrides for the fastllm runs (the results then go to train_MODEL_TAG).
       python3 bench/train_bench.py --models "$model" --systems ${SYSTEMS:-fastllm fastllm-compile hf} \
-        --timeout 170 --commit "$COMMIT" --out "$RES/train_$model" 2>&1 | tail -30
+        ${SET:+--set $SET} --timeout 170 --commit "$COMMIT" \
+        --out "$RES/train_$model${TAG:+_$TAG}" 2>&1 | tail -30
       [ "${PROFILE:-1}" = 0 ] || timeout 90 python3 bench/profile_step.py --model "$model" \
-        --commit "$COMMIT" --out "$RES/profile_$model" 2>&1 | tail -45 ;;
+        ${SET:+--set $SET} --commit "$COMMIT" --out "$RES/profile_$model${TAG:+_$TAG}" 2>&1 |
+        tail -45 ;;
     zero-8b)
       for stage in 2 3; do
         python3 bench/scale_bench.py --config examples/llama3-8b.yaml --gpus 2 --zero-stage "$stage" \
@@ -73,7 +81,7 @@ run_part() {
 for part in "$@"; do
   echo "=== $part ($(date +%T))"
   start=$SECONDS
-  run_part "$part" 2>&1 | tee "$OUT/$part.log"
+  run_part "$part" 2>&1 | tee "$OUT/$part${TAG:+_$TAG}.log"
   echo "=== $part took $((SECONDS - start)) s"
   pack  # after every part, so a call stopped at its limit still returns the finished ones
 done

@@ -55,7 +55,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
         seed=0,
     )
     args.accumulate = 1
-    overrides = run_overrides(args.model, args, work / "exp", Path(dataset["path"]))
+    overrides = [*run_overrides(args.model, args, work / "exp", Path(dataset["path"])), *args.set]
     trainer = Trainer(load_trainer_config(args.model, overrides))
     cuda = trainer.distributed.device.type == "cuda"
     batches = iter(trainer.data_loader())
@@ -118,6 +118,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--top", type=int, default=30, help="kernels listed")
     parser.add_argument("--trace", action="store_true")
+    parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="more overrides")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--device", choices=["auto", "cpu"], default="auto")
     parser.add_argument("--commit", default=None)

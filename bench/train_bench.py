@@ -676,6 +676,9 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=["1b", "3b", "8b"])
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=["fastllm", "hf"])
+    parser.add_argument(
+        "--set", nargs="+", default=[], metavar="KEY=VALUE", help="more overrides for fastllm"
+    )
     parser.add_argument("--steps", type=int, help="timed steps (default 10; --tiny 3)")
     parser.add_argument("--warmup", type=int, help="untimed first steps (default 3; --tiny 1)")
     parser.add_argument("--seq", type=int, help="sequence length (default 4096; --tiny 128)")
@@ -755,6 +758,8 @@ def run_one(
     probe = load_trainer_config(model, model_overrides(model, args))
     dataset = datasets.get(probe.model.base_model.vocab_size, {}).get("path", str(work))
     overrides = run_overrides(model, args, work / f"exp_{model}", Path(dataset))
+    if system != "hf":
+        overrides.extend(args.set)
     if system == "fastllm-compile":
         overrides.append("training.compile=true")
     config = load_trainer_config(model, overrides)
@@ -778,6 +783,7 @@ def run_one(
         geometry=geometry(config),
         config_file=f"examples/{MODELS[model].config}",
         overrides=model_overrides(model, args),
+        extra_overrides=args.set if system != "hf" else [],
     )
     write_json(Path(spec["result"]), run)
     print(

@@ -231,9 +231,12 @@ class MultiStageConfig(Section):
     layers_per_stage: int = 1
     """Transformer blocks per stage: the unit in which weights are laid out, gradients
     reduce-scattered and (ZeRO-3) weights gathered. Larger stages mean fewer, larger messages."""
-    recompute: Literal["none", "selective", "full"] = "none"
-    """Activations recomputed in the backward pass instead of stored: selective recomputes
-    each MLP (its wide intermediate activations), full recomputes whole blocks."""
+    recompute: Literal["none", "elementwise", "selective", "full"] = "elementwise"
+    """Activations recomputed in the backward pass instead of stored. none: nothing (fastest,
+    most memory); elementwise: each norm's output and each gated MLP's act(gate)·up, from the
+    inputs their backward passes keep anyway (two hidden-size and one ffn-size activation less
+    per token and layer, for three elementwise passes); selective: also each MLP whole (its
+    wide intermediate activations); full: whole blocks."""
 
     def validate(self) -> None:
         check_positive(self.layers_per_stage, "layers_per_stage")

@@ -8,12 +8,22 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from fastllm.model import GPTModel
+from fastllm.model.block import Normalization
+from fastllm.model.mlp import MLP
 
 
 def apply_recompute(model: GPTModel, level: str) -> None:
-    """selective: each MLP recomputes its intermediate activations in the backward pass;
-    full: each block recomputes everything but its input."""
+    """none: norms and gated activations store their outputs for the backward pass;
+    elementwise (the model's own default): they recompute them; selective: each MLP also
+    recomputes its intermediate activations; full: each block recomputes everything but its
+    input."""
     if level == "none":
+        for module in model.modules():
+            if isinstance(module, Normalization):
+                module.recompute = False
+            elif isinstance(module, MLP):
+                module.recompute_activation = False
+    if level in ("none", "elementwise"):
         return
     for layer in model.layers:
         module: torch.nn.Module = layer if level == "full" else layer.mlp

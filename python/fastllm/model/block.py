@@ -10,12 +10,16 @@ from torch import Tensor
 from fastllm.config.model import LayerNormConfig, NormalizationConfig, TransformerConfig
 from fastllm.model.attention import Attention
 from fastllm.model.mlp import MLP, MixtureOfExperts
+from fastllm_kernels.linear import linear
 from fastllm_kernels.norm import layer_norm, rms_norm
 from fastllm_kernels.norm_linear import norm_linear
 
 
 class Normalization(torch.nn.Module):
     """RMSNorm (weight) or LayerNorm (weight and bias) through the fused kernels."""
+
+    recompute = True
+    """`project` recomputes the norm's output in the backward pass rather than storing it."""
 
     def __init__(self, config: NormalizationConfig, hidden_size: int) -> None:
         super().__init__()
@@ -30,7 +34,10 @@ class Normalization(torch.nn.Module):
         return layer_norm(x, self.weight, self.bias, self.epsilon)
 
     def project(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        """linear(self(x), weight, bias), storing x rather than self(x) for the backward pass."""
+        """linear(self(x), weight, bias); with `recompute`, storing x rather than self(x) for
+        the backward pass."""
+        if not self.recompute:
+            return linear(self(x), weight, bias)
         rms = self.bias is None
         return norm_linear(x, self.weight, self.bias, self.epsilon, rms, weight, bias)
 

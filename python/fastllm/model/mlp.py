@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fastllm.config.model import TransformerConfig
-from fastllm_kernels.activation import gated_linear
+from fastllm_kernels.activation import gated_activation_fused, gated_linear
 from fastllm_kernels.linear import linear
 
 if TYPE_CHECKING:
@@ -27,6 +27,9 @@ _ACTIVATIONS = {
 class MLP(torch.nn.Module):
     """layer_2(act(layer_1 x)); when gated, layer_1 holds [gate; up] and act(gate) * up."""
 
+    recompute_activation = True
+    """A gated activation is recomputed in the backward pass rather than stored."""
+
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
         assert config.ffn_hidden_size is not None and config.activation_type is not None
@@ -41,16 +44,30 @@ class MLP(torch.nn.Module):
     def forward(self, x: Tensor, norm: Normalization) -> Tensor:
         """The MLP of norm(x) (the block's residual stream, normalized by the first projection)."""
         h = norm.project(x, self.layer_1.weight, self.layer_1.bias)
-        return _project(h, self.layer_2.weight, self.layer_2.bias, self.gated, self.activation)
+        return _project(
+            h,
+            self.layer_2.weight,
+            self.layer_2.bias,
+            self.gated,
+            self.activation,
+            self.recompute_activation,
+        )
 
 
 def _project(
-    h: Tensor, weight: Tensor, bias: Tensor | None, gated: bool, activation: str
+    h: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    gated: bool,
+    activation: str,
+    recompute: bool = True,
 ) -> Tensor:
-    """The second projection of act(h); a gated activation is recomputed in the backward
-    pass rather than stored."""
-    if gated:
+    """The second projection of act(h); with `recompute`, a gated activation is recomputed in
+    the backward pass rather than stored."""
+    if gated and recompute:
         return gated_linear(h, weight, bias, activation)
+    if gated:
+        return linear(gated_activation_fused(h, activation), weight, bias)
     return linear(_ACTIVATIONS[activation](h), weight, bias)
 
 

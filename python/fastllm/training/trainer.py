@@ -247,8 +247,7 @@ class Trainer:
         ]
         if distributed.world_size > 1:
             parts.append(f"ZeRO-{stages.zero_stage}, {stages.layers_per_stage} layer(s)/stage")
-        if stages.recompute != "none":
-            parts.append(f"{stages.recompute} recomputation")
+        parts.append(f"{stages.recompute} recomputation")
         if config.training.compile:
             parts.append("compiled blocks")
         return ", ".join(parts)
