@@ -33,9 +33,10 @@ pack() { tar -czf "$OUT/results.tgz.part" -C "$RES" . && mv "$OUT/results.tgz.pa
 run_part() {
   case $1 in
     tests)
+      # TESTS: a pytest -k expression, to run only some of them.
       timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/training \
-        >"$RES/gpu_tests.log" 2>&1
-      grep -E "^(FAILED|ERROR)|^E  |passed|failed" "$RES/gpu_tests.log" | tail -40 ;;
+        ${TESTS:+-k "$TESTS"} >"$RES/gpu_tests${TAG:+_$TAG}.log" 2>&1
+      grep -E "^(FAILED|ERROR)|^E  |passed|failed" "$RES/gpu_tests${TAG:+_$TAG}.log" | tail -40 ;;
     kernels)
       timeout 150 python3 bench/kernels.py --out "$RES/kernels.json" ;;
     prepare)
@@ -56,11 +57,17 @@ run_part() {
         ${SET:+--set $SET} --commit "$COMMIT" --out "$RES/profile_$model${TAG:+_$TAG}" 2>&1 |
         tail -45 ;;
     zero-8b)
-      for stage in 2 3; do
+      # SM clock, power and temperature of both GPUs every 0.5 s, to tell clock throttling
+      # from step-to-step variation in our own work.
+      nvidia-smi --query-gpu=timestamp,index,clocks.sm,power.draw,temperature.gpu --format=csv \
+        -lms 500 >"$RES/gpu_clocks_8b${TAG:+_$TAG}.csv" &
+      local sampler=$!
+      for stage in ${STAGES:-2 3}; do
         python3 bench/scale_bench.py --config examples/llama3-8b.yaml --gpus 2 --zero-stage "$stage" \
           --micro-batch "${MICRO_BATCH:-2}" --per-gpu-batch 2 --steps 6 --kill-at-end --timeout 150 \
-          --commit "$COMMIT" --out "$RES/zero${stage}_8b" 2>&1 | tail -8
-      done ;;
+          --commit "$COMMIT" --out "$RES/zero${stage}_8b${TAG:+_$TAG}" 2>&1 | tail -8
+      done
+      kill "$sampler" ;;
     profile-8b)
       # One step of llama-8b on 2 GPUs under torch.profiler (training.profile): per-rank tables.
       python3 bench/scale_bench.py --config examples/llama3-8b.yaml --gpus 2 \
