@@ -11,6 +11,7 @@
 #   ... && APPEND=1 SYSTEMS=fastllm SET=model.multi_stage.recompute=none TAG=store \
 #          bash bench/device_run.sh HASH train-1b
 # Parts: tests (GPU tests; the data-parallel ones need 2 GPUs), kernels (kernel timings),
+# sustained (bf16 matmul TFLOP/s, clock and power over a minute of load),
 # prepare (16-core scaling), train-1b | train-3b (train_bench + profile), zero-8b (llama-8b
 # ZeRO-2 and 3 on 2 GPUs), profile-8b (one profiled llama-8b step on 2 GPUs), scale-x2 |
 # scale-x8 (Mistral-7B scaling).
@@ -37,6 +38,10 @@ run_part() {
       timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/training \
         ${TESTS:+-k "$TESTS"} >"$RES/gpu_tests${TAG:+_$TAG}.log" 2>&1
       grep -E "^(FAILED|ERROR)|^E  |passed|failed" "$RES/gpu_tests${TAG:+_$TAG}.log" | tail -40 ;;
+    sustained)
+      # The bf16 matmul ceiling at the boost clock and once the power limit is reached.
+      timeout 100 python3 bench/sustained_matmul.py --seconds 60 --commit "$COMMIT" \
+        --out "$RES/sustained_matmul.json" ;;
     kernels)
       timeout 150 python3 bench/kernels.py --out "$RES/kernels.json" ;;
     prepare)
@@ -57,17 +62,11 @@ run_part() {
         ${SET:+--set $SET} --commit "$COMMIT" --out "$RES/profile_$model${TAG:+_$TAG}" 2>&1 |
         tail -45 ;;
     zero-8b)
-      # SM clock, power and temperature of both GPUs every 0.5 s, to tell clock throttling
-      # from step-to-step variation in our own work.
-      nvidia-smi --query-gpu=timestamp,index,clocks.sm,power.draw,temperature.gpu --format=csv \
-        -lms 500 >"$RES/gpu_clocks_8b${TAG:+_$TAG}.csv" &
-      local sampler=$!
       for stage in ${STAGES:-2 3}; do
         python3 bench/scale_bench.py --config examples/llama3-8b.yaml --gpus 2 --zero-stage "$stage" \
           --micro-batch "${MICRO_BATCH:-2}" --per-gpu-batch 2 --steps 6 --kill-at-end --timeout 150 \
           --commit "$COMMIT" --out "$RES/zero${stage}_8b${TAG:+_$TAG}" 2>&1 | tail -8
-      done
-      kill "$sampler" ;;
+      done ;;
     profile-8b)
       # One step of llama-8b on 2 GPUs under torch.profiler (training.profile): per-rank tables.
       python3 bench/scale_bench.py --config examples/llama3-8b.yaml --gpus 2 \
@@ -88,7 +87,13 @@ run_part() {
 for part in "$@"; do
   echo "=== $part ($(date +%T))"
   start=$SECONDS
+  # SM clock, power and temperature of the GPUs every 0.5 s: a GPU at its power limit lowers
+  # its clock, which moves every figure of the part.
+  nvidia-smi --query-gpu=timestamp,index,clocks.sm,power.draw,temperature.gpu --format=csv \
+    -lms 500 >"$RES/gpu_clocks_$part${TAG:+_$TAG}.csv" &
+  sampler=$!
   run_part "$part" 2>&1 | tee "$OUT/$part${TAG:+_$TAG}.log"
+  kill "$sampler"
   echo "=== $part took $((SECONDS - start)) s"
   pack  # after every part, so a call stopped at its limit still returns the finished ones
 done
