@@ -54,9 +54,10 @@ run_part() {
         --out "$RES/prepare_h200_scaling.json" 2>&1 | tail -12 ;;
     train-1b | train-3b)
       local model=${1#train-}
-      # SET: more overrides for the fastllm runs (the results then go to train_MODEL_TAG).
+      # SET: more overrides for the fastllm runs (the results then go to train_MODEL_TAG);
+      # STEPS: timed steps (train_bench's default otherwise).
       python3 bench/train_bench.py --models "$model" --systems ${SYSTEMS:-fastllm fastllm-compile hf} \
-        ${SET:+--set $SET} --timeout 170 --commit "$COMMIT" \
+        ${SET:+--set $SET} ${STEPS:+--steps $STEPS} --timeout 170 --commit "$COMMIT" \
         --out "$RES/train_$model${TAG:+_$TAG}" 2>&1 | tail -30
       [ "${PROFILE:-1}" = 0 ] || timeout 90 python3 bench/profile_step.py --model "$model" \
         ${SET:+--set $SET} --commit "$COMMIT" --out "$RES/profile_$model${TAG:+_$TAG}" 2>&1 |
@@ -65,6 +66,7 @@ run_part() {
       for stage in ${STAGES:-2 3}; do
         python3 bench/scale_bench.py --config examples/llama3-8b.yaml --gpus 2 --zero-stage "$stage" \
           --micro-batch "${MICRO_BATCH:-2}" --per-gpu-batch 2 --steps 6 --kill-at-end --timeout 150 \
+          ${SET:+--set $SET} \
           --commit "$COMMIT" --out "$RES/zero${stage}_8b${TAG:+_$TAG}" 2>&1 | tail -8
       done ;;
     profile-8b)
