@@ -77,8 +77,10 @@ run_part() {
         --commit "$COMMIT" --out "$RES/profile_8b" 2>&1 | tail -8
       cp /tmp/profile8b/exp_gpus_2/profile/rank_*.txt "$RES/profile_8b/" ;;
     scale-x2)
+      # ZERO: the ZeRO stage (scale_bench's default 2 otherwise).
       python3 bench/scale_bench.py --gpus 1 2 --per-gpu-batch 8 --steps 5 --kill-at-end --timeout 150 \
-        --commit "$COMMIT" --out "$RES/scale_x2" 2>&1 | tail -12 ;;
+        ${ZERO:+--zero-stage $ZERO} --commit "$COMMIT" --out "$RES/scale_x2${TAG:+_$TAG}" 2>&1 |
+        tail -12 ;;
     scale-x8)
       python3 bench/scale_bench.py --gpus 1 2 8 --steps 5 --kill-at-end --timeout 190 \
         --commit "$COMMIT" --out "$RES/scale_x8" 2>&1 | tail -12 ;;
