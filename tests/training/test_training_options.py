@@ -26,16 +26,20 @@ def trainer(dataset: Path, experiment: Path, *overrides: str) -> Trainer:
     return Trainer(build(TrainerConfig, with_pretrained_architecture(load_raw(files, overrides))))
 
 
-@pytest.mark.parametrize("level", ["elementwise", "selective", "full"])
+MOE = "model.base_model.transformer.num_experts=4"
+
+
+@pytest.mark.parametrize(
+    ("level", "model"),
+    [("elementwise", ()), ("selective", ()), ("full", ()), ("elementwise", (MOE,))],
+    ids=["elementwise", "selective", "full", "elementwise-moe"],
+)
 def test_recomputation_gives_the_same_losses_and_gradients(
-    dataset: Path, tmp_path: Path, level: str
+    dataset: Path, tmp_path: Path, level: str, model: tuple[str, ...]
 ) -> None:
-    plain = trainer(
-        dataset, tmp_path / "a", "training.train_iters=2", "model.multi_stage.recompute=none"
-    )
-    recomputed = trainer(
-        dataset, tmp_path / "b", "training.train_iters=2", f"model.multi_stage.recompute={level}"
-    )
+    options = ("training.train_iters=2", *model)
+    plain = trainer(dataset, tmp_path / "a", *options, "model.multi_stage.recompute=none")
+    recomputed = trainer(dataset, tmp_path / "b", *options, f"model.multi_stage.recompute={level}")
     (batch,) = next(iter(plain.data_loader()))[:1]
     loss_plain = plain.forward_backward(batch)
     loss_recomputed = recomputed.forward_backward(batch)
@@ -140,7 +144,7 @@ def test_attention_keeps_within_documents_only_when_asked_and_when_it_matters(
     [
         ("model.multi_stage.recompute=none",),
         ("model.multi_stage.recompute=full",),
-        ("model.base_model.transformer.num_experts=4",),
+        (MOE,),
     ],
     ids=["plain", "recompute", "moe"],
 )

@@ -9,7 +9,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fastllm.model import GPTModel
 from fastllm.model.block import Normalization
-from fastllm.model.mlp import MLP
+from fastllm.model.mlp import MLP, MixtureOfExperts
 
 
 def apply_recompute(model: GPTModel, level: str) -> None:
@@ -21,7 +21,7 @@ def apply_recompute(model: GPTModel, level: str) -> None:
         for module in model.modules():
             if isinstance(module, Normalization):
                 module.recompute = False
-            elif isinstance(module, MLP):
+            elif isinstance(module, (MLP, MixtureOfExperts)):
                 module.recompute_activation = False
     if level in ("none", "elementwise"):
         return

@@ -77,6 +77,9 @@ class MixtureOfExperts(torch.nn.Module):
     `forward` returns the output and the router's auxiliary losses (load balancing, z-loss),
     already weighted by their coefficients."""
 
+    recompute_activation = True
+    """A gated activation is recomputed in the backward pass rather than stored."""
+
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
         assert config.ffn_hidden_size is not None and config.activation_type is not None
@@ -107,6 +110,7 @@ class MixtureOfExperts(torch.nn.Module):
                 None,
                 self.gated,
                 self.activation,
+                self.recompute_activation,
             )
             y = y * weights[rows, slot, None]
             out.index_add_(0, rows, y)
