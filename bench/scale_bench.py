@@ -16,10 +16,10 @@ Each run logs every step to EXP/metrics.jsonl (rank 0; tokens_per_s is per GPU).
 state excludes the first --skip logged steps (compilation, autotuning, the loader's start);
 tokens/s per GPU is the harmonic mean of the remaining steps (total tokens / total time), MFU
 likewise; peak memory is the largest memory_gib logged (torch.cuda.max_memory_allocated of
-rank 0 over each logging interval, so the peak of training, setup excluded). Scaling efficiency = tokens/s per GPU at G /
-tokens/s per GPU at 1 GPU — or, when the 1-GPU run failed (a 7B model with fp32 masters and
-Adam moments needs about 130 GB before activations), at the fewest GPUs that ran; the JSON
-names that reference.
+rank 0 over each logging interval, so the peak of training, setup excluded). Scaling
+efficiency = tokens/s per GPU at G / tokens/s per GPU at 1 GPU — or, when the 1-GPU run
+failed (a 7B model with fp32 masters and Adam moments needs about 130 GB before activations),
+at the fewest GPUs that ran; the JSON names that reference.
 
 The dataset is uniformly random tokens (vocabulary 32000) written once per invocation under
 --work as one document, so that every sample's attention is plain causal attention.

@@ -19,6 +19,7 @@ import io
 import shutil
 import subprocess
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -58,15 +59,15 @@ def samples(process: subprocess.Popen[str] | None) -> list[dict[str, float]]:
     for fields in csv.reader(io.StringIO(output)):
         if len(fields) != 4:
             continue
-        stamp = time.mktime(time.strptime(fields[0].strip().split(".")[0], "%Y/%m/%d %H:%M:%S"))
-        fraction = float("0." + fields[0].strip().split(".")[1]) if "." in fields[0] else 0.0
         try:
+            # nvidia-smi's local time, like time.time() below once converted.
+            stamp = datetime.strptime(fields[0].strip(), "%Y/%m/%d %H:%M:%S.%f").timestamp()
             clock, power, temperature = (float(f) for f in fields[1:])
         except ValueError:
             continue
         rows.append(
             {
-                "t": stamp + fraction,
+                "t": stamp,
                 "clock_mhz": clock,
                 "power_w": power,
                 "temperature_c": temperature,

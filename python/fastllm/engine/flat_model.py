@@ -224,8 +224,7 @@ class FlatModel:
         if self.reducer is not None:
             self.reducer.flush()
         else:
-            for stage in range(self.layout.num_stages):
-                self.gradients.complete(stage)
+            self.gradients.complete_all()
         if self.gatherer is not None:
             self.gatherer.keep_only(set())
 

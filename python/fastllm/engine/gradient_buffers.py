@@ -73,6 +73,10 @@ class GradientBuffers:
             for start, end in self.gaps[stage]:
                 self.buffers[stage][start:end].zero_()
 
+    def complete_all(self) -> None:
+        for stage in range(len(self.buffers)):
+            self.complete(stage)
+
     def consumed(self, stage: int) -> None:
         """The stage's buffer was read: the next gradients overwrite it."""
         for index in self.stage_parameters[stage]:

@@ -30,9 +30,7 @@ class GradientReducer:
         self.sharded = flat.shard_gradients
         self.armed = self.sharded
         """Reduce in this backward pass (always with ZeRO-2)."""
-        self.expected = [0] * flat.layout.num_stages
-        for _, _, stage, _ in flat.specs:
-            self.expected[stage] += 1
+        self.expected = [len(indices) for indices in flat.stage_parameters]
         self.received = [0] * flat.layout.num_stages
         # What a reduce-scatter writes: two buffers used in turn (by stage parity).
         largest = max(shard.grad.numel() for shard in flat.shards)
@@ -77,8 +75,7 @@ class GradientReducer:
             self._reduce_remaining()
             self.reduced = not self.sharded
         else:
-            for stage in range(len(self.received)):
-                self.flat.gradients.complete(stage)
+            self.flat.gradients.complete_all()
         self.received = [0] * len(self.received)
 
     def ensure_reduced(self) -> None:
