@@ -10,6 +10,8 @@
 # A second setting of a train part in the same call (its results under train_MODEL_TAG):
 #   ... && APPEND=1 SYSTEMS=fastllm SET=model.multi_stage.recompute=none TAG=store \
 #          bash bench/device_run.sh HASH train-1b
+# Another commit's wheels in the same call (a baseline): WHEELS=DIR (carried, default dist)
+# and SITE=DIR (where they are unpacked, default /tmp/site), with its own HASH and TAG.
 # Parts: tests (GPU tests; the data-parallel ones need 2 GPUs), kernels (kernel timings),
 # sustained (bf16 matmul TFLOP/s, clock and power over a minute of load),
 # prepare (16-core scaling), train-1b | train-3b (train_bench + profile), zero-8b (llama-8b
@@ -23,9 +25,10 @@ RES=/tmp/results
 # A warm machine keeps the last call's files; APPEND=1 adds to this call's earlier results
 # (a second invocation in the same command, with other settings).
 [ -n "${APPEND:-}" ] || rm -rf "$RES"
-mkdir -p "$OUT" "$RES" /tmp/site
-for wheel in dist/*.whl; do python3 -m zipfile -e "$wheel" /tmp/site; done  # abi3/pure wheels
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+SITE=${SITE:-/tmp/site}
+mkdir -p "$OUT" "$RES" "$SITE"
+for wheel in "${WHEELS:-dist}"/*.whl; do python3 -m zipfile -e "$wheel" "$SITE"; done  # abi3/pure wheels
+export PYTHONPATH=$SITE PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm --format=csv | tee "$RES/gpu.txt"
 python3 -c "import fastllm, fastllm._native, fastllm_kernels, msgspec; print('fastllm', fastllm.__version__)" || exit 1
 

@@ -29,18 +29,21 @@ config = load_config(
 )
 trainer = Trainer(config)  # the model on flat buffers (fp32 masters), AdamW, loss scale
 for micro_batches in trainer.data_loader():  # this rank's micro-batches of one step
-    # last=True on the step's last micro-batch lets data parallelism (ZeRO-1) sum the gradients
-    # over ranks during that backward pass instead of after it.
+    # Each micro-batch's weight: its share of the trained tokens of the whole global batch (the
+    # weights of all ranks sum to 1). last=True on the step's last micro-batch lets data
+    # parallelism (ZeRO-1) sum the gradients over ranks during that backward pass.
+    shares = trainer.token_shares(micro_batches)
     last = len(micro_batches) - 1
     losses = [
-        trainer.forward_backward(batch, weight=1 / len(micro_batches), last=i == last)
-        for i, batch in enumerate(micro_batches)
+        trainer.forward_backward(batch, weight=share, last=i == last)
+        for i, (batch, share) in enumerate(zip(micro_batches, shares, strict=True))
     ]
     report = trainer.optimizer_step()  # clip, update, advance the schedule
     trainer.consumed_samples += config.batch.batch_size
-    print(
-        f"step {trainer.step}: loss {sum(loss.item() for loss in losses) / len(losses):.4f}, lr {report['lr']:.2e}"
-    )
+    loss = sum(
+        share * loss.item() for share, loss in zip(shares, losses, strict=True)
+    )  # this rank's part
+    print(f"step {trainer.step}: loss {loss:.4f}, lr {report['lr']:.2e}")
     if trainer.step == config.training.train_iters:
         break
 directory = trainer.save_checkpoint()  # written in the background

@@ -9,10 +9,11 @@ import torch
 
 from fastllm.config import TrainerConfig, load_config
 from fastllm.config.training import LearningRateConfig
-from fastllm.engine.flat_model import FlatModel, decays
+from fastllm.engine.flat_model import FlatModel
 from fastllm.engine.optimizer import AdamW
 from fastllm.engine.schedule import learning_rate
 from fastllm.model import GPTModel, initialize
+from fastllm.model.parameters import parameter_metas
 from tests.conftest import ROOT
 
 TINY = [
@@ -61,8 +62,9 @@ def test_float32_steps_match_torch_adamw_with_clipping_and_decay_groups() -> Non
     model, flat = flat_model(config, reference, torch.float32)
     reference = copy.deepcopy(reference)
     opt = config.optimizer
-    decay = [p for n, p in reference.named_parameters() if decays(n, p)]
-    no_decay = [p for n, p in reference.named_parameters() if not decays(n, p)]
+    metas = parameter_metas(reference)
+    decay = [p for n, p in reference.named_parameters() if metas[n].weight_decay]
+    no_decay = [p for n, p in reference.named_parameters() if not metas[n].weight_decay]
     torch_adamw = torch.optim.AdamW(
         [{"params": decay, "weight_decay": opt.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=1.0, betas=(opt.beta_1, opt.beta_2), eps=opt.epsilon,

@@ -8,6 +8,7 @@ from tests.torchrun import torchrun_script
 SCRIPT = """
 import torch
 from fastllm.engine.flat_model import FlatModel
+from fastllm.engine.mesh import build_mesh
 from fastllm.engine.process_group import setup_distributed
 from fastllm.model import GPTModel, initialize
 from tests.engine.test_flat_training import tiny_config
@@ -20,7 +21,7 @@ with torch.device("meta"):
     model = GPTModel(config.model.base_model)
 flat = FlatModel(
     model, compute_dtype=torch.float32, device=torch.device("cpu"),
-    rank=distributed.rank, world_size=2, zero_stage=3,
+    mesh=build_mesh(config.model.distributed, 2, distributed.rank), zero_stage=3,
 )
 flat.load_full_parameters(reference.named_parameters())
 gatherer = flat.gatherer

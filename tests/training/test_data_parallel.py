@@ -143,3 +143,38 @@ def test_a_four_rank_zero3_checkpoint_resumes_on_two_ranks_with_zero1(
     expected, got = losses(straight), losses(resharded)
     for step, loss in expected.items():
         assert got[step] == pytest.approx(loss, rel=1e-5), step
+
+
+def test_the_loss_is_the_mean_over_the_trained_tokens_of_the_whole_batch(
+    dataset: Path, tmp_path: Path
+) -> None:
+    # Truncated sampling pads short documents (their padding is not trained on), so the
+    # micro-batches train different numbers of tokens: one batch at once, 4 accumulated
+    # micro-batches and 2 ranks with 2 each must still give the same losses and weights.
+    overrides = (
+        "data.sampling=truncated",
+        "batch.sequence_length=256",
+        "batch.batch_size=8",
+        "training.train_iters=3",
+        "training.export.interval=3",
+        "training.export.format=distributed",
+    )
+    runs = {name: tmp_path / name for name in ("whole", "accumulated", "split")}
+    result = run_cli(
+        *train_arguments(dataset, runs["whole"], *overrides, "batch.micro_batch_size=8")
+    )
+    assert result.returncode == 0, result.stderr
+    result = run_cli(*train_arguments(dataset, runs["accumulated"], *overrides))
+    assert result.returncode == 0, result.stderr
+    result = torchrun(2, *train_arguments(dataset, runs["split"], *overrides))
+    assert result.returncode == 0, result.stderr
+    expected = losses(runs["whole"])
+    reference = final_weights(runs["whole"], 3)
+    for name in ("accumulated", "split"):
+        got = losses(runs[name])
+        assert sorted(got) == sorted(expected)
+        for step, loss in expected.items():
+            assert got[step] == pytest.approx(loss, rel=1e-5), (name, step)
+        weights = final_weights(runs[name], 3)
+        for key, tensor in reference.items():
+            torch.testing.assert_close(weights[key], tensor, rtol=1e-5, atol=1e-6, msg=key)

@@ -27,25 +27,43 @@ def trainer(dataset: Path, experiment: Path, *overrides: str) -> Trainer:
 
 
 MOE = "model.base_model.transformer.num_experts=4"
+GATED = (
+    "model.base_model.transformer.gated=true",
+    "model.base_model.transformer.activation_type=silu",
+)
 
 
 @pytest.mark.parametrize(
     ("level", "model"),
-    [("elementwise", ()), ("selective", ()), ("full", ()), ("elementwise", (MOE,))],
-    ids=["elementwise", "selective", "full", "elementwise-moe"],
+    [
+        ("elementwise", ()),
+        ("elementwise", GATED),
+        ("selective", ()),
+        ("full", ()),
+        ("elementwise", (MOE, *GATED)),
+    ],
+    ids=["elementwise", "elementwise-gated", "selective", "full", "elementwise-gated-moe"],
 )
 def test_recomputation_gives_the_same_losses_and_gradients(
-    dataset: Path, tmp_path: Path, level: str, model: tuple[str, ...]
+    dataset: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    level: str,
+    model: tuple[str, ...],
 ) -> None:
-    options = ("training.train_iters=2", *model)
+    if level == "elementwise":
+        # The fused kernels (norm_linear, gated_linear) against the stored path: they run
+        # only on Triton (here its interpreter); their references are the stored path itself.
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    options = ("training.train_iters=2", "batch.micro_batch_size=1", *model)
     plain = trainer(dataset, tmp_path / "a", *options, "model.multi_stage.recompute=none")
     recomputed = trainer(dataset, tmp_path / "b", *options, f"model.multi_stage.recompute={level}")
     (batch,) = next(iter(plain.data_loader()))[:1]
     loss_plain = plain.forward_backward(batch)
     loss_recomputed = recomputed.forward_backward(batch)
-    assert loss_recomputed.item() == loss_plain.item()
+    assert loss_recomputed.item() == pytest.approx(loss_plain.item(), rel=1e-6)
     for ours, theirs in zip(recomputed.flat.grads, plain.flat.grads, strict=True):
-        torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
 
 
 def test_float16_scales_the_loss_and_backs_off_on_overflow(dataset: Path, tmp_path: Path) -> None:

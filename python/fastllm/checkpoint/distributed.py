@@ -1,12 +1,21 @@
-"""The `distributed` format: what training writes, one safetensors file per data-parallel rank
-holding that rank's shards of the flat fp32 master weights (and, in checkpoints, of the Adam
-moments), plus `manifest.json` describing the layout. Any number of ranks can read it back
-(resharding), and `fastllm convert input.format=distributed` merges it into whole tensors."""
+"""The `distributed` format, written by training (checkpoints and exports) and read back by
+any layout, by `fastllm convert` and by `pretrained`. This module alone writes and reads its
+manifest.
+
+One safetensors file per rank (`rank_NNNNN.safetensors`, the global rank = tensor rank +
+tensor size × data rank) holds that rank's shards of the flat fp32 state, one tensor per
+stage and kind (`master`, and in checkpoints `exp_avg`, `exp_avg_sq`, plus the RNG states).
+`manifest.json` describes the layout: every parameter's flat placement on one tensor rank
+(the same on all of them), its slice shape and how tensor ranks split it, the tensor and
+data sizes, the config and the training counters. A reader rebuilds any parameter whole
+(merging data shards, then tensor slices), so a checkpoint loads with any tensor size,
+data size and ZeRO stage."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +25,11 @@ from torch import Tensor
 
 from fastllm import _native
 from fastllm.config import BaseModelConfig, ConfigError, build
+from fastllm.model.parameters import TensorSplit
 
 MANIFEST = "manifest.json"
+STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
+"""What a checkpoint keeps per stage; an export keeps the master weights only."""
 
 
 def rank_file(rank: int) -> str:
@@ -26,6 +38,65 @@ def rank_file(rank: int) -> str:
 
 def stage_key(kind: str, stage: int) -> str:
     return f"{kind}.stage_{stage:05d}"
+
+
+@dataclass
+class ShardedState:
+    """One rank's part of the flat training state, as the engine lays it out: what a snapshot
+    saves and what a restore fills."""
+
+    specs: list[tuple[str, int, int, bool]]
+    """(name, numel, stage, weight decay) of every parameter of this tensor rank, in layout
+    order."""
+    shapes: dict[str, tuple[int, ...]]
+    splits: dict[str, TensorSplit | None]
+    alignment: int
+    tensor_size: int
+    tensor_rank: int
+    data_size: int
+    data_rank: int
+    shards: list[dict[str, Tensor]]
+    """Per stage: each kind's shard (views of the engine's buffers, or copies of them)."""
+
+    @property
+    def rank(self) -> int:
+        return self.tensor_rank + self.tensor_size * self.data_rank
+
+    def layout(self) -> Any:
+        return _native.Layout(self.specs, alignment=self.alignment, data_size=self.data_size)
+
+
+@dataclass
+class Snapshot:
+    """What the trainer hands over to be saved: its state and the counters to resume."""
+
+    kind: str
+    """checkpoint or export."""
+    state: ShardedState
+    config: dict[str, Any]
+    counters: dict[str, Any] = field(default_factory=dict)
+    """step, optimizer_steps, consumed_samples, skipped_steps, loss_scaler (checkpoints)."""
+    extra: dict[str, Tensor] = field(default_factory=dict)
+    """Tensors of this rank only, such as the RNG states."""
+
+    def manifest(self) -> dict[str, Any]:
+        state = self.state
+        return {
+            "format": "distributed",
+            "kind": self.kind,
+            **self.counters,
+            "parameters": [list(spec) for spec in state.specs],
+            "shapes": {name: list(shape) for name, shape in state.shapes.items()},
+            "splits": {
+                name: None if split is None else split.to_builtins()
+                for name, split in state.splits.items()
+            },
+            "alignment": state.alignment,
+            "tensor_parallel": state.tensor_size,
+            "data_parallel": state.data_size,
+            "world_size": state.tensor_size * state.data_size,
+            "config": self.config,
+        }
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:
@@ -37,52 +108,121 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     return json.loads(file.read_text())
 
 
-class SavedLayout:
-    """The flat layout a checkpoint was written with, rebuilt from its manifest."""
+class SavedCheckpoint:
+    """A checkpoint or export on disk, read piece by piece."""
 
-    def __init__(self, manifest: dict[str, Any]) -> None:
-        self.parameters = [tuple(p) for p in manifest["parameters"]]
-        self.shapes = {name: tuple(shape) for name, shape in manifest["shapes"].items()}
-        self.world_size = manifest["world_size"]
+    def __init__(self, directory: Path, manifest: dict[str, Any] | None = None) -> None:
+        self.directory = directory
+        self.manifest = manifest if manifest is not None else read_manifest(directory)
+        m = self.manifest
+        self.parameters = [tuple(p) for p in m["parameters"]]
+        self.shapes = {name: tuple(shape) for name, shape in m["shapes"].items()}
+        self.splits = {
+            name: TensorSplit.from_builtins(raw) for name, raw in m.get("splits", {}).items()
+        }
+        self.tensor_size = m.get("tensor_parallel", 1)
+        self.data_size = m.get("data_parallel", m["world_size"])
         self.layout = _native.Layout(
-            self.parameters, alignment=manifest["alignment"], world_size=self.world_size
+            self.parameters, alignment=m["alignment"], data_size=self.data_size
         )
         self.index = {p[0]: i for i, p in enumerate(self.parameters)}
-
-    def pieces(self, name: str) -> Iterator[tuple[int, int, int, int, int, int]]:
-        """(rank, stage, parameter start, parameter end, shard start, shard end) of every saved
-        piece of parameter `name`."""
-        index = self.index[name]
-        stage, _, _ = self.layout.parameter(index)
-        for rank in range(self.world_size):
-            for i, p0, p1, s0, s1 in self.layout.shard_parameters(stage, rank):
-                if i == index:
-                    yield rank, stage, p0, p1, s0, s1
-
-
-class ShardFiles:
-    """Lazy readers of a directory's rank files."""
-
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
         self._handles: dict[int, Any] = {}
 
-    def piece(self, rank: int, kind: str, stage: int, start: int, end: int) -> Tensor:
+    @property
+    def counters(self) -> dict[str, Any]:
+        return self.manifest
+
+    def model_config(self) -> BaseModelConfig:
+        return build(BaseModelConfig, self.manifest["config"]["model"]["base_model"])
+
+    def same_layout(self, state: ShardedState) -> bool:
+        """Written by ranks laid out as `state`'s are: its RNG streams apply."""
+        return (self.tensor_size, self.data_size) == (state.tensor_size, state.data_size)
+
+    def _handle(self, rank: int) -> Any:
         if rank not in self._handles:
             self._handles[rank] = safe_open(self.directory / rank_file(rank), "pt")
-        return self._handles[rank].get_slice(stage_key(kind, stage))[start:end]
+        return self._handles[rank]
 
+    def _piece(self, rank: int, kind: str, stage: int, start: int, end: int) -> Tensor:
+        return self._handle(rank).get_slice(stage_key(kind, stage))[start:end]
 
-def full_tensors(directory: Path, kind: str = "master") -> Iterator[tuple[str, Tensor]]:
-    """Whole fp32 tensors of every parameter, merged from the rank files."""
-    saved, files = SavedLayout(read_manifest(directory)), ShardFiles(directory)
-    for name, numel, *_ in saved.parameters:
+    def rank_tensor(self, rank: int, key: str) -> Tensor | None:
+        """A tensor of rank `rank`'s file outside the flat state (RNG states), if present."""
+        handle = self._handle(rank)
+        return handle.get_tensor(key) if key in handle.keys() else None  # noqa: SIM118
+
+    def _pieces(self, name: str) -> Iterator[tuple[int, int, int, int, int, int]]:
+        """(data rank, stage, parameter start, parameter end, shard start, shard end) of
+        every saved piece of parameter `name` on one tensor rank."""
+        index = self.index[name]
+        stage, _, _ = self.layout.parameter(index)
+        for data_rank in range(self.data_size):
+            for i, p0, p1, s0, s1 in self.layout.shard_parameters(stage, data_rank):
+                if i == index:
+                    yield data_rank, stage, p0, p1, s0, s1
+
+    def tensor_slice(self, name: str, kind: str, tensor_rank: int) -> Tensor:
+        """Parameter `name` as tensor rank `tensor_rank` held it (flat, fp32)."""
+        numel = self.parameters[self.index[name]][1]
         flat = torch.empty(numel, dtype=torch.float32)
-        for rank, stage, p0, p1, s0, s1 in saved.pieces(name):
-            flat[p0:p1] = files.piece(rank, kind, stage, s0, s1)
-        yield name, flat.view(saved.shapes[name])
+        for data_rank, stage, p0, p1, s0, s1 in self._pieces(name):
+            rank = tensor_rank + self.tensor_size * data_rank
+            flat[p0:p1] = self._piece(rank, kind, stage, s0, s1)
+        return flat
+
+    def whole(self, name: str, kind: str = "master") -> Tensor:
+        """Parameter `name` whole, its tensor slices merged."""
+        shape = self.shapes[name]
+        split = self.splits.get(name)
+        slices = [
+            self.tensor_slice(name, kind, t).view(shape)
+            for t in range(self.tensor_size if split is not None else 1)
+        ]
+        return slices[0] if len(slices) == 1 else split.merge(slices)  # type: ignore[union-attr]
+
+    def full_tensors(self, kind: str = "master") -> Iterator[tuple[str, Tensor]]:
+        for name, *_ in self.parameters:
+            yield name, self.whole(name, kind)
+
+    def restore(self, state: ShardedState, kinds: tuple[str, ...]) -> None:
+        """Fill `state`'s shards from this checkpoint, whatever layout wrote it."""
+        names = [spec[0] for spec in state.specs]
+        if set(self.index) != set(names):
+            raise ConfigError(str(self.directory), "holds the parameters of another model")
+        layout = state.layout()
+        same_slices = self.tensor_size == state.tensor_size
+        for stage, shard in enumerate(state.shards):
+            for index, p0, p1, s0, _ in layout.shard_parameters(stage, state.data_rank):
+                name = names[index]
+                for kind in kinds:
+                    target = shard[kind][s0 : s0 + p1 - p0]
+                    if same_slices:
+                        self._copy_pieces(name, kind, state.tensor_rank, p0, p1, target)
+                        continue
+                    whole = self.whole(name, kind)
+                    split = state.splits[name]
+                    if split is not None and state.tensor_size > 1:
+                        whole = split.local(whole, state.tensor_rank, state.tensor_size)
+                    target.copy_(whole.reshape(-1)[p0:p1])
+
+    def _copy_pieces(
+        self, name: str, kind: str, tensor_rank: int, p0: int, p1: int, target: Tensor
+    ) -> None:
+        """Elements [p0, p1) of the parameter's slice on `tensor_rank`, from the saved data
+        shards that overlap them."""
+        for data_rank, stage, q0, q1, t0, _ in self._pieces(name):
+            start, end = max(p0, q0), min(p1, q1)
+            if start < end:
+                rank = tensor_rank + self.tensor_size * data_rank
+                values = self._piece(rank, kind, stage, t0 + start - q0, t0 + end - q0)
+                target[start - p0 : end - p0].copy_(values)
+
+
+def full_tensors(directory: Path) -> Iterator[tuple[str, Tensor]]:
+    """Whole fp32 tensors of every parameter of a distributed directory."""
+    yield from SavedCheckpoint(directory).full_tensors()
 
 
 def model_config(directory: Path) -> BaseModelConfig:
-    manifest = read_manifest(directory)
-    return build(BaseModelConfig, manifest["config"]["model"]["base_model"])
+    return SavedCheckpoint(directory).model_config()

@@ -19,9 +19,10 @@ import msgspec
 import yaml
 from torch import Tensor
 
+from fastllm.checkpoint.architectures import ARCHITECTURES
 from fastllm.checkpoint.distributed import MANIFEST, full_tensors
 from fastllm.checkpoint.distributed import model_config as distributed_model_config
-from fastllm.checkpoint.hf_config import ARCHITECTURES, from_hf_config, to_hf_config
+from fastllm.checkpoint.hf_config import from_hf_config, to_hf_config
 from fastllm.checkpoint.hf_weights import rules
 from fastllm.checkpoint.safetensors_io import SafetensorsReader, ShardedWriter
 from fastllm.config import BaseModelConfig, ConfigError, build

@@ -4,15 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from fastllm.checkpoint.architectures import ARCHITECTURES
 from fastllm.config import BaseModelConfig, ConfigError, build
 
-ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "starcoder2": "Starcoder2ForCausalLM",
-}
 _ACTIVATIONS = {
     "silu": "silu",
     "gelu": "gelu_pytorch_tanh",
@@ -78,29 +72,7 @@ def from_hf_config(hf: dict[str, Any]) -> tuple[str, BaseModelConfig]:
         "activation_type": _HF_ACTIVATIONS[hf.get("hidden_act", "silu")],
         "add_linear_biases": bool(hf.get("attention_bias", False)),
     }
-    if architecture in ("mistral", "mixtral", "starcoder2") and hf.get("sliding_window"):
-        transformer["window_size"] = hf["sliding_window"]
-    if architecture == "qwen2":
-        transformer["add_linear_biases"] = "only_attn_qkv"
-        if hf.get("use_sliding_window") and hf.get("sliding_window"):
-            if hf.get("max_window_layers", hf["num_hidden_layers"]) < hf["num_hidden_layers"]:
-                raise ConfigError(
-                    "config.json:max_window_layers", "per-layer sliding windows are not supported"
-                )
-            transformer["window_size"] = hf["sliding_window"]
-    if architecture == "llama" and hf.get("mlp_bias") and not hf.get("attention_bias"):
-        raise ConfigError("config.json:mlp_bias", "biases on the MLP alone are not supported")
-    if architecture == "mixtral":
-        transformer["num_experts"] = hf["num_local_experts"]
-        transformer["num_experts_per_token"] = hf["num_experts_per_tok"]
-        transformer["expert_auxiliary_loss_coefficient"] = hf.get("router_aux_loss_coef", 0.001)
-    if architecture == "starcoder2":
-        transformer["normalization"] = {
-            "type": "layer_norm",
-            "epsilon": hf.get("norm_epsilon", 1e-5),
-        }
-        transformer["gated"] = False
-        transformer["add_linear_biases"] = bool(hf.get("use_bias", True))
+    ARCHITECTURES[architecture].from_hf(hf, transformer)
     raw = {
         "transformer": transformer,
         "vocab_size": hf["vocab_size"],
@@ -165,7 +137,7 @@ def to_hf_config(
         hf.pop(stale, None)
     hf.update(
         {
-            "architectures": [ARCHITECTURES[architecture]],
+            "architectures": [ARCHITECTURES[architecture].hf_class],
             "model_type": architecture,
             "vocab_size": config.vocab_size,
             "hidden_size": t.hidden_size,
@@ -181,25 +153,7 @@ def to_hf_config(
         }
     )
     hf.setdefault("max_position_embeddings", _context_length(config))
-    if architecture == "starcoder2":
-        hf["norm_epsilon"] = t.normalization.epsilon
-        hf["use_bias"] = t.biases_elsewhere
-    else:
-        hf["rms_norm_eps"] = t.normalization.epsilon
-    if architecture == "llama":
-        hf["attention_bias"] = t.biases_in_attention_qkv
-        hf["mlp_bias"] = t.biases_elsewhere
-    if architecture in ("mistral", "mixtral", "starcoder2"):
-        hf["sliding_window"] = t.window_size
-    if architecture == "qwen2":
-        hf["use_sliding_window"] = t.window_size is not None
-        hf["sliding_window"] = t.window_size
-        hf["max_window_layers"] = t.num_layers
-    if architecture == "mixtral":
-        hf["num_local_experts"] = t.num_experts
-        hf["num_experts_per_tok"] = t.num_experts_per_token
-        hf["router_aux_loss_coef"] = t.expert_auxiliary_loss_coefficient
-        hf["output_router_logits"] = False
+    ARCHITECTURES[architecture].to_hf(config, hf)
     return hf
 
 
@@ -211,28 +165,20 @@ def _context_length(config: BaseModelConfig) -> int:
 
 def _unsupported(config: BaseModelConfig, architecture: str) -> list[tuple[str, str]]:
     """(key, problem) for each feature of the model that `architecture` has no field for."""
-    t = config.transformer
+    t, target = config.transformer, ARCHITECTURES[architecture]
     problems: list[tuple[str, str]] = []
     layer_norm = t.normalization.__struct_config__.tag == "layer_norm"
-    if layer_norm != (architecture == "starcoder2"):
+    if layer_norm != target.layer_norm:
         problems.append(
             ("normalization.type", f"the model uses {t.normalization.__struct_config__.tag}")
         )
-    if t.gated == (architecture == "starcoder2"):
+    if t.gated != target.gated:
         problems.append(("gated", f"the model's MLP is {'gated' if t.gated else 'not gated'}"))
-    if (t.num_experts > 1) != (architecture == "mixtral"):
+    if (t.num_experts > 1) != target.experts:
         problems.append(("num_experts", f"the model has {t.num_experts} experts"))
-    if t.window_size is not None and architecture == "llama":
+    if t.window_size is not None and not target.window:
         problems.append(("window_size", "the model uses sliding-window attention"))
-    biases = (t.biases_in_attention_qkv, t.biases_elsewhere)
-    allowed = {
-        "llama": {(False, False), (True, True)},
-        "mistral": {(False, False)},
-        "mixtral": {(False, False)},
-        "qwen2": {(True, False)},
-        "starcoder2": {(True, True), (False, False)},
-    }[architecture]
-    if biases not in allowed:
+    if (t.biases_in_attention_qkv, t.biases_elsewhere) not in target.biases:
         problems.append(
             ("add_linear_biases", f"the model has add_linear_biases={t.add_linear_biases!r}")
         )

@@ -6,17 +6,14 @@ from typing import ClassVar, Literal
 
 import msgspec
 
+from fastllm.config.formats import ModelFormat
 from fastllm.config.section import ConfigError, Section
-
-CheckpointFormat = Literal[
-    "fastllm", "distributed", "llama", "mistral", "mixtral", "qwen2", "starcoder2"
-]
 
 
 class CheckpointLocation(Section):
     aliases: ClassVar[dict[str, str]] = {"type": "format"}
 
-    format: CheckpointFormat = "fastllm"
+    format: ModelFormat = "fastllm"
     """fastllm (safetensors + config.yaml), distributed (a training export or checkpoint; input
     only), or a Hugging Face architecture; `type` is a synonym."""
     path: str = ""

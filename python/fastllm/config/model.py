@@ -217,9 +217,43 @@ class DistributedConfig(Section):
     in fp32; float16 adds dynamic loss scaling."""
     seed: int = 1234
     """Seed of the initialization and of every random stream of the run."""
+    tensor_parallel: int = 1
+    """Ranks that split each layer (Megatron-style: attention heads, MLP width and vocabulary
+    divided among them). Ranks are ordered tensor, then data, then pipeline, so tensor ranks
+    are neighbours; the data-parallel size is world / (tensor_parallel × pipeline_parallel)."""
+    sequence_tensor_parallel: bool = False
+    """With tensor_parallel > 1, split the activations between the layers along the sequence
+    too (their all-reduces become all-gather / reduce-scatter pairs): less activation memory,
+    the same communication. Ignored at tensor_parallel 1."""
+    pipeline_parallel: int = 1
+    """Ranks that split the model's stages. Only 1 is implemented yet."""
 
     def validate(self) -> None:
         check_non_negative(self.seed, "seed")
+        check_positive(self.tensor_parallel, "tensor_parallel")
+        check_positive(self.pipeline_parallel, "pipeline_parallel")
+        if self.pipeline_parallel != 1:
+            raise ConfigError(
+                "pipeline_parallel",
+                f"pipeline parallelism is not implemented yet; got {self.pipeline_parallel}, "
+                "only 1 is accepted",
+            )
+
+    def data_parallel(self, world_size: int) -> int:
+        """The data-parallel size of `world_size` ranks, or a config error naming the keys."""
+        model_parallel = self.tensor_parallel * self.pipeline_parallel
+        if world_size % model_parallel:
+            raise ConfigError(
+                "model.distributed.tensor_parallel",
+                f"tensor_parallel ({self.tensor_parallel}) × model.distributed.pipeline_parallel "
+                f"({self.pipeline_parallel}) must divide the number of ranks ({world_size})",
+            )
+        return world_size // model_parallel
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Sequence-tensor parallelism in effect (it needs more than one tensor rank)."""
+        return self.sequence_tensor_parallel and self.tensor_parallel > 1
 
 
 class MultiStageConfig(Section):
@@ -231,6 +265,10 @@ class MultiStageConfig(Section):
     layers_per_stage: int = 1
     """Transformer blocks per stage: the unit in which weights are laid out, gradients
     reduce-scattered and (ZeRO-3) weights gathered. Larger stages mean fewer, larger messages."""
+    debug_tensor_parallel: bool = False
+    """After every optimizer step, check that the parameters replicated across tensor ranks
+    (norms, biases of row-parallel layers) are still identical on every tensor rank; an error
+    names those that drifted apart. Costs one broadcast of them per step."""
     recompute: Literal["none", "elementwise", "selective", "full"] = "elementwise"
     """Activations recomputed in the backward pass instead of stored. none: nothing (fastest,
     most memory); elementwise: each norm's output and each gated MLP's act(gate)·up, from the
@@ -246,6 +284,31 @@ class ModelConfig(Section):
     base_model: BaseModelConfig = msgspec.field(default_factory=BaseModelConfig)
     """The architecture."""
     distributed: DistributedConfig = msgspec.field(default_factory=DistributedConfig)
-    """Precision and seeding."""
+    """Precision, seeding and the parallel layout."""
     multi_stage: MultiStageConfig = msgspec.field(default_factory=MultiStageConfig)
     """How the model's memory is traded against compute."""
+
+    def validate(self) -> None:
+        tensor = self.distributed.tensor_parallel
+        if tensor == 1:
+            return
+        t = self.base_model.transformer
+        key = "distributed.tensor_parallel"
+        if t.num_experts > 1:
+            raise ConfigError(
+                key,
+                f"tensor parallelism of mixture-of-experts models is not implemented yet "
+                f"(model.base_model.transformer.num_experts={t.num_experts}, tensor_parallel="
+                f"{tensor})",
+            )
+        assert t.ffn_hidden_size is not None
+        for field, value in (
+            ("model.base_model.transformer.num_attention_heads", t.num_attention_heads),
+            ("model.base_model.transformer.head_groups", t.head_groups),
+            ("model.base_model.transformer.ffn_hidden_size", t.ffn_hidden_size),
+            ("model.base_model.vocab_size", self.base_model.vocab_size),
+        ):
+            if value % tensor:
+                raise ConfigError(
+                    key, f"({tensor}) must divide {field} ({value}): each rank holds a slice"
+                )

@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 import msgspec
 
 from fastllm.config.data import DataConfig
+from fastllm.config.formats import ModelFormat
 from fastllm.config.model import ModelConfig
 from fastllm.config.section import ConfigError, Section
 from fastllm.config.training import BatchConfig, OptimizerConfig, RunConfig, TrainingConfig
 
 
 class PretrainedConfig(Section):
-    format: Literal[
-        "fastllm", "distributed", "llama", "mistral", "mixtral", "qwen2", "starcoder2"
-    ] = "fastllm"
+    format: ModelFormat = "fastllm"
     """Format of the checkpoint to start from."""
     path: str = ""
     """Its directory. When the config sets no `model.base_model`, the architecture is taken
@@ -41,3 +38,22 @@ class TrainerConfig(Section):
     """AdamW and its learning-rate schedule."""
     pretrained: PretrainedConfig | None = None
     """Initialize the model from a checkpoint (fine-tuning, continued pretraining)."""
+
+    def validate(self) -> None:
+        distributed = self.model.distributed
+        if self.training.compile and distributed.tensor_parallel > 1:
+            raise ConfigError(
+                "training.compile",
+                "compiled blocks with model.distributed.tensor_parallel > 1 are not supported "
+                "yet (their collectives would break the graphs)",
+            )
+        if (
+            distributed.sequence_parallel
+            and self.batch.sequence_length % distributed.tensor_parallel
+        ):
+            raise ConfigError(
+                "batch.sequence_length",
+                f"({self.batch.sequence_length}) must be divisible by "
+                f"model.distributed.tensor_parallel ({distributed.tensor_parallel}) with "
+                "model.distributed.sequence_tensor_parallel",
+            )

@@ -6,6 +6,7 @@ from typing import Literal
 
 import msgspec
 
+from fastllm.config.formats import ModelFormat
 from fastllm.config.section import ConfigError, Section, check_non_negative, check_positive
 
 
@@ -45,9 +46,7 @@ class CheckpointConfig(Section):
 class ExportConfig(Section):
     interval: int | None = None
     """Steps between two exports of the model weights (none: never)."""
-    format: Literal[
-        "distributed", "fastllm", "llama", "mistral", "mixtral", "starcoder2", "qwen2"
-    ] = "distributed"
+    format: ModelFormat = "distributed"
     """Format of the exported weights."""
 
     def validate(self) -> None:

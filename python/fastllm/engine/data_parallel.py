@@ -3,7 +3,8 @@ its shard of the fp32 masters and Adam moments (ZeRO-1), and with ZeRO-2 only it
 gradients too. The gradients are reduce-scattered into the shards stage by stage during the
 backward pass (GradientReducer); after the optimizer step, each rank's updated weight shard is
 all-gathered back into everyone's weights (ZeRO-3 gathers each stage only while it runs: see
-WeightGatherer)."""
+WeightGatherer). This all-gather is synchronous: it does not overlap the next forward pass.
+Every collective here is over the data group; tensor ranks have buffers of their own."""
 
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ def gather_weights(flat: FlatModel) -> None:
     if flat.gatherer is not None:
         flat.gatherer.keep_only(set())
         return
-    if flat.world_size == 1:
+    if flat.data.size == 1:
         return
     for stage, shard in enumerate(flat.shards):
-        dist.all_gather_into_tensor(flat.weights[stage], shard.weight.clone())
+        dist.all_gather_into_tensor(
+            flat.weights[stage], shard.weight.clone(), group=flat.data.group
+        )

@@ -6,47 +6,51 @@ rank's shard of each stage has fp32 master weights (a view of the weights themse
 training) and the two Adam moments. With data parallelism the gradients are summed into the
 shards during the backward pass (GradientReducer); ZeRO-2 keeps only the shard of the gradients,
 ZeRO-3 also only the shard of the compute weights (WeightGatherer). The layout — offsets,
-alignment, the shard each data-parallel rank owns — comes from Rust (`fastllm._native.Layout`)."""
+alignment, the shard each data-parallel rank owns — comes from Rust (`fastllm._native.Layout`).
+With tensor parallelism each tensor rank has its own buffers, of its slices of the parameters;
+ZeRO shards them over the data group only."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from fastllm import _native
 from fastllm.engine.gradient_buffers import GradientBuffers
 from fastllm.engine.gradient_reducer import GradientReducer
+from fastllm.engine.mesh import ParallelMesh
 from fastllm.engine.weight_gatherer import WeightGatherer
 from fastllm.model import GPTModel
+from fastllm.model.parameters import full_shape, parameter_metas
 
 ALIGNMENT = 128
 """Elements; every parameter starts at a multiple, so kernels see aligned rows."""
 
 
-def stage_of(name: str, num_layers: int, layers_per_stage: int = 1) -> int:
-    """Stage 0: embeddings; then `layers_per_stage` blocks per stage; the last stage: final
-    norm and head."""
-    if name.startswith("embeddings."):
+def stage_of_layer(layer: int, num_layers: int, layers_per_stage: int = 1) -> int:
+    """Stage 0: the embedding (model position 0); then `layers_per_stage` blocks per stage; the
+    last stage: the final norm and the head (position num_layers + 1)."""
+    if layer == 0:
         return 0
-    if name.startswith("layers."):
-        return int(name.split(".")[1]) // layers_per_stage + 1
+    if layer <= num_layers:
+        return (layer - 1) // layers_per_stage + 1
     return -(-num_layers // layers_per_stage) + 1
 
 
 def stage_modules(model: GPTModel, layers_per_stage: int) -> list[list[torch.nn.Module]]:
     """The modules each stage's forward pass runs, in order (the head's weight is read by the
     loss after the final norm, which starts the last stage)."""
-    layers = list(model.layers)
-    blocks = [layers[i : i + layers_per_stage] for i in range(0, len(layers), layers_per_stage)]
-    return [[model.embeddings], *blocks, [model.final_norm]]
-
-
-def decays(name: str, parameter: Tensor) -> bool:
-    """Weight decay on matrices, not on norms, biases and embeddings."""
-    return parameter.dim() >= 2 and not name.startswith("embeddings.") and ".norm" not in name
+    positions = model.layer_modules()
+    blocks = positions[1:-1]
+    grouped = [
+        [module for position in blocks[i : i + layers_per_stage] for module in position]
+        for i in range(0, len(blocks), layers_per_stage)
+    ]
+    return [positions[0], *grouped, positions[-1]]
 
 
 @dataclass
@@ -60,10 +64,17 @@ class Shard:
     grad: Tensor
     weight: Tensor
     decay_runs: list[tuple[int, int, bool]]
+    replicated: int
+    """Its first `replicated` elements belong to parameters every tensor rank holds whole."""
 
 
 class FlatModel:
-    """Turns `model`'s parameters into views of flat buffers and owns those buffers."""
+    """Turns `model`'s parameters into views of flat buffers and owns those buffers.
+
+    Each stage lists its parameters in model order, except that with tensor parallelism the
+    parameters replicated over tensor ranks come first, those whose gradients are summed over
+    tensor ranks first of all: one all-reduce of a prefix of the stage's gradient, and the
+    gradient norm counts the replicated prefix on one tensor rank only."""
 
     def __init__(
         self,
@@ -71,35 +82,49 @@ class FlatModel:
         *,
         compute_dtype: torch.dtype,
         device: torch.device,
-        rank: int = 0,
-        world_size: int = 1,
+        mesh: ParallelMesh | None = None,
         zero_stage: int = 1,
         layers_per_stage: int = 1,
     ) -> None:
         self.model, self.compute_dtype, self.device = model, compute_dtype, device
-        self.rank, self.world_size = rank, world_size
-        self.shard_gradients = zero_stage >= 2 and world_size > 1
-        self.shard_weights = zero_stage >= 3 and world_size > 1
+        self.mesh = mesh or ParallelMesh.single()
+        self.data, self.tensor = self.mesh.data, self.mesh.tensor
+        self.shard_gradients = zero_stage >= 2 and self.data.size > 1
+        self.shard_weights = zero_stage >= 3 and self.data.size > 1
         num_layers = model.config.transformer.num_layers
-        self.names = [name for name, _ in model.named_parameters()]
         parameters = dict(model.named_parameters())
+        self.metas = parameter_metas(model)
+        split = self.tensor.size > 1
+
+        def reduced(name: str) -> bool:
+            return split and self.metas[name].tensor_reduced(self.mesh.sequence_parallel)
+
+        def replicated(name: str) -> bool:
+            return split and self.metas[name].tensor_split is None
+
+        def stage(name: str) -> int:
+            return stage_of_layer(self.metas[name].layer, num_layers, layers_per_stage)
+
+        model_order = {name: i for i, name in enumerate(parameters)}
+        self.names = sorted(
+            parameters,
+            key=lambda n: (stage(n), not reduced(n), not replicated(n), model_order[n]),
+        )
         self.shapes = {name: parameters[name].shape for name in self.names}
         self.specs = [
-            (
-                name,
-                parameters[name].numel(),
-                stage_of(name, num_layers, layers_per_stage),
-                decays(name, parameters[name]),
-            )
+            (name, parameters[name].numel(), stage(name), self.metas[name].weight_decay)
             for name in self.names
         ]
-        """(name, numel, stage, weight decay) of every parameter, in model order."""
-        self.layout = _native.Layout(self.specs, alignment=ALIGNMENT, world_size=world_size)
+        """(name, numel, stage, weight decay) of every parameter, in layout order."""
+        self.layout = _native.Layout(self.specs, alignment=ALIGNMENT, data_size=self.data.size)
         stages = range(self.layout.num_stages)
         self.stage_parameters: list[list[int]] = [[] for _ in stages]
-        """Indices of each stage's parameters, in model order."""
+        """Indices of each stage's parameters, in layout order."""
         for index in range(len(self.names)):
             self.stage_parameters[self.layout.parameter(index)[0]].append(index)
+        self.tensor_reduced_end = [self._prefix_end(s, reduced) for s in stages]
+        """Per stage: its gradient's elements [0, end) are summed over tensor ranks."""
+        self.replicated_end = [self._prefix_end(s, replicated) for s in stages]
         self.weights = [self._weight_buffer(model, s) for s in stages]
         self.gradients = GradientBuffers(
             [self.layout.stage_size(s) for s in stages],
@@ -111,13 +136,15 @@ class FlatModel:
         )
         self.grads = self.gradients.buffers
         self.shards = [self._shard(stage) for stage in stages]
-        self.reducer = GradientReducer(self) if world_size > 1 else None
+        needs_reducer = self.data.size > 1 or any(self.tensor_reduced_end)
+        self.reducer = GradientReducer(self) if needs_reducer else None
         # Linear layers' weight gradients go straight from the matmul into the fp32 buffer.
         linear_weights = {
             id(module.weight) for module in model.modules() if isinstance(module, torch.nn.Linear)
         }
         self._hooks = []
-        for index, (_, parameter) in enumerate(model.named_parameters()):
+        for index, name in enumerate(self.names):
+            parameter = self._parameter(name)
             hook = self._accumulate_hook(index)
             self._hooks.append(parameter.register_post_accumulate_grad_hook(hook))
             if id(parameter) in linear_weights:
@@ -127,6 +154,27 @@ class FlatModel:
             if self.shard_weights
             else None
         )
+
+    def _prefix_end(self, stage: int, member: Callable[[str], bool]) -> int:
+        """End of the stage's leading parameters for which `member` holds (0 if none)."""
+        end = 0
+        for index in self.stage_parameters[stage]:
+            if not member(self.names[index]):
+                break
+            _, offset, numel = self.layout.parameter(index)
+            end = offset + numel
+        return end
+
+    def _parameter(self, name: str) -> Tensor:
+        *path, leaf = name.split(".")
+        module = self.model
+        for part in path:
+            module = getattr(module, part)
+        return module._parameters[leaf]
+
+    @property
+    def tied(self) -> bool:
+        return any(meta.tied for meta in self.metas.values())
 
     @property
     def mixed_precision(self) -> bool:
@@ -147,13 +195,14 @@ class FlatModel:
             self.layout.stage_size(stage), dtype=self.compute_dtype, device=self.device
         )
         for index in self.stage_parameters[stage]:
-            _set_parameter(model, self.names[index], torch.nn.Parameter(self._view(buffer, index)))
+            name = self.names[index]
+            _set_parameter(model, name, torch.nn.Parameter(self._view(buffer, index)))
         if self.shard_weights:
             buffer.untyped_storage().resize_(0)
         return buffer
 
     def _shard(self, stage: int) -> Shard:
-        start, end = self.layout.shard_range(stage, self.rank)
+        start, end = self.layout.shard_range(stage, self.data.rank)
         grad = self.grads[stage][start:end]
         weight = (
             torch.zeros(end - start, dtype=self.compute_dtype, device=self.device)
@@ -173,7 +222,8 @@ class FlatModel:
             exp_avg_sq=torch.zeros(end - start, dtype=torch.float32, device=self.device),
             grad=grad,
             weight=weight,
-            decay_runs=self.layout.decay_runs(stage, self.rank),
+            decay_runs=self.layout.decay_runs(stage, self.data.rank),
+            replicated=max(0, min(end, self.replicated_end[stage]) - start),
         )
 
     def _accumulate_hook(self, index: int):
@@ -191,9 +241,15 @@ class FlatModel:
 
     def _gradient_sink(self, index: int):
         write = self._gradient_writer(index)
+        # A column-parallel weight's gradient waits for the collective of the layer's input
+        # gradient, to run while it is in flight (tensor_parallel.enter).
+        deferred = self.model.tp.split and self.metas[self.names[index]].tensor_split is not None
 
         def sink(a: Tensor, b: Tensor) -> None:
-            write(lambda: self.gradients.add_product(index, a, b))
+            if deferred:
+                self.model.tp.defer(lambda: write(lambda: self.gradients.add_product(index, a, b)))
+            else:
+                write(lambda: self.gradients.add_product(index, a, b))
 
         return sink
 
@@ -221,6 +277,7 @@ class FlatModel:
     def finish_backward(self) -> None:
         """After each backward pass: reduce the gradients of stages still pending and free the
         gathered weights (ZeRO-3)."""
+        self.model.tp.run_deferred()
         if self.reducer is not None:
             self.reducer.flush()
         else:
@@ -242,10 +299,12 @@ class FlatModel:
 
     @torch.no_grad()
     def load_full_parameters(self, tensors: Iterator[tuple[str, Tensor]]) -> None:
-        """Set every parameter (fp32 master shard and compute weights) from full tensors."""
+        """Set every parameter (fp32 master shard and compute weights) from whole tensors, of
+        which this tensor rank keeps its slice."""
         seen = set()
         for name, tensor in tensors:
             index = self.names.index(name)
+            tensor = self.local(name, tensor)
             if not self.shard_weights:
                 self.parameter_view(self.weights, index).copy_(tensor)
             for stage_shard, (param_start, param_end, shard_start, shard_end) in self._owned(index):
@@ -257,11 +316,22 @@ class FlatModel:
             raise KeyError(f"no values given for parameters {sorted(missing)[:5]}")
         self.sync_weights_from_master()
 
+    def local(self, name: str, whole: Tensor) -> Tensor:
+        """This tensor rank's slice of parameter `name`'s whole tensor."""
+        split = self.metas[name].tensor_split
+        if split is None or self.tensor.size == 1:
+            return whole
+        return split.local(whole, self.tensor.rank, self.tensor.size)
+
+    def whole_shape(self, name: str) -> tuple[int, ...]:
+        shape = tuple(self.shapes[name])
+        return full_shape(shape, self.metas[name].tensor_split if self.tensor.size > 1 else None)
+
     def _owned(self, index: int) -> list[tuple[Shard, tuple[int, int, int, int]]]:
         stage, _, _ = self.layout.parameter(index)
         return [
             (self.shards[stage], (p0, p1, s0, s1))
-            for i, p0, p1, s0, s1 in self.layout.shard_parameters(stage, self.rank)
+            for i, p0, p1, s0, s1 in self.layout.shard_parameters(stage, self.data.rank)
             if i == index
         ]
 
@@ -274,8 +344,9 @@ class FlatModel:
                 shard.weight.copy_(shard.master)
 
     def full_parameters(self) -> Iterator[tuple[str, Tensor]]:
-        """Every parameter in the compute dtype (views: copy each before taking the next). With
-        ZeRO-3 each stage is gathered in turn: every rank must iterate to the end."""
+        """Every parameter of this tensor rank in the compute dtype (views: copy each before
+        taking the next). With ZeRO-3 each stage is gathered in turn: every rank must iterate
+        to the end."""
         for stage in range(self.layout.num_stages):
             if self.gatherer is not None:
                 self.gatherer.ensure(stage)
@@ -283,6 +354,18 @@ class FlatModel:
                 yield self.names[index], self._view(self.weights[stage], index)
             if self.gatherer is not None:
                 self.gatherer.release(stage)
+
+    def whole_parameters(self) -> Iterator[tuple[str, Tensor]]:
+        """Every parameter whole, its tensor-parallel slices gathered: every rank of the tensor
+        group (and with ZeRO-3 of the data group) must iterate to the end."""
+        for name, tensor in self.full_parameters():
+            split = self.metas[name].tensor_split
+            if split is None or self.tensor.size == 1:
+                yield name, tensor
+                continue
+            slices = [torch.empty_like(tensor) for _ in range(self.tensor.size)]
+            dist.all_gather(slices, tensor.contiguous(), group=self.tensor.group)
+            yield name, split.merge(slices)
 
 
 def _set_parameter(model: torch.nn.Module, name: str, parameter: torch.nn.Parameter) -> None:

@@ -2,7 +2,8 @@
 soon as a stage's backward pass is done, overlapping the backward pass of the stages before it.
 ZeRO-2 and 3 do it in every backward pass (the full gradient of a stage lives only that long);
 ZeRO-1 in the last backward pass of a step, or after it when the step's last micro-batch was
-not announced."""
+not announced. With tensor parallelism, the prefix of a stage's gradient that belongs to
+parameters replicated over tensor ranks is first all-reduced over the tensor group."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ class GradientReducer:
         self.expected = [len(indices) for indices in flat.stage_parameters]
         self.received = [0] * flat.layout.num_stages
         # What a reduce-scatter writes: two buffers used in turn (by stage parity).
-        largest = max(shard.grad.numel() for shard in flat.shards)
+        # (None with one data rank: the tensor all-reduce works in place.)
+        largest = max(shard.grad.numel() for shard in flat.shards) if flat.data.size > 1 else 0
         pool = [torch.empty(largest, dtype=torch.float32, device=flat.device) for _ in range(2)]
         self.scratch = [pool[s % 2][: shard.grad.numel()] for s, shard in enumerate(flat.shards)]
         self.in_flight: dict[int, tuple[Any, int]] = {}
@@ -97,17 +99,28 @@ class GradientReducer:
         if stage % 2 in self.in_flight:
             self._complete(stage % 2)
         self.received[stage] = self.expected[stage]
-        self.flat.gradients.complete(stage)
-        shard = self.flat.shards[stage]
-        direct = self.sharded and self.shard_fresh[stage]
-        target = shard.grad if direct else self.scratch[stage]
-        work = dist.reduce_scatter_tensor(target, self.flat.grads[stage], async_op=True)
-        self.in_flight[stage % 2] = (work, stage)
+        flat = self.flat
+        flat.gradients.complete(stage)
+        grads, reduced_end = flat.grads[stage], flat.tensor_reduced_end[stage]
+        work = None
+        if reduced_end:  # the replicated parameters' parts, summed over tensor ranks first
+            work = dist.all_reduce(grads[:reduced_end], group=flat.tensor.group, async_op=True)
+        if flat.data.size > 1:
+            if work is not None:
+                work.wait()
+            shard = flat.shards[stage]
+            direct = self.sharded and self.shard_fresh[stage]
+            target = shard.grad if direct else self.scratch[stage]
+            work = dist.reduce_scatter_tensor(target, grads, group=flat.data.group, async_op=True)
+        if work is not None:
+            self.in_flight[stage % 2] = (work, stage)
 
     @torch.no_grad()
     def _complete(self, parity: int) -> None:
         work, stage = self.in_flight.pop(parity)
         work.wait()
+        if self.flat.data.size == 1:  # the shard is the whole buffer, summed in place
+            return
         shard = self.flat.shards[stage]
         if not self.sharded:
             shard.grad.copy_(self.scratch[stage])  # the rank's range of its full buffer

@@ -23,20 +23,24 @@ class StepReport:
 
 
 class AdamW:
-    def __init__(
-        self, flat: FlatModel, config: OptimizerConfig, group: dist.ProcessGroup | None = None
-    ) -> None:
-        self.flat, self.config, self.group = flat, config, group
+    def __init__(self, flat: FlatModel, config: OptimizerConfig) -> None:
+        self.flat, self.config = flat, config
         self.step_count = 0
         """Optimizer steps taken (skipped ones excluded); Adam's bias correction uses it."""
 
     @torch.no_grad()
     def grad_norm(self, grad_scale: float) -> float:
-        squares = torch.zeros((), dtype=torch.float32, device=self.flat.device)
-        for shard in self.flat.shards:
-            squares += torch.linalg.vector_norm(shard.grad, dtype=torch.float32).square()
-        if self.flat.world_size > 1:
-            dist.all_reduce(squares, group=self.group)
+        """Over the whole model: every data rank's shards, every tensor rank's slices, and the
+        parameters replicated over tensor ranks once (on tensor rank 0)."""
+        flat = self.flat
+        squares = torch.zeros((), dtype=torch.float32, device=flat.device)
+        counts_replicated = flat.tensor.rank == 0
+        for shard in flat.shards:
+            grad = shard.grad if counts_replicated else shard.grad[shard.replicated :]
+            squares += torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+        for dimension in (flat.data, flat.tensor):
+            if dimension.size > 1:
+                dist.all_reduce(squares, group=dimension.group)
         return math.sqrt(squares.item()) * grad_scale
 
     @torch.no_grad()

@@ -33,7 +33,7 @@ class WeightGatherer:
         self.pending: dict[int, Any] = {}
         """Stages whose all-gather is still in flight."""
         self.last = len(modules) - 1
-        self.tied = flat.model.head is None
+        self.tied = flat.tied
         for stage, stage_modules in enumerate(modules):
             stage_modules[0].register_forward_pre_hook(self._forward_hook(stage))
             stage_modules[-1].register_forward_hook(self._output_hook(stage))
@@ -48,7 +48,7 @@ class WeightGatherer:
         buffer = self.buffers[stage]
         buffer.untyped_storage().resize_(self.nbytes[stage])
         self.pending[stage] = dist.all_gather_into_tensor(
-            buffer, self.flat.shards[stage].weight, async_op=True
+            buffer, self.flat.shards[stage].weight, group=self.flat.data.group, async_op=True
         )
         self.gathered.add(stage)
 

@@ -9,6 +9,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fastllm.config.model import TransformerConfig
+from fastllm.engine.tensor_parallel import TensorParallel, enter, leave
+from fastllm.model.parameters import TensorSplit, describe
 from fastllm_kernels.attention import attention
 from fastllm_kernels.linear import linear
 from fastllm_kernels.rotary import split_qkv_rotary
@@ -18,13 +20,16 @@ if TYPE_CHECKING:
 
 
 class Attention(torch.nn.Module):
-    def __init__(self, config: TransformerConfig, layer_index: int) -> None:
+    """Column-parallel q/k/v (each tensor rank holds whole query heads and their key/value
+    heads) and a row-parallel output projection."""
+
+    def __init__(self, config: TransformerConfig, layer_index: int, tp: TensorParallel) -> None:
         super().__init__()
         assert config.kv_channels is not None
-        self.layer_index = layer_index
+        self.layer_index, self.tp = layer_index, tp
         self.heads, self.kv_heads, self.head_size = (
-            config.num_attention_heads,
-            config.head_groups,
+            config.num_attention_heads // tp.size,
+            config.head_groups // tp.size,
             config.kv_channels,
         )
         self.window_size = config.window_size
@@ -35,6 +40,12 @@ class Attention(torch.nn.Module):
             hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias
         )
         self.dense = torch.nn.Linear(self.q_size, hidden, bias=dense_bias)
+        q_size, kv_size = tp.size * self.q_size, tp.size * self.kv_size
+        qkv_split = TensorSplit(0, (q_size, kv_size, kv_size))
+        describe(self.query_key_value, "weight", weight_decay=True, tensor_split=qkv_split)
+        describe(self.query_key_value, "bias", weight_decay=False, tensor_split=qkv_split)
+        describe(self.dense, "weight", weight_decay=True, tensor_split=TensorSplit(1, (q_size,)))
+        describe(self.dense, "bias", weight_decay=False, sequence_parallel_replicated=True)
 
     def forward(
         self,
@@ -45,6 +56,7 @@ class Attention(torch.nn.Module):
         cache: Any = None,
     ) -> Tensor:
         """Attention over norm(x) (the block's input, normalized by the q/k/v projection)."""
+        x = enter(x, self.tp)
         batch, length, _ = x.shape
         qkv = norm.project(x, self.query_key_value.weight, self.query_key_value.bias)
         cos, sin = rotary if rotary is not None else (None, None)
@@ -55,7 +67,11 @@ class Attention(torch.nn.Module):
             )
         else:
             out = self._attend_with_cache(q, k, v, cache)
-        return linear(out.reshape(batch, length, self.q_size), self.dense.weight, self.dense.bias)
+        out = out.reshape(batch, length, self.q_size)
+        if not self.tp.split:
+            return linear(out, self.dense.weight, self.dense.bias)
+        out = leave(linear(out, self.dense.weight), self.tp)
+        return out if self.dense.bias is None else out + self.dense.bias
 
     def _attend_with_cache(self, q: Tensor, k: Tensor, v: Tensor, cache: Any) -> Tensor:
         """Generation: `cache.update` (a transformers Cache) appends the new keys and values in

@@ -8,8 +8,10 @@ import torch
 from torch import Tensor
 
 from fastllm.config.model import LayerNormConfig, NormalizationConfig, TransformerConfig
+from fastllm.engine.tensor_parallel import TensorParallel
 from fastllm.model.attention import Attention
 from fastllm.model.mlp import MLP, MixtureOfExperts
+from fastllm.model.parameters import describe
 from fastllm_kernels.linear import linear
 from fastllm_kernels.norm import layer_norm, rms_norm
 from fastllm_kernels.norm_linear import norm_linear
@@ -27,6 +29,9 @@ class Normalization(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.ones(hidden_size))
         has_bias = isinstance(config, LayerNormConfig)
         self.bias = torch.nn.Parameter(torch.zeros(hidden_size)) if has_bias else None
+        # Replicated over tensor ranks; each sees only its columns of the projection after it.
+        for name in ("weight", "bias"):
+            describe(self, name, weight_decay=False, tensor_partial=True)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.bias is None:
@@ -43,13 +48,13 @@ class Normalization(torch.nn.Module):
 
 
 class TransformerBlock(torch.nn.Module):
-    def __init__(self, config: TransformerConfig, layer_index: int) -> None:
+    def __init__(self, config: TransformerConfig, layer_index: int, tp: TensorParallel) -> None:
         super().__init__()
         self.norm_1 = Normalization(config.normalization, config.hidden_size)
-        self.attention = Attention(config, layer_index)
+        self.attention = Attention(config, layer_index, tp)
         self.norm_2 = Normalization(config.normalization, config.hidden_size)
         self.mlp: MLP | MixtureOfExperts = (
-            MixtureOfExperts(config) if config.num_experts > 1 else MLP(config)
+            MixtureOfExperts(config) if config.num_experts > 1 else MLP(config, tp)
         )
 
     def forward(
@@ -61,7 +66,5 @@ class TransformerBlock(torch.nn.Module):
     ) -> tuple[Tensor, Tensor | None]:
         """The new residual stream and the block's auxiliary loss (MoE router), if any."""
         x = x + self.attention(x, self.norm_1, rotary, document_ids, cache)
-        if isinstance(self.mlp, MixtureOfExperts):
-            out, auxiliary = self.mlp(self.norm_2(x))
-            return x + out, auxiliary
-        return x + self.mlp(x, self.norm_2), None
+        out, auxiliary = self.mlp(x, self.norm_2)
+        return x + out, auxiliary

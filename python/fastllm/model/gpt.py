@@ -9,9 +9,29 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fastllm.config.model import BaseModelConfig, NoRotaryConfig
+from fastllm.engine.tensor_parallel import (
+    TensorParallel,
+    enter,
+    vocab_parallel_cross_entropy,
+    vocab_parallel_embedding,
+)
 from fastllm.model.block import Normalization, TransformerBlock
+from fastllm.model.parameters import TensorSplit, describe, set_layer
 from fastllm.model.rotary import RotaryTables, positions_in_documents
 from fastllm_kernels.cross_entropy import linear_cross_entropy
+
+
+class Embedding(torch.nn.Embedding):
+    """The input embedding; vocab-parallel over the tensor ranks of `tp`."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel) -> None:
+        super().__init__(vocab_size // tp.size, hidden_size)
+        self.tp = tp
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        if self.tp.split:
+            return vocab_parallel_embedding(input_ids, self.weight, self.tp)
+        return super().forward(input_ids)
 
 
 class GPTModel(torch.nn.Module):
@@ -19,23 +39,39 @@ class GPTModel(torch.nn.Module):
 
     `forward(input_ids)` returns logits; `loss(input_ids, labels)` returns the mean
     next-token cross-entropy (labels -100 are ignored) plus the router losses, without ever
-    materializing the logits."""
+    materializing the logits.
 
-    def __init__(self, config: BaseModelConfig) -> None:
+    With `tp` of more than one rank, this rank's slice of the model: a vocab-parallel
+    embedding and head, column- and row-parallel projections (see engine/tensor_parallel.py).
+    Every parameter carries a `ParameterMeta` (model/parameters.py)."""
+
+    def __init__(self, config: BaseModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         transformer = config.transformer
         assert transformer.kv_channels is not None, "validate the config first"
-        self.config = config
-        self.embeddings = torch.nn.Embedding(config.vocab_size, transformer.hidden_size)
+        self.config, self.tp = config, tp or TensorParallel()
+        vocab, hidden = config.vocab_size // self.tp.size, transformer.hidden_size
+        vocab_split = TensorSplit(0, (config.vocab_size,))
+        self.embeddings = Embedding(config.vocab_size, hidden, self.tp)
+        describe(
+            self.embeddings,
+            "weight",
+            weight_decay=False,
+            tensor_split=vocab_split,
+            tied=config.tie_word_embeddings,
+        )
         self.layers = torch.nn.ModuleList(
-            TransformerBlock(transformer, i) for i in range(transformer.num_layers)
+            TransformerBlock(transformer, i, self.tp) for i in range(transformer.num_layers)
         )
-        self.final_norm = Normalization(transformer.normalization, transformer.hidden_size)
+        self.final_norm = Normalization(transformer.normalization, hidden)
         self.head = (
-            None
-            if config.tie_word_embeddings
-            else torch.nn.Linear(transformer.hidden_size, config.vocab_size, bias=False)
+            None if config.tie_word_embeddings else torch.nn.Linear(hidden, vocab, bias=False)
         )
+        if self.head is not None:
+            describe(self.head, "weight", weight_decay=True, tensor_split=vocab_split)
+        for layer, modules in enumerate(self.layer_modules()):
+            for module in modules:
+                set_layer(module, layer)
         self.rotary = (
             None
             if isinstance(transformer.rotary, NoRotaryConfig)
@@ -45,6 +81,12 @@ class GPTModel(torch.nn.Module):
     @property
     def head_weight(self) -> Tensor:
         return self.embeddings.weight if self.head is None else self.head.weight
+
+    def layer_modules(self) -> list[list[torch.nn.Module]]:
+        """The modules at each model position, in the order the forward pass runs them: the
+        embedding, each block, the final norm with the head."""
+        last = [self.final_norm] + ([self.head] if self.head is not None else [])
+        return [[self.embeddings], *([block] for block in self.layers), last]
 
     def hidden_states(
         self,
@@ -73,15 +115,19 @@ class GPTModel(torch.nn.Module):
             x, layer_auxiliary = layer(x, rotary, document_ids, cache)
             if layer_auxiliary is not None:
                 auxiliary = layer_auxiliary if auxiliary is None else auxiliary + layer_auxiliary
-        return self.final_norm(x), auxiliary
+        return self.final_norm(enter(x, self.tp)), auxiliary
 
     def forward(self, input_ids: Tensor, **kwargs: Any) -> Tensor:
+        if self.tp.split:
+            raise ValueError("logits of a tensor-parallel model: merge it first (fastllm convert)")
         hidden, _ = self.hidden_states(input_ids, **kwargs)
         return F.linear(hidden, self.head_weight)
 
     def loss(self, input_ids: Tensor, labels: Tensor, **kwargs: Any) -> Tensor:
         hidden, auxiliary = self.hidden_states(input_ids, **kwargs)
-        loss = linear_cross_entropy(
-            hidden.reshape(-1, hidden.shape[-1]), self.head_weight, labels.reshape(-1)
-        )
+        hidden, labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+        if self.tp.split:
+            loss = vocab_parallel_cross_entropy(hidden, self.head_weight, labels, self.tp)
+        else:
+            loss = linear_cross_entropy(hidden, self.head_weight, labels)
         return loss if auxiliary is None else loss + auxiliary

@@ -1,5 +1,6 @@
 """The MLP of a block: dense (gated or plain) or a mixture of experts (looped, for clarity;
-the dropless fast version is a later step)."""
+the dropless fast version is a later step). Both take the block's residual stream and its
+norm, and return the output and the auxiliary loss."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fastllm.config.model import TransformerConfig
+from fastllm.engine.tensor_parallel import TensorParallel, enter, leave
+from fastllm.model.parameters import TensorSplit, describe
 from fastllm_kernels.activation import gated_activation_fused, gated_linear
 from fastllm_kernels.linear import linear
 
@@ -25,33 +28,49 @@ _ACTIVATIONS = {
 
 
 class MLP(torch.nn.Module):
-    """layer_2(act(layer_1 x)); when gated, layer_1 holds [gate; up] and act(gate) * up."""
+    """layer_2(act(layer_1 x)); when gated, layer_1 holds [gate; up] and act(gate) * up.
+    layer_1 is column-parallel (each tensor rank holds matching gate and up rows), layer_2
+    row-parallel.
+
+    Its interface, shared with `MixtureOfExperts`: `forward(x, norm)` on the block's residual
+    stream returns the output and the auxiliary loss (None here)."""
 
     recompute_activation = True
     """A gated activation is recomputed in the backward pass rather than stored."""
 
-    def __init__(self, config: TransformerConfig) -> None:
+    def __init__(self, config: TransformerConfig, tp: TensorParallel) -> None:
         super().__init__()
         assert config.ffn_hidden_size is not None and config.activation_type is not None
-        self.gated, self.activation = config.gated, config.activation_type
+        self.gated, self.activation, self.tp = config.gated, config.activation_type, tp
         inputs = 2 if self.gated else 1
         bias = config.biases_elsewhere
-        self.layer_1 = torch.nn.Linear(
-            config.hidden_size, inputs * config.ffn_hidden_size, bias=bias
-        )
-        self.layer_2 = torch.nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=bias)
+        ffn = config.ffn_hidden_size // tp.size
+        self.layer_1 = torch.nn.Linear(config.hidden_size, inputs * ffn, bias=bias)
+        self.layer_2 = torch.nn.Linear(ffn, config.hidden_size, bias=bias)
+        split_1 = TensorSplit(0, (config.ffn_hidden_size,) * inputs)
+        describe(self.layer_1, "weight", weight_decay=True, tensor_split=split_1)
+        describe(self.layer_1, "bias", weight_decay=False, tensor_split=split_1)
+        split_2 = TensorSplit(1, (config.ffn_hidden_size,))
+        describe(self.layer_2, "weight", weight_decay=True, tensor_split=split_2)
+        describe(self.layer_2, "bias", weight_decay=False, sequence_parallel_replicated=True)
 
-    def forward(self, x: Tensor, norm: Normalization) -> Tensor:
+    def forward(self, x: Tensor, norm: Normalization) -> tuple[Tensor, None]:
         """The MLP of norm(x) (the block's residual stream, normalized by the first projection)."""
+        x = enter(x, self.tp)
         h = norm.project(x, self.layer_1.weight, self.layer_1.bias)
-        return _project(
+        split = self.tp.split
+        out = _project(
             h,
             self.layer_2.weight,
-            self.layer_2.bias,
+            None if split else self.layer_2.bias,
             self.gated,
             self.activation,
             self.recompute_activation,
         )
+        if not split:
+            return out, None
+        out = leave(out, self.tp)
+        return (out if self.layer_2.bias is None else out + self.layer_2.bias), None
 
 
 def _project(
@@ -92,8 +111,13 @@ class MixtureOfExperts(torch.nn.Module):
         self.router = torch.nn.Linear(hidden, self.num_experts, bias=False)
         self.layer_1 = torch.nn.Parameter(torch.empty(self.num_experts, inputs * ffn, hidden))
         self.layer_2 = torch.nn.Parameter(torch.empty(self.num_experts, hidden, ffn))
+        describe(self.router, "weight", weight_decay=True)
+        for name in ("layer_1", "layer_2"):
+            describe(self, name, weight_decay=True)
 
-    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor, norm: Normalization) -> tuple[Tensor, Tensor]:
+        """The mixture of norm(x), the block's residual stream."""
+        x = norm(x)
         tokens = x.reshape(-1, x.shape[-1])
         logits = self.router(tokens).float()
         probabilities = logits.softmax(dim=-1)

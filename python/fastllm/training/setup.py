@@ -3,6 +3,7 @@ work starts."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -45,3 +46,11 @@ def check_inputs(config: TrainerConfig) -> None:
         )
     batch = config.batch
     assert batch.micro_batch_size is not None
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    data_size = config.model.distributed.data_parallel(world_size)
+    if batch.batch_size % data_size:
+        raise ConfigError(
+            "batch.batch_size",
+            f"({batch.batch_size}) must be divisible by the data-parallel size, {data_size} (the "
+            f"{world_size} ranks over model.distributed.tensor_parallel × pipeline_parallel)",
+        )

@@ -12,20 +12,25 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 import torch.distributed as dist
 
 from fastllm.checkpoint.formats import open_model
+from fastllm.checkpoint.saver import CheckpointSaver
 from fastllm.config import ConfigError, TrainerConfig
 from fastllm.data import Batch, DataLoader, SampleStream
 from fastllm.engine.compile import apply_compile
 from fastllm.engine.data_parallel import gather_weights
 from fastllm.engine.flat_model import FlatModel
+from fastllm.engine.mesh import build_mesh
 from fastllm.engine.optimizer import AdamW
 from fastllm.engine.precision import DTYPES, LossScaler
 from fastllm.engine.process_group import Distributed, setup_distributed
 from fastllm.engine.recompute import apply_recompute
+from fastllm.engine.replicated_check import check_replicated
 from fastllm.engine.schedule import learning_rate
+from fastllm.engine.tensor_parallel import TensorParallel
 from fastllm.model import GPTModel
 from fastllm.model.init import initializers
 from fastllm.training import state
@@ -41,14 +46,18 @@ class Trainer:
         if device.type == "cpu":
             # Adam drives tiny values towards denormals, which slow x86 arithmetic tenfold.
             torch.set_flush_denormal(True)
+        self.mesh = build_mesh(
+            config.model.distributed, self.distributed.world_size, self.distributed.rank
+        )
+        tensor = self.mesh.tensor
+        tp = TensorParallel(tensor.size, tensor.rank, tensor.group, self.mesh.sequence_parallel)
         with torch.device("meta"):
-            self.model = GPTModel(config.model.base_model)
+            self.model = GPTModel(config.model.base_model, tp)
         self.flat = FlatModel(
             self.model,
             compute_dtype=dtype,
             device=device,
-            rank=self.distributed.rank,
-            world_size=self.distributed.world_size,
+            mesh=self.mesh,
             zero_stage=config.model.multi_stage.zero_stage,
             layers_per_stage=config.model.multi_stage.layers_per_stage,
         )
@@ -61,6 +70,9 @@ class Trainer:
         """Optimizer steps completed (skipped ones included)."""
         self.consumed_samples = 0
         self.skipped_steps = 0
+        self.checkpoints = CheckpointSaver(
+            self.distributed.rank, self.distributed.world_size, device
+        )
         self._initialize_weights()
 
     @property
@@ -76,14 +88,16 @@ class Trainer:
             source = open_model(pretrained.path, pretrained.format)
             self.flat.load_full_parameters(source.tensors())
             return
-        # Every rank draws the same full fp32 model from the seed, one parameter at a time (so
-        # a model only ZeRO-3 fits is never whole), and keeps its shard.
+        # Every rank draws the same full fp32 model from the seed, one whole parameter at a time
+        # (so a model only ZeRO-3 fits is never whole), and keeps its slice and shard: every
+        # layout starts from the weights of the single-process run.
         device = self.distributed.device
         generator = torch.Generator(device).manual_seed(self.config.model.distributed.seed)
 
         def drawn() -> Iterator[tuple[str, torch.Tensor]]:
             for name, fill in initializers(self.model, generator):
-                tensor = torch.empty(self.flat.shapes[name], dtype=torch.float32, device=device)
+                shape = self.flat.whole_shape(name)
+                tensor = torch.empty(shape, dtype=torch.float32, device=device)
                 fill(tensor)
                 yield name, tensor
 
@@ -117,15 +131,15 @@ class Trainer:
 
     def _loader(self, stream: SampleStream, consumed_samples: int = 0) -> DataLoader:
         """This rank's share of each batch of `stream`, in micro-batches."""
-        batch = self.config.batch
+        batch, data = self.config.batch, self.mesh.data
         assert batch.micro_batch_size is not None
-        per_rank = batch.batch_size // self.distributed.world_size
+        per_rank = batch.batch_size // data.size
         return DataLoader(
             stream,
             batch_size=batch.batch_size,
             micro_batch_size=min(batch.micro_batch_size, per_rank),
-            rank=self.distributed.rank,
-            world_size=self.distributed.world_size,
+            rank=data.rank,
+            world_size=data.size,
             consumed_samples=consumed_samples,
             prefetch=self.config.data.prefetch,
         )
@@ -152,7 +166,9 @@ class Trainer:
     def forward_backward(
         self, batch: Batch, weight: float = 1.0, last: bool = False
     ) -> torch.Tensor:
-        """Loss of one micro-batch; its gradient, times `weight`, is added to the flat buffer.
+        """Loss of one micro-batch; its gradient, times `weight`, is added to the flat buffer
+        and summed over data-parallel ranks (the weights of a step's micro-batches on all
+        ranks should sum to 1: `token_shares`).
         `last`: the step's last micro-batch, whose backward pass then also sums the gradients
         over data-parallel ranks (ZeRO-1), overlapping it; otherwise `optimizer_step` does."""
         loss = self._loss(batch)
@@ -167,10 +183,12 @@ class Trainer:
             self.config.optimizer.learning_rate, self.step, self.config.training.train_iters
         )
         self.flat.reduce_gradients()
-        # The gradients summed over ranks are divided by the world size with the loss scale.
-        report = self.optimizer.step(lr, self.scaler.scale * self.distributed.world_size)
+        # The micro-batches' weights already normalize the sum over data ranks (train_step).
+        report = self.optimizer.step(lr, self.scaler.scale)
         if not report.skipped:
             gather_weights(self.flat)
+            if self.config.model.multi_stage.debug_tensor_parallel:
+                check_replicated(self.flat)
         self.scaler.update(report.skipped)
         self.step += 1
         self.skipped_steps += report.skipped
@@ -178,22 +196,33 @@ class Trainer:
         return {"lr": lr, "grad_norm": report.grad_norm, "skipped": report.skipped}
 
     def train_step(self, micro_batches: list[Batch]) -> dict[str, Any]:
-        """One optimizer step over the micro-batches of this rank's share of a batch."""
-        count = len(micro_batches)
+        """One optimizer step over the micro-batches of this rank's share of a batch. Its loss
+        is the mean over the trained tokens of the whole global batch, whatever the
+        micro-batching and the data-parallel split: each micro-batch's mean loss is weighted
+        by its share of the batch's trained tokens."""
+        shares = self.token_shares(micro_batches)
         losses = [
-            self.forward_backward(batch, 1.0 / count, last=i == count - 1)
-            for i, batch in enumerate(micro_batches)
+            self.forward_backward(batch, share, last=i == len(micro_batches) - 1)
+            for i, (batch, share) in enumerate(zip(micro_batches, shares, strict=True))
         ]
-        loss = torch.stack(losses).mean()
-        if self.distributed.world_size > 1:
-            dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+        loss = self._data_sum(sum(share * loss for share, loss in zip(shares, losses, strict=True)))
         metrics = self.optimizer_step()
         self.consumed_samples += self.config.batch.batch_size
         return {"loss": loss.item(), **metrics}
 
+    def token_shares(self, micro_batches: list[Batch]) -> list[float]:
+        """Each micro-batch's trained tokens over those of the global batch (over every data
+        rank); zeros when the batch trains no token."""
+        counts = [int((batch.labels != -100).sum()) for batch in micro_batches]  # on the host
+        total = float(sum(counts))
+        if self.mesh.data.size > 1:
+            total = self._data_sum(torch.tensor(total, device=self.distributed.device)).item()
+        return [count / total if total else 0.0 for count in counts]
+
     @torch.no_grad()
     def validation_loss(self) -> float | None:
-        """Mean loss over `training.validation.iterations` batches of the validation data."""
+        """Mean loss over the trained tokens of `training.validation.iterations` batches of the
+        validation data."""
         data, batch = self.config.data, self.config.batch
         if not data.validation_path:
             return None
@@ -201,16 +230,21 @@ class Trainer:
         stream = self.sample_stream(
             data.validation_path, iterations * batch.batch_size, "data.validation_path"
         )
-        loader = self._loader(stream)
+        micro_batches = [b for step in self._loader(stream) for b in step]
+        shares = self.token_shares(micro_batches)
         self.model.eval()
         try:
-            losses = [self._loss(b) for step in loader for b in step]
+            losses = [share * self._loss(b) for b, share in zip(micro_batches, shares, strict=True)]
         finally:
             self.model.train()
-        loss = torch.stack(losses).mean()
-        if self.distributed.world_size > 1:
-            dist.all_reduce(loss, op=dist.ReduceOp.AVG)
-        return loss.item()
+        return self._data_sum(torch.stack(losses).sum()).item()
+
+    def _data_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """`value` summed over the data-parallel ranks (tensor ranks agree on it)."""
+        data = self.mesh.data
+        if data.size > 1:
+            dist.all_reduce(value, group=data.group)
+        return value
 
     # --- checkpoints --------------------------------------------------------------------------
 
@@ -221,7 +255,7 @@ class Trainer:
 
     def wait_for_checkpoints(self) -> None:
         """Block until every checkpoint in flight is written and committed."""
-        state.wait_for_checkpoints()
+        self.checkpoints.wait()
 
     def load_checkpoint(self, directory: Path) -> None:
         state.load_checkpoint(self, directory)
@@ -232,9 +266,9 @@ class Trainer:
 
     def _describe(self) -> str:
         """One line: the model, where and how it trains."""
-        config, distributed = self.config, self.distributed
+        config, distributed, mesh = self.config, self.distributed, self.mesh
         batch, stages = config.batch, config.model.multi_stage
-        per_rank = batch.batch_size // distributed.world_size
+        per_rank = batch.batch_size // mesh.data.size
         assert batch.micro_batch_size is not None
         micro = min(batch.micro_batch_size, per_rank)
         parts = [
@@ -245,8 +279,14 @@ class Trainer:
             f"batch {batch.batch_size} × {batch.sequence_length} tokens"
             f" ({micro} per micro-batch, {per_rank // micro} accumulated)",
         ]
-        if distributed.world_size > 1:
-            parts.append(f"ZeRO-{stages.zero_stage}, {stages.layers_per_stage} layer(s)/stage")
+        if mesh.tensor.size > 1:
+            sequence = " with sequence parallelism" if mesh.sequence_parallel else ""
+            parts.append(f"tensor parallel {mesh.tensor.size}{sequence}")
+        if mesh.data.size > 1:
+            parts.append(
+                f"data parallel {mesh.data.size}, ZeRO-{stages.zero_stage}, "
+                f"{stages.layers_per_stage} layer(s)/stage"
+            )
         parts.append(f"{stages.recompute} recomputation")
         if config.training.compile:
             parts.append("compiled blocks")
@@ -277,6 +317,7 @@ class Trainer:
             enabled=main,
             tensorboard=training.logs.tensorboard,
             wandb_project=training.logs.wandb_project,
+            config=msgspec.to_builtins(config),
         )
         stop = _StopSignal()
         tokens_per_step = config.batch.batch_size * config.batch.sequence_length
@@ -336,7 +377,7 @@ class Trainer:
                     break
         finally:
             profiler.close()
-            state.wait_for_checkpoints()
+            self.checkpoints.wait()
             logger.close()
             stop.restore()
         if stop.requested and main:

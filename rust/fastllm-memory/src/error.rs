@@ -3,8 +3,8 @@
 /// Errors about a parameter name it, so a message is enough to find the culprit.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LayoutError {
-    #[error("world size must be at least 1")]
-    ZeroWorldSize,
+    #[error("data-parallel size must be at least 1")]
+    ZeroDataSize,
 
     #[error("alignment must be at least 1 element")]
     ZeroAlignment,
@@ -38,8 +38,8 @@ pub enum LayoutError {
         expected: u32,
     },
 
-    #[error("alignment {alignment} × world size {world_size} does not fit 64 bits")]
-    ShardAlignmentOverflow { alignment: u64, world_size: u32 },
+    #[error("alignment {alignment} × data-parallel size {data_size} does not fit 64 bits")]
+    ShardAlignmentOverflow { alignment: u64, data_size: u32 },
 
     #[error("the layout does not fit 64-bit element offsets (at stage {stage})")]
     Overflow { stage: u32 },
@@ -47,18 +47,12 @@ pub enum LayoutError {
     #[error("stage {stage} out of range: the layout has {num_stages} stages")]
     StageOutOfRange { stage: u32, num_stages: usize },
 
-    #[error("rank {rank} out of range: the world size is {world_size}")]
-    RankOutOfRange { rank: u32, world_size: u32 },
+    #[error("rank {rank} out of range: the data-parallel size is {data_size}")]
+    RankOutOfRange { rank: u32, data_size: u32 },
 
     #[error("parameter index {index} out of range: the layout has {num_parameters} parameters")]
     ParameterOutOfRange { index: usize, num_parameters: usize },
 
     #[error("no parameter named {name:?}")]
     UnknownParameter { name: String },
-
-    #[error("parameter {name:?} is in one layout but not the other")]
-    ParameterNotShared { name: String },
-
-    #[error("parameter {name:?} has {from} elements in the source layout but {to} in the target")]
-    NumelMismatch { name: String, from: u64, to: u64 },
 }

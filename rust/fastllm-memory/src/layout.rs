@@ -20,7 +20,7 @@ pub struct LayoutConfig {
     /// Every parameter starts at a multiple of this many elements, and so does every shard.
     pub alignment: u64,
     /// Data-parallel ranks that split each stage into equal shards.
-    pub world_size: u32,
+    pub data_size: u32,
 }
 
 /// A parameter and where it lives: elements `offset..offset + numel` of its stage's buffer.
@@ -46,17 +46,17 @@ pub struct Stage {
     /// Indices of the stage's parameters in the layout's parameter list.
     pub parameters: Range<usize>,
     /// Elements in the buffer: its parameters with the padding between them, rounded up to a
-    /// multiple of `world_size * alignment` so that every rank's shard is equal and aligned.
+    /// multiple of `data_size * alignment` so that every rank's shard is equal and aligned.
     pub size: u64,
-    /// Elements in each rank's shard: `size / world_size`, a multiple of the alignment.
+    /// Elements in each rank's shard: `size / data_size`, a multiple of the alignment.
     pub shard_size: u64,
 }
 
 /// The flat-buffer layout of a model's parameters.
 ///
 /// Parameters are placed in list order, each at the next multiple of the alignment. A parameter's
-/// offset does not depend on the world size; only the padding at the end of each stage does, so
-/// layouts of one model for different world sizes describe the same parameters.
+/// offset does not depend on the data-parallel size; only the padding at the end of each stage does, so
+/// layouts of one model for different data-parallel sizes describe the same parameters.
 #[derive(Clone, Debug)]
 pub struct Layout {
     config: LayoutConfig,
@@ -69,8 +69,8 @@ pub struct Layout {
 impl Layout {
     /// Places `parameters`, given in model order, or says which one cannot be placed.
     pub fn new(parameters: Vec<ParameterSpec>, config: LayoutConfig) -> Result<Self, LayoutError> {
-        if config.world_size == 0 {
-            return Err(LayoutError::ZeroWorldSize);
+        if config.data_size == 0 {
+            return Err(LayoutError::ZeroDataSize);
         }
         if config.alignment == 0 {
             return Err(LayoutError::ZeroAlignment);
@@ -78,12 +78,12 @@ impl Layout {
         let mut builder = Builder {
             granule: config
                 .alignment
-                .checked_mul(u64::from(config.world_size))
+                .checked_mul(u64::from(config.data_size))
                 .ok_or(LayoutError::ShardAlignmentOverflow {
                     alignment: config.alignment,
-                    world_size: config.world_size,
+                    data_size: config.data_size,
                 })?,
-            world_size: config.world_size,
+            data_size: config.data_size,
             stages: Vec::new(),
             num_elements: 0,
         };
@@ -212,12 +212,12 @@ impl Layout {
     }
 
     pub(crate) fn check_rank(&self, rank: u32) -> Result<(), LayoutError> {
-        if rank < self.config.world_size {
+        if rank < self.config.data_size {
             Ok(())
         } else {
             Err(LayoutError::RankOutOfRange {
                 rank,
-                world_size: self.config.world_size,
+                data_size: self.config.data_size,
             })
         }
     }
@@ -226,7 +226,7 @@ impl Layout {
 /// Closes stages one after the other as `Layout::new` walks the parameters.
 struct Builder {
     granule: u64,
-    world_size: u32,
+    data_size: u32,
     stages: Vec<Stage>,
     num_elements: u64,
 }
@@ -247,7 +247,7 @@ impl Builder {
         self.stages.push(Stage {
             parameters,
             size,
-            shard_size: size / u64::from(self.world_size),
+            shard_size: size / u64::from(self.data_size),
         });
         Ok(())
     }

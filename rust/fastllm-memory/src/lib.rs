@@ -9,17 +9,13 @@
 //!   equal and aligned, lookups by index and by name.
 //! - [`Shard`]: one rank's part of one stage, the parameter pieces it owns ([`ShardPiece`]) and
 //!   its runs of equal weight-decay flag ([`DecayRun`]), one fused optimizer call each.
-//! - [`reshard_plan`]: the copies that move a checkpoint from one layout to another, e.g. to a
-//!   different world size.
 //!
 //! Plain Rust with typed errors ([`LayoutError`]); the Python binding lives in `fastllm-python`.
 
 mod error;
 mod layout;
-mod reshard;
 mod shard;
 
 pub use error::LayoutError;
 pub use layout::{Layout, LayoutConfig, ParameterSpec, PlacedParameter, Stage};
-pub use reshard::{reshard_plan, ReshardCopy};
 pub use shard::{DecayRun, Shard, ShardPiece};

@@ -12,10 +12,10 @@ fn spec(name: &str, numel: u64, stage: u32, weight_decay: bool) -> ParameterSpec
     }
 }
 
-fn config(alignment: u64, world_size: u32) -> LayoutConfig {
+fn config(alignment: u64, data_size: u32) -> LayoutConfig {
     LayoutConfig {
         alignment,
-        world_size,
+        data_size,
     }
 }
 
@@ -114,14 +114,14 @@ fn looks_parameters_up_by_index_and_name() {
         layout.shard(0, 1).unwrap_err(),
         LayoutError::RankOutOfRange {
             rank: 1,
-            world_size: 1
+            data_size: 1
         }
     );
 }
 
 #[test]
-fn rejects_a_zero_world_size_or_alignment() {
-    assert_eq!(error(Vec::new(), config(1, 0)), LayoutError::ZeroWorldSize);
+fn rejects_a_zero_data_size_or_alignment() {
+    assert_eq!(error(Vec::new(), config(1, 0)), LayoutError::ZeroDataSize);
     assert_eq!(error(Vec::new(), config(0, 1)), LayoutError::ZeroAlignment);
 }
 
@@ -203,7 +203,7 @@ fn rejects_layouts_beyond_64_bit_offsets() {
         error(Vec::new(), config(u64::MAX, 2)),
         LayoutError::ShardAlignmentOverflow {
             alignment: u64::MAX,
-            world_size: 2
+            data_size: 2
         }
     );
 }
@@ -216,7 +216,7 @@ proptest! {
     ) {
         let layout = Layout::new(specs.clone(), config).unwrap();
         prop_assert_eq!(layout.parameters().len(), specs.len());
-        let granule = config.alignment * u64::from(config.world_size);
+        let granule = config.alignment * u64::from(config.data_size);
         let mut total = 0;
         for (stage_index, stage) in layout.stages().iter().enumerate() {
             let mut end = 0;
@@ -235,7 +235,7 @@ proptest! {
             }
             prop_assert_eq!(stage.size % granule, 0);
             prop_assert!(stage.size >= end && stage.size < end + granule);
-            prop_assert_eq!(stage.shard_size * u64::from(config.world_size), stage.size);
+            prop_assert_eq!(stage.shard_size * u64::from(config.data_size), stage.size);
             total += stage.size;
         }
         prop_assert_eq!(layout.num_elements(), total);
@@ -252,14 +252,14 @@ proptest! {
     }
 
     #[test]
-    fn layouts_for_different_world_sizes_place_the_same_parameters_alike(
+    fn layouts_for_different_data_sizes_place_the_same_parameters_alike(
         specs in common::specs(),
         alignment in 1u64..12,
-        world_sizes in (1u32..9, 1u32..9),
+        data_sizes in (1u32..9, 1u32..9),
     ) {
-        let small = Layout::new(specs.clone(), LayoutConfig { alignment, world_size: world_sizes.0 })
+        let small = Layout::new(specs.clone(), LayoutConfig { alignment, data_size: data_sizes.0 })
             .unwrap();
-        let large = Layout::new(specs, LayoutConfig { alignment, world_size: world_sizes.1 })
+        let large = Layout::new(specs, LayoutConfig { alignment, data_size: data_sizes.1 })
             .unwrap();
         prop_assert_eq!(small.parameters(), large.parameters());
         prop_assert_eq!(small.stages().len(), large.stages().len());

@@ -27,7 +27,7 @@ fn run(start: u64, end: u64, weight_decay: bool) -> DecayRun {
     }
 }
 
-/// Stage 0 of alignment 4, world size 2: `w` 0..6, `norm` 8..9, `v` 12..22, padded to 24.
+/// Stage 0 of alignment 4, data-parallel size 2: `w` 0..6, `norm` 8..9, `v` 12..22, padded to 24.
 fn example() -> Layout {
     Layout::new(
         vec![
@@ -37,7 +37,7 @@ fn example() -> Layout {
         ],
         LayoutConfig {
             alignment: 4,
-            world_size: 2,
+            data_size: 2,
         },
     )
     .unwrap()
@@ -72,7 +72,7 @@ fn a_shard_of_padding_only_is_one_run_without_decay() {
         vec![spec("w", 3, true)],
         LayoutConfig {
             alignment: 2,
-            world_size: 4,
+            data_size: 4,
         },
     )
     .unwrap();
@@ -90,7 +90,7 @@ proptest! {
         let layout = Layout::new(specs, config).unwrap();
         for (stage_index, stage) in layout.stages().iter().enumerate() {
             let mut end = 0;
-            for rank in 0..config.world_size {
+            for rank in 0..config.data_size {
                 let range = layout.shard(stage_index as u32, rank).unwrap().range();
                 prop_assert_eq!(range.start, end);
                 prop_assert_eq!(range.start % config.alignment, 0);
@@ -110,7 +110,7 @@ proptest! {
         // Per parameter, the end of the elements the ranks so far have claimed, in rank order.
         let mut claimed = vec![0u64; layout.parameters().len()];
         for stage in 0..layout.stages().len() as u32 {
-            for rank in 0..config.world_size {
+            for rank in 0..config.data_size {
                 let shard = layout.shard(stage, rank).unwrap();
                 let mut shard_end = 0;
                 for piece in shard.pieces() {
@@ -146,7 +146,7 @@ proptest! {
     ) {
         let layout = Layout::new(specs, config).unwrap();
         for stage in 0..layout.stages().len() as u32 {
-            for rank in 0..config.world_size {
+            for rank in 0..config.data_size {
                 let shard = layout.shard(stage, rank).unwrap();
                 let runs = shard.decay_runs();
                 let mut end = 0;

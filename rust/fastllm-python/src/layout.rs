@@ -25,12 +25,12 @@ enum ParameterKey {
 #[pymethods]
 impl Layout {
     /// Lay out `parameters`, `(name, numel, stage, weight_decay)` in model order, each starting
-    /// at a multiple of `alignment` elements, every stage split into `world_size` equal shards.
+    /// at a multiple of `alignment` elements, every stage split into `data_size` equal shards.
     #[new]
     fn new(
         parameters: Vec<(String, u64, u32, bool)>,
         alignment: u64,
-        world_size: u32,
+        data_size: u32,
     ) -> PyResult<Self> {
         let parameters = parameters
             .into_iter()
@@ -43,7 +43,7 @@ impl Layout {
             .collect();
         let config = LayoutConfig {
             alignment,
-            world_size,
+            data_size,
         };
         let inner = fastllm_memory::Layout::new(parameters, config).map_err(layout_error)?;
         Ok(Self { inner })
@@ -55,8 +55,8 @@ impl Layout {
     }
 
     #[getter]
-    fn world_size(&self) -> u32 {
-        self.inner.config().world_size
+    fn data_size(&self) -> u32 {
+        self.inner.config().data_size
     }
 
     #[getter]
@@ -75,7 +75,7 @@ impl Layout {
         self.inner.num_elements()
     }
 
-    /// Elements in the stage's buffer, padding included; a multiple of `world_size * alignment`.
+    /// Elements in the stage's buffer, padding included; a multiple of `data_size * alignment`.
     fn stage_size(&self, stage: u32) -> PyResult<u64> {
         Ok(self.inner.stage(stage).map_err(layout_error)?.size)
     }

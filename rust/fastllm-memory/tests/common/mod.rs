@@ -29,8 +29,8 @@ pub fn specs() -> impl Strategy<Value = Vec<ParameterSpec>> {
 
 /// Alignments need not be powers of two.
 pub fn config() -> impl Strategy<Value = LayoutConfig> {
-    (1u64..12, 1u32..7).prop_map(|(alignment, world_size)| LayoutConfig {
+    (1u64..12, 1u32..7).prop_map(|(alignment, data_size)| LayoutConfig {
         alignment,
-        world_size,
+        data_size,
     })
 }

@@ -1,0 +1,203 @@
+"""The Hugging Face architectures fastllm converts, one entry each: what the architecture can
+express, its config keys beyond the common ones, and its MLP's tensors. `hf_config` and
+`hf_weights` do the common part for all of them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastllm.checkpoint.hf_rules import Rule, concat, same, stack
+from fastllm.config import BaseModelConfig, ConfigError
+from fastllm.config.formats import HF_ARCHITECTURES
+
+Biases = tuple[bool, bool]
+"""(biases on q/k/v, biases elsewhere)."""
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str
+    """Hugging Face `model_type`."""
+    hf_class: str
+    layer_norm: bool
+    """LayerNorm with bias (else RMSNorm)."""
+    gated: bool
+    experts: bool
+    window: bool
+    """Has a sliding-window key."""
+    biases: frozenset[Biases]
+    """The bias placements it can express."""
+    from_hf: Callable[[dict[str, Any], dict[str, Any]], None]
+    """Adjusts the `transformer` section read from the common keys of its config.json."""
+    to_hf: Callable[[BaseModelConfig, dict[str, Any]], None]
+    """Adds its own keys to a config.json."""
+    mlp_rules: Callable[[BaseModelConfig, str, str], Iterator[Rule]]
+    """Rules of one block's MLP: (config, our prefix, their layer prefix)."""
+
+
+def _window_from_hf(hf: dict[str, Any], transformer: dict[str, Any]) -> None:
+    if hf.get("sliding_window"):
+        transformer["window_size"] = hf["sliding_window"]
+
+
+def _window_to_hf(config: BaseModelConfig, hf: dict[str, Any]) -> None:
+    hf["sliding_window"] = config.transformer.window_size
+    hf["rms_norm_eps"] = config.transformer.normalization.epsilon
+
+
+def _gated_mlp(config: BaseModelConfig, ours: str, theirs: str) -> Iterator[Rule]:
+    ffn = config.transformer.ffn_hidden_size
+    assert ffn is not None
+    for name in ("weight", "bias") if config.transformer.biases_elsewhere else ("weight",):
+        gate_up = (f"{theirs}.mlp.gate_proj.{name}", f"{theirs}.mlp.up_proj.{name}")
+        yield concat(f"{ours}.layer_1.{name}", gate_up, [ffn, ffn])
+        yield same(f"{ours}.layer_2.{name}", f"{theirs}.mlp.down_proj.{name}")
+
+
+def _llama_from_hf(hf: dict[str, Any], transformer: dict[str, Any]) -> None:
+    if hf.get("mlp_bias") and not hf.get("attention_bias"):
+        raise ConfigError("config.json:mlp_bias", "biases on the MLP alone are not supported")
+
+
+def _llama_to_hf(config: BaseModelConfig, hf: dict[str, Any]) -> None:
+    t = config.transformer
+    hf["rms_norm_eps"] = t.normalization.epsilon
+    hf["attention_bias"] = t.biases_in_attention_qkv
+    hf["mlp_bias"] = t.biases_elsewhere
+
+
+def _qwen2_from_hf(hf: dict[str, Any], transformer: dict[str, Any]) -> None:
+    transformer["add_linear_biases"] = "only_attn_qkv"
+    if hf.get("use_sliding_window") and hf.get("sliding_window"):
+        if hf.get("max_window_layers", hf["num_hidden_layers"]) < hf["num_hidden_layers"]:
+            raise ConfigError(
+                "config.json:max_window_layers", "per-layer sliding windows are not supported"
+            )
+        transformer["window_size"] = hf["sliding_window"]
+
+
+def _qwen2_to_hf(config: BaseModelConfig, hf: dict[str, Any]) -> None:
+    t = config.transformer
+    hf["rms_norm_eps"] = t.normalization.epsilon
+    hf["use_sliding_window"] = t.window_size is not None
+    hf["sliding_window"] = t.window_size
+    hf["max_window_layers"] = t.num_layers
+
+
+def _mixtral_from_hf(hf: dict[str, Any], transformer: dict[str, Any]) -> None:
+    _window_from_hf(hf, transformer)
+    transformer["num_experts"] = hf["num_local_experts"]
+    transformer["num_experts_per_token"] = hf["num_experts_per_tok"]
+    transformer["expert_auxiliary_loss_coefficient"] = hf.get("router_aux_loss_coef", 0.001)
+
+
+def _mixtral_to_hf(config: BaseModelConfig, hf: dict[str, Any]) -> None:
+    t = config.transformer
+    _window_to_hf(config, hf)
+    hf["num_local_experts"] = t.num_experts
+    hf["num_experts_per_tok"] = t.num_experts_per_token
+    hf["router_aux_loss_coef"] = t.expert_auxiliary_loss_coefficient
+    hf["output_router_logits"] = False
+
+
+def _mixtral_mlp(config: BaseModelConfig, ours: str, theirs: str) -> Iterator[Rule]:
+    t = config.transformer
+    assert t.ffn_hidden_size is not None
+    experts = f"{theirs}.block_sparse_moe.experts"
+    yield same(f"{ours}.router.weight", f"{theirs}.block_sparse_moe.gate.weight")
+    gate_up = tuple(f"{experts}.{e}.{w}.weight" for e in range(t.num_experts) for w in ("w1", "w3"))
+    yield stack(f"{ours}.layer_1", gate_up, [t.ffn_hidden_size, t.ffn_hidden_size])
+    yield stack(f"{ours}.layer_2", tuple(f"{experts}.{e}.w2.weight" for e in range(t.num_experts)))
+
+
+def _starcoder2_from_hf(hf: dict[str, Any], transformer: dict[str, Any]) -> None:
+    _window_from_hf(hf, transformer)
+    transformer["normalization"] = {"type": "layer_norm", "epsilon": hf.get("norm_epsilon", 1e-5)}
+    transformer["gated"] = False
+    transformer["add_linear_biases"] = bool(hf.get("use_bias", True))
+
+
+def _starcoder2_to_hf(config: BaseModelConfig, hf: dict[str, Any]) -> None:
+    t = config.transformer
+    hf["sliding_window"] = t.window_size
+    hf["norm_epsilon"] = t.normalization.epsilon
+    hf["use_bias"] = t.biases_elsewhere
+
+
+def _starcoder2_mlp(config: BaseModelConfig, ours: str, theirs: str) -> Iterator[Rule]:
+    for name in ("weight", "bias") if config.transformer.biases_elsewhere else ("weight",):
+        yield same(f"{ours}.layer_1.{name}", f"{theirs}.mlp.c_fc.{name}")
+        yield same(f"{ours}.layer_2.{name}", f"{theirs}.mlp.c_proj.{name}")
+
+
+_NO_BIASES: frozenset[Biases] = frozenset({(False, False)})
+
+ARCHITECTURES = {
+    a.name: a
+    for a in (
+        Architecture(
+            "llama",
+            "LlamaForCausalLM",
+            layer_norm=False,
+            gated=True,
+            experts=False,
+            window=False,
+            biases=frozenset({(False, False), (True, True)}),
+            from_hf=_llama_from_hf,
+            to_hf=_llama_to_hf,
+            mlp_rules=_gated_mlp,
+        ),
+        Architecture(
+            "mistral",
+            "MistralForCausalLM",
+            layer_norm=False,
+            gated=True,
+            experts=False,
+            window=True,
+            biases=_NO_BIASES,
+            from_hf=_window_from_hf,
+            to_hf=_window_to_hf,
+            mlp_rules=_gated_mlp,
+        ),
+        Architecture(
+            "mixtral",
+            "MixtralForCausalLM",
+            layer_norm=False,
+            gated=True,
+            experts=True,
+            window=True,
+            biases=_NO_BIASES,
+            from_hf=_mixtral_from_hf,
+            to_hf=_mixtral_to_hf,
+            mlp_rules=_mixtral_mlp,
+        ),
+        Architecture(
+            "qwen2",
+            "Qwen2ForCausalLM",
+            layer_norm=False,
+            gated=True,
+            experts=False,
+            window=True,
+            biases=frozenset({(True, False)}),
+            from_hf=_qwen2_from_hf,
+            to_hf=_qwen2_to_hf,
+            mlp_rules=_gated_mlp,
+        ),
+        Architecture(
+            "starcoder2",
+            "Starcoder2ForCausalLM",
+            layer_norm=True,
+            gated=False,
+            experts=False,
+            window=True,
+            biases=frozenset({(True, True), (False, False)}),
+            from_hf=_starcoder2_from_hf,
+            to_hf=_starcoder2_to_hf,
+            mlp_rules=_starcoder2_mlp,
+        ),
+    )
+}
+if tuple(ARCHITECTURES) != HF_ARCHITECTURES:
+    raise ImportError("checkpoint.architectures and config.formats list different architectures")

@@ -1,0 +1,141 @@
+"""Writing `distributed` checkpoints and exports without stalling training.
+
+Saving stalls training only for the copy of this rank's shards to pinned host memory; Rust
+(`fastllm._native.CheckpointWriter`) serializes, checksums and fsyncs on background threads.
+Every rank of the job writes into `.NAME.partial/`; once every rank's file is written, rank 0
+commits: manifest.json (with the checksums), then an atomic rename to `NAME/`. A partial or
+corrupt checkpoint is never loaded."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fastllm import _native
+from fastllm.checkpoint.distributed import Snapshot, rank_file, stage_key
+
+
+@dataclass
+class _Pending:
+    job: Any
+    partial: Path
+    final: Path
+    manifest: dict[str, Any]
+    keep: int | None
+    buffers: list[Any] = field(default_factory=list)
+
+
+class CheckpointSaver:
+    """The checkpoints in flight of one job. `rank` and `world_size` count every rank of the
+    job (all of them write a file); collectives run on the default group, which is all of
+    them."""
+
+    def __init__(self, rank: int, world_size: int, device: torch.device) -> None:
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self._writer: Any = None
+        self._pending: list[_Pending] = []
+
+    def _barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+    def save(
+        self,
+        snapshot: Snapshot,
+        final: Path,
+        *,
+        keep: int | None = None,
+        before_commit: Callable[[Path], None] | None = None,
+    ) -> Path:
+        """Start writing `snapshot` to `final` (replacing a stale directory of that name);
+        `keep`: prune to that many numbered siblings once committed. `before_commit(partial)`
+        runs on rank 0 to add files (the tokenizer's)."""
+        self.wait()
+        partial = final.with_name(f".{final.name}.partial")
+        if self.rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+            if final.exists():  # one this run did not resume from: corrupt, or abandoned
+                warnings.warn(f"replacing the checkpoint {final}", stacklevel=2)
+                shutil.rmtree(final)
+        self._barrier()
+        job, buffers = self._submit(snapshot, partial)
+        if self.rank == 0 and before_commit is not None:
+            before_commit(partial)
+        self._pending.append(_Pending(job, partial, final, snapshot.manifest(), keep, buffers))
+        return final
+
+    def _submit(self, snapshot: Snapshot, directory: Path) -> tuple[Any, list[Any]]:
+        """Copy this rank's shards to host memory and hand them to the background writer."""
+        if self._writer is None:
+            self._writer = _native.CheckpointWriter()
+        pin = self.device.type == "cuda"
+        tensors = [
+            (stage_key(kind, stage), _staged(tensor, pin))
+            for stage, kinds in enumerate(snapshot.state.shards)
+            for kind, tensor in kinds.items()
+        ]
+        tensors += [(name, _staged(t, pin)) for name, t in snapshot.extra.items()]
+        if pin:
+            torch.cuda.synchronize()
+        arrays = [(name, t.numpy(), _dtype_name(t.dtype), list(t.shape)) for name, t in tensors]
+        directory.mkdir(parents=True, exist_ok=True)
+        file = rank_file(snapshot.state.rank)
+        return self._writer.submit(str(directory), [(file, arrays, {})]), tensors
+
+    def wait(self) -> None:
+        """Finish every checkpoint in flight: wait for this rank's files, then rank 0 commits."""
+        while self._pending:
+            pending = self._pending.pop(0)
+            reports = pending.job.wait()
+            if self.world_size > 1:
+                gathered: list[Any] = [None] * self.world_size
+                dist.all_gather_object(gathered, reports)
+                reports = [report for rank_reports in gathered for report in rank_reports]
+            if self.rank == 0:
+                _native.commit_checkpoint(
+                    str(pending.partial), str(pending.final), json.dumps(pending.manifest), reports
+                )
+                if pending.keep is not None:
+                    _prune(pending.final.parent, pending.keep)
+            self._barrier()
+
+
+def _staged(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
+    copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
+    copy.copy_(tensor, non_blocking=pin)
+    return copy
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "F32", torch.uint8: "U8", torch.int64: "I64"}[dtype]
+
+
+def _prune(root: Path, keep: int) -> None:
+    steps = sorted((int(p.name), p) for p in root.iterdir() if p.is_dir() and p.name.isdigit())
+    for _, directory in steps[:-keep]:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def latest(root: Path) -> tuple[Path, dict[str, Any], list[str]] | None:
+    """The newest complete checkpoint under `root` (verified), its manifest, and the problems
+    of the newer ones that were skipped."""
+    if not root.is_dir():
+        return None
+    found = _native.latest_checkpoint(str(root))
+    if found is None:
+        return None
+    _, directory, manifest, problems = found
+    return Path(directory), json.loads(manifest), list(problems)
+
+
+def verified_manifest(directory: Path) -> dict[str, Any]:
+    """The manifest of a checkpoint whose files match their checksums."""
+    return json.loads(_native.verify_checkpoint(str(directory)))

@@ -1,0 +1,38 @@
+"""`model.multi_stage.debug_tensor_parallel`: the parameters every tensor rank holds whole must
+stay identical on all of them; a missing or wrong gradient reduction makes them drift."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from fastllm.engine.flat_model import FlatModel
+
+
+@torch.no_grad()
+def check_replicated(flat: FlatModel) -> None:
+    """Compare this rank's master shards of the replicated parameters with tensor rank 0's;
+    raise naming those that differ on any tensor rank."""
+    tensor = flat.tensor
+    if tensor.size == 1:
+        return
+    source = dist.get_global_rank(tensor.group, 0)
+    drifted: list[str] = []
+    for stage, shard in enumerate(flat.shards):
+        if not shard.replicated:
+            continue
+        mine = shard.master[: shard.replicated]
+        theirs = mine.clone()
+        dist.broadcast(theirs, src=source, group=tensor.group)
+        differs = (mine != theirs).to(torch.int32)
+        for index, _, _, s0, s1 in flat.layout.shard_parameters(stage, flat.data.rank):
+            if s0 < shard.replicated and bool(differs[s0 : min(s1, shard.replicated)].any()):
+                drifted.append(flat.names[index])
+    found = torch.tensor([len(drifted)], device=flat.device)
+    dist.all_reduce(found, op=dist.ReduceOp.MAX, group=tensor.group)
+    if drifted or found.item():
+        names = ", ".join(drifted[:5]) or "(on another tensor rank)"
+        raise RuntimeError(
+            f"model.multi_stage.debug_tensor_parallel: parameters replicated over tensor ranks "
+            f"differ from tensor rank 0's: {names}"
+        )

@@ -1,0 +1,196 @@
+"""Megatron-style tensor parallelism as explicit autograd functions on ordinary tensors (the
+parameters stay views of the flat buffers; no DTensor).
+
+A block's residual stream is replicated on the tensor ranks (or, with sequence-tensor
+parallelism, split along the sequence). `enter` hands it to the column-parallel projections
+that follow (q/k/v, the MLP's first layer, the vocab-parallel head): identity forward and
+all-reduce backward, or all-gather forward and reduce-scatter backward. `leave` takes the
+partial sums of a row-parallel projection (attention output, the MLP's second layer, the
+vocab-parallel embedding) back to the stream: all-reduce forward, or reduce-scatter forward
+and all-gather backward. The backward collective of `enter` overlaps the weight-gradient
+matmuls of the projections it feeds: their gradient sinks are deferred to it.
+
+The kernels know nothing of this; the model calls these functions where a layer is split."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from fastllm_kernels.linear import weight_gradient
+
+
+@dataclass
+class TensorParallel:
+    """The tensor dimension of the mesh, as the model's layers use it."""
+
+    size: int = 1
+    rank: int = 0
+    group: dist.ProcessGroup | None = None
+    sequence_parallel: bool = False
+    deferred: list[Callable[[], None]] = field(default_factory=list)
+    """Weight-gradient matmuls waiting for the next backward collective to overlap with."""
+
+    @property
+    def split(self) -> bool:
+        return self.size > 1
+
+    def defer(self, work: Callable[[], None]) -> None:
+        self.deferred.append(work)
+
+    def run_deferred(self) -> None:
+        while self.deferred:
+            self.deferred.pop(0)()
+
+
+def enter(x: Tensor, tp: TensorParallel) -> Tensor:
+    """The residual stream (batch, sequence or its chunk, hidden) as the column-parallel layers
+    read it: whole. Backward: the gradient summed over the tensor ranks."""
+    if not tp.split:
+        return x
+    return _Enter.apply(x, tp)
+
+
+def leave(x: Tensor, tp: TensorParallel) -> Tensor:
+    """This rank's partial sums (batch, sequence, hidden) summed over the tensor ranks, as the
+    residual stream holds them (this rank's sequence chunk with sequence parallelism)."""
+    if not tp.split:
+        return x
+    return _Leave.apply(x, tp)
+
+
+class _Enter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, tp: TensorParallel) -> Tensor:
+        ctx.tp = tp
+        return _gather_sequence(x, tp) if tp.sequence_parallel else x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        tp: TensorParallel = ctx.tp
+        if tp.sequence_parallel:
+            out, work = _reduce_scatter_sequence(grad, tp, async_op=True)
+        else:
+            out = grad.contiguous()
+            work = dist.all_reduce(out, group=tp.group, async_op=True)
+        tp.run_deferred()  # the weight gradients of the projections fed, while the sum runs
+        work.wait()
+        return out, None
+
+
+class _Leave(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, tp: TensorParallel) -> Tensor:
+        ctx.tp = tp
+        if tp.sequence_parallel:
+            return _reduce_scatter_sequence(x, tp, async_op=False)[0]
+        out = x.contiguous()
+        dist.all_reduce(out, group=tp.group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        tp: TensorParallel = ctx.tp
+        return (_gather_sequence(grad, tp) if tp.sequence_parallel else grad), None
+
+
+def _gather_sequence(x: Tensor, tp: TensorParallel) -> Tensor:
+    """(batch, chunk, ...) on each rank → (batch, size × chunk, ...), rank r's chunk r-th."""
+    gathered = torch.empty((tp.size, *x.shape), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(gathered.view(-1), x.contiguous().view(-1), group=tp.group)
+    return gathered.movedim(0, 1).reshape(x.shape[0], -1, *x.shape[2:])
+
+
+def _reduce_scatter_sequence(x: Tensor, tp: TensorParallel, async_op: bool) -> tuple[Tensor, Any]:
+    """(batch, sequence, ...) partial sums → this rank's chunk of their sum."""
+    batch, length = x.shape[:2]
+    chunks = x.reshape(batch, tp.size, length // tp.size, *x.shape[2:]).movedim(1, 0).contiguous()
+    out = torch.empty(chunks.shape[1:], dtype=x.dtype, device=x.device)
+    work = dist.reduce_scatter_tensor(
+        out.view(-1), chunks.view(-1), group=tp.group, async_op=async_op
+    )
+    return out, work
+
+
+def sequence_chunk(x: Tensor, tp: TensorParallel) -> Tensor:
+    """This rank's chunk of a (batch, sequence, ...) tensor every rank holds whole."""
+    if not (tp.split and tp.sequence_parallel):
+        return x
+    return x.chunk(tp.size, dim=1)[tp.rank]
+
+
+def vocab_parallel_embedding(ids: Tensor, weight: Tensor, tp: TensorParallel) -> Tensor:
+    """Rows of the embedding whose vocabulary is split in contiguous ranges over the tensor
+    ranks: each rank looks up the ids in its range, zeros elsewhere, and `leave` sums them."""
+    first = tp.rank * weight.shape[0]
+    local = ids - first
+    outside = (local < 0) | (local >= weight.shape[0])
+    rows = F.embedding(local.masked_fill(outside, 0), weight)
+    return leave(rows.masked_fill(outside.unsqueeze(-1), 0.0), tp)
+
+
+def vocab_parallel_cross_entropy(
+    hidden: Tensor, weight: Tensor, labels: Tensor, tp: TensorParallel, ignore_index: int = -100
+) -> Tensor:
+    """Mean cross-entropy of hidden (N, H) @ weight (V / size, H).T over the labels (N,) not
+    equal to `ignore_index`, the vocabulary split over the tensor ranks. Three all-reduces of
+    one value per token in the forward pass (maximum, sum of exponentials, target logit), none
+    in the backward pass: each rank's logit gradient is its own softmax slice. `hidden` must
+    come through `enter`, whose backward sums the hidden gradients of the ranks."""
+    return _VocabParallelCrossEntropy.apply(hidden, weight, labels, tp, ignore_index)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: Tensor,
+        weight: Tensor,
+        labels: Tensor,
+        tp: TensorParallel,
+        ignore_index: int,
+    ) -> Tensor:
+        logits = _fp32_logits(hidden, weight)
+        maximum = logits.max(dim=-1).values
+        dist.all_reduce(maximum, op=dist.ReduceOp.MAX, group=tp.group)
+        logits = logits.sub_(maximum.unsqueeze(-1))
+        local = labels - tp.rank * weight.shape[0]
+        here = (local >= 0) & (local < weight.shape[0])
+        rows = torch.arange(labels.shape[0], device=labels.device)
+        picked = logits[rows, local.clamp(0, weight.shape[0] - 1)]
+        target = torch.where(here, picked, 0.0)  # the target logit minus the maximum
+        exponentials = logits.exp_()
+        total = exponentials.sum(dim=-1)
+        dist.all_reduce(total, group=tp.group)
+        dist.all_reduce(target, group=tp.group)
+        valid = labels != ignore_index
+        count = valid.sum().clamp(min=1).float()
+        losses = torch.where(valid, total.log() - target, 0.0)
+        # d loss / d logit_j = (softmax_j - [j = label]) / count, for valid rows only.
+        grad = exponentials.div_(total.unsqueeze(-1))
+        grad[rows[here], local[here]] -= 1.0
+        grad.mul_((valid.float() / count).unsqueeze(-1))
+        ctx.save_for_backward(grad.to(hidden.dtype), hidden, weight)
+        return losses.sum() / count
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
+        grad, hidden, weight = ctx.saved_tensors
+        grad = grad * grad_output.to(grad.dtype)
+        d_hidden = grad @ weight
+        d_weight = weight_gradient(weight, grad, hidden)
+        return d_hidden, d_weight, None, None, None
+
+
+def _fp32_logits(hidden: Tensor, weight: Tensor) -> Tensor:
+    if hidden.dtype == torch.float32:
+        return hidden @ weight.T
+    if hidden.is_cuda:
+        return torch.mm(hidden, weight.T, out_dtype=torch.float32)
+    return hidden.float() @ weight.float().T
