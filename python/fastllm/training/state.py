@@ -24,6 +24,7 @@ from fastllm import _native
 from fastllm.checkpoint.distributed import SavedLayout, ShardFiles, rank_file, stage_key
 from fastllm.checkpoint.formats import ModelSource, copy_tokenizer_files, write_model
 from fastllm.config import ConfigError
+from fastllm.config.resume_changes import resume_warning
 from fastllm.engine.data_parallel import gather_weights
 from fastllm.engine.flat_model import ALIGNMENT
 
@@ -160,10 +161,13 @@ def resume(trainer: Trainer) -> Path | None:
     if found is None:
         return None
     _, directory, manifest, problems = found
+    manifest = json.loads(manifest)
     if trainer.distributed.is_main:
         for problem in problems:
             warnings.warn(f"skipping a bad checkpoint: {problem}", stacklevel=2)
-    load_checkpoint(trainer, Path(directory), json.loads(manifest))
+        if changed := resume_warning(manifest["config"], msgspec.to_builtins(trainer.config)):
+            warnings.warn(changed, stacklevel=2)
+    load_checkpoint(trainer, Path(directory), manifest)
     return Path(directory)
 
 

@@ -29,6 +29,7 @@ from fastllm.engine.schedule import learning_rate
 from fastllm.model import GPTModel
 from fastllm.model.init import initializers
 from fastllm.training import state
+from fastllm.training.experiment_lock import ExperimentLock
 from fastllm.training.metrics import PEAK_FLOPS, MetricsLogger, flops_per_token
 from fastllm.training.profiling import StepProfiler
 
@@ -261,6 +262,7 @@ class Trainer:
         config, training = self.config, self.config.training
         experiment = self.experiment_dir
         experiment.mkdir(parents=True, exist_ok=True)
+        lock = ExperimentLock.acquire(experiment, self.distributed)
         resumed = self.resume()
         main = self.distributed.is_main
         if main:
@@ -339,6 +341,7 @@ class Trainer:
             state.wait_for_checkpoints()
             logger.close()
             stop.restore()
+            lock.release()
         if stop.requested and main:
             print(
                 f"fastllm: stopped by {stop.requested} at step {self.step}; checkpoint written",
