@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from fastllm.engine.process_group import Distributed
 from fastllm.training.experiment_lock import ExperimentLock
@@ -80,3 +81,16 @@ def test_a_resume_warns_of_changed_keys_and_logs_each_step_once(
     (warning,) = [str(w.message) for w in warned if "resuming with a config" in str(w.message)]
     assert "differs from the checkpoint's in optimizer.learning_rate.base (" in warning
     assert logged_steps(experiment) == [1, 2, 3, 4]
+
+
+def test_identical_runs_checkpoint_the_same_cpu_random_state(dataset: Path, tmp_path: Path) -> None:
+    states = []
+    for name in ("a", "b"):
+        torch.seed()  # a new process: torch seeds its generator from OS entropy
+        experiment = tmp_path / name
+        assert (
+            run_cli(*train_arguments(dataset, experiment, "training.train_iters=1")).returncode == 0
+        )
+        with safe_open(experiment / "checkpoint" / "1" / "rank_00000.safetensors", "pt") as file:
+            states.append(file.get_tensor("rng.cpu"))
+    assert torch.equal(states[0], states[1])

@@ -42,6 +42,9 @@ class Trainer:
         if device.type == "cpu":
             # Adam drives tiny values towards denormals, which slow x86 arithmetic tenfold.
             torch.set_flush_denormal(True)
+        # torch seeds its global generators from OS entropy at start; nothing here draws from
+        # them, but custom loops may, and checkpoints keep their state: the same in every run.
+        torch.manual_seed(config.model.distributed.seed + self.distributed.rank)
         with torch.device("meta"):
             self.model = GPTModel(config.model.base_model)
         self.flat = FlatModel(
