@@ -18,17 +18,18 @@ def generate_text(
     device: str | None = None,
 ) -> str:
     """The prompt followed by its completion (greedy unless `temperature` > 0)."""
-    from tokenizers import Tokenizer
-
-    from fastllm.api import load_model
-    from fastllm.hf import FastLLMForCausalLM
-
     device = _device(device)
     if not Path(path).is_dir():
         raise ConfigError(str(path), "no such model directory")
     tokenizer_file = Path(path) / "tokenizer.json"
     if not tokenizer_file.is_file():
         raise ConfigError(str(path), "has no tokenizer.json to encode the prompt with")
+    # Imported once the arguments are known to be good (transformers takes seconds).
+    from tokenizers import Tokenizer
+
+    from fastllm.api import load_model
+    from fastllm.hf import FastLLMForCausalLM
+
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
     model = FastLLMForCausalLM.wrap(load_model(path, device=device))
     ids = tokenizer.encode(prompt, add_special_tokens=False).ids

@@ -19,6 +19,7 @@ from fastllm.engine.process_group import Distributed
 from fastllm.training.experiment_lock import ExperimentLock
 from tests.conftest import ROOT
 from tests.data.conftest import run_cli
+from tests.torchrun import torchrun_script
 from tests.training.conftest import train_arguments
 
 
@@ -94,3 +95,30 @@ def test_identical_runs_checkpoint_the_same_cpu_random_state(dataset: Path, tmp_
         with safe_open(experiment / "checkpoint" / "1" / "rank_00000.safetensors", "pt") as file:
             states.append(file.get_tensor("rng.cpu"))
     assert torch.equal(states[0], states[1])
+
+
+# Every rank asks; rank 0 alone takes the lock and tells the others.
+RANKS_ASK = """
+import sys
+from pathlib import Path
+from fastllm.config import ConfigError
+from fastllm.engine.process_group import setup_distributed
+from fastllm.training.experiment_lock import ExperimentLock
+distributed = setup_distributed()
+try:
+    ExperimentLock.acquire(Path(sys.argv[1]), distributed)
+except ConfigError as error:
+    print(f"rank {distributed.rank} refused: {error}", flush=True)
+"""
+
+
+def test_under_torchrun_every_rank_learns_that_the_experiment_is_busy(tmp_path: Path) -> None:
+    experiment = tmp_path / "run"
+    held = ExperimentLock.acquire(experiment, Distributed(0, 1, 0, torch.device("cpu")))
+    try:
+        result = torchrun_script(2, RANKS_ASK.replace("sys.argv[1]", repr(str(experiment))))
+    finally:
+        held.release()
+    assert result.returncode == 0, result.stderr
+    for rank in (0, 1):
+        assert f"rank {rank} refused: run.experiment_dir: {experiment} is in use" in result.stdout
