@@ -97,7 +97,7 @@ def test_non_finite_and_oversized_numbers_exit_2_naming_the_key() -> None:
         "config", "validate", "-c", "examples/tiny.yaml", f"training.train_iters={2**64}"
     )
     assert result.returncode == 2
-    assert "training.train_iters: must fit in 64 bits" in result.stderr
+    assert "training.train_iters: must fit in a signed 64-bit integer" in result.stderr
     assert "Traceback" not in result.stderr
 
 

@@ -15,7 +15,6 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from fastllm.engine.process_group import Distributed
 from fastllm.training.experiment_lock import ExperimentLock
 from tests.conftest import ROOT
 from tests.data.conftest import run_cli
@@ -58,7 +57,7 @@ def test_a_second_run_on_a_busy_experiment_exits_2_and_a_killed_run_leaves_no_lo
         if first.poll() is None:
             first.kill()
     # The operating system released the killed run's lock: a new run gets it at once.
-    ExperimentLock.acquire(experiment, Distributed(0, 1, 0, torch.device("cpu"))).release()
+    ExperimentLock.acquire(experiment).release()
 
 
 def test_a_resume_warns_of_changed_keys_and_logs_each_step_once(
@@ -101,20 +100,21 @@ def test_identical_runs_checkpoint_the_same_cpu_random_state(dataset: Path, tmp_
 RANKS_ASK = """
 import sys
 from pathlib import Path
+import torch.distributed as dist
 from fastllm.config import ConfigError
-from fastllm.engine.process_group import setup_distributed
 from fastllm.training.experiment_lock import ExperimentLock
-distributed = setup_distributed()
+dist.init_process_group("gloo")
 try:
-    ExperimentLock.acquire(Path(sys.argv[1]), distributed)
+    ExperimentLock.acquire(Path(sys.argv[1]))
 except ConfigError as error:
-    print(f"rank {distributed.rank} refused: {error}", flush=True)
+    print(f"rank {dist.get_rank()} refused: {error}", flush=True)
+dist.destroy_process_group()
 """
 
 
 def test_under_torchrun_every_rank_learns_that_the_experiment_is_busy(tmp_path: Path) -> None:
     experiment = tmp_path / "run"
-    held = ExperimentLock.acquire(experiment, Distributed(0, 1, 0, torch.device("cpu")))
+    held = ExperimentLock.acquire(experiment)
     try:
         result = torchrun_script(2, RANKS_ASK.replace("sys.argv[1]", repr(str(experiment))))
     finally:

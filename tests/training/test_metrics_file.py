@@ -40,7 +40,9 @@ def test_records_past_the_resumed_step_are_dropped_so_replayed_steps_appear_once
 ) -> None:
     lines = [{"step": step, "loss": 1.0 / step} for step in range(1, 6)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
-    metrics = logger(tmp_path, start_step=3)  # the checkpoint was at step 3
+    stream = io.StringIO()
+    metrics = MetricsLogger(tmp_path, total_steps=10, start_step=3, stream=stream)
+    assert "2 record(s) after step 3 dropped, this run replays those steps" in stream.getvalue()
     for step in (4, 5):
         metrics.log(step, {"loss": 0.5})
     metrics.close()

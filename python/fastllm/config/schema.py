@@ -93,11 +93,11 @@ _INT64 = range(-(2**63), 2**63)
 
 def _check_number(value: Any, key: list[str | int]) -> None:
     """No config value is infinite or NaN (a checkpoint's manifest could not hold it, and no
-    setting means it), and integers fit in 64 bits (what Rust and torch take)."""
+    setting means it), and integers fit in 64 bits (what Rust, torch and numpy take)."""
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(format_key(key), f"must be a finite number, got {value}")
     if isinstance(value, int) and not isinstance(value, bool) and value not in _INT64:
-        raise ConfigError(format_key(key), f"must fit in 64 bits (below 2^63), got {value}")
+        raise ConfigError(format_key(key), f"must fit in a signed 64-bit integer, got {value}")
 
 
 def _check_variant(

@@ -18,7 +18,6 @@ from typing import IO
 import torch.distributed as dist
 
 from fastllm.config import ConfigError
-from fastllm.engine.process_group import Distributed
 
 LOCK_FILE = ".lock"
 
@@ -30,13 +29,15 @@ class ExperimentLock:
         self._file = file
 
     @classmethod
-    def acquire(cls, directory: Path, distributed: Distributed) -> ExperimentLock:
-        """Lock `directory` for this run (rank 0 holds it); every rank raises `ConfigError`
-        naming the directory and the holder when another run holds it."""
-        file, refusal = _try_lock(directory) if distributed.is_main else (None, None)
-        if distributed.world_size > 1:
+    def acquire(cls, directory: Path) -> ExperimentLock:
+        """Lock `directory` for this run (rank 0 of the job holds it); every process of the job
+        raises `ConfigError` naming the directory and the holder when another run holds it."""
+        job = dist.group.WORLD if dist.is_initialized() else None
+        main = job is None or dist.get_rank(job) == 0
+        file, refusal = _try_lock(directory) if main else (None, None)
+        if job is not None and dist.get_world_size(job) > 1:
             message = [refusal]
-            dist.broadcast_object_list(message, src=0)
+            dist.broadcast_object_list(message, src=0, group=job)
             refusal = message[0]
         if refusal is not None:
             raise ConfigError("run.experiment_dir", refusal)

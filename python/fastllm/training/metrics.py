@@ -47,6 +47,11 @@ class MetricsLogger:
             return
         directory.mkdir(parents=True, exist_ok=True)
         self.file = MetricsFile(directory, start_step)
+        if self.file.dropped:
+            stream.write(
+                f"fastllm: {self.file.path}: {self.file.dropped} record(s) after step "
+                f"{start_step} dropped, this run replays those steps\n"
+            )
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 

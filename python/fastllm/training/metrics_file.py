@@ -25,8 +25,8 @@ class MetricsFile:
     def __init__(self, directory: Path, start_step: int) -> None:
         """Opens DIRECTORY/metrics.jsonl for appending the records after `start_step`."""
         self.path = directory / METRICS_FILE
-        if self.path.is_file():
-            _keep_whole_records_up_to(self.path, start_step)
+        self.dropped = _keep_whole_records_up_to(self.path, start_step)
+        """Records of steps after `start_step` dropped at opening."""
         self._file = self.path.open("a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
@@ -45,21 +45,25 @@ def strict_record(record: dict[str, Any]) -> dict[str, Any]:
     return {**record, **dict.fromkeys(non_finite), "non_finite": len(non_finite)}
 
 
-def _keep_whole_records_up_to(path: Path, last_step: int) -> None:
+def _keep_whole_records_up_to(path: Path, last_step: int) -> int:
     """Cuts a partial last line and the records of steps after `last_step`, in place and
-    atomically (a crash meanwhile leaves the old file or the new one)."""
+    atomically (a crash meanwhile leaves the old file or the new one); returns how many
+    records were dropped."""
+    if not path.is_file():
+        return 0
     data = path.read_bytes()
     whole = data[: data.rfind(b"\n") + 1]
     lines = whole.splitlines(keepends=True)
     kept = [line for line in lines if (step := _step(line)) is None or step <= last_step]
     if len(whole) == len(data) and len(kept) == len(lines):
-        return
+        return 0
     staging = path.with_name(f".{path.name}.{os.getpid()}")
     with staging.open("wb") as file:
         file.writelines(kept)
         file.flush()
         os.fsync(file.fileno())
     os.replace(staging, path)
+    return len(lines) - len(kept)
 
 
 def _step(line: bytes) -> int | None:

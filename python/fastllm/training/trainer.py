@@ -265,7 +265,7 @@ class Trainer:
         config, training = self.config, self.config.training
         experiment = self.experiment_dir
         experiment.mkdir(parents=True, exist_ok=True)
-        lock = ExperimentLock.acquire(experiment, self.distributed)
+        lock = ExperimentLock.acquire(experiment)
         resumed = self.resume()
         main = self.distributed.is_main
         if main:
