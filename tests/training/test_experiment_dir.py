@@ -4,6 +4,7 @@ gets (and no killed run keeps), a warning for a changed config, metrics without 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -98,14 +99,13 @@ def test_identical_runs_checkpoint_the_same_cpu_random_state(dataset: Path, tmp_
 
 # Every rank asks; rank 0 alone takes the lock and tells the others.
 RANKS_ASK = """
-import sys
 from pathlib import Path
 import torch.distributed as dist
 from fastllm.config import ConfigError
 from fastllm.training.experiment_lock import ExperimentLock
 dist.init_process_group("gloo")
 try:
-    ExperimentLock.acquire(Path(sys.argv[1]))
+    ExperimentLock.acquire(Path(EXPERIMENT_DIR))
 except ConfigError as error:
     print(f"rank {dist.get_rank()} refused: {error}", flush=True)
 dist.destroy_process_group()
@@ -116,9 +116,13 @@ def test_under_torchrun_every_rank_learns_that_the_experiment_is_busy(tmp_path: 
     experiment = tmp_path / "run"
     held = ExperimentLock.acquire(experiment)
     try:
-        result = torchrun_script(2, RANKS_ASK.replace("sys.argv[1]", repr(str(experiment))))
+        result = torchrun_script(2, RANKS_ASK.replace("EXPERIMENT_DIR", repr(str(experiment))))
     finally:
         held.release()
     assert result.returncode == 0, result.stderr
+    holder = f"(host {socket.gethostname()}, pid {os.getpid()})"
     for rank in (0, 1):
-        assert f"rank {rank} refused: run.experiment_dir: {experiment} is in use" in result.stdout
+        assert (
+            f"rank {rank} refused: run.experiment_dir: {experiment} is in use by another run "
+            f"{holder}" in result.stdout
+        )
