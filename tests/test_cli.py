@@ -4,7 +4,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
+from fastllm import cli
 from tests.conftest import ROOT
+from tests.data.conftest import run_cli
 
 
 def fastllm(*arguments: str) -> subprocess.CompletedProcess[str]:
@@ -77,3 +82,65 @@ def test_version_reports_the_native_extension() -> None:
     result = fastllm("--version")
     assert result.stdout.strip() == f"fastllm {__version__} (native extension {_native.version()})"
     assert _native.version() == __version__
+
+
+def test_non_finite_and_oversized_numbers_exit_2_naming_the_key() -> None:
+    result = fastllm(
+        "config", "validate", "-c", "examples/tiny.yaml", "optimizer.weight_decay=.inf"
+    )
+    assert result.returncode == 2
+    assert "optimizer.weight_decay: must be a finite number, got inf" in result.stderr
+    result = fastllm("config", "validate", "-c", "examples/tiny.yaml", "training.train_iters=1e400")
+    assert result.returncode == 2
+    assert "training.train_iters" in result.stderr
+    result = fastllm(
+        "config", "validate", "-c", "examples/tiny.yaml", f"training.train_iters={2**64}"
+    )
+    assert result.returncode == 2
+    assert "training.train_iters: must fit in a signed 64-bit integer" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--max-new-tokens", "0", "must be a positive integer, got 0"),
+        ("--max-new-tokens", "many", "expected an integer, got 'many'"),
+        ("--temperature", "-0.5", "must be a finite number ≥ 0, got -0.5"),
+    ],
+)
+def test_generate_refuses_a_bad_option_in_one_line(
+    option: str, value: str, message: str, tmp_path: Path
+) -> None:
+    result = fastllm("generate", str(tmp_path), "--prompt", "def", option, value)
+    assert result.returncode == 2
+    assert f"argument {option}: {message}" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+# In this process, where torch is imported already: the two below reach the point where
+# `generate` imports it. An exception escaping `main` would fail them as a traceback would.
+
+
+def test_generate_says_a_missing_model_directory_does_not_exist(tmp_path: Path) -> None:
+    result = run_cli("generate", str(tmp_path / "nonexistent"), "--prompt", "def")
+    assert result.returncode == 2
+    assert f"{tmp_path / 'nonexistent'}: no such model directory" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a GPU")
+def test_generate_on_cuda_without_a_gpu_is_one_line(tmp_path: Path) -> None:
+    result = run_cli("generate", str(tmp_path), "--prompt", "def", "--device", "cuda")
+    assert result.returncode == 2
+    assert "--device: cuda: no CUDA GPU is available on this machine" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_an_internal_error_keeps_its_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
+    def failing(_args: object) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(cli, "_generate", failing)
+    with pytest.raises(RuntimeError, match="a bug"):
+        cli.main(["generate", "model", "--prompt", "def"])

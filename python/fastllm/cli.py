@@ -151,6 +151,26 @@ def _generate(args: argparse.Namespace) -> None:
     )
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number ≥ 0, got {text}")
+    return value
+
+
 def _native_version() -> str:
     try:
         from fastllm import _native
@@ -230,9 +250,14 @@ def build_parser() -> argparse.ArgumentParser:
     generate = commands.add_parser("generate", help="complete a prompt with a trained model")
     generate.add_argument("path", help="model directory (fastllm or Hugging Face format)")
     generate.add_argument("--prompt", required=True, help="text to complete")
-    generate.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate")
     generate.add_argument(
-        "--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)"
+        "--max-new-tokens", type=_positive_int, default=64, help="tokens to generate"
+    )
+    generate.add_argument(
+        "--temperature",
+        type=_non_negative_float,
+        default=0.0,
+        help="sampling temperature (0: greedy)",
     )
     generate.add_argument("--device", default=None, help="torch device (default: cuda if present)")
     generate.set_defaults(handler=_generate)
@@ -247,11 +272,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(strays)}")
     if strays:
         args.arguments += strays
+    # A user error (bad config, input or option) is one line and exit code 2, Ctrl-C is one
+    # line and 130 (the shell's code for SIGINT); anything else is a bug and keeps its traceback.
     try:
         args.handler(args)
     except ConfigError as error:
         print(f"fastllm: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("fastllm: interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -18,16 +18,19 @@ def generate_text(
     device: str | None = None,
 ) -> str:
     """The prompt followed by its completion (greedy unless `temperature` > 0)."""
+    device = _device(device)
+    if not Path(path).is_dir():
+        raise ConfigError(str(path), "no such model directory")
+    tokenizer_file = Path(path) / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        raise ConfigError(str(path), "has no tokenizer.json to encode the prompt with")
+    # Imported once the arguments are known to be good (transformers takes seconds).
     from tokenizers import Tokenizer
 
     from fastllm.api import load_model
     from fastllm.hf import FastLLMForCausalLM
 
-    tokenizer_file = Path(path) / "tokenizer.json"
-    if not tokenizer_file.is_file():
-        raise ConfigError(str(path), "has no tokenizer.json to encode the prompt with")
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model = FastLLMForCausalLM.wrap(load_model(path, device=device))
     ids = tokenizer.encode(prompt, add_special_tokens=False).ids
     if not ids:
@@ -40,3 +43,22 @@ def generate_text(
             torch.tensor([ids], device=device), max_new_tokens=max_new_tokens, **sampling
         )
     return tokenizer.decode(output[0].tolist(), skip_special_tokens=False)
+
+
+def _device(name: str | None) -> str:
+    """`name` checked against the machine (default: cuda when there is a GPU)."""
+    if name is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(
+            "--device", f"{name!r} is not a torch device (cpu, cuda, cuda:1, …)"
+        ) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device", f"{name}: no CUDA GPU is available on this machine")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ConfigError(
+            "--device", f"{name}: this machine has {torch.cuda.device_count()} GPU(s)"
+        )
+    return name

@@ -217,3 +217,26 @@ def test_yaml_errors_name_the_file_and_line(tmp_path: Path) -> None:
 def test_exponent_floats_without_a_dot_are_numbers(tmp_path: Path) -> None:
     config = load_config(TrainerConfig, [write(tmp_path, "optimizer: {epsilon: 1e-6}\n")])
     assert config.optimizer.epsilon == pytest.approx(1e-6)
+
+
+@pytest.mark.parametrize(
+    ("override", "path"),
+    [
+        ("optimizer.weight_decay=.inf", "optimizer.weight_decay"),
+        ("optimizer.learning_rate.base=.inf", "optimizer.learning_rate.base"),
+        ("model.base_model.transformer.expert_z_loss_coefficient=.nan", "model.base_model.transformer.expert_z_loss_coefficient"),
+        ("model.base_model.transformer.rotary.theta=.inf", "model.base_model.transformer.rotary.theta"),
+        ("training.train_iters=9223372036854775808", "training.train_iters"),
+        ("model.distributed.seed=100000000000000000000", "model.distributed.seed"),
+        ("training.checkpoint.keep=-9223372036854775809", "training.checkpoint.keep"),
+    ],
+)  # fmt: skip
+def test_non_finite_floats_and_integers_beyond_64_bits_are_rejected_naming_the_key(
+    override: str, path: str
+) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config(TrainerConfig, overrides=["data.path=[a, b]", override])
+    assert caught.value.path == path
+    assert "finite" in caught.value.message or "64-bit integer" in caught.value.message
+    largest = load_config(TrainerConfig, overrides=["model.distributed.seed=9223372036854775807"])
+    assert largest.model.distributed.seed == 2**63 - 1

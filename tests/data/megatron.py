@@ -58,7 +58,8 @@ def read_prefix(prefix: Path) -> list[np.ndarray]:
 
 def read_dataset(path: Path) -> list[list[int]]:
     """The documents of a directory written by `fastllm prepare`: its shards in the order of
-    metadata.json, which must list every shard on disk and count their documents and tokens."""
+        metadata.json, which must list every shard on disk, count their documents and tokens and
+    record their largest token id."""
     metadata = json.loads((path / "metadata.json").read_text())
     names = [shard["name"] for shard in metadata["shards"]]
     assert sorted(names) == sorted(index.stem for index in path.glob("*.idx"))
@@ -67,6 +68,8 @@ def read_dataset(path: Path) -> list[list[int]]:
         shard_documents = read_prefix(path / shard["name"])
         assert shard["documents"] == len(shard_documents)
         assert shard["tokens"] == sum(len(d) for d in shard_documents)
+        tokens = [int(d.max()) for d in shard_documents if len(d)]
+        assert shard["max_token_id"] == (max(tokens) if tokens else None)
         documents += [d.tolist() for d in shard_documents]
     assert metadata["documents"] == len(documents)
     assert metadata["tokens"] == sum(len(d) for d in documents)

@@ -286,7 +286,7 @@ def test_failed_run_leaves_no_output_and_no_partial_directory(
     assert leftovers(output) == []
 
 
-def test_interrupted_run_leaves_no_output_and_no_partial_directory(
+def test_interrupted_run_exits_130_without_a_traceback_leaving_no_output_nor_partial(
     corpus: list[str], tokenizer: TrainedTokenizer, tmp_path: Path
 ) -> None:
     # The input is a pipe fed by the test, so the run is surely under way (and cannot reach the
@@ -332,8 +332,9 @@ def test_interrupted_run_leaves_no_output_and_no_partial_directory(
     finally:
         if process.poll() is None:
             process.kill()
-    assert process.returncode != 0
-    assert "KeyboardInterrupt" in stderr
+    assert process.returncode == 130
+    assert stderr.endswith("fastllm: interrupted\n"), stderr
+    assert "Traceback" not in stderr
     assert not output.exists()
     assert leftovers(output) == [], stderr
 
@@ -370,3 +371,45 @@ def test_damaged_shards_are_refused_naming_the_file(
     with pytest.raises((OSError, ValueError)) as raised:
         TokenDataset(dataset)
     assert str(target) in str(raised.value)
+
+
+def test_an_input_without_a_valid_record_exits_2_writing_nothing(
+    tokenizer: TrainedTokenizer, tmp_path: Path
+) -> None:
+    inputs = tmp_path / "bad.jsonl"
+    inputs.write_text('{"title": "no text"}\nnot json\n')
+    output = tmp_path / "out"
+    result = fastllm(
+        "prepare",
+        f"input.path={inputs}",
+        f"tokenizer.path={tokenizer.path}",
+        f"output.path={output}",
+    )
+    assert result.returncode == 2
+    assert (
+        f"{inputs}: no valid record, nothing to write (2 bad record(s); the first: "
+        in result.stderr
+    )
+    assert "Traceback" not in result.stderr
+    assert not output.exists()
+    assert leftovers(output) == []
+
+
+def test_partial_directories_of_dead_runs_are_removed_by_the_next_run(
+    tokenizer: TrainedTokenizer, tmp_path: Path
+) -> None:
+    output = tmp_path / "out"
+    dead = subprocess.Popen([sys.executable, "-c", ""])
+    dead.wait()
+    staged = {
+        "dead": tmp_path / f".out.partial-{dead.pid}-0",
+        "alive": tmp_path / f".out.partial-{os.getppid()}-3",  # pytest's parent still runs
+        "other output": tmp_path / f".outer.partial-{dead.pid}-0",
+    }
+    for directory in staged.values():
+        directory.mkdir()
+        (directory / "shard_00000.bin").write_bytes(b"\0" * 1024)
+    dataset = prepare(STDLIB / "json", tokenizer.path, output, "input.extensions=[.py]")
+    assert not staged["dead"].exists()
+    assert staged["alive"].is_dir() and staged["other output"].is_dir()
+    assert read_dataset(dataset)

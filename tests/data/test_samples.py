@@ -4,12 +4,15 @@ data-parallel ranks split steps exactly, resuming continues exactly, blending fo
 from __future__ import annotations
 
 import random
+import shutil
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
+from fastllm.config import ConfigError
 from fastllm.config.data import DataConfig
 from fastllm.data import DataLoader, Samples, SampleStream
 from tests.data.conftest import TrainedTokenizer, prepare, write_jsonl
@@ -227,3 +230,51 @@ def test_blending_follows_the_weights_and_keeps_each_datasets_own_order(
         )
     )
     assert abs((source == 0).sum() - 400 * tokens[0] / sum(tokens)) <= 1
+
+
+def foreign_copy(dataset: Path, directory: Path) -> Path:
+    """The shards of `dataset` without its metadata.json, as a Megatron dataset made elsewhere."""
+    directory.mkdir()
+    for file in [*dataset.glob("*.bin"), *dataset.glob("*.idx")]:
+        shutil.copy(file, directory / file.name)
+    return directory
+
+
+def test_token_ids_beyond_the_vocabulary_are_refused_naming_the_bin_without_metadata(
+    dataset: Path, tokenizer: TrainedTokenizer, tmp_path: Path
+) -> None:
+    foreign = foreign_copy(dataset, tmp_path / "foreign")
+    vocab_size = tokenizer.reference.get_vocab_size()
+    cache = tmp_path / "cache"
+    stream(foreign, cache, sequence_length=32, num_samples=4, vocab_size=vocab_size)
+    assert len(list(cache.glob("max_token_*.txt"))) == 1, "the scan is cached beside the index"
+    (shard,) = foreign.glob("*.bin")
+    tokens = np.fromfile(shard, dtype=np.uint16)
+    tokens[len(tokens) // 2] = vocab_size
+    tokens.tofile(shard)
+    with pytest.raises(ConfigError) as raised:
+        stream(foreign, cache, sequence_length=32, num_samples=4, vocab_size=vocab_size)
+    assert raised.value.path == "data.path[0]"
+    assert (
+        f"{shard} holds token id {vocab_size} but model.base_model.vocab_size is {vocab_size}"
+        in str(raised.value)
+    )
+
+
+def test_a_prepared_dataset_is_checked_from_the_ids_its_metadata_records(
+    dataset: Path, tokenizer: TrainedTokenizer, tmp_path: Path
+) -> None:
+    cache = tmp_path / "cache"
+    vocab_size = tokenizer.reference.get_vocab_size()
+    stream(dataset, cache, sequence_length=32, num_samples=4, vocab_size=vocab_size)
+    assert cache.is_dir() and not list(cache.glob("max_token_*.txt")), "no scan"
+
+
+def test_an_invalid_metadata_json_is_refused_naming_the_file(dataset: Path, tmp_path: Path) -> None:
+    damaged = tmp_path / "damaged"
+    shutil.copytree(dataset, damaged)
+    for text in ('{"shards": [', '["shard_00000"]', '{"shards": [{"tokens": 3}]}'):
+        (damaged / "metadata.json").write_text(text)
+        with pytest.raises(ConfigError) as raised:
+            stream(damaged, tmp_path / "cache", sequence_length=32, num_samples=4)
+        assert f"{damaged / 'metadata.json'}: invalid metadata" in str(raised.value)

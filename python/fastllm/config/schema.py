@@ -8,6 +8,7 @@ msgspec's conversion (types), then each section's `validate()` (fields against e
 from __future__ import annotations
 
 import difflib
+import math
 import re
 import types
 import typing
@@ -50,9 +51,11 @@ def _tag(cls: Any) -> str | None:
 
 
 def _check(tp: Any, value: Any, key: list[str | int], default: Any = None) -> Any:
-    """`value` with union tags filled in; raises on unknown keys, tags and choices."""
+    """`value` with union tags filled in; raises on unknown keys, tags, choices and numbers
+    out of range."""
     if value is None:
         return value
+    _check_number(value, key)
     variants = _union_variants(tp)
     tagged = [v for v in variants if _tag(v) is not None]
     if tagged and isinstance(value, dict):
@@ -83,6 +86,18 @@ def _check(tp: Any, value: Any, key: list[str | int], default: Any = None) -> An
             if isinstance(value, list):
                 return [_check(item, v, [*key, i]) for i, v in enumerate(value)]
     return value
+
+
+_INT64 = range(-(2**63), 2**63)
+
+
+def _check_number(value: Any, key: list[str | int]) -> None:
+    """No config value is infinite or NaN (a checkpoint's manifest could not hold it, and no
+    setting means it), and integers fit in 64 bits (what Rust, torch and numpy take)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(format_key(key), f"must be a finite number, got {value}")
+    if isinstance(value, int) and not isinstance(value, bool) and value not in _INT64:
+        raise ConfigError(format_key(key), f"must fit in a signed 64-bit integer, got {value}")
 
 
 def _check_variant(

@@ -4,7 +4,6 @@ or a single Megatron `.bin`/`.idx` prefix made elsewhere."""
 from __future__ import annotations
 
 import json
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -18,15 +17,30 @@ class TokenDataset:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.prefixes = shard_prefixes(self.path)
+        self.metadata = read_metadata(self.path)
+        """metadata.json of a prepared directory (empty for a bare prefix or a directory
+        without one)."""
+        self.prefixes = shard_prefixes(self.path, self.metadata)
         self._shards = [_native.TokenDataset(prefix) for prefix in self.prefixes]
         self._starts = np.cumsum([0] + [len(shard) for shard in self._shards])
 
-    @cached_property
-    def metadata(self) -> dict[str, Any]:
-        """metadata.json of a prepared directory (empty for a bare prefix)."""
-        file = self.path / "metadata.json"
-        return json.loads(file.read_text()) if file.is_file() else {}
+    def max_token_ids(self, cache_dir: str | Path) -> list[tuple[Path, int | None]]:
+        """Each shard's `.bin` and its largest token id (None without tokens): as metadata.json
+        records it, else found by a scan cached in `cache_dir` (datasets made elsewhere, or
+        prepared before prepare recorded it)."""
+        recorded = {
+            shard["name"]: shard["max_token_id"]
+            for shard in self.metadata.get("shards", [])
+            if isinstance(shard, dict) and _is_token_id(shard.get("max_token_id", False))
+        }
+        found = []
+        for prefix, shard in zip(self.prefixes, self._shards, strict=True):
+            if prefix.name in recorded:
+                largest = recorded[prefix.name]
+            else:
+                largest = shard.cached_max_token_id(str(cache_dir))
+            found.append((Path(f"{prefix}.bin"), largest))
+        return found
 
     def __len__(self) -> int:
         return int(self._starts[-1])
@@ -50,16 +64,40 @@ class TokenDataset:
         return self._shards[shard].document(index - int(self._starts[shard]))
 
 
-def shard_prefixes(path: Path) -> list[Path]:
+def _is_token_id(value: object) -> bool:
+    """A recorded largest id: a non-negative integer, or None for a shard without tokens."""
+    return value is None or (type(value) is int and value >= 0)
+
+
+def read_metadata(path: Path) -> dict[str, Any]:
+    """`path`/metadata.json, checked to be a JSON object whose `shards` name files; empty when
+    there is none. A damaged one is an error naming it."""
+    file = path / "metadata.json"
+    if not file.is_file():
+        return {}
+    try:
+        metadata = json.loads(file.read_bytes())
+    except ValueError as error:  # invalid JSON or UTF-8
+        raise ValueError(f"{file}: invalid metadata ({error})") from None
+    if not isinstance(metadata, dict):
+        raise ValueError(f"{file}: invalid metadata (not a JSON object)")
+    shards = metadata.get("shards", [])
+    if not isinstance(shards, list) or not all(
+        isinstance(shard, str) or (isinstance(shard, dict) and isinstance(shard.get("name"), str))
+        for shard in shards
+    ):
+        raise ValueError(f"{file}: invalid metadata (shards must be a list of names)")
+    return metadata
+
+
+def shard_prefixes(path: Path, metadata: dict[str, Any]) -> list[Path]:
     """The `.bin`/`.idx` prefixes of a dataset: a prepared directory's shards in order (from
-    metadata.json), every `*.idx` of another directory, or `path` itself as a prefix."""
+    its `metadata`), every `*.idx` of another directory, or `path` itself as a prefix."""
     if path.is_dir():
-        metadata = path / "metadata.json"
-        if metadata.is_file():
-            shards = json.loads(metadata.read_text()).get("shards", [])
-            names = [shard["name"] if isinstance(shard, dict) else shard for shard in shards]
-            if names:
-                return [path / name for name in names]
+        shards = metadata.get("shards", [])
+        names = [shard["name"] if isinstance(shard, dict) else shard for shard in shards]
+        if names:
+            return [path / name for name in names]
         prefixes = sorted(index.with_suffix("") for index in path.glob("*.idx"))
         if prefixes:
             return prefixes

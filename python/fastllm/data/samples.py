@@ -41,13 +41,15 @@ class SampleStream:
         key: str = "data.path",
         vocab_size: int | None = None,
     ) -> None:
-        """`vocab_size`: the model's; a dataset whose tokenizer has more tokens is refused."""
+        """`vocab_size`: the model's; a dataset whose tokenizer has more tokens, or that holds a
+        token id beyond it, is refused."""
         if not paths:
             raise ConfigError(key, "no dataset given")
         datasets = []
         for i, path in enumerate(paths):
             try:
                 datasets.append(TokenDataset(path))
+                largest = datasets[-1].max_token_ids(cache_dir) if vocab_size else []
             except (OSError, ValueError) as error:
                 raise ConfigError(f"{key}[{i}]", str(error)) from None
             tokens = datasets[-1].metadata.get("vocab_size")
@@ -57,6 +59,13 @@ class SampleStream:
                     f"{path} holds token ids up to {tokens - 1} (a {tokens}-token tokenizer) but "
                     f"model.base_model.vocab_size is {vocab_size}",
                 )
+            for bin_file, token_id in largest:
+                if token_id is not None and token_id >= vocab_size:
+                    raise ConfigError(
+                        f"{key}[{i}]",
+                        f"{bin_file} holds token id {token_id} but model.base_model.vocab_size "
+                        f"is {vocab_size}",
+                    )
         prefixes = [prefix for dataset in datasets for prefix in dataset.prefixes]
         shard_weights = _shard_weights(datasets, weights)
         fim, tokenizer = _fim_options(config.fim, datasets, key) if config.fim else (None, None)

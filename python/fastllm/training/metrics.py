@@ -1,15 +1,16 @@
 """What a run reports: a line every `training.logs.interval` steps, a progress bar with ETA,
-`metrics.jsonl` (one JSON object per logged step), and TensorBoard / W&B when configured."""
+`metrics.jsonl` (one strict JSON object per logged step, see `metrics_file`), and TensorBoard /
+W&B when configured."""
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
 from typing import Any, TextIO
 
 from fastllm.config import BaseModelConfig
+from fastllm.training.metrics_file import MetricsFile
 
 PEAK_FLOPS = {"cuda": 989.4e12}
 """Dense bf16 peak per GPU for MFU (H100/H200, as torchtitan counts it)."""
@@ -45,7 +46,12 @@ class MetricsLogger:
         if not enabled or directory is None:
             return
         directory.mkdir(parents=True, exist_ok=True)
-        self.file = (directory / "metrics.jsonl").open("a", encoding="utf-8")
+        self.file = MetricsFile(directory, start_step)
+        if self.file.dropped:
+            stream.write(
+                f"fastllm: {self.file.path}: {self.file.dropped} record(s) after step "
+                f"{start_step} dropped, this run replays those steps\n"
+            )
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -63,8 +69,7 @@ class MetricsLogger:
             return
         record = {"step": step, **metrics}
         if self.file is not None:
-            self.file.write(json.dumps(record) + "\n")
-            self.file.flush()
+            self.file.write(record)
         if self._tensorboard is not None:
             for key, value in metrics.items():
                 if isinstance(value, int | float):

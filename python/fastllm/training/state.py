@@ -14,6 +14,7 @@ import torch
 from fastllm.checkpoint.distributed import STATE_KINDS, SavedCheckpoint, ShardedState, Snapshot
 from fastllm.checkpoint.formats import ModelSource, copy_tokenizer_files, write_model
 from fastllm.checkpoint.saver import latest, verified_manifest
+from fastllm.config.resume_changes import resume_warning
 from fastllm.engine.data_parallel import gather_weights
 from fastllm.engine.flat_model import ALIGNMENT, FlatModel
 
@@ -72,6 +73,8 @@ def resume(trainer: Trainer) -> Path | None:
     if trainer.distributed.is_main:
         for problem in problems:
             warnings.warn(f"skipping a bad checkpoint: {problem}", stacklevel=2)
+        if changed := resume_warning(manifest["config"], msgspec.to_builtins(trainer.config)):
+            warnings.warn(changed, stacklevel=2)
     load_checkpoint(trainer, directory, manifest)
     return directory
 

@@ -34,6 +34,7 @@ from fastllm.engine.tensor_parallel import TensorParallel
 from fastllm.model import GPTModel
 from fastllm.model.init import initializers
 from fastllm.training import state
+from fastllm.training.experiment_lock import ExperimentLock
 from fastllm.training.metrics import PEAK_FLOPS, MetricsLogger, flops_per_token
 from fastllm.training.profiling import StepProfiler
 
@@ -46,6 +47,9 @@ class Trainer:
         if device.type == "cpu":
             # Adam drives tiny values towards denormals, which slow x86 arithmetic tenfold.
             torch.set_flush_denormal(True)
+        # torch seeds its global generators from OS entropy at start; nothing here draws from
+        # them, but custom loops may, and checkpoints keep their state: the same in every run.
+        torch.manual_seed(config.model.distributed.seed + self.distributed.rank)
         self.mesh = build_mesh(
             config.model.distributed, self.distributed.world_size, self.distributed.rank
         )
@@ -301,6 +305,7 @@ class Trainer:
         config, training = self.config, self.config.training
         experiment = self.experiment_dir
         experiment.mkdir(parents=True, exist_ok=True)
+        lock = ExperimentLock.acquire(experiment)
         resumed = self.resume()
         main = self.distributed.is_main
         if main:
@@ -380,6 +385,7 @@ class Trainer:
             self.checkpoints.wait()
             logger.close()
             stop.restore()
+            lock.release()
         if stop.requested and main:
             print(
                 f"fastllm: stopped by {stop.requested} at step {self.step}; checkpoint written",

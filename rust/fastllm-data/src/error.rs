@@ -252,6 +252,17 @@ pub enum PrepareError {
     #[error("shard_size_tokens must be at least 1")]
     ZeroShardSize,
 
+    #[error(
+        "{}: no valid record, nothing to write ({bad_records} bad record(s){})",
+        inputs.join(", "),
+        first_bad_record.as_ref().map_or(String::new(), |first| format!("; the first: {first}"))
+    )]
+    NoDocuments {
+        inputs: Vec<String>,
+        bad_records: u64,
+        first_bad_record: Option<String>,
+    },
+
     #[error("cancelled")]
     Cancelled,
 }

@@ -107,6 +107,20 @@ impl IndexedDataset {
         self.dtype
     }
 
+    /// The `.bin` file the tokens are read from.
+    pub fn bin_path(&self) -> &Path {
+        &self.bin_path
+    }
+
+    /// Every token of the dataset, borrowed from the mapped file.
+    pub fn all_tokens(&self) -> TokenSlice<'_> {
+        if self.bin.is_empty() {
+            // The mapping of an empty file need not be aligned.
+            return TokenSlice::empty(self.dtype);
+        }
+        TokenSlice::from_bytes(self.dtype, &self.bin)
+    }
+
     /// Tokens per document; every entry is non-negative.
     pub fn document_lengths(&self) -> &[i32] {
         &self.lengths

@@ -19,6 +19,7 @@ mod error;
 mod fim;
 mod indexed;
 mod input;
+mod max_token;
 mod prepare;
 mod random;
 mod sample_source;

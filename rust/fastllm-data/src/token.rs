@@ -119,6 +119,17 @@ impl<'a> TokenSlice<'a> {
         }
     }
 
+    pub(crate) fn empty(dtype: TokenDtype) -> Self {
+        match dtype {
+            TokenDtype::U8 => Self::U8(&[]),
+            TokenDtype::I8 => Self::I8(&[]),
+            TokenDtype::I16 => Self::I16(&[]),
+            TokenDtype::U16 => Self::U16(&[]),
+            TokenDtype::I32 => Self::I32(&[]),
+            TokenDtype::I64 => Self::I64(&[]),
+        }
+    }
+
     pub fn dtype(&self) -> TokenDtype {
         match self {
             Self::U8(_) => TokenDtype::U8,
@@ -166,6 +177,21 @@ impl<'a> TokenSlice<'a> {
             Self::U16(t) => widen(t, out),
             Self::I32(t) => widen(t, out),
             Self::I64(t) => out.copy_from_slice(t),
+        }
+    }
+
+    /// The largest token, or `None` when there are none.
+    pub fn max(&self) -> Option<i64> {
+        fn largest<T: Copy + Ord + Into<i64>>(tokens: &[T]) -> Option<i64> {
+            tokens.iter().copied().max().map(Into::into)
+        }
+        match self {
+            Self::U8(t) => largest(t),
+            Self::I8(t) => largest(t),
+            Self::I16(t) => largest(t),
+            Self::U16(t) => largest(t),
+            Self::I32(t) => largest(t),
+            Self::I64(t) => largest(t),
         }
     }
 

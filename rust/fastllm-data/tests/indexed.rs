@@ -424,3 +424,46 @@ fn an_unfinished_write_leaves_no_index_behind() {
     let error = IndexedDataset::open(&prefix).err().unwrap();
     assert!(matches!(error, DataError::Io { .. }), "{error}");
 }
+
+#[test]
+fn the_largest_token_id_is_scanned_once_then_read_from_the_cache() {
+    let dir = tempfile::tempdir().unwrap();
+    let prefix = dir.path().join("data");
+    let cases = [
+        (
+            TokenDtype::U16,
+            vec![vec![3, 65_535, 0], vec![], vec![9]],
+            Some(65_535),
+        ),
+        (
+            TokenDtype::I32,
+            vec![vec![-5, 70_000], vec![12]],
+            Some(70_000),
+        ),
+        (TokenDtype::U8, vec![vec![], vec![]], None),
+    ];
+    for (i, (dtype, documents, expected)) in cases.into_iter().enumerate() {
+        let cache = dir.path().join(format!("cache-{i}"));
+        write_dataset(&prefix, dtype, &documents);
+        let dataset = IndexedDataset::open(&prefix).unwrap();
+        assert_eq!(dataset.all_tokens().max(), expected);
+        assert_eq!(dataset.cached_max_token_id(&cache).unwrap(), expected);
+        let entries: Vec<PathBuf> = fs::read_dir(&cache)
+            .unwrap()
+            .map(|entry| entry.unwrap().path())
+            .collect();
+        let [entry] = &entries[..] else {
+            panic!("one cache entry: {entries:?}")
+        };
+        let text = expected.map_or("none".to_owned(), |id| id.to_string());
+        assert_eq!(fs::read_to_string(entry).unwrap(), format!("{text}\n"));
+        // A second call reads the cache, not `.bin`.
+        fs::write(entry, "41\n").unwrap();
+        assert_eq!(dataset.cached_max_token_id(&cache).unwrap(), Some(41));
+    }
+    // The same path rewritten (another size) is scanned again.
+    let cache = dir.path().join("cache-0");
+    write_dataset(&prefix, TokenDtype::U16, &[vec![1, 2]]);
+    let dataset = IndexedDataset::open(&prefix).unwrap();
+    assert_eq!(dataset.cached_max_token_id(&cache).unwrap(), Some(2));
+}

@@ -453,22 +453,22 @@ fn an_existing_output_is_replaced_only_with_overwrite_and_only_once_complete() {
 }
 
 #[test]
-fn input_without_documents_gives_an_empty_dataset() {
+fn input_without_a_valid_record_is_an_error_leaving_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let input = dir.path().join("in.jsonl");
     fs::write(&input, "{}\n").unwrap();
     let tokenizer = write_tokenizer(&dir.path().join("tokenizer"), false);
     let output = dir.path().join("out");
-    let report = prepare(&options(&[&input], &tokenizer, &output), &Progress::new()).unwrap();
-    assert_eq!((report.documents, report.bad_records), (0, 1));
-    assert_eq!(
-        entries(&output),
-        [
-            "metadata.json",
-            "shard_00000.bin",
-            "shard_00000.idx",
-            "tokenizer.json"
-        ]
+    let error = prepare(&options(&[&input], &tokenizer, &output), &Progress::new()).unwrap_err();
+    assert!(
+        matches!(error, PrepareError::NoDocuments { bad_records: 1, .. }),
+        "{error}"
     );
-    assert!(read_documents(&output).is_empty());
+    let message = error.to_string();
+    assert!(
+        message.starts_with(&format!("{}: no valid record", input.display())),
+        "{message}"
+    );
+    assert!(message.contains("in.jsonl:1: "), "{message}");
+    assert_no_output(&output);
 }

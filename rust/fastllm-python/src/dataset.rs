@@ -39,6 +39,13 @@ impl TokenDataset {
         self.inner.dtype().to_string()
     }
 
+    /// The largest token id of the `.bin` file (None without tokens): one scan, cached in
+    /// `cache_dir` for later calls.
+    fn cached_max_token_id(&self, py: Python<'_>, cache_dir: PathBuf) -> PyResult<Option<i64>> {
+        py.detach(|| self.inner.cached_max_token_id(&cache_dir))
+            .map_err(data_error)
+    }
+
     /// Token count of every document.
     fn document_lengths<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
         PyArray1::from_slice(py, self.inner.document_lengths())

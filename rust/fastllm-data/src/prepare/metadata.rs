@@ -55,6 +55,9 @@ pub struct ShardReport {
     pub name: String,
     pub documents: u64,
     pub tokens: u64,
+    /// The largest token id in the shard (`None` when it holds no token), so that readers
+    /// check it against a model's vocabulary without scanning the shard.
+    pub max_token_id: Option<u32>,
 }
 
 impl ShardReport {
@@ -63,6 +66,7 @@ impl ShardReport {
             name: format!("shard_{number:05}"),
             documents: 0,
             tokens: 0,
+            max_token_id: None,
         }
     }
 }

@@ -52,7 +52,7 @@ pub struct PrepareOptions {
 /// Runs on the calling thread plus `workers + 1` threads and a thread per shard being written;
 /// `progress` can be read and cancelled from another thread meanwhile. On any error,
 /// cancellation included, nothing is left at `output` (an existing dataset there is kept) and no
-/// temporary files remain.
+/// temporary files remain. Inputs without a valid record are an error, not an empty dataset.
 pub fn prepare(
     options: &PrepareOptions,
     progress: &Progress,
@@ -102,6 +102,14 @@ pub fn prepare(
         let (shards, tally) = writer.finish()?;
         Ok::<_, PrepareError>((reader, shards, tally))
     })?;
+    if shards.iter().all(|shard| shard.documents == 0) {
+        // An empty dataset only fails later, in training, far from its cause.
+        return Err(PrepareError::NoDocuments {
+            inputs: options.input.paths.clone(),
+            bad_records: tally.bad_records,
+            first_bad_record: tally.first_bad_records.first().cloned(),
+        });
+    }
     reader.count(&tally.input_counts);
     let report = PrepareReport {
         documents: shards.iter().map(|shard| shard.documents).sum(),

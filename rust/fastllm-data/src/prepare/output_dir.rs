@@ -47,12 +47,14 @@ pub(super) struct PartialDir {
 }
 
 impl PartialDir {
-    /// Creates `.NAME.partial-PID-N` next to `output`.
+    /// Creates `.NAME.partial-PID-N` next to `output`, first removing those of processes that
+    /// are gone (killed runs: a partial dataset can be hundreds of MB).
     pub fn create(output: &Path) -> Result<Self, PrepareError> {
         let number = NEXT_PARTIAL.fetch_add(1, Ordering::Relaxed);
         let path = sibling(output, &format!("partial-{}-{number}", std::process::id()))?;
         let parent = path.parent().expect("a sibling has a parent");
         fs::create_dir_all(parent).map_err(PrepareError::io(parent))?;
+        remove_dead_partials(output)?;
         if let Err(error) = fs::create_dir(&path) {
             if error.kind() != io::ErrorKind::AlreadyExists {
                 return Err(PrepareError::io(&path)(error));
@@ -103,6 +105,49 @@ impl Drop for PartialDir {
             let _ = fs::remove_dir_all(&self.path);
         }
     }
+}
+
+/// Removes the `.NAME.partial-PID-N` siblings of `output` whose process no longer runs. A
+/// process id in use again by an unrelated process keeps its directory: better garbage than a
+/// live run's files lost. Only on Linux, where `/proc` says which processes run.
+fn remove_dead_partials(output: &Path) -> Result<(), PrepareError> {
+    let (parent, Some(name)) = (parent_of(output), output.file_name()) else {
+        return Ok(());
+    };
+    let mut prefix = OsStr::new(".").to_owned();
+    prefix.push(name);
+    prefix.push(".partial-");
+    let prefix = prefix.as_encoded_bytes();
+    for entry in fs::read_dir(parent).map_err(PrepareError::io(parent))? {
+        let entry = entry.map_err(PrepareError::io(parent))?;
+        let file_name = entry.file_name();
+        let Some(rest) = file_name.as_encoded_bytes().strip_prefix(prefix) else {
+            continue;
+        };
+        let pid = std::str::from_utf8(rest)
+            .ok()
+            .and_then(|rest| rest.split_once('-'))
+            .and_then(|(pid, _)| pid.parse::<u32>().ok());
+        if pid.is_some_and(|pid| pid != std::process::id() && !process_runs(pid)) {
+            let path = entry.path();
+            match fs::remove_dir_all(&path) {
+                // Another run of prepare removed it first.
+                Err(error) if error.kind() == io::ErrorKind::NotFound => {}
+                result => result.map_err(PrepareError::io(&path))?,
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(target_os = "linux")]
+fn process_runs(pid: u32) -> bool {
+    Path::new("/proc").join(pid.to_string()).exists()
+}
+
+#[cfg(not(target_os = "linux"))]
+fn process_runs(_pid: u32) -> bool {
+    true
 }
 
 /// `.NAME.SUFFIX` in the directory of `output`.

@@ -54,6 +54,8 @@ pub(super) struct EncodedDocuments {
     pub tokens: Vec<u8>,
     /// Tokens per document.
     pub lengths: Vec<i32>,
+    /// The largest token id of each document (0 for a document without tokens).
+    pub max_ids: Vec<u32>,
 }
 
 /// A document that does not fit the format; the writer reports it with the shard it would go in.
@@ -70,6 +72,7 @@ impl EncodedDocuments {
         encode_tokens(dtype, tokens, &mut self.tokens)
             .map_err(|value| Unstorable::TokenOutOfRange { value })?;
         self.lengths.push(length);
+        self.max_ids.push(tokens.iter().copied().max().unwrap_or(0));
         Ok(())
     }
 }
@@ -197,6 +200,7 @@ fn tokenize(
         documents: EncodedDocuments {
             tokens: Vec::with_capacity(tokens * dtype.size()),
             lengths: Vec::with_capacity(batch.documents.len()),
+            max_ids: Vec::with_capacity(batch.documents.len()),
         },
         unstorable: None,
         bad_records: batch.bad_records,

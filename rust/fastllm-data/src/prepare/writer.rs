@@ -145,7 +145,8 @@ impl<'scope, 'env> DatasetWriter<'scope, 'env> {
         let token_size = self.dtype.size();
         let mut part = Part::default();
         let mut tokens = 0;
-        for &length in &batch.documents.lengths {
+        let documents = &batch.documents;
+        for (&length, &max_id) in documents.lengths.iter().zip(&documents.max_ids) {
             if self.open_shard().tokens >= self.shard_size_tokens {
                 self.send_part(&batch, &mut part)?;
                 self.next_shard()?;
@@ -153,6 +154,9 @@ impl<'scope, 'env> DatasetWriter<'scope, 'env> {
             let shard = self.open_shard();
             shard.documents += 1;
             shard.tokens += length as u64;
+            if length > 0 {
+                shard.max_token_id = shard.max_token_id.max(Some(max_id));
+            }
             tokens += length as u64;
             part.documents.end += 1;
             part.bytes.end += length as usize * token_size;
@@ -291,6 +295,7 @@ mod tests {
             let mut encoded = EncodedDocuments {
                 tokens: Vec::new(),
                 lengths: Vec::new(),
+                max_ids: Vec::new(),
             };
             for document in documents {
                 encoded.push(document, dtype).unwrap();
@@ -346,6 +351,7 @@ mod tests {
             let shard = shards.last_mut().unwrap();
             shard.documents += 1;
             shard.tokens += document.len() as u64;
+            shard.max_token_id = shard.max_token_id.max(document.iter().copied().max());
         }
         writer.finish()?;
         Ok(shards)
