@@ -144,7 +144,7 @@ class FlatModel:
         }
         self._hooks = []
         for index, name in enumerate(self.names):
-            parameter = self._parameter(name)
+            parameter = self.model.get_parameter(name)
             hook = self._accumulate_hook(index)
             self._hooks.append(parameter.register_post_accumulate_grad_hook(hook))
             if id(parameter) in linear_weights:
@@ -164,13 +164,6 @@ class FlatModel:
             _, offset, numel = self.layout.parameter(index)
             end = offset + numel
         return end
-
-    def _parameter(self, name: str) -> Tensor:
-        *path, leaf = name.split(".")
-        module = self.model
-        for part in path:
-            module = getattr(module, part)
-        return module._parameters[leaf]
 
     @property
     def tied(self) -> bool:
