@@ -116,6 +116,24 @@ impl Tokenizer {
         Ok(())
     }
 
+    /// Appends the ids of `text` to `ids` and the byte range of `text` each stands for to
+    /// `offsets`, as `tokenizers` encodes it (the offsets transformers' masks are built from),
+    /// adding no special tokens.
+    pub fn encode_with_offsets(
+        &self,
+        text: &str,
+        ids: &mut Vec<u32>,
+        offsets: &mut Vec<(usize, usize)>,
+    ) -> Result<(), TokenizerError> {
+        let encoding = self
+            .hf
+            .encode(text, false)
+            .map_err(|e| TokenizerError::Encode(e.to_string()))?;
+        ids.extend_from_slice(encoding.get_ids());
+        offsets.extend_from_slice(encoding.get_offsets());
+        Ok(())
+    }
+
     /// The text of `ids`, special tokens included.
     pub fn decode(&self, ids: &[u32]) -> Result<String, TokenizerError> {
         self.hf

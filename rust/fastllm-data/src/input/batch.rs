@@ -7,7 +7,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use super::expand::Input;
-use super::jsonl::parse_line;
+use super::jsonl::{parse_line, Fields};
 use super::record::{BadRecord, Document, Record};
 
 /// Documents in input order, and the records met among them that are not documents.
@@ -31,6 +31,20 @@ pub(crate) struct InputCounts {
 }
 
 impl InputCounts {
+    /// Counts document `document` of the batch these counts describe as a bad record instead.
+    pub(crate) fn demote(counts: &mut [InputCounts], document: usize) {
+        let mut before = 0;
+        for counts in counts {
+            if document < before + counts.documents as usize {
+                counts.documents -= 1;
+                counts.bad_records += 1;
+                return;
+            }
+            before += counts.documents as usize;
+        }
+        unreachable!("document {document} is not in the batch");
+    }
+
     pub(crate) fn add_to(&self, inputs: &mut [Input]) {
         let input = &mut inputs[self.input];
         input.documents += self.documents;
@@ -71,7 +85,7 @@ impl Batch {
 }
 
 pub(crate) struct RawBatch {
-    field: Arc<str>,
+    fields: Arc<Fields>,
     /// The JSON lines of the batch, back to back.
     lines: Vec<u8>,
     records: Vec<(usize, RawRecord)>,
@@ -84,14 +98,16 @@ pub(super) enum RawRecord {
         line_number: u64,
         /// Where the line is in [`RawBatch::lines`].
         range: Range<usize>,
+        /// The line is a chat record.
+        chat: bool,
     },
     Read(Record),
 }
 
 impl RawBatch {
-    pub(super) fn new(field: Arc<str>) -> Self {
+    pub(super) fn new(fields: Arc<Fields>) -> Self {
         Self {
-            field,
+            fields,
             lines: Vec::new(),
             records: Vec::new(),
         }
@@ -118,7 +134,8 @@ impl RawBatch {
                     file,
                     line_number,
                     range,
-                } => parse_line(&file, line_number, &self.lines[range], &self.field),
+                    chat,
+                } => parse_line(&file, line_number, &self.lines[range], &self.fields, chat),
                 RawRecord::Read(record) => record,
             };
             batch.push(input, record);
