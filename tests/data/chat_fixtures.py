@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 LLAMA3 = (
     "{% set loop_messages = messages %}{% for message in loop_messages %}"
@@ -123,7 +123,8 @@ def conversations_for(name: str) -> list[list[dict]]:
 
 def write_tokenizer(directory: Path, name: str) -> Path:
     """A byte-level BPE trained on the conversations, with every template's special tokens, and
-    a tokenizer_config.json holding template `name` and its BOS and EOS tokens."""
+    a tokenizer_config.json holding template `name` and its BOS and EOS tokens. Qwen2's trims
+    whitespace off its offsets, as GPT-2's does."""
     template, bos, eos = TEMPLATES[name]
     texts = [m["content"] for c in CONVERSATIONS for m in c] * 20
     tokenizer = Tokenizer(models.BPE())
@@ -136,6 +137,8 @@ def write_tokenizer(directory: Path, name: str) -> Path:
         show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer)
+    if name == "qwen2":  # offsets trimmed of whitespace, as GPT-2's: masks from the offsets
+        tokenizer.post_processor = processors.ByteLevel(trim_offsets=True)
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(directory / "tokenizer.json"))
     config = {
