@@ -64,12 +64,22 @@ CHATML_GENERATION = """{%- for message in messages %}
 {%- endif %}
 """
 
+# Messages as JSON and as dict items, as tool-calling templates write them: Python's json.dumps
+# (transformers' tojson) and keys in the order written.
+TOJSON_ITEMS = (
+    "{%- for message in messages %}{{ message['role'] }}: {{ message | tojson }}\n"
+    "{%- for key, value in message.items() %}{{ key }}={{ value | tojson(indent=2) }};"
+    "{%- endfor %}{{ [message, {'n': [1, 2.5, none, true]}] | tojson(indent=1) }}{{ eos_token }}\n"
+    "{%- endfor %}{%- if add_generation_prompt %}assistant: {%- endif %}"
+)
+
 TEMPLATES = {
     "llama3": (LLAMA3, "<|begin_of_text|>", "<|eot_id|>"),
     "qwen2": (QWEN2, None, "<|im_end|>"),
     "mistral": (MISTRAL, "<s>", "</s>"),
     "llama2_system": (LLAMA2_SYSTEM, "<s>", "</s>"),
     "chatml_generation": (CHATML_GENERATION, None, "<|im_end|>"),
+    "tojson_items": (TOJSON_ITEMS, None, "<|endoftext|>"),
 }
 """Name: (template, bos_token, eos_token)."""
 

@@ -2,8 +2,9 @@
 //! `apply_chat_template` renders them, and which characters of the result are trained on.
 //!
 //! The template is Jinja, rendered by minijinja set up as transformers sets up Jinja: blocks
-//! trimmed and left-stripped, loop controls, `raise_exception`, the Python string and dict
-//! methods (`.strip()`, `.items()` …), and the tokenizer's special tokens as variables.
+//! trimmed and left-stripped, loop controls, `raise_exception`, transformers' `tojson` (Python's
+//! `json.dumps`), the Python string and dict methods (`.strip()`, `.items()` …), messages with
+//! their keys in the order written, and the tokenizer's special tokens as variables.
 //!
 //! Trained text: inside `{% generation %}` … `{% endgeneration %}` blocks when the template has
 //! them (transformers' assistant-token marker, which minijinja does not know: each tag becomes
@@ -16,6 +17,7 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use minijinja::syntax::SyntaxConfig;
+use minijinja::value::Kwargs;
 use minijinja::{Environment, Error, ErrorKind, Value};
 use serde_json::{Map, Value as Json};
 
@@ -130,6 +132,7 @@ impl ChatTemplate {
                 Err(Error::new(ErrorKind::InvalidOperation, message))
             },
         );
+        env.add_filter("tojson", tojson);
         env.add_template_owned("chat", marked)
             .map_err(|error| ChatError::Syntax {
                 path: path.clone(),
@@ -250,6 +253,93 @@ impl ChatTemplate {
             }
         }
         Ok((text, blocks))
+    }
+}
+
+/// transformers' `tojson`: Python's `json.dumps(value, ensure_ascii=False, indent=indent,
+/// separators=separators, sort_keys=sort_keys)`, not minijinja's HTML-safe compact form.
+fn tojson(value: &Value, indent: Option<Value>, kwargs: Kwargs) -> Result<String, Error> {
+    let invalid = |message: &str| Error::new(ErrorKind::InvalidOperation, message.to_owned());
+    let indent = match indent.or(kwargs.get::<Option<Value>>("indent")?) {
+        None => None,
+        Some(value) if value.is_none() => None,
+        Some(value) => match (value.as_i64(), value.as_str()) {
+            (Some(width), _) => Some(" ".repeat(width.max(0) as usize)),
+            (_, Some(text)) => Some(text.to_owned()),
+            _ => return Err(invalid("tojson: indent must be an integer or a string")),
+        },
+    };
+    let (item, key) = match kwargs.get::<Option<Vec<String>>>("separators")? {
+        Some(separators) if separators.len() == 2 => (separators[0].clone(), separators[1].clone()),
+        Some(_) => return Err(invalid("tojson: separators must be a pair")),
+        None if indent.is_some() => (",".to_owned(), ": ".to_owned()),
+        None => (", ".to_owned(), ": ".to_owned()),
+    };
+    let sort_keys = kwargs.get::<Option<bool>>("sort_keys")?.unwrap_or(false);
+    let _ = kwargs.get::<Option<bool>>("ensure_ascii")?;
+    kwargs.assert_all_used()?;
+    let json = serde_json::to_value(value).map_err(|error| invalid(&format!("tojson: {error}")))?;
+    let style = JsonStyle {
+        indent,
+        item,
+        key,
+        sort_keys,
+    };
+    let mut out = String::new();
+    style.write(&json, 0, &mut out);
+    Ok(out)
+}
+
+struct JsonStyle {
+    indent: Option<String>,
+    item: String,
+    key: String,
+    sort_keys: bool,
+}
+
+impl JsonStyle {
+    fn write(&self, value: &Json, level: usize, out: &mut String) {
+        match value {
+            Json::Array(items) if !items.is_empty() => {
+                out.push('[');
+                for (k, item) in items.iter().enumerate() {
+                    self.separate(k, level + 1, out);
+                    self.write(item, level + 1, out);
+                }
+                self.newline(level, out);
+                out.push(']');
+            }
+            Json::Object(map) if !map.is_empty() => {
+                let mut entries: Vec<_> = map.iter().collect();
+                if self.sort_keys {
+                    entries.sort_by(|a, b| a.0.cmp(b.0));
+                }
+                out.push('{');
+                for (k, (name, item)) in entries.into_iter().enumerate() {
+                    self.separate(k, level + 1, out);
+                    out.push_str(&Json::String(name.clone()).to_string());
+                    out.push_str(&self.key);
+                    self.write(item, level + 1, out);
+                }
+                self.newline(level, out);
+                out.push('}');
+            }
+            scalar => out.push_str(&scalar.to_string()),
+        }
+    }
+
+    fn separate(&self, k: usize, level: usize, out: &mut String) {
+        if k > 0 {
+            out.push_str(&self.item);
+        }
+        self.newline(level, out);
+    }
+
+    fn newline(&self, level: usize, out: &mut String) {
+        if let Some(indent) = &self.indent {
+            out.push('\n');
+            out.push_str(&indent.repeat(level));
+        }
     }
 }
 
