@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from fastllm.config import ConfigError
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 
 def generate_text(
@@ -52,7 +56,7 @@ def generate_text(
 
 
 def _chat_prompt(
-    path: Path, tokenizer: object, prompt: str, system: str | None
+    path: Path, tokenizer: Tokenizer, prompt: str, system: str | None
 ) -> tuple[str, dict[str, int]]:
     """The conversation up to the assistant's turn, and the generation settings that stop at
     the tokenizer's end-of-sequence token."""
@@ -68,5 +72,5 @@ def _chat_prompt(
     settings = path / "tokenizer_config.json"
     eos = json.loads(settings.read_text()).get("eos_token") if settings.is_file() else None
     eos = eos.get("content") if isinstance(eos, dict) else eos
-    eos_id = tokenizer.token_to_id(eos) if eos else None  # type: ignore[attr-defined]
+    eos_id = tokenizer.token_to_id(eos) if eos else None
     return text, {} if eos_id is None else {"eos_token_id": eos_id, "pad_token_id": eos_id}

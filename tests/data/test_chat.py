@@ -146,6 +146,27 @@ def test_text_with_loss_masking_spans_tokenizes_each_part_apart_as_fast_llm(
         assert dataset.loss_spans(i) == [m for m in masked if m[0] < m[1]]
 
 
+def test_spans_out_of_range_or_overlapping_are_bad_records(
+    tokenizers: dict[str, Path], tmp_path: Path
+) -> None:
+    records = [
+        {"text": "four chars", "spans": [[0, 3]]},
+        {"text": "short", "spans": [[2, 5]]},
+        {"text": "overlapping spans", "spans": [[0, 4], [4, 6]]},
+        {"text": "not pairs", "spans": [[1, 2, 3]]},
+    ]
+    path = tmp_path / "spans.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    output = prepare(path, tokenizers["qwen2"], tmp_path / "out", "input.loss_masking_spans=spans")
+    report = json.loads((output / "metadata.json").read_text())
+    assert report["documents"] == 1 and report["bad_records"] == 3
+    assert report["first_bad_records"] == [
+        f"{path}:2: loss-masking span [2, 5] is out of range for a text of 5 characters",
+        f"{path}:3: loss-masking span [4, 6] overlaps another",
+        f'{path}:4: field "spans" is not a list of [begin, end] character positions',
+    ]
+
+
 def test_bad_records_are_reported_as_file_and_line(
     tokenizers: dict[str, Path], tmp_path: Path
 ) -> None:

@@ -15,6 +15,8 @@ use super::record::{BadRecord, Document, Record};
 pub struct Batch {
     pub documents: Vec<Document>,
     pub bad_records: Vec<BadRecord>,
+    /// For each bad record, how many documents came before it in the batch.
+    pub(crate) bad_record_positions: Vec<usize>,
     /// Binary files of source trees, skipped.
     pub skipped_files: u64,
     /// The same, per input.
@@ -75,6 +77,7 @@ impl Batch {
             Record::Bad(record) => {
                 counts.bad_records += 1;
                 self.bad_records.push(record);
+                self.bad_record_positions.push(self.documents.len());
             }
             Record::Skipped => {
                 counts.skipped_files += 1;

@@ -211,14 +211,23 @@ fn tokenize(
     let mut tokenized = TokenizedBatch {
         documents: EncodedDocuments::with_capacity(tokens * dtype.size(), batch.documents.len()),
         unstorable: None,
-        bad_records: batch.bad_records,
+        bad_records: Vec::with_capacity(batch.bad_records.len()),
         skipped_files: batch.skipped_files,
         counts: batch.counts,
     };
+    // Bad records in input order: those the reader met, and documents the encoder refuses.
+    let mut unreadable = batch
+        .bad_record_positions
+        .into_iter()
+        .zip(batch.bad_records)
+        .peekable();
     let mut refused = 0;
     for (k, document) in batch.documents.into_iter().enumerate() {
         if should_stop() {
             return None;
+        }
+        while let Some((_, record)) = unreadable.next_if(|&(position, _)| position == k) {
+            tokenized.bad_records.push(record);
         }
         match encoder.encode(&document, scratch) {
             Ok(()) => {}
@@ -249,6 +258,9 @@ fn tokenize(
             }
         }
     }
+    tokenized
+        .bad_records
+        .extend(unreadable.map(|(_, record)| record));
     Some(Ok(tokenized))
 }
 
