@@ -7,6 +7,7 @@
 #   nvidia-h200-x2: bash bench/device_run.sh HASH train-1b scale-x2
 #   nvidia-h200:    bash bench/device_run.sh HASH train-3b
 #   nvidia-h200-x8: bash bench/device_run.sh HASH scale-x8
+#   nvidia-h200:    bash bench/device_run.sh HASH sft
 # A second setting of a train part in the same call (its results under train_MODEL_TAG):
 #   ... && APPEND=1 SYSTEMS=fastllm SET=model.multi_stage.recompute=none TAG=store \
 #          bash bench/device_run.sh HASH train-1b
@@ -16,7 +17,8 @@
 # sustained (bf16 matmul TFLOP/s, clock and power over a minute of load),
 # prepare (16-core scaling), train-1b | train-3b (train_bench + profile), zero-8b (llama-8b
 # ZeRO-2 and 3 on 2 GPUs), profile-8b (one profiled llama-8b step on 2 GPUs), scale-x2 |
-# scale-x8 (Mistral-7B scaling).
+# scale-x8 (Mistral-7B scaling), sft (llama-1b fine-tuning on packed, masked conversations
+# against HF + compile on the same batches; chat prepare against apply_chat_template in a pool).
 set -uo pipefail
 COMMIT=$1
 shift
@@ -89,6 +91,10 @@ run_part() {
       # micro-batch (on 2 GPUs: 98.8% scaling against 91.8%, h200-94993d3).
       python3 bench/scale_bench.py --gpus 1 2 8 --steps 5 --kill-at-end --timeout 190 \
         --zero-stage "${ZERO:-1}" --commit "$COMMIT" --out "$RES/scale_x8" 2>&1 | tail -12 ;;
+    sft)
+      # SFT_PARTS: train and/or prepare (both by default).
+      python3 bench/sft_bench.py --parts ${SFT_PARTS:-train prepare} --cores 1 2 4 8 16 \
+        --timeout 170 --commit "$COMMIT" --out "$RES/sft${TAG:+_$TAG}" 2>&1 | tail -24 ;;
     *) echo "unknown part $1"; return 2 ;;
   esac
 }

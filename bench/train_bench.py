@@ -445,7 +445,14 @@ def summarize(run: dict[str, Any], tokens_per_step: int, peak_flops: float) -> d
     }
 
 
-def spawn(spec: dict[str, Any], work: Path, logs: Path, args: argparse.Namespace) -> dict:
+def spawn(
+    spec: dict[str, Any],
+    work: Path,
+    logs: Path,
+    args: argparse.Namespace,
+    script: Path = Path(__file__),
+) -> dict:
+    """Runs `script --child SPEC` (this file's child by default) under --timeout."""
     name = f"{spec['model']}_{spec['system']}"
     spec_path, log = work / f"{name}.spec.json", logs / f"{name}.log"
     write_json(spec_path, spec)
@@ -462,7 +469,7 @@ def spawn(spec: dict[str, Any], work: Path, logs: Path, args: argparse.Namespace
         # the measured steps (OpenMP barriers spin against other processes).
         env.update(CUDA_VISIBLE_DEVICES="", TORCHINDUCTOR_COMPILE_THREADS="1")
         env.setdefault("OMP_NUM_THREADS", "1")
-    command = [sys.executable, str(Path(__file__).resolve()), "--child", str(spec_path)]
+    command = [sys.executable, str(script.resolve()), "--child", str(spec_path)]
     start = time.perf_counter()
     try:
         with log.open("w") as output:

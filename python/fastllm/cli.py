@@ -147,6 +147,8 @@ def _generate(args: argparse.Namespace) -> None:
             max_new_tokens=args.max_new_tokens,
             temperature=args.temperature,
             device=args.device,
+            chat=args.chat,
+            system=args.system,
         )
     )
 
@@ -260,6 +262,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="sampling temperature (0: greedy)",
     )
     generate.add_argument("--device", default=None, help="torch device (default: cuda if present)")
+    generate.add_argument(
+        "--chat",
+        action="store_true",
+        help="answer the prompt as a user turn, rendered with the model's chat template",
+    )
+    generate.add_argument("--system", default=None, help="with --chat: a system turn first")
     generate.set_defaults(handler=_generate)
     return parser
 

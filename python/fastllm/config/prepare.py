@@ -13,17 +13,45 @@ class InputConfig(Section):
     path: list[str] = msgspec.field(default_factory=list)
     """Input files, directories or glob patterns, read in the order given (directories in
     sorted order)."""
-    format: Literal["auto", "jsonl", "parquet", "text", "files"] = "auto"
-    """jsonl (also .gz and .zst), parquet, text (one document per file), files (a source tree:
-    every matching file is a document); auto picks by extension, and `files` for directories."""
+    format: Literal["auto", "jsonl", "chat", "parquet", "text", "files"] = "auto"
+    """jsonl (also .gz and .zst), chat (jsonl of conversations), parquet, text (one document per
+    file), files (a source tree: every matching file is a document); auto picks by extension,
+    `chat` for jsonl whose first record has `messages_field` and not `field`, and `files` for
+    directories."""
     field: str = "text"
     """Field holding the document text in jsonl records and parquet rows."""
     extensions: list[str] | None = None
     """For `files`: file extensions to keep, e.g. [.py, .rs] (default: every UTF-8 file)."""
+    messages_field: str = "messages"
+    """For chat: field holding the conversation, a list of {role, content} messages."""
+    chat_template: str | None = None
+    """For chat: a Jinja template file to render conversations with (default: the tokenizer's
+    chat_template.jinja or tokenizer_config.json `chat_template`)."""
+    train_on: Literal["assistant", "last_assistant", "all"] = "assistant"
+    """For chat: the tokens trained on; assistant: every assistant turn ({% generation %} blocks
+    where the template has them), last_assistant: the last one, all: every token. The rest is
+    masked from the loss."""
+    loss_masking_spans: str | None = None
+    """For jsonl text: field holding character spans [[begin, end], ...] (end included, as
+    Fast-LLM's) excluded from the loss."""
 
     def validate(self) -> None:
         if not self.path:
             raise ConfigError("path", "at least one input is required")
+        if self.loss_masking_spans is not None and self.format not in ("auto", "jsonl"):
+            raise ConfigError(
+                "loss_masking_spans",
+                f"spans are read from jsonl text records, not with format: {self.format}"
+                + (
+                    " (a conversation's masks come from its template)"
+                    if self.format == "chat"
+                    else ""
+                ),
+            )
+        if self.format not in ("auto", "chat"):
+            for key, default in (("chat_template", None), ("train_on", "assistant")):
+                if getattr(self, key) != default:
+                    raise ConfigError(key, f"applies to chat inputs, not to format: {self.format}")
 
 
 class TokenizerConfig(Section):
@@ -61,9 +89,10 @@ class PrepareConfig(Section):
     workers: int | None = None
     """Tokenizer threads (default: every core)."""
     add_eos: bool = True
-    """Append the end-of-document token to each document."""
+    """Append the end-of-document token to each text document (conversations are framed by
+    their chat template)."""
     add_bos: bool = False
-    """Prepend the beginning-of-document token to each document."""
+    """Prepend the beginning-of-document token to each text document."""
     strict: bool = False
     """Fail on the first bad record instead of counting and skipping it."""
 

@@ -53,15 +53,34 @@ class TokenDataset:
     def shard_tokens(self) -> list[int]:
         return [shard.num_tokens for shard in self._shards]
 
+    @property
+    def shard_has_loss_spans(self) -> list[bool]:
+        return [shard.has_loss_spans for shard in self._shards]
+
+    @property
+    def has_loss_spans(self) -> bool:
+        """Some shard has a `.spans` sidecar: tokens masked from the loss."""
+        return any(self.shard_has_loss_spans)
+
+    def loss_spans(self, index: int) -> list[tuple[int, int]]:
+        """The masked token ranges (begin, end) of document `index`."""
+        shard, local = self._locate(index)
+        return self._shards[shard].loss_spans(local)
+
     def document_lengths(self) -> np.ndarray:
         return np.concatenate([shard.document_lengths() for shard in self._shards])
 
     def __getitem__(self, index: int) -> np.ndarray:
+        shard, local = self._locate(index)
+        return self._shards[shard].document(local)
+
+    def _locate(self, index: int) -> tuple[int, int]:
+        """The shard of document `index` and its index there."""
         if not -len(self) <= index < len(self):
             raise IndexError(f"{self.path}: document {index} out of range ({len(self)} documents)")
         index %= len(self)
         shard = int(np.searchsorted(self._starts, index, side="right")) - 1
-        return self._shards[shard].document(index - int(self._starts[shard]))
+        return shard, index - int(self._starts[shard])
 
 
 def _is_token_id(value: object) -> bool:

@@ -29,6 +29,10 @@ def prepare(
         format=config.input.format,
         field=config.input.field,
         extensions=config.input.extensions,
+        messages_field=config.input.messages_field,
+        loss_masking_spans=config.input.loss_masking_spans,
+        chat_template=config.input.chat_template,
+        train_on=config.input.train_on,
         tokenizer=config.tokenizer.path,
         eos_token=config.tokenizer.eos_token,
         bos_token=config.tokenizer.bos_token,
@@ -100,6 +104,12 @@ def summary(report: dict[str, Any], output: str, seconds: float) -> str:
         f"{seconds:.1f}s, {report['tokens'] / max(seconds, 1e-9):,.0f} tokens/s, "
         f"tokenizer: {report['tokenizer']['implementation']}",
     ]
+    if report["loss_masking_spans"]:
+        share = report["trained_tokens"] / max(report["tokens"], 1)
+        lines.append(
+            f"{report['format']}: {report['trained_tokens']:,} tokens trained on ({share:.1%})"
+            + (f", train_on: {report['train_on']}" if report["train_on"] else "")
+        )
     if report["bad_records"]:
         lines.append(f"{report['bad_records']:,} bad record(s) skipped; the first ones:")
         lines += [f"  {record}" for record in report["first_bad_records"]]

@@ -24,7 +24,7 @@ class Samples:
     document_ids: (
         np.ndarray
     )  # (count, sample_length) int32, index of the document within the sample
-    loss_mask: np.ndarray  # (count, sample_length) uint8, 0 on padding
+    loss_mask: np.ndarray  # (count, sample_length) uint8, 0 on padding and masked tokens
 
 
 class SampleStream:
@@ -66,6 +66,14 @@ class SampleStream:
                         f"{bin_file} holds token id {token_id} but model.base_model.vocab_size "
                         f"is {vocab_size}",
                     )
+        for i, dataset in enumerate(datasets):
+            _check_loss_spans(dataset, f"{key}[{i}]")
+            if config.fim and dataset.has_loss_spans:
+                raise ConfigError(
+                    "data.fim",
+                    f"{key}[{i}]: {dataset.path} has loss-masking spans (a {dataset.metadata.get('format')} "
+                    "dataset), which FIM would move; turn one of them off",
+                )
         prefixes = [prefix for dataset in datasets for prefix in dataset.prefixes]
         shard_weights = _shard_weights(datasets, weights)
         fim, tokenizer = _fim_options(config.fim, datasets, key) if config.fim else (None, None)
@@ -86,6 +94,13 @@ class SampleStream:
         except ValueError as error:
             raise ConfigError(key, str(error)) from None
         self.sample_length = self._source.sample_length
+        self.skipped_samples = self._source.skipped_samples
+        """Samples skipped for having no trained token (every label masked)."""
+        if self.skipped_samples and os.environ.get("RANK", "0") == "0":
+            print(
+                f"fastllm: {key}: {self.skipped_samples:,} sample(s) without a trained token skipped",
+                flush=True,
+            )
 
     def __len__(self) -> int:
         return len(self._source)
@@ -99,6 +114,20 @@ class SampleStream:
             first, tokens.reshape(-1), document_ids.reshape(-1), loss_mask.reshape(-1)
         )
         return Samples(tokens, document_ids, loss_mask)
+
+
+def _check_loss_spans(dataset: TokenDataset, key: str) -> None:
+    """A dataset prepared with loss-masking spans has them beside every shard: training
+    without them would silently train on the prompts."""
+    if not dataset.metadata.get("loss_masking_spans"):
+        return
+    for prefix, has_spans in zip(dataset.prefixes, dataset.shard_has_loss_spans, strict=True):
+        if not has_spans:
+            raise ConfigError(
+                key,
+                f"{prefix}.spans is missing: {dataset.path}/metadata.json says its shards have "
+                "loss-masking spans",
+            )
 
 
 def _shard_weights(datasets: list[TokenDataset], weights: list[float] | None) -> list[float] | None:

@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
-use fastllm_data::{prepare, InputSpec, PrepareOptions, Progress};
+use fastllm_data::{prepare, InputSpec, PrepareOptions, Progress, TrainOn};
 use tokenizers::models::bpe::{BpeTrainerBuilder, BPE};
 use tokenizers::models::TrainerWrapper;
 use tokenizers::normalizers::unicode::NFC;
@@ -75,6 +75,8 @@ fn main() -> Result<(), Box<dyn Error + Send + Sync>> {
                 workers,
                 strict: false,
                 overwrite: true,
+                chat_template: None,
+                train_on: TrainOn::Assistant,
             };
             let start = Instant::now();
             let report = prepare(&options, &Progress::new())?;

@@ -122,6 +122,18 @@ pub enum DataError {
     #[error("character-level FIM: {0}")]
     Codec(String),
 
+    #[error("{path}: {reason}")]
+    BadLossSpans { path: PathBuf, reason: String },
+
+    #[error(
+        "{path}: fewer than one sample in {ratio} has a token to train on; it has too few \
+         trained tokens for samples of this length"
+    )]
+    TooFewTrainedTokens { path: PathBuf, ratio: usize },
+
+    #[error("FIM cannot keep loss-masking spans in place: {path} has them")]
+    FimWithLossSpans { path: PathBuf },
+
     #[error(
         "batch buffers must have equal lengths, a multiple of the sample length {sample_length} \
          (tokens {tokens}, document ids {document_ids}, loss mask {loss_mask})"
@@ -167,6 +179,14 @@ pub enum InputError {
         source: std::io::Error,
     },
 
+    #[error(
+        "{path}: loss-masking spans are read from JSON lines of text, not from {format:?} input"
+    )]
+    SpansNeedJsonl {
+        path: PathBuf,
+        format: crate::InputFormat,
+    },
+
     #[error("walking {path}: {source}")]
     Walk {
         path: PathBuf,
@@ -205,6 +225,30 @@ pub enum TokenizerError {
     Decode(String),
 }
 
+/// Why a chat template cannot be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum ChatError {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+
+    #[error("{path}: {source}")]
+    Config {
+        path: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+
+    #[error("{path}: no chat_template (and no chat_template.jinja beside it); name one (input.chat_template)")]
+    NoTemplate { path: PathBuf },
+
+    #[error("{path}: not a valid chat template: {reason}")]
+    Syntax { path: PathBuf, reason: String },
+}
+
 /// Why `prepare` stopped; it leaves no output behind.
 #[derive(Debug, thiserror::Error)]
 pub enum PrepareError {
@@ -216,6 +260,9 @@ pub enum PrepareError {
 
     #[error(transparent)]
     Data(#[from] DataError),
+
+    #[error(transparent)]
+    Chat(#[from] ChatError),
 
     #[error("{path}: {source}")]
     Io {

@@ -25,6 +25,7 @@ use std::path::{Path, PathBuf};
 use memmap2::Mmap;
 
 use crate::atomic_file::write_atomically;
+use crate::loss_spans::LossSpans;
 use crate::token::{TokenDtype, TokenSlice};
 use crate::DataError;
 
@@ -57,11 +58,13 @@ pub struct IndexedDataset {
     dtype: TokenDtype,
     lengths: Vec<i32>,
     num_tokens: u64,
+    loss_spans: Option<LossSpans>,
 }
 
 impl IndexedDataset {
     /// Opens `PREFIX.idx` and `PREFIX.bin`, checking that the index is well formed and agrees
-    /// with the size of `.bin`.
+    /// with the size of `.bin`; and `PREFIX.spans`, the loss-masking spans, when there is one,
+    /// checking it against the index.
     pub fn open(prefix: impl AsRef<Path>) -> Result<Self, DataError> {
         let prefix = prefix.as_ref();
         let idx_path = idx_path(prefix);
@@ -80,6 +83,7 @@ impl IndexedDataset {
                 actual: bin.len() as u64,
             });
         }
+        let loss_spans = LossSpans::open(prefix, &lengths)?;
         Ok(Self {
             bin_path,
             bin,
@@ -87,7 +91,18 @@ impl IndexedDataset {
             dtype: header.dtype,
             lengths,
             num_tokens,
+            loss_spans,
         })
+    }
+
+    /// The tokens of each document that are not trained on, when the dataset has a sidecar.
+    pub fn loss_spans(&self) -> Option<&LossSpans> {
+        self.loss_spans.as_ref()
+    }
+
+    /// `PREFIX.bin`.
+    pub fn bin_path(&self) -> &Path {
+        &self.bin_path
     }
 
     /// Number of documents (Megatron's sequences).
@@ -105,11 +120,6 @@ impl IndexedDataset {
 
     pub fn dtype(&self) -> TokenDtype {
         self.dtype
-    }
-
-    /// The `.bin` file the tokens are read from.
-    pub fn bin_path(&self) -> &Path {
-        &self.bin_path
     }
 
     /// Every token of the dataset, borrowed from the mapped file.

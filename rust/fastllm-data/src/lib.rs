@@ -6,19 +6,23 @@
 //!   truncated, deterministic and cached on disk.
 //! - [`BlendingIndex`]: several datasets mixed into one sample stream by weight.
 //! - [`Fim`]: fill-in-the-middle, StarCoder's way, deterministic per sample.
+//! - [`LossSpans`]: the tokens of each document not trained on, in a sidecar of the dataset.
 //! - [`SampleSource`]: all of the above as training batches (tokens, document ids, loss mask).
 //!
 //! - [`prepare`]: raw text (JSON lines, Parquet, text, source trees) tokenized on every core
-//!   into sharded datasets, through [`DocumentReader`] and [`Tokenizer`].
+//!   into sharded datasets, through [`DocumentReader`] and [`Tokenizer`]; conversations through
+//!   the tokenizer's [`ChatTemplate`].
 //!
 //! Plain Rust with typed errors ([`DataError`]); the Python bindings live in `fastllm-python`.
 
 mod atomic_file;
 mod blending;
+mod chat;
 mod error;
 mod fim;
 mod indexed;
 mod input;
+mod loss_spans;
 mod max_token;
 mod prepare;
 mod random;
@@ -30,12 +34,14 @@ mod token;
 mod tokenizer;
 
 pub use blending::BlendingIndex;
-pub use error::{DataError, InputError, PrepareError, TokenizerError};
+pub use chat::{ChatTemplate, RenderedChat, TrainOn};
+pub use error::{ChatError, DataError, InputError, PrepareError, TokenizerError};
 pub use fim::{Fim, FimConfig, FimSplit, TextCodec};
 pub use indexed::{IndexedDataset, IndexedDatasetWriter};
 pub use input::{
-    BadRecord, Batch, Document, DocumentReader, Input, InputFormat, InputSpec, Location,
+    BadRecord, Batch, Content, Document, DocumentReader, Input, InputFormat, InputSpec, Location,
 };
+pub use loss_spans::LossSpans;
 pub use prepare::{prepare, PrepareOptions, PrepareReport, Progress, ShardReport, TokenizerReport};
 pub use sample_source::{SampleSource, SampleSourceConfig};
 pub use sampling::{Piece, Pieces, SamplingConfig, SamplingIndex, SamplingMode};

@@ -6,15 +6,26 @@
 //! then transforms it with randomness drawn from `(seed, i)`. Any sample can thus be computed
 //! alone, on any thread, in any batch: resuming after `n` consumed samples is simply filling
 //! from sample `n`.
+//!
+//! Datasets with loss-masking spans mask those tokens, and their samples without a single
+//! trained label (every target masked) are skipped: sample `j` of such a dataset is the `j`-th
+//! sample of its index that has one, the index being drawn long enough to hold them all.
 
 use std::num::NonZeroUsize;
 use std::path::PathBuf;
 use std::thread;
 
+use std::path::Path;
+
 use crate::fim::{Fim, FimSplit};
 use crate::{
-    BlendingIndex, DataError, IndexedDataset, SamplingConfig, SamplingIndex, SamplingMode,
+    BlendingIndex, DataError, IndexedDataset, LossSpans, SamplingConfig, SamplingIndex,
+    SamplingMode,
 };
+
+/// A dataset whose index holds fewer samples with a trained label than one in this many is
+/// refused rather than drawn ever longer.
+const MAX_UNTRAINED_RATIO: usize = 64;
 
 /// Below this many tokens per thread, copying is cheaper than starting a thread.
 const MIN_TOKENS_PER_THREAD: usize = 1 << 17;
@@ -42,6 +53,11 @@ pub struct SampleSourceConfig {
 pub struct SampleSource {
     datasets: Vec<IndexedDataset>,
     indices: Vec<SamplingIndex>,
+    /// For datasets with loss-masking spans: the samples of the index that have a trained
+    /// label, which are the dataset's samples.
+    trained_samples: Vec<Option<Vec<usize>>>,
+    /// Samples of the indices skipped for having no trained label.
+    skipped_samples: u64,
     /// `None` for a single dataset, whose samples are the stream's.
     blending: Option<BlendingIndex>,
     fim: Option<Fim>,
@@ -88,24 +104,35 @@ impl SampleSource {
                 .collect(),
             None => vec![config.num_samples],
         };
-        let indices = datasets
-            .iter()
-            .zip(samples_per_dataset)
-            .map(|(dataset, num_samples)| {
-                let sampling = SamplingConfig {
-                    sequence_length: config.sequence_length,
-                    num_samples,
-                    seed: config.seed,
-                    mode: config.mode,
-                };
-                SamplingIndex::load_or_build(
-                    &config.cache_dir,
-                    dataset.document_lengths(),
-                    sampling,
-                )
-                .map(|(index, _)| index)
-            })
-            .collect::<Result<Vec<_>, _>>()?;
+        if fim.is_some() {
+            if let Some(dataset) = datasets.iter().find(|d| d.loss_spans().is_some()) {
+                return Err(DataError::FimWithLossSpans {
+                    path: dataset.bin_path().to_owned(),
+                });
+            }
+        }
+        let mut indices = Vec::with_capacity(datasets.len());
+        let mut trained_samples = Vec::with_capacity(datasets.len());
+        let mut skipped_samples = 0;
+        for (dataset, num_samples) in datasets.iter().zip(samples_per_dataset) {
+            let sampling = SamplingConfig {
+                sequence_length: config.sequence_length,
+                num_samples,
+                seed: config.seed,
+                mode: config.mode,
+            };
+            let (index, trained) = match dataset.loss_spans() {
+                None => (index(&config.cache_dir, dataset, sampling)?, None),
+                Some(spans) => {
+                    let (index, trained, skipped) =
+                        trained_index(&config.cache_dir, dataset, spans, sampling)?;
+                    skipped_samples += skipped;
+                    (index, Some(trained))
+                }
+            };
+            indices.push(index);
+            trained_samples.push(trained);
+        }
         let threads = match config.threads {
             0 => thread::available_parallelism().map_or(1, NonZeroUsize::get),
             threads => threads,
@@ -113,6 +140,8 @@ impl SampleSource {
         Ok(Self {
             datasets,
             indices,
+            trained_samples,
+            skipped_samples,
             blending,
             padding_token: fim.as_ref().map_or(0, |fim| fim.config().pad.into()),
             fim,
@@ -126,6 +155,11 @@ impl SampleSource {
     /// Tokens per sample: `sequence_length + 1`.
     pub fn sample_length(&self) -> usize {
         self.sample_length
+    }
+
+    /// Samples of the datasets' indices skipped for having no trained label.
+    pub fn skipped_samples(&self) -> u64 {
+        self.skipped_samples
     }
 
     /// Samples in the stream.
@@ -144,8 +178,9 @@ impl SampleSource {
     /// - `document_ids`: for each position, which document piece of its sample it comes from,
     ///   counted 0, 1, 2, … from the sample's start, so attention can stay inside documents;
     ///   padding counts as one more document after the last;
-    /// - `loss_mask`: 0 on padding (a short truncated document, or a sample FIM shortened),
-    ///   1 elsewhere. Padding tokens are FIM's pad token, or 0 without FIM.
+    /// - `loss_mask`: 0 on padding (a short truncated document, or a sample FIM shortened) and
+    ///   on the tokens of loss-masking spans, 1 elsewhere. Padding tokens are FIM's pad token,
+    ///   or 0 without FIM.
     ///
     /// The buffers must have equal lengths, a multiple of the sample length, and every sample
     /// must exist: the stream does not wrap around.
@@ -251,25 +286,136 @@ impl SampleSource {
             ),
             None => (0, sample),
         };
+        let dataset_sample = match &self.trained_samples[dataset] {
+            Some(trained) => trained[dataset_sample],
+            None => dataset_sample,
+        };
+        let source = &self.datasets[dataset];
         let mut end = 0;
         // A sample has at most `sample_length` pieces, so their ids fit i32 in any real batch.
         for (id, piece) in self.indices[dataset].pieces(dataset_sample)?.enumerate() {
             let range = end..end + piece.length as usize;
-            self.datasets[dataset]
+            source
                 .tokens(piece.document as usize, piece.offset as usize, range.len())?
                 .copy_to(&mut tokens[range.clone()]);
             document_ids[range.clone()].fill(id as i32);
+            loss_mask[range.clone()].fill(1);
+            if let Some(spans) = source.loss_spans() {
+                for masked in masked_in(spans, piece.document, piece.offset, piece.length) {
+                    loss_mask[range.start + masked.start..range.start + masked.end].fill(0);
+                }
+            }
             end = range.end;
         }
         let real = match &self.fim {
-            Some(fim) => fim.apply(self.seed, sample as u64, tokens, document_ids, end)?,
+            Some(fim) => {
+                let real = fim.apply(self.seed, sample as u64, tokens, document_ids, end)?;
+                loss_mask[..real].fill(1);
+                real
+            }
             None => end,
         };
         let padding_id = real.checked_sub(1).map_or(0, |last| document_ids[last] + 1);
         tokens[real..].fill(self.padding_token);
         document_ids[real..].fill(padding_id);
-        loss_mask[..real].fill(1);
         loss_mask[real..].fill(0);
         Ok(())
     }
+}
+
+fn index(
+    cache_dir: &Path,
+    dataset: &IndexedDataset,
+    sampling: SamplingConfig,
+) -> Result<SamplingIndex, DataError> {
+    SamplingIndex::load_or_build(cache_dir, dataset.document_lengths(), sampling)
+        .map(|(index, _)| index)
+}
+
+/// An index holding `sampling.num_samples` samples with a trained label, those samples, and
+/// how many samples without one come before the last of them.
+fn trained_index(
+    cache_dir: &Path,
+    dataset: &IndexedDataset,
+    spans: &LossSpans,
+    sampling: SamplingConfig,
+) -> Result<(SamplingIndex, Vec<usize>, u64), DataError> {
+    let needed = sampling.num_samples;
+    let limit = needed.saturating_mul(MAX_UNTRAINED_RATIO);
+    let mut drawn = needed;
+    loop {
+        let index = index(
+            cache_dir,
+            dataset,
+            SamplingConfig {
+                num_samples: drawn,
+                ..sampling
+            },
+        )?;
+        let mut trained = Vec::with_capacity(needed);
+        for sample in 0..drawn {
+            if trained.len() == needed {
+                break;
+            }
+            if has_trained_label(&index, spans, sample)? {
+                trained.push(sample);
+            }
+        }
+        if trained.len() == needed {
+            let skipped = trained.last().map_or(0, |&last| last + 1 - needed);
+            return Ok((index, trained, skipped as u64));
+        }
+        if drawn >= limit {
+            return Err(DataError::TooFewTrainedTokens {
+                path: dataset.bin_path().to_owned(),
+                ratio: MAX_UNTRAINED_RATIO,
+            });
+        }
+        // Samples after the first `drawn` have trained labels about as often as those.
+        let estimate = match trained.len() {
+            0 => drawn.saturating_mul(2),
+            found => (drawn as u128 * needed as u128).div_ceil(found as u128) as usize + 1,
+        };
+        drawn = estimate.min(limit);
+    }
+}
+
+/// Whether some label of the sample (tokens 1, 2, … of it) is trained on.
+fn has_trained_label(
+    index: &SamplingIndex,
+    spans: &LossSpans,
+    sample: usize,
+) -> Result<bool, DataError> {
+    let mut position = 0u32;
+    for piece in index.pieces(sample)? {
+        // The sample's first token is only ever an input.
+        let skip = u32::from(position == 0);
+        let (offset, length) = (piece.offset + skip, piece.length.saturating_sub(skip));
+        let masked: usize = masked_in(spans, piece.document, offset, length)
+            .map(|range| range.len())
+            .sum();
+        if (masked as u32) < length {
+            return Ok(true);
+        }
+        position += piece.length;
+    }
+    Ok(false)
+}
+
+/// The masked tokens among tokens `offset..offset + length` of `document`, relative to `offset`.
+fn masked_in(
+    spans: &LossSpans,
+    document: u32,
+    offset: u32,
+    length: u32,
+) -> impl Iterator<Item = std::ops::Range<usize>> + '_ {
+    let spans = spans.document(document as usize);
+    let end = offset + length;
+    let first = spans.partition_point(|&[_, span_end]| span_end <= offset);
+    spans[first..]
+        .iter()
+        .take_while(move |&&[begin, _]| begin < end)
+        .map(move |&[begin, span_end]| {
+            (begin.max(offset) - offset) as usize..(span_end.min(end) - offset) as usize
+        })
 }

@@ -8,6 +8,7 @@ use std::fmt;
 use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 
 use fastllm_bpe::ByteLevelBpe;
 use serde::Serialize;
@@ -29,6 +30,10 @@ pub struct Tokenizer {
     vocab_size: usize,
     configured_eos: Option<String>,
     configured_bos: Option<String>,
+    /// Bytes of text each id stands for, when the fast encoder's tokens cover the text back to
+    /// back and their offsets are exactly that (no post-processor trims them); built on first
+    /// use.
+    token_bytes: OnceLock<Option<Vec<u32>>>,
 }
 
 /// Which code encodes.
@@ -98,6 +103,7 @@ impl Tokenizer {
             vocab_size,
             configured_eos: configured_token(&config, "eos_token"),
             configured_bos: configured_token(&config, "bos_token"),
+            token_bytes: OnceLock::new(),
         })
     }
 
@@ -114,6 +120,66 @@ impl Tokenizer {
             }
         }
         Ok(())
+    }
+
+    /// Appends the ids of `text` to `ids` and the byte range of `text` each stands for to
+    /// `offsets`, as `tokenizers` encodes it (the offsets transformers' masks are built from),
+    /// adding no special tokens.
+    pub fn encode_with_offsets(
+        &self,
+        text: &str,
+        ids: &mut Vec<u32>,
+        offsets: &mut Vec<(usize, usize)>,
+    ) -> Result<(), TokenizerError> {
+        // The fast encoder's tokens, laid end to end, when they cover exactly the text (an
+        // added token that strips the whitespace around it, or a prefix space, would not).
+        if let (Ok(fast), Some(lengths)) = (&self.fast, self.token_bytes()) {
+            let (first, first_offset) = (ids.len(), offsets.len());
+            fast.encode(text, ids);
+            let mut end = 0;
+            offsets.extend(ids[first..].iter().map(|&id| {
+                let start = end;
+                end += lengths.get(id as usize).copied().unwrap_or(0) as usize;
+                (start, end)
+            }));
+            if end == text.len() {
+                return Ok(());
+            }
+            ids.truncate(first);
+            offsets.truncate(first_offset);
+        }
+        let encoding = self
+            .hf
+            .encode(text, false)
+            .map_err(|e| TokenizerError::Encode(e.to_string()))?;
+        ids.extend_from_slice(encoding.get_ids());
+        offsets.extend_from_slice(encoding.get_offsets());
+        Ok(())
+    }
+
+    /// The bytes of text each id of the fast encoder's (byte-level) vocabulary stands for;
+    /// `None` when a post-processor trims offsets.
+    fn token_bytes(&self) -> Option<&[u32]> {
+        self.token_bytes
+            .get_or_init(|| {
+                let trims = self.hf.get_post_processor().is_some_and(|processor| {
+                    serde_json::to_value(processor).is_ok_and(|json| trims_offsets(&json))
+                });
+                if trims {
+                    return None;
+                }
+                let added = self.hf.get_added_tokens_decoder();
+                let mut lengths = vec![0; self.vocab_size];
+                for (token, id) in self.hf.get_vocab(false) {
+                    // Byte-level tokens spell each byte with one character.
+                    lengths[id as usize] = token.chars().count() as u32;
+                }
+                for (id, token) in added {
+                    lengths[id as usize] = token.content.len() as u32;
+                }
+                Some(lengths)
+            })
+            .as_deref()
     }
 
     /// The text of `ids`, special tokens included.
@@ -189,6 +255,18 @@ impl Tokenizer {
                 .chain(usual.iter().copied())
                 .find_map(found)),
         }
+    }
+}
+
+/// Whether a post-processor (as JSON) trims whitespace off token offsets anywhere.
+fn trims_offsets(json: &serde_json::Value) -> bool {
+    match json {
+        serde_json::Value::Object(map) => map.iter().any(|(key, value)| {
+            (key == "trim_offsets" && value == &serde_json::Value::Bool(true))
+                || trims_offsets(value)
+        }),
+        serde_json::Value::Array(items) => items.iter().any(trims_offsets),
+        _ => false,
     }
 }
 

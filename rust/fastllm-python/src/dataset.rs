@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use fastllm_data::IndexedDataset;
 use numpy::{PyArray1, PyArrayMethods};
+use pyo3::exceptions::PyIndexError;
 use pyo3::prelude::*;
 
 use crate::errors::data_error;
@@ -49,6 +50,29 @@ impl TokenDataset {
     /// Token count of every document.
     fn document_lengths<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
         PyArray1::from_slice(py, self.inner.document_lengths())
+    }
+
+    /// Whether a `.spans` sidecar masks tokens from the loss.
+    #[getter]
+    fn has_loss_spans(&self) -> bool {
+        self.inner.loss_spans().is_some()
+    }
+
+    /// The masked token ranges `(begin, end)` of document `index` (none without a sidecar).
+    fn loss_spans(&self, index: usize) -> PyResult<Vec<(u32, u32)>> {
+        if index >= self.inner.len() {
+            return Err(PyIndexError::new_err(format!(
+                "document {index} out of range ({} documents)",
+                self.inner.len()
+            )));
+        }
+        Ok(self.inner.loss_spans().map_or_else(Vec::new, |spans| {
+            spans
+                .document(index)
+                .iter()
+                .map(|&[begin, end]| (begin, end))
+                .collect()
+        }))
     }
 
     /// The tokens of document `index` as int64.

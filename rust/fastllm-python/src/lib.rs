@@ -3,6 +3,7 @@
 //! This crate only converts types, maps errors and releases the GIL around real work;
 //! the work itself lives in the plain-Rust crates beside it.
 
+mod chat;
 mod checkpoint;
 mod dataset;
 mod errors;
@@ -23,6 +24,7 @@ fn version() -> &'static str {
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(version, m)?)?;
+    m.add_class::<chat::ChatTemplate>()?;
     m.add_class::<checkpoint::CheckpointWriter>()?;
     m.add_class::<checkpoint::PendingWrite>()?;
     m.add_function(wrap_pyfunction!(checkpoint::commit_checkpoint, m)?)?;

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use fastllm_data::{
     prepare, DocumentReader as Reader, InputFormat, InputSpec, PrepareError, PrepareOptions,
-    PrepareReport, Progress,
+    PrepareReport, Progress, TrainOn,
 };
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -23,6 +23,7 @@ fn input_spec(
     let format = match format {
         "auto" => InputFormat::Auto,
         "jsonl" => InputFormat::Jsonl,
+        "chat" => InputFormat::Chat,
         "parquet" => InputFormat::Parquet,
         "text" => InputFormat::Text,
         "files" => InputFormat::Files,
@@ -37,7 +38,17 @@ fn input_spec(
         format,
         field,
         extensions,
+        ..InputSpec::default()
     })
+}
+
+fn train_on(name: &str) -> PyResult<TrainOn> {
+    match name {
+        "assistant" => Ok(TrainOn::Assistant),
+        "last_assistant" => Ok(TrainOn::LastAssistant),
+        "all" => Ok(TrainOn::All),
+        other => Err(PyValueError::new_err(format!("unknown train_on {other:?}"))),
+    }
 }
 
 fn prepare_error(error: PrepareError) -> PyErr {
@@ -57,13 +68,17 @@ pub struct PrepareJob {
 }
 
 #[pyfunction]
-#[pyo3(signature = (*, paths, format, field, extensions, tokenizer, eos_token, bos_token, add_eos, add_bos, output, shard_size_tokens, workers, strict, overwrite))]
+#[pyo3(signature = (*, paths, format, field, extensions, messages_field, loss_masking_spans, chat_template, train_on, tokenizer, eos_token, bos_token, add_eos, add_bos, output, shard_size_tokens, workers, strict, overwrite))]
 #[allow(clippy::too_many_arguments)]
 pub fn start_prepare(
     paths: Vec<String>,
     format: &str,
     field: String,
     extensions: Option<Vec<String>>,
+    messages_field: String,
+    loss_masking_spans: Option<String>,
+    chat_template: Option<PathBuf>,
+    train_on: &str,
     tokenizer: PathBuf,
     eos_token: Option<String>,
     bos_token: Option<String>,
@@ -76,7 +91,13 @@ pub fn start_prepare(
     overwrite: bool,
 ) -> PyResult<PrepareJob> {
     let options = PrepareOptions {
-        input: input_spec(paths, format, field, extensions)?,
+        input: InputSpec {
+            messages_field,
+            loss_masking_spans,
+            ..input_spec(paths, format, field, extensions)?
+        },
+        chat_template,
+        train_on: self::train_on(train_on)?,
         tokenizer,
         eos_token,
         bos_token,

@@ -120,6 +120,12 @@ impl SampleSource {
         self.inner.len()
     }
 
+    /// Samples of the datasets skipped for having no trained label.
+    #[getter]
+    fn skipped_samples(&self) -> u64 {
+        self.inner.skipped_samples()
+    }
+
     /// Tokens per sample: the sequence length plus one (inputs and shifted labels).
     #[getter]
     fn sample_length(&self) -> usize {

@@ -7,7 +7,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use super::expand::Input;
-use super::jsonl::parse_line;
+use super::jsonl::{parse_line, Fields};
 use super::record::{BadRecord, Document, Record};
 
 /// Documents in input order, and the records met among them that are not documents.
@@ -15,6 +15,8 @@ use super::record::{BadRecord, Document, Record};
 pub struct Batch {
     pub documents: Vec<Document>,
     pub bad_records: Vec<BadRecord>,
+    /// For each bad record, how many documents came before it in the batch.
+    pub(crate) bad_record_positions: Vec<usize>,
     /// Binary files of source trees, skipped.
     pub skipped_files: u64,
     /// The same, per input.
@@ -31,6 +33,20 @@ pub(crate) struct InputCounts {
 }
 
 impl InputCounts {
+    /// Counts document `document` of the batch these counts describe as a bad record instead.
+    pub(crate) fn demote(counts: &mut [InputCounts], document: usize) {
+        let mut before = 0;
+        for counts in counts {
+            if document < before + counts.documents as usize {
+                counts.documents -= 1;
+                counts.bad_records += 1;
+                return;
+            }
+            before += counts.documents as usize;
+        }
+        unreachable!("document {document} is not in the batch");
+    }
+
     pub(crate) fn add_to(&self, inputs: &mut [Input]) {
         let input = &mut inputs[self.input];
         input.documents += self.documents;
@@ -61,6 +77,7 @@ impl Batch {
             Record::Bad(record) => {
                 counts.bad_records += 1;
                 self.bad_records.push(record);
+                self.bad_record_positions.push(self.documents.len());
             }
             Record::Skipped => {
                 counts.skipped_files += 1;
@@ -71,7 +88,7 @@ impl Batch {
 }
 
 pub(crate) struct RawBatch {
-    field: Arc<str>,
+    fields: Arc<Fields>,
     /// The JSON lines of the batch, back to back.
     lines: Vec<u8>,
     records: Vec<(usize, RawRecord)>,
@@ -84,14 +101,16 @@ pub(super) enum RawRecord {
         line_number: u64,
         /// Where the line is in [`RawBatch::lines`].
         range: Range<usize>,
+        /// The line is a chat record.
+        chat: bool,
     },
     Read(Record),
 }
 
 impl RawBatch {
-    pub(super) fn new(field: Arc<str>) -> Self {
+    pub(super) fn new(fields: Arc<Fields>) -> Self {
         Self {
-            field,
+            fields,
             lines: Vec::new(),
             records: Vec::new(),
         }
@@ -118,7 +137,8 @@ impl RawBatch {
                     file,
                     line_number,
                     range,
-                } => parse_line(&file, line_number, &self.lines[range], &self.field),
+                    chat,
+                } => parse_line(&file, line_number, &self.lines[range], &self.fields, chat),
                 RawRecord::Read(record) => record,
             };
             batch.push(input, record);

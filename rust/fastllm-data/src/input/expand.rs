@@ -7,6 +7,7 @@ use std::sync::Arc;
 use serde::Serialize;
 use walkdir::{DirEntry, WalkDir};
 
+use super::jsonl::{is_conversation, Fields};
 use super::spec::{InputFormat, InputSpec};
 use crate::InputError;
 
@@ -37,7 +38,13 @@ pub(super) fn expand(spec: &InputSpec) -> Result<Vec<Input>, InputError> {
     let mut inputs = Vec::new();
     for pattern in &spec.paths {
         for path in matches(pattern)? {
-            let input = input(path, spec.format, extensions.as_deref())?;
+            let input = input(path, spec, extensions.as_deref())?;
+            if spec.loss_masking_spans.is_some() && input.format != InputFormat::Jsonl {
+                return Err(InputError::SpansNeedJsonl {
+                    path: input.path,
+                    format: input.format,
+                });
+            }
             if input.files.is_empty() {
                 return Err(InputError::NothingMatches {
                     path: input.path.display().to_string(),
@@ -77,9 +84,10 @@ fn matches(pattern: &str) -> Result<Vec<PathBuf>, InputError> {
 
 fn input(
     path: PathBuf,
-    format: InputFormat,
+    spec: &InputSpec,
     extensions: Option<&[&str]>,
 ) -> Result<Input, InputError> {
+    let format = spec.format;
     let metadata = fs::metadata(&path).map_err(|source| InputError::Io {
         path: path.clone(),
         source,
@@ -92,7 +100,10 @@ fn input(
         (format, walk(&path, extensions)?)
     } else {
         let format = match format {
-            InputFormat::Auto => format_of(&path)?,
+            InputFormat::Auto => match format_of(&path)? {
+                InputFormat::Jsonl if is_conversation(&path, &fields(spec)) => InputFormat::Chat,
+                format => format,
+            },
             format => format,
         };
         (format, vec![(Arc::from(path.as_path()), metadata.len())])
@@ -106,6 +117,14 @@ fn input(
         skipped_files: 0,
         files,
     })
+}
+
+pub(super) fn fields(spec: &InputSpec) -> Fields {
+    Fields {
+        text: spec.field.clone(),
+        messages: spec.messages_field.clone(),
+        loss_masking_spans: spec.loss_masking_spans.clone(),
+    }
 }
 
 fn format_of(path: &Path) -> Result<InputFormat, InputError> {

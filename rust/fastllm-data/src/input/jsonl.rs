@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, Visitor};
 
-use super::record::{Document, Location, Record};
+use super::record::{Content, Document, Location, Record};
 
 const BUFFER_BYTES: usize = 1 << 20;
 
@@ -85,14 +85,33 @@ impl JsonlReader {
     }
 }
 
-/// Line `line_number` of `file` as a document or a bad record.
-pub(super) fn parse_line(file: &Arc<Path>, line_number: u64, line: &[u8], field: &str) -> Record {
+/// The fields a JSON record is read from.
+pub(super) struct Fields {
+    pub text: String,
+    pub messages: String,
+    pub loss_masking_spans: Option<String>,
+}
+
+/// Line `line_number` of `file` as a document or a bad record: a conversation when `chat`.
+pub(super) fn parse_line(
+    file: &Arc<Path>,
+    line_number: u64,
+    line: &[u8],
+    fields: &Fields,
+    chat: bool,
+) -> Record {
     let Ok(line) = std::str::from_utf8(line) else {
         return Record::bad(file, line_number, "invalid UTF-8");
     };
-    match text_field(line, field) {
-        Ok(text) => Record::Document(Document {
+    let parsed = match (chat, &fields.loss_masking_spans) {
+        (true, _) => conversation(line, &fields.messages).map(|messages| (String::new(), messages)),
+        (false, Some(spans)) => text_with_spans(line, &fields.text, spans),
+        (false, None) => text_field(line, &fields.text).map(|text| (text, Content::Text)),
+    };
+    match parsed {
+        Ok((text, content)) => Record::Document(Document {
             text,
+            content,
             location: Location {
                 file: file.clone(),
                 line_or_row: line_number,
@@ -100,6 +119,58 @@ pub(super) fn parse_line(file: &Arc<Path>, line_number: u64, line: &[u8], field:
         }),
         Err(reason) => Record::bad(file, line_number, reason),
     }
+}
+
+/// Whether the first record of `file` looks like a conversation: it has the messages field and
+/// not the text field.
+pub(super) fn is_conversation(file: &Path, fields: &Fields) -> bool {
+    let Ok(mut reader) = JsonlReader::open(Arc::from(file)) else {
+        return false;
+    };
+    let mut line = Vec::new();
+    let Some(Ok(_)) = reader.next_line(&mut line) else {
+        return false;
+    };
+    let Ok(serde_json::Value::Object(record)) = serde_json::from_slice(&line) else {
+        return false;
+    };
+    record.contains_key(&fields.messages) && !record.contains_key(&fields.text)
+}
+
+fn json_object(line: &str) -> Result<serde_json::Map<String, serde_json::Value>, String> {
+    match serde_json::from_str(line) {
+        Ok(serde_json::Value::Object(record)) => Ok(record),
+        Ok(_) => Err("not a JSON object".to_owned()),
+        Err(error) => Err(format!("invalid JSON: {error}")),
+    }
+}
+
+fn conversation(line: &str, field: &str) -> Result<Content, String> {
+    let mut record = json_object(line)?;
+    record
+        .remove(field)
+        .map(Content::Conversation)
+        .ok_or_else(|| format!("no field \"{field}\""))
+}
+
+fn text_with_spans(
+    line: &str,
+    field: &str,
+    spans_field: &str,
+) -> Result<(String, Content), String> {
+    let mut record = json_object(line)?;
+    let text = match record.remove(field) {
+        Some(serde_json::Value::String(text)) => text,
+        Some(_) => return Err(format!("field \"{field}\" is not a string")),
+        None => return Err(format!("no field \"{field}\"")),
+    };
+    let spans = match record.remove(spans_field) {
+        None | Some(serde_json::Value::Null) => Vec::new(),
+        Some(spans) => serde_json::from_value::<Vec<[u64; 2]>>(spans).map_err(|_| {
+            format!("field \"{spans_field}\" is not a list of [begin, end] character positions")
+        })?,
+    };
+    Ok((text, Content::TextWithSpans(spans)))
 }
 
 struct CountingReader<R> {

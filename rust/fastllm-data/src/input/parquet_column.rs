@@ -10,7 +10,7 @@ use parquet::column::reader::{get_typed_column_reader, ColumnReaderImpl};
 use parquet::data_type::{ByteArray, ByteArrayType};
 use parquet::file::reader::{FileReader, SerializedFileReader};
 
-use super::record::{Document, Location, Record};
+use super::record::{Content, Document, Location, Record};
 
 /// Rows decoded per call into the column reader.
 const ROWS_PER_READ: usize = 1024;
@@ -130,6 +130,7 @@ impl ParquetReader {
                 Some(value) => match String::from_utf8(Vec::from(value.data())) {
                     Ok(text) => Record::Document(Document {
                         text,
+                        content: Content::Text,
                         location: Location {
                             file: self.file.clone(),
                             line_or_row: self.rows_read,

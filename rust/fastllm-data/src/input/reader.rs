@@ -2,8 +2,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 use super::batch::{Batch, InputCounts, RawBatch, RawRecord};
-use super::expand::{expand, Input};
-use super::jsonl::JsonlReader;
+use super::expand::{expand, fields, Input};
+use super::jsonl::{Fields, JsonlReader};
 use super::parquet_column::ParquetReader;
 use super::record::Record;
 use super::spec::{InputFormat, InputSpec};
@@ -16,7 +16,7 @@ use crate::InputError;
 /// batch.
 pub struct DocumentReader {
     inputs: Vec<Input>,
-    field: Arc<str>,
+    fields: Arc<Fields>,
     /// The next file to open: (input, file of that input).
     next_file: (usize, usize),
     current: Option<OpenFile>,
@@ -45,7 +45,7 @@ impl DocumentReader {
         Ok(Self {
             total_bytes: inputs.iter().map(|input| input.bytes).sum(),
             inputs,
-            field: spec.field.as_str().into(),
+            fields: Arc::new(fields(spec)),
             next_file: (0, 0),
             current: None,
             bytes_done: 0,
@@ -90,7 +90,7 @@ impl DocumentReader {
     /// Like [`next_batch`](Self::next_batch), leaving the parsing to the caller, who hands the
     /// counts of the parsed batch back to [`count`](Self::count).
     pub(crate) fn next_raw_batch(&mut self, max_bytes: usize) -> Option<RawBatch> {
-        let mut batch = RawBatch::new(self.field.clone());
+        let mut batch = RawBatch::new(self.fields.clone());
         let mut bytes = 0;
         while bytes < max_bytes {
             if self.current.is_none() {
@@ -100,6 +100,7 @@ impl DocumentReader {
                 }
             }
             let current = self.current.as_mut().expect("opened above");
+            let chat = self.inputs[current.input].format == InputFormat::Chat;
             let record = match &mut current.reader {
                 FileReader::Jsonl(reader) => {
                     reader.next_line(batch.lines()).map(|line| match line {
@@ -109,6 +110,7 @@ impl DocumentReader {
                                 file: reader.file().clone(),
                                 line_number,
                                 range,
+                                chat,
                             }
                         }
                         Err(record) => RawRecord::Read(record),
@@ -149,7 +151,7 @@ impl DocumentReader {
                 return Some(OpenFile {
                     input: *input_index,
                     size: *size,
-                    reader: open_file(file.clone(), input.format, &self.field),
+                    reader: open_file(file.clone(), input.format, &self.fields.text),
                 });
             }
             *input_index += 1;
@@ -163,7 +165,7 @@ fn open_file(file: Arc<Path>, format: InputFormat, field: &str) -> FileReader {
     let cannot_open =
         |file: &Arc<Path>, reason: String| FileReader::Whole(Some(Record::bad(file, 0, reason)));
     match format {
-        InputFormat::Jsonl => match JsonlReader::open(file.clone()) {
+        InputFormat::Jsonl | InputFormat::Chat => match JsonlReader::open(file.clone()) {
             Ok(reader) => FileReader::Jsonl(reader),
             Err(error) => cannot_open(&file, format!("cannot read: {error}")),
         },

@@ -19,10 +19,23 @@ impl fmt::Display for Location {
     }
 }
 
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Document {
+    /// The text; empty for a conversation.
     pub text: String,
+    pub content: Content,
     pub location: Location,
+}
+
+/// What a document holds besides its text.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Content {
+    Text,
+    /// Character spans `[begin, end]` (both included, as Fast-LLM's `loss_masking_spans`) of
+    /// the text that are not trained on.
+    TextWithSpans(Vec<[u64; 2]>),
+    /// The `messages` of a chat record, not yet checked.
+    Conversation(serde_json::Value),
 }
 
 /// A record that could not be read as a document, and why.

@@ -14,6 +14,11 @@ pub struct InputSpec {
     /// Keeps only files with these extensions (`py` or `.py`) when walking a directory; files
     /// named explicitly are always read.
     pub extensions: Option<Vec<String>>,
+    /// The field holding the conversation of a chat record.
+    pub messages_field: String,
+    /// The field of JSON records holding character spans not trained on (Fast-LLM's
+    /// `loss_masking_spans`: `[[begin, end], …]`, both ends included).
+    pub loss_masking_spans: Option<String>,
 }
 
 impl Default for InputSpec {
@@ -23,6 +28,8 @@ impl Default for InputSpec {
             format: InputFormat::Auto,
             field: "text".to_owned(),
             extensions: None,
+            messages_field: "messages".to_owned(),
+            loss_masking_spans: None,
         }
     }
 }
@@ -32,10 +39,13 @@ impl Default for InputSpec {
 #[serde(rename_all = "lowercase")]
 pub enum InputFormat {
     /// By file name: `.jsonl`, `.json`, `.ndjson` (also `.gz`, `.zst`) are JSON lines,
-    /// `.parquet` is Parquet, `.txt` is text; a directory is a source tree (`Files`).
+    /// `.parquet` is Parquet, `.txt` is text; a directory is a source tree (`Files`). JSON
+    /// lines whose first record has the messages field and not the text field are `Chat`.
     Auto,
     /// One JSON object per line; compressed when the name ends in `.gz` or `.zst`.
     Jsonl,
+    /// JSON lines, one conversation per line: a list of `{role, content}` messages.
+    Chat,
     /// One document per row, from a string column.
     Parquet,
     /// One document per file; a file that is not UTF-8 is a bad record.

@@ -4,7 +4,7 @@ use std::fs;
 use std::path::Path;
 use std::sync::Arc;
 
-use super::record::{Document, Location, Record};
+use super::record::{Content, Document, Location, Record};
 use super::spec::InputFormat;
 
 /// Reads `file` as one document. In a source tree (`Files`), binaries (not UTF-8, or holding a
@@ -21,6 +21,7 @@ pub(super) fn read_whole_file(file: Arc<Path>, format: InputFormat) -> Record {
     match String::from_utf8(bytes) {
         Ok(text) => Record::Document(Document {
             text,
+            content: Content::Text,
             location: Location {
                 file,
                 line_or_row: 0,

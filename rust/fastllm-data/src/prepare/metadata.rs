@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use serde::{Serialize, Serializer};
 
 use crate::atomic_file::write_atomically;
+use crate::chat::TrainOn;
 use crate::input::Input;
 use crate::tokenizer::{SpecialToken, TokenizerImplementation};
 use crate::{DataError, TokenDtype};
@@ -18,9 +19,19 @@ pub(super) const QUOTED_BAD_RECORDS: usize = 20;
 
 #[derive(Clone, Debug, Serialize)]
 pub struct PrepareReport {
+    /// `text`, or `chat` when some input holds conversations.
+    pub format: DatasetFormat,
+    /// Each shard has a `.spans` sidecar of the tokens not trained on.
+    pub loss_masking_spans: bool,
+    /// Which tokens of conversations are trained on (chat datasets only).
+    pub train_on: Option<TrainOn>,
+    /// The chat template conversations were rendered with.
+    pub chat_template: Option<PathBuf>,
     pub documents: u64,
     /// EOS and BOS included.
     pub tokens: u64,
+    /// The tokens not masked, which training targets.
+    pub trained_tokens: u64,
     /// One more than the largest token id.
     pub vocab_size: u64,
     #[serde(serialize_with = "as_string")]
@@ -38,6 +49,13 @@ pub struct PrepareReport {
     pub skipped_files: u64,
     /// In order; each is `NAME.bin` and `NAME.idx` in the output directory.
     pub shards: Vec<ShardReport>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DatasetFormat {
+    Text,
+    Chat,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -58,6 +76,8 @@ pub struct ShardReport {
     /// The largest token id in the shard (`None` when it holds no token), so that readers
     /// check it against a model's vocabulary without scanning the shard.
     pub max_token_id: Option<u32>,
+    /// Tokens not masked by the shard's loss-masking spans (all of them without spans).
+    pub trained_tokens: u64,
 }
 
 impl ShardReport {
@@ -67,6 +87,7 @@ impl ShardReport {
             documents: 0,
             tokens: 0,
             max_token_id: None,
+            trained_tokens: 0,
         }
     }
 }

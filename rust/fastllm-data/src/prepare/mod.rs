@@ -5,6 +5,7 @@
 //! them into `shard_NNNNN.bin/.idx` files, each written by a thread of its own, plus a
 //! `metadata.json`. The output directory appears complete, or not at all.
 
+mod encode;
 mod metadata;
 mod output_dir;
 mod pipeline;
@@ -13,14 +14,15 @@ mod writer;
 
 use std::path::{Path, PathBuf};
 
-pub use metadata::{PrepareReport, ShardReport, TokenizerReport};
+pub use metadata::{DatasetFormat, PrepareReport, ShardReport, TokenizerReport};
 pub use progress::Progress;
 
+use self::encode::{DocumentEncoder, Framing};
 use self::metadata::write_metadata;
 use self::output_dir::{check_output, PartialDir};
-use self::pipeline::Framing;
 use self::writer::DatasetWriter;
-use crate::input::{DocumentReader, InputSpec};
+use crate::chat::{ChatTemplate, TrainOn};
+use crate::input::{DocumentReader, InputFormat, InputSpec};
 use crate::tokenizer::{SpecialToken, Tokenizer};
 use crate::{PrepareError, TokenDtype};
 
@@ -45,6 +47,10 @@ pub struct PrepareOptions {
     pub strict: bool,
     /// Replace an existing dataset at `output` (only once the new one is complete).
     pub overwrite: bool,
+    /// A chat template file to render conversations with instead of the tokenizer's.
+    pub chat_template: Option<PathBuf>,
+    /// Which tokens of conversations are trained on.
+    pub train_on: TrainOn,
 }
 
 /// Tokenizes the inputs of `options` into a dataset directory at `options.output`.
@@ -74,6 +80,20 @@ pub fn prepare(
     };
     let reader = DocumentReader::open(&options.input)?;
     progress.set_total_bytes(reader.total_bytes());
+    let chat = reader
+        .inputs()
+        .iter()
+        .any(|input| input.format == InputFormat::Chat);
+    let template = chat
+        .then(|| ChatTemplate::load(&options.tokenizer, options.chat_template.as_deref()))
+        .transpose()?;
+    let with_spans = chat || options.input.loss_masking_spans.is_some();
+    let encoder = DocumentEncoder {
+        tokenizer: &tokenizer,
+        framing,
+        chat: template.as_ref(),
+        train_on: options.train_on,
+    };
 
     let partial = PartialDir::create(&options.output)?;
     let vocab_size = tokenizer.vocab_size() as u64;
@@ -89,11 +109,11 @@ pub fn prepare(
             dtype,
             options.shard_size_tokens,
             options.strict,
+            with_spans,
         )?;
         let reader = pipeline::run(
             reader,
-            &tokenizer,
-            framing,
+            &encoder,
             dtype,
             workers,
             progress,
@@ -112,8 +132,19 @@ pub fn prepare(
     }
     reader.count(&tally.input_counts);
     let report = PrepareReport {
+        format: if chat {
+            DatasetFormat::Chat
+        } else {
+            DatasetFormat::Text
+        },
+        loss_masking_spans: with_spans,
+        train_on: chat.then_some(options.train_on),
+        chat_template: template
+            .as_ref()
+            .map(|t| std::path::absolute(t.path()).unwrap_or_else(|_| t.path().to_owned())),
         documents: shards.iter().map(|shard| shard.documents).sum(),
         tokens: shards.iter().map(|shard| shard.tokens).sum(),
+        trained_tokens: shards.iter().map(|shard| shard.trained_tokens).sum(),
         vocab_size,
         dtype,
         eos_token,
@@ -134,7 +165,7 @@ pub fn prepare(
         shards,
     };
     write_metadata(partial.path(), &report)?;
-    copy_tokenizer_files(&tokenizer, partial.path())?;
+    copy_tokenizer_files(&tokenizer, template.as_ref(), partial.path())?;
     if progress.is_cancelled() {
         return Err(PrepareError::Cancelled);
     }
@@ -143,16 +174,31 @@ pub fn prepare(
 }
 
 /// The dataset keeps its tokenizer (`tokenizer.json` and, when present, the
-/// `tokenizer_config.json` beside it), so that training, FIM and exported models find it.
-fn copy_tokenizer_files(tokenizer: &Tokenizer, dataset: &Path) -> Result<(), PrepareError> {
+/// `tokenizer_config.json` beside it), so that training, FIM and exported models find it; a
+/// chat dataset's `tokenizer_config.json` holds the chat template its conversations were
+/// rendered with, so that the fine-tuned model is prompted the same way.
+fn copy_tokenizer_files(
+    tokenizer: &Tokenizer,
+    template: Option<&ChatTemplate>,
+    dataset: &Path,
+) -> Result<(), PrepareError> {
     let json = tokenizer.json_path();
+    std::fs::copy(json, dataset.join("tokenizer.json")).map_err(PrepareError::io(json))?;
     let settings = json.with_file_name("tokenizer_config.json");
-    for (source, name) in [
-        (json, "tokenizer.json"),
-        (settings.as_path(), "tokenizer_config.json"),
-    ] {
-        if source.is_file() {
-            std::fs::copy(source, dataset.join(name)).map_err(PrepareError::io(source))?;
+    let target = dataset.join("tokenizer_config.json");
+    match template {
+        None if settings.is_file() => {
+            std::fs::copy(&settings, &target).map_err(PrepareError::io(&settings))?;
+        }
+        None => {}
+        Some(template) => {
+            let mut config = match std::fs::read(&settings) {
+                Ok(bytes) => serde_json::from_slice(&bytes).unwrap_or_default(),
+                Err(_) => serde_json::Map::new(),
+            };
+            config.insert("chat_template".to_owned(), template.source().into());
+            let text = serde_json::to_string_pretty(&config).expect("JSON values serialize");
+            std::fs::write(&target, text + "\n").map_err(PrepareError::io(&target))?;
         }
     }
     Ok(())

@@ -13,10 +13,10 @@ use std::time::Duration;
 
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 
+use super::encode::{DocumentEncoder, Refusal, Scratch};
 use super::progress::Progress;
 use crate::indexed::encode_tokens;
 use crate::input::{BadRecord, DocumentReader, InputCounts, RawBatch};
-use crate::tokenizer::Tokenizer;
 use crate::{PrepareError, TokenDtype};
 
 /// Text per batch at most: large enough to amortize channel traffic, small enough to keep memory
@@ -29,13 +29,6 @@ const MIN_BATCH_BYTES: usize = 64 << 10;
 const BATCHES_PER_WORKER: u64 = 8;
 /// How often the calling thread looks at the cancel flag while it waits.
 const CANCEL_POLL: Duration = Duration::from_millis(20);
-
-/// Tokens added around every document.
-#[derive(Clone, Copy)]
-pub(super) struct Framing {
-    pub bos: Option<u32>,
-    pub eos: Option<u32>,
-}
 
 /// The documents of one batch, tokenized, framed and encoded as `.bin` stores them, with what
 /// the reader met besides them.
@@ -56,6 +49,11 @@ pub(super) struct EncodedDocuments {
     pub lengths: Vec<i32>,
     /// The largest token id of each document (0 for a document without tokens).
     pub max_ids: Vec<u32>,
+    /// Masked token spans per document, and the spans back to back.
+    pub span_counts: Vec<u32>,
+    pub spans: Vec<[u32; 2]>,
+    /// Tokens not masked.
+    pub trained_tokens: u64,
 }
 
 /// A document that does not fit the format; the writer reports it with the shard it would go in.
@@ -66,13 +64,34 @@ pub(super) enum Unstorable {
 }
 
 impl EncodedDocuments {
-    pub fn push(&mut self, tokens: &[u32], dtype: TokenDtype) -> Result<(), Unstorable> {
+    pub fn with_capacity(tokens: usize, documents: usize) -> Self {
+        Self {
+            tokens: Vec::with_capacity(tokens),
+            lengths: Vec::with_capacity(documents),
+            max_ids: Vec::with_capacity(documents),
+            span_counts: Vec::with_capacity(documents),
+            spans: Vec::new(),
+            trained_tokens: 0,
+        }
+    }
+
+    /// Adds a document of `tokens`, of which the `masked` spans are not trained on.
+    pub fn push(
+        &mut self,
+        tokens: &[u32],
+        masked: &[[u32; 2]],
+        dtype: TokenDtype,
+    ) -> Result<(), Unstorable> {
         let length = tokens.len();
         let length = i32::try_from(length).map_err(|_| Unstorable::TooLong { length })?;
         encode_tokens(dtype, tokens, &mut self.tokens)
             .map_err(|value| Unstorable::TokenOutOfRange { value })?;
         self.lengths.push(length);
         self.max_ids.push(tokens.iter().copied().max().unwrap_or(0));
+        self.span_counts.push(masked.len() as u32);
+        self.spans.extend_from_slice(masked);
+        let masked_tokens: u64 = masked.iter().map(|[b, e]| u64::from(e - b)).sum();
+        self.trained_tokens += length as u64 - masked_tokens;
         Ok(())
     }
 }
@@ -100,8 +119,7 @@ type Numbered<T> = (u64, T);
 /// to [`count`](DocumentReader::count) the sunk batches into.
 pub(super) fn run(
     reader: DocumentReader,
-    tokenizer: &Tokenizer,
-    framing: Framing,
+    encoder: &DocumentEncoder<'_>,
     dtype: TokenDtype,
     workers: usize,
     progress: &Progress,
@@ -127,10 +145,9 @@ pub(super) fn run(
             let (batches, done_sender) = (batches.clone(), done_sender.clone());
             scope.spawn(move || {
                 let should_stop = || stop.load(Ordering::Relaxed) || progress.is_cancelled();
-                let mut scratch = Vec::new();
+                let mut scratch = Scratch::default();
                 for (number, batch) in batches {
-                    let tokenized =
-                        tokenize(batch, tokenizer, framing, dtype, &mut scratch, should_stop);
+                    let tokenized = tokenize(batch, encoder, dtype, &mut scratch, should_stop);
                     let Some(tokenized) = tokenized else {
                         return;
                     };
@@ -183,13 +200,12 @@ fn read(
 }
 
 /// Parses `batch`, tokenizes its documents (through `scratch`) and encodes them in `dtype`, or
-/// gives up (`None`) once `should_stop`.
+/// gives up (`None`) once `should_stop`. Documents the encoder refuses become bad records.
 fn tokenize(
     batch: RawBatch,
-    tokenizer: &Tokenizer,
-    framing: Framing,
+    encoder: &DocumentEncoder<'_>,
     dtype: TokenDtype,
-    scratch: &mut Vec<u32>,
+    scratch: &mut Scratch,
     should_stop: impl Fn() -> bool,
 ) -> Option<Result<TokenizedBatch, PrepareError>> {
     let batch = batch.parse();
@@ -197,36 +213,58 @@ fn tokenize(
     // About 4 bytes of text per token for English and code.
     let tokens = text_bytes / 4 + 2 * batch.documents.len();
     let mut tokenized = TokenizedBatch {
-        documents: EncodedDocuments {
-            tokens: Vec::with_capacity(tokens * dtype.size()),
-            lengths: Vec::with_capacity(batch.documents.len()),
-            max_ids: Vec::with_capacity(batch.documents.len()),
-        },
+        documents: EncodedDocuments::with_capacity(tokens * dtype.size(), batch.documents.len()),
         unstorable: None,
-        bad_records: batch.bad_records,
+        bad_records: Vec::with_capacity(batch.bad_records.len()),
         skipped_files: batch.skipped_files,
         counts: batch.counts,
     };
-    for document in batch.documents {
+    // Bad records in input order: those the reader met, and documents the encoder refuses.
+    let mut unreadable = batch
+        .bad_record_positions
+        .into_iter()
+        .zip(batch.bad_records)
+        .peekable();
+    let mut refused = 0;
+    for (k, document) in batch.documents.into_iter().enumerate() {
         if should_stop() {
             return None;
         }
-        scratch.clear();
-        scratch.extend(framing.bos);
-        if let Err(source) = tokenizer.encode(&document.text, scratch) {
-            return Some(Err(PrepareError::Encode {
-                location: document.location,
-                source,
-            }));
+        while let Some((_, record)) = unreadable.next_if(|&(position, _)| position == k) {
+            tokenized.bad_records.push(record);
         }
-        scratch.extend(framing.eos);
+        match encoder.encode(&document, scratch) {
+            Ok(()) => {}
+            Err(Refusal::Encode(source)) => {
+                return Some(Err(PrepareError::Encode {
+                    location: document.location,
+                    source,
+                }))
+            }
+            Err(Refusal::Bad(reason)) => {
+                InputCounts::demote(&mut tokenized.counts, k - refused);
+                refused += 1;
+                tokenized.bad_records.push(BadRecord {
+                    location: document.location,
+                    reason,
+                });
+                continue;
+            }
+        }
         // Past an unstorable document only encoding errors matter: they fail the batch first.
         if tokenized.unstorable.is_none() {
-            if let Err(unstorable) = tokenized.documents.push(scratch, dtype) {
+            if let Err(unstorable) =
+                tokenized
+                    .documents
+                    .push(&scratch.tokens, &scratch.masked, dtype)
+            {
                 tokenized.unstorable = Some(unstorable);
             }
         }
     }
+    tokenized
+        .bad_records
+        .extend(unreadable.map(|(_, record)| record));
     Some(Ok(tokenized))
 }
 

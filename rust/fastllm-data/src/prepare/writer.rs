@@ -20,6 +20,7 @@ use super::pipeline::{EncodedDocuments, Permit, TokenizedBatch, Unstorable};
 use super::progress::Progress;
 use crate::indexed::bin_path;
 use crate::input::InputCounts;
+use crate::loss_spans::LossSpansWriter;
 use crate::{DataError, IndexedDatasetWriter, PrepareError, TokenDtype};
 
 /// Closed shards still being written or synced while a later one is open: enough to hide a slow
@@ -34,6 +35,8 @@ pub(super) struct DatasetWriter<'scope, 'env> {
     dtype: TokenDtype,
     shard_size_tokens: u64,
     strict: bool,
+    /// Each shard gets a `.spans` sidecar.
+    with_spans: bool,
     /// Every shard so far; the last is the one open.
     shards: Vec<ShardReport>,
     /// To the thread of the open shard.
@@ -67,11 +70,12 @@ struct Batch {
     _permit: Permit,
 }
 
-/// Consecutive documents of a batch, and where their tokens are in it.
+/// Consecutive documents of a batch, and where their tokens and masked spans are in it.
 #[derive(Default)]
 struct Part {
     documents: Range<usize>,
     bytes: Range<usize>,
+    spans: Range<usize>,
 }
 
 impl<'scope, 'env> DatasetWriter<'scope, 'env> {
@@ -83,15 +87,17 @@ impl<'scope, 'env> DatasetWriter<'scope, 'env> {
         dtype: TokenDtype,
         shard_size_tokens: u64,
         strict: bool,
+        with_spans: bool,
     ) -> Result<Self, DataError> {
         let shard = ShardReport::numbered(0);
-        let (jobs, thread) = spawn_shard(scope, dir.join(&shard.name), dtype)?;
+        let (jobs, thread) = spawn_shard(scope, dir.join(&shard.name), dtype, with_spans)?;
         Ok(Self {
             scope,
             dir,
             dtype,
             shard_size_tokens,
             strict,
+            with_spans,
             shards: vec![shard],
             jobs,
             threads: VecDeque::from([thread]),
@@ -146,20 +152,27 @@ impl<'scope, 'env> DatasetWriter<'scope, 'env> {
         let mut part = Part::default();
         let mut tokens = 0;
         let documents = &batch.documents;
-        for (&length, &max_id) in documents.lengths.iter().zip(&documents.max_ids) {
+        for (k, &length) in documents.lengths.iter().enumerate() {
             if self.open_shard().tokens >= self.shard_size_tokens {
                 self.send_part(&batch, &mut part)?;
                 self.next_shard()?;
             }
+            let spans = documents.span_counts[k] as usize;
+            let masked: u64 = documents.spans[part.spans.end..part.spans.end + spans]
+                .iter()
+                .map(|[b, e]| u64::from(e - b))
+                .sum();
             let shard = self.open_shard();
             shard.documents += 1;
             shard.tokens += length as u64;
             if length > 0 {
-                shard.max_token_id = shard.max_token_id.max(Some(max_id));
+                shard.max_token_id = shard.max_token_id.max(Some(documents.max_ids[k]));
             }
+            shard.trained_tokens += length as u64 - masked;
             tokens += length as u64;
             part.documents.end += 1;
             part.bytes.end += length as usize * token_size;
+            part.spans.end += spans;
         }
         self.send_part(&batch, &mut part)?;
         Ok(tokens)
@@ -191,6 +204,7 @@ impl<'scope, 'env> DatasetWriter<'scope, 'env> {
         let rest = Part {
             documents: part.documents.end..part.documents.end,
             bytes: part.bytes.end..part.bytes.end,
+            spans: part.spans.end..part.spans.end,
         };
         let part = mem::replace(part, rest);
         self.send(ShardJob::Write {
@@ -203,7 +217,12 @@ impl<'scope, 'env> DatasetWriter<'scope, 'env> {
     fn next_shard(&mut self) -> Result<(), DataError> {
         self.send(ShardJob::Finish)?;
         let shard = ShardReport::numbered(self.shards.len());
-        let (jobs, thread) = spawn_shard(self.scope, self.dir.join(&shard.name), self.dtype)?;
+        let (jobs, thread) = spawn_shard(
+            self.scope,
+            self.dir.join(&shard.name),
+            self.dtype,
+            self.with_spans,
+        )?;
         self.jobs = jobs;
         self.threads.push_back(thread);
         self.shards.push(shard);
@@ -240,7 +259,9 @@ fn spawn_shard<'scope>(
     scope: &'scope Scope<'scope, '_>,
     prefix: PathBuf,
     dtype: TokenDtype,
+    with_spans: bool,
 ) -> Result<(Sender<ShardJob>, ShardThread<'scope>), DataError> {
+    let mut spans = with_spans.then(|| LossSpansWriter::new(&prefix));
     let mut writer = IndexedDatasetWriter::create(prefix, dtype)?;
     let (sender, jobs) = crossbeam_channel::unbounded();
     let thread = scope.spawn(move || {
@@ -249,9 +270,19 @@ fn spawn_shard<'scope>(
                 ShardJob::Write { batch, part } => {
                     let documents = &batch.documents;
                     let tokens = &documents.tokens[part.bytes];
-                    writer.add_encoded(tokens, &documents.lengths[part.documents])?;
+                    let lengths = &documents.lengths[part.documents.clone()];
+                    writer.add_encoded(tokens, lengths)?;
+                    if let Some(spans) = &mut spans {
+                        let counts = &documents.span_counts[part.documents];
+                        spans.add(lengths, counts, &documents.spans[part.spans]);
+                    }
                 }
-                ShardJob::Finish => return writer.finish(),
+                ShardJob::Finish => {
+                    if let Some(spans) = spans {
+                        spans.finish()?;
+                    }
+                    return writer.finish();
+                }
             }
         }
         // Abandoned: the run failed, and its directory is about to be removed.
@@ -292,13 +323,9 @@ mod tests {
     /// The documents in `sizes`-document batches, as the workers encode them.
     fn batches(documents: &[Vec<u32>], size: usize, dtype: TokenDtype) -> Vec<TokenizedBatch> {
         let batch = |documents: &[Vec<u32>]| {
-            let mut encoded = EncodedDocuments {
-                tokens: Vec::new(),
-                lengths: Vec::new(),
-                max_ids: Vec::new(),
-            };
+            let mut encoded = EncodedDocuments::with_capacity(0, 0);
             for document in documents {
-                encoded.push(document, dtype).unwrap();
+                encoded.push(document, &[], dtype).unwrap();
             }
             TokenizedBatch {
                 documents: encoded,
@@ -320,8 +347,14 @@ mod tests {
         let (permits, returned) = crossbeam_channel::unbounded();
         let count = batches.len();
         let shards = std::thread::scope(|scope| {
-            let mut writer =
-                DatasetWriter::create(scope, dir.to_owned(), dtype, shard_size_tokens, false)?;
+            let mut writer = DatasetWriter::create(
+                scope,
+                dir.to_owned(),
+                dtype,
+                shard_size_tokens,
+                false,
+                false,
+            )?;
             for batch in batches {
                 writer.write(batch, Permit::new(permits.clone()), &Progress::new())?;
             }
@@ -352,6 +385,7 @@ mod tests {
             shard.documents += 1;
             shard.tokens += document.len() as u64;
             shard.max_token_id = shard.max_token_id.max(document.iter().copied().max());
+            shard.trained_tokens += document.len() as u64;
         }
         writer.finish()?;
         Ok(shards)

@@ -8,7 +8,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use fastllm_data::{IndexedDataset, InputSpec, PrepareOptions};
+use fastllm_data::{IndexedDataset, InputSpec, PrepareOptions, TrainOn};
 use parquet::basic::Compression;
 use parquet::data_type::{ByteArray, ByteArrayType};
 use parquet::file::properties::WriterProperties;
@@ -168,6 +168,8 @@ pub fn options(paths: &[&Path], tokenizer: &Path, output: &Path) -> PrepareOptio
         workers: 2,
         strict: false,
         overwrite: false,
+        chat_template: None,
+        train_on: TrainOn::Assistant,
     }
 }
 
