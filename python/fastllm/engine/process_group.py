@@ -27,15 +27,23 @@ class Distributed:
 
 
 def setup_distributed() -> Distributed:
-    """Join the process group torchrun described (NCCL on GPUs, Gloo on CPUs), or run alone."""
+    """Join the process group torchrun described (NCCL on GPUs, Gloo on CPUs, unless
+    FASTLLM_DISTRIBUTED_BACKEND names one), or run alone."""
     # Segments that grow in place instead of new blocks of fixed sizes: less memory reserved
     # beyond what tensors use (torchtitan's launcher sets the same). Read when CUDA first
     # allocates, so a process that already has will keep its setting; a user's value stands.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
+    cuda = torch.cuda.is_available()
+    # FASTLLM_DISTRIBUTED_BACKEND=gloo on GPUs lets several ranks share one GPU (NCCL refuses
+    # that): a layout can be checked on a machine with fewer GPUs than ranks, slowly.
+    backend = os.environ.get("FASTLLM_DISTRIBUTED_BACKEND") or ("nccl" if cuda else "gloo")
+    if cuda:
+        shared = backend == "gloo"
+        device = torch.device(
+            "cuda", local_rank % torch.cuda.device_count() if shared else local_rank
+        )
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
@@ -45,6 +53,5 @@ def setup_distributed() -> Distributed:
         # shutdown, where releasing a tensor can abort the process.
         importlib.import_module("torch._dynamo")
 
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
     return Distributed(rank, world_size, local_rank, device)
