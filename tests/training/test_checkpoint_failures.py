@@ -11,6 +11,7 @@ from pathlib import Path
 
 from fastllm import _native
 from tests.data.conftest import run_cli
+from tests.model.hf_models import save_hf_model
 from tests.torchrun import torchrun_script
 from tests.training.conftest import train_arguments
 
@@ -48,6 +49,29 @@ def test_a_checkpoint_that_cannot_be_written_exits_1_in_one_line_keeping_the_com
     assert sorted(p.name for p in (experiment / "checkpoint").iterdir()) == ["2"]
     assert (committed / "manifest.json").read_bytes() == manifest
     _native.verify_checkpoint(str(committed))
+
+
+def test_an_export_or_conversion_that_cannot_be_written_exits_1_in_one_line_leaving_nothing(
+    dataset: Path, tmp_path: Path
+) -> None:
+    experiment = tmp_path / "run"
+    arguments = train_arguments(
+        dataset, experiment, "training.train_iters=1", "training.checkpoint.at_end=false",
+        "training.export.interval=1", "training.export.format=starcoder2",
+    )  # fmt: skip
+    save_hf_model("llama", tmp_path / "hf")
+    convert = ["convert", "input.format=llama", f"input.path={tmp_path / 'hf'}",
+               "output.format=fastllm", f"output.path={tmp_path / 'out'}"]  # fmt: skip
+    with file_size_limit(64 * 1024):  # the weights (~400 KB and more) do not fit
+        exported, converted = run_cli(*arguments), run_cli(*convert)
+    for result, output in ((exported, experiment / "export" / "1"), (converted, tmp_path / "out")):
+        assert result.returncode == 1, result.stderr
+        (line,) = [line for line in result.stderr.splitlines() if "error" in line]
+        assert line.startswith(f"fastllm: error: cannot write {output}: {output.parent}/.")
+        assert "File too large" in line
+        assert "Traceback" not in result.stderr
+    assert not (experiment / "export").exists() or not any((experiment / "export").iterdir())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "run"]
 
 
 # Rank 1 cannot write its file, then rank 0 cannot write the manifest of the commit (its own

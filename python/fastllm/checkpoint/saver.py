@@ -184,8 +184,3 @@ def latest(root: Path) -> tuple[Path, dict[str, Any], list[str]] | None:
         return None
     _, directory, manifest, problems = found
     return Path(directory), json.loads(manifest), list(problems)
-
-
-def verified_manifest(directory: Path) -> dict[str, Any]:
-    """The manifest of a checkpoint whose files match their checksums."""
-    return json.loads(_native.verify_checkpoint(str(directory)))
