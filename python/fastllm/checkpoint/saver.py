@@ -76,13 +76,13 @@ class CheckpointSaver:
                 shutil.rmtree(final)
         self._barrier()
         pending = _Pending(partial, final, snapshot.manifest(), keep)
-        self._pending.append(pending)
         try:
             pending.job, pending.buffers = self._submit(snapshot, partial)
             if self.rank == 0 and before_commit is not None:
                 before_commit(partial)
         except OSError as error:
             pending.failure = str(error)
+        self._pending.append(pending)
         return final
 
     def _submit(self, snapshot: Snapshot, directory: Path) -> tuple[Any, list[Any]]:
@@ -107,15 +107,14 @@ class CheckpointSaver:
         """Finish every checkpoint in flight: wait for this rank's files, then rank 0 commits.
         Raises `CheckpointWriteError` on every rank when a write or the commit failed."""
         while self._pending:
-            pending = self._pending[0]
+            pending = self._pending.pop(0)
             reports, failure = [], pending.failure
-            if pending.job is not None:
+            if pending.job is not None:  # waited for even after a failure: it writes into partial
                 try:
                     reports = pending.job.wait()
                 except OSError as error:
                     failure = failure or str(error)
-            del self._pending[0]  # its files are done with, written or not
-            outcomes = [(reports, failure)]
+            outcomes: list[Any] = [(reports, failure)]
             if self.world_size > 1:
                 outcomes = [None] * self.world_size
                 dist.all_gather_object(outcomes, (reports, failure))
@@ -158,13 +157,12 @@ def _prune(root: Path, keep: int) -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def remove_partials(root: Path) -> list[Path]:
+def remove_partials(root: Path) -> None:
     """Delete the partial directories under `root` that a killed run left (call it only while
-    holding the experiment's lock: a running job's are not partial leftovers). Returns them."""
-    found = [p for p in root.glob(f".*{PARTIAL_SUFFIX}") if p.is_dir()] if root.is_dir() else []
-    for partial in found:
-        shutil.rmtree(partial, ignore_errors=True)
-    return found
+    holding the experiment's lock: a running job's are not leftovers)."""
+    for partial in root.glob(f".*{PARTIAL_SUFFIX}"):
+        if partial.is_dir():
+            shutil.rmtree(partial, ignore_errors=True)
 
 
 def latest(root: Path) -> tuple[Path, dict[str, Any], list[str]] | None:
