@@ -7,6 +7,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
+from fastllm.checkpoint.errors import CheckpointWriteError
 from fastllm.config import ConfigError
 
 MODEL_FAMILIES = ("gpt",)
@@ -280,13 +281,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(strays)}")
     if strays:
         args.arguments += strays
-    # A user error (bad config, input or option) is one line and exit code 2, Ctrl-C is one
-    # line and 130 (the shell's code for SIGINT); anything else is a bug and keeps its traceback.
+    # A user error (bad config, input or option) is one line and exit code 2, a checkpoint the
+    # machine could not write (disk full, …) one line and 1, Ctrl-C one line and 130 (the
+    # shell's code for SIGINT); anything else is a bug and keeps its traceback.
     try:
         args.handler(args)
     except ConfigError as error:
         print(f"fastllm: error: {error}", file=sys.stderr)
         return 2
+    except CheckpointWriteError as error:
+        print(f"fastllm: error: {error}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("fastllm: interrupted", file=sys.stderr)
         return 130

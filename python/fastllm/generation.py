@@ -40,7 +40,10 @@ def generate_text(
     from fastllm.api import load_model
     from fastllm.hf import FastLLMForCausalLM
 
-    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    try:
+        tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    except Exception as error:  # tokenizers raises a bare Exception for a file it cannot parse
+        raise ConfigError(str(tokenizer_file), f"is not a valid tokenizer ({error})") from None
     model = FastLLMForCausalLM.wrap(load_model(path, device=device))
     text, stop = _chat_prompt(Path(path), tokenizer, prompt, system) if chat else (prompt, {})
     ids = tokenizer.encode(text, add_special_tokens=False).ids

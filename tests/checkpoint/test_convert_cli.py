@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
+import pytest
 import torch
 import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
+import fastllm as library
+from fastllm.config import ConfigError
+from tests.data.conftest import run_cli
 from tests.model.hf_models import save_hf_model
 from tests.test_cli import fastllm
 
@@ -96,3 +101,43 @@ def test_generate_prints_the_same_completion_as_transformers(tmp_path: Path) -> 
     assert result.stdout.rstrip("\n") == tokenizer.decode(
         expected[0].tolist(), skip_special_tokens=False
     )
+
+
+def test_a_broken_hugging_face_directory_is_one_line_naming_the_file(tmp_path: Path) -> None:
+    hf = tmp_path / "hf"
+    save_hf_model("llama", hf)
+    weights, config = hf / "model.safetensors", hf / "config.json"
+    raw, settings = weights.read_bytes(), config.read_text()
+
+    def refused(message: str) -> None:
+        convert = run_cli(
+            "convert", "input.format=llama", f"input.path={hf}",
+            "output.format=fastllm", f"output.path={tmp_path / 'out'}",
+        )  # fmt: skip
+        generate = run_cli("generate", str(hf), "--prompt", "a", "--device", "cpu")
+        for result in (convert, generate):
+            assert result.returncode == 2
+            (line,) = result.stderr.strip().splitlines()
+            assert message in line
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            library.load_model(hf)
+        assert not (tmp_path / "out").exists()
+
+    tokenizer = Tokenizer(models.WordLevel({"a": 0}, unk_token="a"))
+    tokenizer.save(str(hf / "tokenizer.json"))  # generate gets as far as the weights
+    weights.write_bytes(raw[: len(raw) // 2])
+    refused(f"{weights}: truncated or not safetensors")
+    weights.unlink()
+    refused(f"{hf}: has neither model.safetensors nor model.safetensors.index.json")
+    weights.write_bytes(raw)
+    config.write_text(settings[:-10])
+    refused(f"{config}: is not valid JSON")
+    config.write_text(settings)
+    (hf / "tokenizer.json").write_text("{")
+    result = run_cli("generate", str(hf), "--prompt", "a", "--device", "cpu")
+    assert result.returncode == 2
+    assert f"{hf / 'tokenizer.json'}: is not a valid tokenizer" in result.stderr
+    (hf / "tokenizer.json").unlink()
+    result = run_cli("generate", str(hf), "--prompt", "a", "--device", "cpu")
+    assert result.returncode == 2
+    assert f"{hf}: has no tokenizer.json" in result.stderr

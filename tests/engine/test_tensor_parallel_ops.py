@@ -43,6 +43,9 @@ ids = torch.randint(0, vocab, (2, 5), generator=generator)
 torch.testing.assert_close(
     vocab_parallel_embedding(ids, table.chunk(size)[rank], tp), F.embedding(ids, table)
 )
+# No Gloo thread may outlive the script into interpreter shutdown (it can abort the process).
+dist.barrier()
+dist.destroy_process_group()
 """
 
 

@@ -6,6 +6,7 @@ import os
 import shutil
 from pathlib import Path
 
+from fastllm.checkpoint.errors import CheckpointWriteError
 from fastllm.checkpoint.formats import open_model, write_model
 from fastllm.config import ConfigError
 from fastllm.config.convert import ConvertConfig
@@ -31,6 +32,8 @@ def convert(config: ConvertConfig) -> Path:
             shard_bytes=int(config.shard_size_gb * 2**30),
         )
         os.replace(partial, output)
+    except OSError as error:  # disk full, …
+        raise CheckpointWriteError(output, str(error)) from None
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return output

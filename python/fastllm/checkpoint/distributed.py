@@ -99,21 +99,22 @@ class Snapshot:
         }
 
 
-def read_manifest(directory: Path) -> dict[str, Any]:
-    file = directory / MANIFEST
-    if not file.is_file():
-        raise ConfigError(
-            str(directory), f"has no {MANIFEST}: not a distributed checkpoint or export"
-        )
-    return json.loads(file.read_text())
+def verified_manifest(directory: Path) -> dict[str, Any]:
+    """The manifest of a checkpoint or export whose files match their sizes and checksums;
+    `ConfigError` naming the first file that does not (or the missing manifest)."""
+    try:
+        return json.loads(_native.verify_checkpoint(str(directory)))
+    except (OSError, ValueError) as error:  # the crate's message names the file
+        raise ConfigError("", str(error)) from None
 
 
 class SavedCheckpoint:
-    """A checkpoint or export on disk, read piece by piece."""
+    """A checkpoint or export on disk, read piece by piece, its files verified first (or given
+    the `manifest` of a verification just done)."""
 
     def __init__(self, directory: Path, manifest: dict[str, Any] | None = None) -> None:
         self.directory = directory
-        self.manifest = manifest if manifest is not None else read_manifest(directory)
+        self.manifest = manifest if manifest is not None else verified_manifest(directory)
         m = self.manifest
         self.parameters = [tuple(p) for p in m["parameters"]]
         self.shapes = {name: tuple(shape) for name, shape in m["shapes"].items()}
@@ -217,12 +218,3 @@ class SavedCheckpoint:
                 rank = tensor_rank + self.tensor_size * data_rank
                 values = self._piece(rank, kind, stage, t0 + start - q0, t0 + end - q0)
                 target[start - p0 : end - p0].copy_(values)
-
-
-def full_tensors(directory: Path) -> Iterator[tuple[str, Tensor]]:
-    """Whole fp32 tensors of every parameter of a distributed directory."""
-    yield from SavedCheckpoint(directory).full_tensors()
-
-
-def model_config(directory: Path) -> BaseModelConfig:
-    return SavedCheckpoint(directory).model_config()

@@ -20,8 +20,7 @@ import yaml
 from torch import Tensor
 
 from fastllm.checkpoint.architectures import ARCHITECTURES
-from fastllm.checkpoint.distributed import MANIFEST, full_tensors
-from fastllm.checkpoint.distributed import model_config as distributed_model_config
+from fastllm.checkpoint.distributed import MANIFEST, SavedCheckpoint
 from fastllm.checkpoint.hf_config import from_hf_config, to_hf_config
 from fastllm.checkpoint.hf_weights import rules
 from fastllm.checkpoint.safetensors_io import SafetensorsReader, ShardedWriter
@@ -51,10 +50,12 @@ class ModelSource:
     loaded: dict[str, Tensor] | None = field(default=None, repr=False)
     """Tensors already in memory under fastllm's names (a model being trained), read instead
     of the directory's files."""
+    distributed: SavedCheckpoint | None = field(default=None, repr=False)
+    """The verified checkpoint or export of a `distributed` directory."""
 
     def tensors(self) -> Iterator[tuple[str, Tensor]]:
-        if self.format == "distributed":
-            yield from full_tensors(self.directory)
+        if self.distributed is not None:
+            yield from self.distributed.full_tensors()
             return
         if self.loaded is not None:
             yield from self.loaded.items()
@@ -103,7 +104,8 @@ def open_model(directory: str | Path, expected_format: str | None = None) -> Mod
     if not directory.is_dir():
         raise ConfigError(str(directory), "no such model directory")
     if (directory / MANIFEST).is_file():
-        source = ModelSource(directory, "distributed", distributed_model_config(directory))
+        saved = SavedCheckpoint(directory)  # its checksums verified
+        source = ModelSource(directory, "distributed", saved.model_config(), distributed=saved)
     elif (directory / "config.yaml").is_file():
         raw = load_yaml_file(directory / "config.yaml")
         try:
@@ -113,12 +115,12 @@ def open_model(directory: str | Path, expected_format: str | None = None) -> Mod
                 f"{directory / 'config.yaml'}", "has no model.base_model section"
             ) from None
         metadata_path = directory / "metadata.json"
-        metadata = json.loads(metadata_path.read_text()) if metadata_path.is_file() else {}
+        metadata = _json_object(metadata_path) if metadata_path.is_file() else {}
         source = ModelSource(
             directory, "fastllm", build(BaseModelConfig, base_raw), metadata.get("hf_config")
         )
     elif (directory / "config.json").is_file():
-        hf_config = json.loads((directory / "config.json").read_text())
+        hf_config = _json_object(directory / "config.json")
         architecture, config = from_hf_config(hf_config)
         source = ModelSource(directory, architecture, config, hf_config)
     else:
@@ -128,6 +130,16 @@ def open_model(directory: str | Path, expected_format: str | None = None) -> Mod
     if expected_format is not None and source.format != expected_format:
         raise ConfigError(str(directory), f"holds a {source.format} model, not {expected_format}")
     return source
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ConfigError(str(path), f"is not valid JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise ConfigError(str(path), "is not a JSON object")
+    return value
 
 
 def write_model(

@@ -7,30 +7,50 @@ import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
+
+from fastllm.config import ConfigError
 
 INDEX = "model.safetensors.index.json"
 
 
 class SafetensorsReader:
-    """Tensors of `model.safetensors` or of the shards listed by `model.safetensors.index.json`."""
+    """Tensors of `model.safetensors` or of the shards listed by `model.safetensors.index.json`.
+    A missing, truncated or invalid file is a `ConfigError` naming it."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
+        self._handles: dict[str, Any] = {}
         index = directory / INDEX
         if index.is_file():
-            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            try:
+                weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError):
+                raise ConfigError(
+                    str(index), "is not a safetensors index (no weight_map)"
+                ) from None
+        elif (directory / "model.safetensors").is_file():
+            weight_map = dict.fromkeys(
+                self._handle("model.safetensors").keys(), "model.safetensors"
+            )
         else:
-            single = directory / "model.safetensors"
-            if not single.is_file():
-                raise FileNotFoundError(f"{directory}: neither model.safetensors nor {INDEX} found")
-            with safe_open(single, "pt") as handle:
-                weight_map = dict.fromkeys(handle.keys(), "model.safetensors")
+            raise ConfigError(str(directory), f"has neither model.safetensors nor {INDEX}")
         self.weight_map = weight_map
-        self._handles: dict[str, object] = {}
+
+    def _handle(self, file: str) -> Any:
+        if file not in self._handles:
+            path = self.directory / file
+            if not path.is_file():
+                raise ConfigError(str(path), "is missing")
+            try:
+                self._handles[file] = safe_open(path, "pt")
+            except SafetensorError as error:
+                raise ConfigError(str(path), f"truncated or not safetensors ({error})") from None
+        return self._handles[file]
 
     def keys(self) -> list[str]:
         return list(self.weight_map)
@@ -40,9 +60,7 @@ class SafetensorsReader:
             file = self.weight_map[name]
         except KeyError:
             raise KeyError(f"{self.directory}: tensor {name!r} not found") from None
-        if file not in self._handles:
-            self._handles[file] = safe_open(self.directory / file, "pt")
-        return self._handles[file].get_tensor(name)  # type: ignore[attr-defined]
+        return self._handle(file).get_tensor(name)
 
 
 class ShardedWriter:
@@ -73,7 +91,11 @@ class ShardedWriter:
 
     def _flush(self) -> None:
         number = len(self._shards) + 1
-        save_file(self._pending, self.directory / f"shard-{number:05d}.safetensors", self.metadata)
+        path = self.directory / f"shard-{number:05d}.safetensors"
+        try:
+            save_file(self._pending, path, self.metadata)
+        except SafetensorError as error:  # how safetensors reports an I/O error (disk full, …)
+            raise OSError(f"{path}: {error}") from None
         self._shards.append(list(self._pending))
         self._pending, self._pending_bytes = {}, 0
 

@@ -4,7 +4,9 @@ Saving stalls training only for the copy of this rank's shards to pinned host me
 (`fastllm._native.CheckpointWriter`) serializes, checksums and fsyncs on background threads.
 Every rank of the job writes into `.NAME.partial/`; once every rank's file is written, rank 0
 commits: manifest.json (with the checksums), then an atomic rename to `NAME/`. A partial or
-corrupt checkpoint is never loaded."""
+corrupt checkpoint is never loaded. A write or commit that fails on any rank (disk full, …)
+raises `CheckpointWriteError` on every rank, so that the job stops together, once the partial
+directory is removed."""
 
 from __future__ import annotations
 
@@ -21,16 +23,23 @@ import torch.distributed as dist
 
 from fastllm import _native
 from fastllm.checkpoint.distributed import Snapshot, rank_file, stage_key
+from fastllm.checkpoint.errors import CheckpointWriteError
+from fastllm.config import ConfigError
+
+PARTIAL_SUFFIX = ".partial"
 
 
 @dataclass
 class _Pending:
-    job: Any
     partial: Path
     final: Path
     manifest: dict[str, Any]
     keep: int | None
+    job: Any = None
+    """The background write; None when it could not be submitted."""
     buffers: list[Any] = field(default_factory=list)
+    failure: str | None = None
+    """Why this rank could not start writing, reported to every rank at `wait`."""
 
 
 class CheckpointSaver:
@@ -59,17 +68,21 @@ class CheckpointSaver:
         `keep`: prune to that many numbered siblings once committed. `before_commit(partial)`
         runs on rank 0 to add files (the tokenizer's)."""
         self.wait()
-        partial = final.with_name(f".{final.name}.partial")
+        partial = final.with_name(f".{final.name}{PARTIAL_SUFFIX}")
         if self.rank == 0:
             shutil.rmtree(partial, ignore_errors=True)
             if final.exists():  # one this run did not resume from: corrupt, or abandoned
                 warnings.warn(f"replacing the checkpoint {final}", stacklevel=2)
                 shutil.rmtree(final)
         self._barrier()
-        job, buffers = self._submit(snapshot, partial)
-        if self.rank == 0 and before_commit is not None:
-            before_commit(partial)
-        self._pending.append(_Pending(job, partial, final, snapshot.manifest(), keep, buffers))
+        pending = _Pending(partial, final, snapshot.manifest(), keep)
+        try:
+            pending.job, pending.buffers = self._submit(snapshot, partial)
+            if self.rank == 0 and before_commit is not None:
+                before_commit(partial)
+        except OSError as error:
+            pending.failure = str(error)
+        self._pending.append(pending)
         return final
 
     def _submit(self, snapshot: Snapshot, directory: Path) -> tuple[Any, list[Any]]:
@@ -91,21 +104,41 @@ class CheckpointSaver:
         return self._writer.submit(str(directory), [(file, arrays, {})]), tensors
 
     def wait(self) -> None:
-        """Finish every checkpoint in flight: wait for this rank's files, then rank 0 commits."""
+        """Finish every checkpoint in flight: wait for this rank's files, then rank 0 commits.
+        Raises `CheckpointWriteError` on every rank when a write or the commit failed."""
         while self._pending:
             pending = self._pending.pop(0)
-            reports = pending.job.wait()
+            reports, failure = [], pending.failure
+            if pending.job is not None:  # waited for even after a failure: it writes into partial
+                try:
+                    reports = pending.job.wait()
+                except OSError as error:
+                    failure = failure or str(error)
+            outcomes: list[Any] = [(reports, failure)]
             if self.world_size > 1:
-                gathered: list[Any] = [None] * self.world_size
-                dist.all_gather_object(gathered, reports)
-                reports = [report for rank_reports in gathered for report in rank_reports]
-            if self.rank == 0:
-                _native.commit_checkpoint(
-                    str(pending.partial), str(pending.final), json.dumps(pending.manifest), reports
-                )
-                if pending.keep is not None:
+                outcomes = [None] * self.world_size
+                dist.all_gather_object(outcomes, (reports, failure))
+            failures = [failure for _, failure in outcomes if failure is not None]
+            if self.rank == 0 and not failures:
+                try:
+                    _native.commit_checkpoint(
+                        str(pending.partial),
+                        str(pending.final),
+                        json.dumps(pending.manifest),
+                        [report for rank_reports, _ in outcomes for report in rank_reports],
+                    )
+                except OSError as error:
+                    failures = [str(error)]
+                if not failures and pending.keep is not None:
                     _prune(pending.final.parent, pending.keep)
-            self._barrier()
+            if self.world_size > 1:  # also holds the other ranks until the commit is done
+                message = [failures[0] if failures else None]
+                dist.broadcast_object_list(message, src=0)
+                failures = [message[0]] if message[0] is not None else []
+            if failures:
+                if self.rank == 0:
+                    shutil.rmtree(pending.partial, ignore_errors=True)
+                raise CheckpointWriteError(pending.final, failures[0])
 
 
 def _staged(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
@@ -124,18 +157,28 @@ def _prune(root: Path, keep: int) -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def remove_partials(root: Path) -> None:
+    """Delete the partial directories under `root` that a killed run left (call it only while
+    holding the experiment's lock: a running job's are not leftovers)."""
+    for partial in root.glob(f".*{PARTIAL_SUFFIX}"):
+        if partial.is_dir():
+            shutil.rmtree(partial, ignore_errors=True)
+
+
 def latest(root: Path) -> tuple[Path, dict[str, Any], list[str]] | None:
     """The newest complete checkpoint under `root` (verified), its manifest, and the problems
-    of the newer ones that were skipped."""
+    of the newer ones that were skipped. None when there is no checkpoint; `ConfigError`
+    listing each one when none verifies (starting over would throw the run away)."""
     if not root.is_dir():
         return None
-    found = _native.latest_checkpoint(str(root))
+    try:
+        found = _native.latest_checkpoint(str(root))
+    except ValueError as error:  # the crate's NoValidCheckpoint: every one is corrupt
+        raise ConfigError(
+            "run.experiment_dir",
+            f"{error}; remove them (or choose another directory) to start over",
+        ) from None
     if found is None:
         return None
     _, directory, manifest, problems = found
     return Path(directory), json.loads(manifest), list(problems)
-
-
-def verified_manifest(directory: Path) -> dict[str, Any]:
-    """The manifest of a checkpoint whose files match their checksums."""
-    return json.loads(_native.verify_checkpoint(str(directory)))

@@ -10,10 +10,12 @@ from typing import TYPE_CHECKING
 
 import msgspec
 import torch
+import torch.distributed as dist
 
 from fastllm.checkpoint.distributed import STATE_KINDS, SavedCheckpoint, ShardedState, Snapshot
+from fastllm.checkpoint.errors import CheckpointWriteError
 from fastllm.checkpoint.formats import ModelSource, copy_tokenizer_files, write_model
-from fastllm.checkpoint.saver import latest, verified_manifest
+from fastllm.checkpoint.saver import PARTIAL_SUFFIX, latest
 from fastllm.config.resume_changes import resume_warning
 from fastllm.engine.data_parallel import gather_weights
 from fastllm.engine.flat_model import ALIGNMENT, FlatModel
@@ -83,7 +85,7 @@ def resume(trainer: Trainer) -> Path | None:
 def load_checkpoint(trainer: Trainer, directory: Path, manifest: dict | None = None) -> None:
     """Restore the full training state, whatever tensor and data sizes wrote it. `manifest` is
     given when the checkpoint was just verified."""
-    saved = SavedCheckpoint(directory, manifest or verified_manifest(directory))
+    saved = SavedCheckpoint(directory, manifest)
     state = sharded_state(trainer.flat, STATE_KINDS)
     saved.restore(state, STATE_KINDS)
     trainer.flat.sync_weights_from_master()
@@ -130,10 +132,20 @@ def export(trainer: Trainer, directory: Path, output_format: str) -> None:
     tensors = {
         name: t.detach().to("cpu", copy=True) for name, t in trainer.flat.whole_parameters() if main
     }
+    failure: str | None = None
     if main:
         source = ModelSource(dataset, "fastllm", trainer.config.model.base_model, loaded=tensors)
-        partial = directory.with_name(f".{directory.name}.partial")
+        partial = directory.with_name(f".{directory.name}{PARTIAL_SUFFIX}")
         shutil.rmtree(partial, ignore_errors=True)
-        write_model(source, partial, output_format)
-        partial.rename(directory)
-    trainer.distributed.barrier()
+        try:
+            write_model(source, partial, output_format)
+            partial.rename(directory)
+        except OSError as error:  # disk full, …: every rank stops, as for a checkpoint
+            shutil.rmtree(partial, ignore_errors=True)
+            failure = str(error)
+    if trainer.distributed.world_size > 1:  # also holds the other ranks until it is written
+        message = [failure]
+        dist.broadcast_object_list(message, src=0)
+        failure = message[0]
+    if failure is not None:
+        raise CheckpointWriteError(directory, failure)

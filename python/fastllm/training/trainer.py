@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from fastllm.checkpoint.formats import open_model
-from fastllm.checkpoint.saver import CheckpointSaver
+from fastllm.checkpoint.saver import CheckpointSaver, remove_partials
 from fastllm.config import ConfigError, TrainerConfig
 from fastllm.data import Batch, DataLoader, SampleStream
 from fastllm.engine.compile import apply_compile
@@ -306,8 +306,11 @@ class Trainer:
         experiment = self.experiment_dir
         experiment.mkdir(parents=True, exist_ok=True)
         lock = ExperimentLock.acquire(experiment)
-        resumed = self.resume()
         main = self.distributed.is_main
+        if main:  # what a killed run was writing; no other run writes here while we hold the lock
+            for root in ("checkpoint", "export"):
+                remove_partials(experiment / root)
+        resumed = self.resume()
         if main:
             setup = _memory_gib(self.distributed.device)
             memory = "" if setup is None else f", {setup:.1f} GiB after setup"
@@ -382,10 +385,12 @@ class Trainer:
                     break
         finally:
             profiler.close()
-            self.checkpoints.wait()
-            logger.close()
-            stop.restore()
-            lock.release()
+            try:
+                self.checkpoints.wait()
+            finally:
+                logger.close()
+                stop.restore()
+                lock.release()
         if stop.requested and main:
             print(
                 f"fastllm: stopped by {stop.requested} at step {self.step}; checkpoint written",

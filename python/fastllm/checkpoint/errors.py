@@ -1,0 +1,17 @@
+"""Errors of checkpoint I/O that the command line shows as one line (no torch imported here,
+so that `fastllm --help` stays instant)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class CheckpointWriteError(Exception):
+    """A checkpoint or export could not be written (disk full, permissions, any OS error): a
+    failure of the machine, not of the input. Its partial directory was removed and the
+    committed checkpoints were left as they were."""
+
+    def __init__(self, directory: Path, reason: str) -> None:
+        super().__init__(f"cannot write {directory}: {reason}")
+        self.directory = directory
+        self.reason = reason
