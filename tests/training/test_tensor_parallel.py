@@ -13,6 +13,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from fastllm.checkpoint.distributed import STATE_KINDS, SavedCheckpoint
+from fastllm.engine.flat_model import FlatModel
+from fastllm.engine.mesh import Dimension, ParallelMesh
+from fastllm.engine.tensor_parallel import TensorParallel
+from fastllm.model import GPTModel
+from fastllm.training.state import sharded_state
 from tests.test_cli import fastllm as run_cli
 from tests.torchrun import torchrun
 from tests.training.conftest import train_arguments
@@ -28,12 +34,12 @@ COMMON = (
     "batch.batch_size=8",
     "model.multi_stage.debug_tensor_parallel=true",
 )
-LLAMA = (  # RMSNorm, gated MLP, no biases, two key/value heads (one per tensor rank), untied
+LLAMA = (  # RMSNorm, gated MLP, no biases, four key/value heads, untied
     "model.base_model.transformer.normalization.type=rms_norm",
     "model.base_model.transformer.gated=true",
     "model.base_model.transformer.activation_type=silu",
     "model.base_model.transformer.add_linear_biases=false",
-    "model.base_model.transformer.head_groups=2",
+    "model.base_model.transformer.head_groups=4",
     "model.base_model.tie_word_embeddings=false",
 )
 TENSOR_2 = ("model.distributed.tensor_parallel=2",)
@@ -74,9 +80,11 @@ def assert_same_run(reference: Path, run: Path, first_step: int = 1) -> None:
 @pytest.mark.parametrize(
     ("model", "overrides"),
     [
-        ("starcoder2", SEQUENCE),  # tied head, LayerNorm, biases of row-parallel layers
-        # Untied head, gated MLP, as many key/value heads as tensor ranks; blocks recomputed
-        # whole (their collectives run again in the backward pass).
+        # Tied head, LayerNorm, biases of row-parallel layers, as many key/value heads as
+        # tensor ranks (grouped-query attention).
+        ("starcoder2", SEQUENCE),
+        # Untied head, gated MLP; blocks recomputed whole (their collectives run again in the
+        # backward pass).
         ("llama", ("model.multi_stage.recompute=full",)),
     ],
     ids=["starcoder2-sequence-parallel", "llama-gqa-untied"],
@@ -107,6 +115,38 @@ def test_two_tensor_ranks_match_one_process(
     assert sorted(ours) == sorted(theirs)
     for name, tensor in theirs.items():
         assert ours[name].shape == tensor.shape, name
+    if model == "llama":  # its key/value heads split four ways too
+        assert_restores_exactly_on_four_tensor_ranks(run / "checkpoint" / "5")
+
+
+def assert_restores_exactly_on_four_tensor_ranks(checkpoint: Path) -> None:
+    """A tensor-parallel-2 checkpoint restored into the four ranks of tensor_parallel 4 (in
+    this process: restoring needs no communication) holds slices that merge back into the
+    saved tensors exactly, moments included."""
+    saved = SavedCheckpoint(checkpoint)
+    slices: dict[tuple[str, str], list[torch.Tensor]] = {}
+    metas = {}
+    for rank in range(4):
+        alone = Dimension(1, 0, None)
+        mesh = ParallelMesh(4, rank, Dimension(4, rank, None), alone, alone, False)
+        with torch.device("meta"):
+            model = GPTModel(saved.model_config(), TensorParallel(4, rank))
+        flat = FlatModel(model, compute_dtype=torch.float32, device=torch.device("cpu"), mesh=mesh)
+        state = sharded_state(flat, STATE_KINDS)
+        saved.restore(state, STATE_KINDS)
+        layout = state.layout()
+        for index, name in enumerate(flat.names):
+            stage, offset, numel = layout.parameter(index)
+            for kind in STATE_KINDS:
+                piece = state.shards[stage][kind][offset : offset + numel].view(flat.shapes[name])
+                slices.setdefault((name, kind), []).append(piece.clone())
+        metas = flat.metas
+    for (name, kind), pieces in slices.items():
+        split = metas[name].tensor_split
+        if split is None:
+            assert all(torch.equal(piece, pieces[0]) for piece in pieces), (name, kind)
+        whole = pieces[0] if split is None else split.merge(pieces)
+        assert torch.equal(whole, saved.whole(name, kind)), (name, kind)
 
 
 @pytest.mark.parametrize(

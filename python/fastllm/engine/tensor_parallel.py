@@ -118,13 +118,6 @@ def _reduce_scatter_sequence(x: Tensor, tp: TensorParallel, async_op: bool) -> t
     return out, work
 
 
-def sequence_chunk(x: Tensor, tp: TensorParallel) -> Tensor:
-    """This rank's chunk of a (batch, sequence, ...) tensor every rank holds whole."""
-    if not (tp.split and tp.sequence_parallel):
-        return x
-    return x.chunk(tp.size, dim=1)[tp.rank]
-
-
 def vocab_parallel_embedding(ids: Tensor, weight: Tensor, tp: TensorParallel) -> Tensor:
     """Rows of the embedding whose vocabulary is split in contiguous ranges over the tensor
     ranks: each rank looks up the ids in its range, zeros elsewhere, and `leave` sums them."""
