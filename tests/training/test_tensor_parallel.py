@@ -87,7 +87,7 @@ def assert_same_run(reference: Path, run: Path, first_step: int = 1) -> None:
         # backward pass).
         ("llama", ("model.multi_stage.recompute=full",)),
     ],
-    ids=["starcoder2-sequence-parallel", "llama-gqa-untied"],
+    ids=["starcoder2-gqa-sequence-parallel", "llama-untied-full-recompute"],
 )
 def test_two_tensor_ranks_match_one_process(
     dataset: Path, tmp_path: Path, references: dict[str, Path], model: str, overrides: tuple
