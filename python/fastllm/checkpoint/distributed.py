@@ -167,9 +167,7 @@ class SavedCheckpoint:
         """Parameter `name` as tensor rank `tensor_rank` held it (flat, fp32)."""
         numel = self.parameters[self.index[name]][1]
         flat = torch.empty(numel, dtype=torch.float32)
-        for data_rank, stage, p0, p1, s0, s1 in self._pieces(name):
-            rank = tensor_rank + self.tensor_size * data_rank
-            flat[p0:p1] = self._piece(rank, kind, stage, s0, s1)
+        self._copy_pieces(name, kind, tensor_rank, 0, numel, flat)
         return flat
 
     def whole(self, name: str, kind: str = "master") -> Tensor:

@@ -57,12 +57,12 @@ def enter(x: Tensor, tp: TensorParallel) -> Tensor:
     return _Enter.apply(x, tp)
 
 
-def leave(x: Tensor, tp: TensorParallel) -> Tensor:
+def leave(x: Tensor, tp: TensorParallel, bias: Tensor | None = None) -> Tensor:
     """This rank's partial sums (batch, sequence, hidden) summed over the tensor ranks, as the
-    residual stream holds them (this rank's sequence chunk with sequence parallelism)."""
-    if not tp.split:
-        return x
-    return _Leave.apply(x, tp)
+    residual stream holds them (this rank's sequence chunk with sequence parallelism), plus
+    the row-parallel layer's `bias`, added once after the sum."""
+    out = _Leave.apply(x, tp) if tp.split else x
+    return out if bias is None else out + bias
 
 
 class _Enter(torch.autograd.Function):

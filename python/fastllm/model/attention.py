@@ -70,8 +70,7 @@ class Attention(torch.nn.Module):
         out = out.reshape(batch, length, self.q_size)
         if not self.tp.split:
             return linear(out, self.dense.weight, self.dense.bias)
-        out = leave(linear(out, self.dense.weight), self.tp)
-        return out if self.dense.bias is None else out + self.dense.bias
+        return leave(linear(out, self.dense.weight), self.tp, self.dense.bias)
 
     def _attend_with_cache(self, q: Tensor, k: Tensor, v: Tensor, cache: Any) -> Tensor:
         """Generation: `cache.update` (a transformers Cache) appends the new keys and values in

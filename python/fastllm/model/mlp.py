@@ -69,8 +69,7 @@ class MLP(torch.nn.Module):
         )
         if not split:
             return out, None
-        out = leave(out, self.tp)
-        return (out if self.layer_2.bias is None else out + self.layer_2.bias), None
+        return leave(out, self.tp, self.layer_2.bias), None
 
 
 def _project(
