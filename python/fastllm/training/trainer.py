@@ -30,6 +30,7 @@ from fastllm.engine.process_group import Distributed, setup_distributed
 from fastllm.engine.recompute import apply_recompute
 from fastllm.engine.replicated_check import check_replicated
 from fastllm.engine.schedule import learning_rate
+from fastllm.engine.sequence_data_parallel import SequenceDataParallel
 from fastllm.engine.tensor_parallel import TensorParallel
 from fastllm.model import GPTModel
 from fastllm.model.init import initializers
@@ -55,8 +56,10 @@ class Trainer:
         )
         tensor = self.mesh.tensor
         tp = TensorParallel(tensor.size, tensor.rank, tensor.group, self.mesh.sequence_parallel)
+        sequence_data = self.mesh.sequence_data
+        sdp = SequenceDataParallel(sequence_data.size, sequence_data.rank, sequence_data.group)
         with torch.device("meta"):
-            self.model = GPTModel(config.model.base_model, tp)
+            self.model = GPTModel(config.model.base_model, tp, sdp)
         self.flat = FlatModel(
             self.model,
             compute_dtype=dtype,
@@ -134,8 +137,9 @@ class Trainer:
         return self._loader(stream, self.consumed_samples)
 
     def _loader(self, stream: SampleStream, consumed_samples: int = 0) -> DataLoader:
-        """This rank's share of each batch of `stream`, in micro-batches."""
-        batch, data = self.config.batch, self.mesh.data
+        """This rank's share of each batch of `stream`, in micro-batches (whole sequences: the
+        ranks of a sequence-data group share them, and `_loss` takes this rank's chunk)."""
+        batch, data = self.config.batch, self.mesh.sample_groups
         assert batch.micro_batch_size is not None
         per_rank = batch.batch_size // data.size
         return DataLoader(
@@ -149,21 +153,22 @@ class Trainer:
         )
 
     def _loss(self, batch: Batch) -> torch.Tensor:
-        device = self.distributed.device
+        device, sdp = self.distributed.device, self.model.sdp
         return self.model.loss(
-            batch.input_ids.to(device, non_blocking=True),
-            batch.labels.to(device, non_blocking=True),
+            sdp.chunk(batch.input_ids).to(device, non_blocking=True),
+            sdp.chunk(batch.labels).to(device, non_blocking=True),
             document_ids=self._attention_documents(batch),
         )
 
     def _attention_documents(self, batch: Batch) -> torch.Tensor | None:
         """The document ids attention must keep within, on the device; None when it may cross
         documents (`batch.cross_document_attention`) or each sequence is a single document,
-        where plain causal attention (the fastest kernels) is the same."""
+        where plain causal attention (the fastest kernels) is the same. With sequence-data
+        parallelism, those of the sequences up to the end of this rank's chunk."""
         ids = batch.document_ids
         if self.config.batch.cross_document_attention or bool((ids == ids[:, :1]).all()):
             return None
-        return ids.to(self.distributed.device, non_blocking=True)
+        return self.model.sdp.prefix(ids).to(self.distributed.device, non_blocking=True)
 
     # --- steps --------------------------------------------------------------------------------
 
@@ -215,9 +220,10 @@ class Trainer:
         return {"loss": loss.item(), **metrics}
 
     def token_shares(self, micro_batches: list[Batch]) -> list[float]:
-        """Each micro-batch's trained tokens over those of the global batch (over every data
-        rank); zeros when the batch trains no token."""
-        counts = [int((batch.labels != -100).sum()) for batch in micro_batches]  # on the host
+        """Each micro-batch's trained tokens (in this rank's chunk of its sequences) over those
+        of the global batch (over every data rank); zeros when the batch trains no token."""
+        sdp = self.model.sdp
+        counts = [int((sdp.chunk(batch.labels) != -100).sum()) for batch in micro_batches]
         total = float(sum(counts))
         if self.mesh.data.size > 1:
             total = self._data_sum(torch.tensor(total, device=self.distributed.device)).item()
@@ -272,7 +278,7 @@ class Trainer:
         """One line: the model, where and how it trains."""
         config, distributed, mesh = self.config, self.distributed, self.mesh
         batch, stages = config.batch, config.model.multi_stage
-        per_rank = batch.batch_size // mesh.data.size
+        per_rank = batch.batch_size // mesh.sample_groups.size
         assert batch.micro_batch_size is not None
         micro = min(batch.micro_batch_size, per_rank)
         parts = [
@@ -291,6 +297,8 @@ class Trainer:
                 f"data parallel {mesh.data.size}, ZeRO-{stages.zero_stage}, "
                 f"{stages.layers_per_stage} layer(s)/stage"
             )
+        if mesh.sequence_data.size > 1:
+            parts.append(f"sequence-data parallel {mesh.sequence_data.size}")
         parts.append(f"{stages.recompute} recomputation")
         if config.training.compile:
             parts.append("compiled blocks")
