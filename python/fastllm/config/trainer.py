@@ -7,6 +7,7 @@ import msgspec
 from fastllm.config.data import DataConfig
 from fastllm.config.formats import ModelFormat
 from fastllm.config.model import ModelConfig
+from fastllm.config.schedule import ScheduleConfig
 from fastllm.config.section import ConfigError, Section
 from fastllm.config.training import BatchConfig, OptimizerConfig, RunConfig, TrainingConfig
 
@@ -38,6 +39,8 @@ class TrainerConfig(Section):
     """AdamW and its learning-rate schedule."""
     pretrained: PretrainedConfig | None = None
     """Initialize the model from a checkpoint (fine-tuning, continued pretraining)."""
+    schedule: ScheduleConfig = msgspec.field(default_factory=ScheduleConfig)
+    """How each micro-batch is cut into passes."""
 
     def validate(self) -> None:
         distributed = self.model.distributed
@@ -63,17 +66,33 @@ class TrainerConfig(Section):
                 f"model.distributed.tensor_parallel ({distributed.tensor_parallel}) with "
                 "model.distributed.sequence_tensor_parallel",
             )
-        chunks = distributed.sequence_data_parallel
+        splits = self.schedule.micro_batch_splits
+        if splits > 1 and distributed.sequence_data_parallel > 1:
+            raise ConfigError(
+                "schedule.micro_batch_splits",
+                "with model.distributed.sequence_data_parallel > 1 is not supported yet",
+            )
+        if splits > 1 and self.model.multi_stage.recompute == "full":
+            raise ConfigError(
+                "schedule.micro_batch_splits",
+                "with model.multi_stage.recompute: full is not supported yet (a recomputed "
+                "block would add its piece's keys and values a second time)",
+            )
+        chunks = distributed.sequence_data_parallel * splits
         if distributed.sequence_parallel:
             chunks *= distributed.tensor_parallel
-        if distributed.sequence_data_parallel > 1 and self.batch.sequence_length % chunks:
-            tensor = (
-                " × model.distributed.tensor_parallel (with sequence_tensor_parallel)"
-                if distributed.sequence_parallel
-                else ""
-            )
+        if chunks > 1 and self.batch.sequence_length % chunks:
+            parts = [
+                key
+                for key, used in (
+                    ("model.distributed.sequence_data_parallel", distributed.sequence_data_parallel > 1),
+                    ("schedule.micro_batch_splits", splits > 1),
+                    ("model.distributed.tensor_parallel (with sequence_tensor_parallel)", distributed.sequence_parallel),
+                )
+                if used
+            ]  # fmt: skip
             raise ConfigError(
                 "batch.sequence_length",
-                f"({self.batch.sequence_length}) must be divisible by "
-                f"model.distributed.sequence_data_parallel{tensor} ({chunks})",
+                f"({self.batch.sequence_length}) must be divisible by {' × '.join(parts)} "
+                f"({chunks})",
             )

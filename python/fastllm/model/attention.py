@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from fastllm.config.model import TransformerConfig
@@ -80,7 +79,7 @@ class Attention(torch.nn.Module):
                 q, k, v, causal=True, window_size=self.window_size, document_ids=document_ids
             )
         else:
-            out = self._attend_with_cache(q, k, v, cache)
+            out = self._attend_with_cache(q, k, v, cache, document_ids)
         out = out.reshape(batch, length, self.q_size)
         if not self.tp.split:
             return linear(out, self.dense.weight, self.dense.bias)
@@ -109,25 +108,15 @@ class Attention(torch.nn.Module):
         k, v = pending.finish()
         return q, k, v
 
-    def _attend_with_cache(self, q: Tensor, k: Tensor, v: Tensor, cache: Any) -> Tensor:
-        """Generation: `cache.update` (a transformers Cache) appends the new keys and values in
-        its (batch, heads, seq, head) layout and returns all of them."""
+    def _attend_with_cache(
+        self, q: Tensor, k: Tensor, v: Tensor, cache: Any, document_ids: Tensor | None
+    ) -> Tensor:
+        """Generation (a transformers Cache) and micro-sequences (engine/micro_sequences.py):
+        `cache.update` appends the new keys and values, in its (batch, heads, seq, head)
+        layout, to the earlier ones and returns all of them; the new queries are the last
+        positions."""
         keys, values = cache.update(k.transpose(1, 2), v.transpose(1, 2), self.layer_index)
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)
-        past = keys.shape[1] - q.shape[1]
-        if past == 0:
-            return attention(q, keys, values, causal=True, window_size=self.window_size)
-        # New queries sit at the end: query i sees keys up to past + i, within the window.
-        query_positions = torch.arange(past, keys.shape[1], device=q.device)[:, None]
-        key_positions = torch.arange(keys.shape[1], device=q.device)[None, :]
-        allowed = key_positions <= query_positions
-        if self.window_size is not None:
-            allowed &= key_positions > query_positions - self.window_size
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
-            attn_mask=allowed,
-            enable_gqa=self.kv_heads != self.heads,
+        return attention(
+            q, keys, values, causal=True, window_size=self.window_size, document_ids=document_ids
         )
-        return out.transpose(1, 2)

@@ -24,6 +24,7 @@ from fastllm.engine.compile import apply_compile
 from fastllm.engine.data_parallel import gather_weights
 from fastllm.engine.flat_model import FlatModel
 from fastllm.engine.mesh import build_mesh
+from fastllm.engine.micro_sequences import KeyValueMemory
 from fastllm.engine.optimizer import AdamW
 from fastllm.engine.precision import DTYPES, LossScaler
 from fastllm.engine.process_group import Distributed, setup_distributed
@@ -153,12 +154,27 @@ class Trainer:
         )
 
     def _loss(self, batch: Batch) -> torch.Tensor:
+        """Mean loss over the micro-batch's trained tokens (this rank's chunk of them); with
+        `schedule.micro_batch_splits`, the pieces' mean losses weighted by their tokens."""
         device, sdp = self.distributed.device, self.model.sdp
-        return self.model.loss(
-            sdp.chunk(batch.input_ids).to(device, non_blocking=True),
-            sdp.chunk(batch.labels).to(device, non_blocking=True),
-            document_ids=self._attention_documents(batch),
-        )
+        input_ids = sdp.chunk(batch.input_ids).to(device, non_blocking=True)
+        labels = sdp.chunk(batch.labels).to(device, non_blocking=True)
+        documents = self._attention_documents(batch)
+        splits = self.config.schedule.micro_batch_splits
+        if splits == 1:
+            return self.model.loss(input_ids, labels, document_ids=documents)
+        memory, length = KeyValueMemory(), input_ids.shape[1] // splits
+        total = torch.zeros((), device=device)
+        for end in range(length, input_ids.shape[1] + 1, length):
+            piece = slice(end - length, end)
+            loss = self.model.loss(
+                input_ids[:, piece],
+                labels[:, piece],
+                document_ids=None if documents is None else documents[:, :end],
+                cache=memory,
+            )
+            total = total + loss * (labels[:, piece] != -100).sum()
+        return total / (labels != -100).sum().clamp(min=1)
 
     def _attention_documents(self, batch: Batch) -> torch.Tensor | None:
         """The document ids attention must keep within, on the device; None when it may cross
@@ -299,6 +315,8 @@ class Trainer:
             )
         if mesh.sequence_data.size > 1:
             parts.append(f"sequence-data parallel {mesh.sequence_data.size}")
+        if config.schedule.micro_batch_splits > 1:
+            parts.append(f"sequences in {config.schedule.micro_batch_splits} pieces")
         parts.append(f"{stages.recompute} recomputation")
         if config.training.compile:
             parts.append("compiled blocks")

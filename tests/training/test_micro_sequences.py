@@ -1,0 +1,93 @@
+"""Micro-sequences (`schedule.micro_batch_splits`) against whole sequences: the same losses and
+accumulated gradients (1e-5 relative), with and without document-masked attention, in one
+process and on two tensor ranks with sequence-tensor parallelism."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastllm.config import ConfigError
+from tests.torchrun import torchrun_script
+from tests.training.test_training_options import trainer
+
+SPLITS_4 = "schedule.micro_batch_splits=4"
+DOCUMENTS = "batch.cross_document_attention=false"
+
+
+@pytest.mark.parametrize("documents", [False, True], ids=["across-documents", "within"])
+def test_four_pieces_give_the_whole_sequences_loss_and_gradients(
+    dataset: Path, tmp_path: Path, documents: bool
+) -> None:
+    # The tiny model's sliding window (32) reaches back over more than one piece (12 tokens).
+    options = (DOCUMENTS,) if documents else ()
+    whole = trainer(dataset, tmp_path / "whole", *options)
+    pieces = trainer(dataset, tmp_path / "pieces", *options, SPLITS_4)
+    masked = False
+    for micro_batches in itertools.islice(whole.data_loader(), 10):  # until a packed sample
+        for batch in micro_batches:
+            masked |= whole._attention_documents(batch) is not None
+            expected, got = whole.forward_backward(batch), pieces.forward_backward(batch)
+            assert got.item() == pytest.approx(expected.item(), rel=1e-5)
+        for ours, theirs in zip(pieces.flat.grads, whole.flat.grads, strict=True):
+            error = torch.linalg.vector_norm(ours - theirs)
+            assert error <= 1e-5 * torch.linalg.vector_norm(theirs) + 1e-7, float(error)
+        whole.flat.zero_grad()
+        pieces.flat.zero_grad()
+        if masked or not documents:
+            break
+    assert masked == documents
+
+
+TENSOR_SCRIPT = """
+import itertools
+from pathlib import Path
+import torch
+import torch.distributed as dist
+from tests.training.test_training_options import trainer
+
+options = ("batch.cross_document_attention=false", "model.distributed.tensor_parallel=2",
+           "model.distributed.sequence_tensor_parallel=true")
+dataset, experiments = Path(DATASET), Path(EXPERIMENTS)
+whole = trainer(dataset, experiments / "whole", *options)
+pieces = trainer(dataset, experiments / "pieces", *options, "schedule.micro_batch_splits=4")
+masked = False
+for micro_batches in itertools.islice(whole.data_loader(), 10):  # until a packed sample
+    for batch in micro_batches:
+        masked |= whole._attention_documents(batch) is not None
+        expected, got = whole.forward_backward(batch), pieces.forward_backward(batch)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=0)
+    if masked:
+        break
+assert masked
+for index, name in enumerate(whole.flat.names):  # this rank's slices
+    ours = pieces.flat.parameter_view(pieces.flat.grads, index).clone()
+    theirs = whole.flat.parameter_view(whole.flat.grads, index).clone()
+    if whole.flat.metas[name].tensor_reduced(sequence_parallel=True):
+        # Partial sums over this rank's tokens: of each piece's chunk, or of the whole's.
+        dist.all_reduce(ours)
+        dist.all_reduce(theirs)
+    error = torch.linalg.vector_norm(ours - theirs)
+    assert error <= 1e-5 * torch.linalg.vector_norm(theirs) + 1e-7, (name, float(error))
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_micro_sequences_with_tensor_and_sequence_parallelism_give_the_same_gradients(
+    dataset: Path, tmp_path: Path
+) -> None:
+    """On two tensor ranks, whose sequence-parallel chunks of a piece are 6 tokens."""
+    script = TENSOR_SCRIPT.replace("DATASET", repr(str(dataset)))
+    result = torchrun_script(2, script.replace("EXPERIMENTS", repr(str(tmp_path))))
+    assert result.returncode == 0, result.stderr
+
+
+def test_pieces_must_divide_the_sequence(dataset: Path, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as error:
+        trainer(dataset, tmp_path / "bad", "schedule.micro_batch_splits=5")
+    assert error.value.path == "batch.sequence_length"
+    assert "schedule.micro_batch_splits" in error.value.message
