@@ -4,7 +4,8 @@ gradients too. The gradients are reduce-scattered into the shards stage by stage
 backward pass (GradientReducer); after the optimizer step, each rank's updated weight shard is
 all-gathered back into everyone's weights (ZeRO-3 gathers each stage only while it runs: see
 WeightGatherer). This all-gather is synchronous: it does not overlap the next forward pass.
-Every collective here is over the data group; tensor ranks have buffers of their own."""
+Every collective here is over the data group; tensor and pipeline ranks have buffers of their
+own (a tied head on another pipeline rank gets the embedding's new weights after them)."""
 
 from __future__ import annotations
 
@@ -20,10 +21,9 @@ def gather_weights(flat: FlatModel) -> None:
     ZeRO-3, gathered copies of the old weights are dropped: stages are gathered when used)."""
     if flat.gatherer is not None:
         flat.gatherer.keep_only(set())
-        return
-    if flat.data.size == 1:
-        return
-    for stage, shard in enumerate(flat.shards):
-        dist.all_gather_into_tensor(
-            flat.weights[stage], shard.weight.clone(), group=flat.data.group
-        )
+    elif flat.data.size > 1:
+        for stage, shard in flat.shards.items():
+            dist.all_gather_into_tensor(
+                flat.weights[stage], shard.weight.clone(), group=flat.data.group
+            )
+    flat.sync_tied_copy()
