@@ -24,6 +24,7 @@ from fastllm.engine.gradient_buffers import GradientBuffers
 from fastllm.engine.gradient_reducer import GradientReducer
 from fastllm.engine.mesh import ParallelMesh
 from fastllm.engine.weight_gatherer import WeightGatherer
+from fastllm.engine.weight_refresh import WeightRefresh
 from fastllm.model import GPTModel
 from fastllm.model.parameters import full_shape, parameter_metas
 
@@ -193,6 +194,19 @@ class FlatModel:
         self.gatherer = WeightGatherer(self) if self.shard_weights else None
         if self.gatherer is not None and gather_in_forward:
             self.gatherer.install_hooks(stage_modules(model, layers_per_stage))
+        self.refresh = (
+            WeightRefresh(self) if self.data.size > 1 and not self.shard_weights else None
+        )
+        if self.refresh is not None and gather_in_forward:
+            self.refresh.install_hooks(stage_modules(model, layers_per_stage))
+
+    def wait_for_weights(self, stage: int) -> None:
+        """Block until `stage`'s full compute weights are in place (ZeRO-1/2 after a step,
+        ZeRO-3 whenever it runs)."""
+        if self.refresh is not None:
+            self.refresh.wait(stage)
+        if self.gatherer is not None:
+            self.gatherer.ensure(stage)
 
     def slot(self, stage: int) -> int:
         """Which of two buffers `stage` uses where consecutive stages of this rank alternate
@@ -502,6 +516,8 @@ class FlatModel:
         """Every parameter of this tensor rank in the compute dtype (views: copy each before
         taking the next), each sent by the pipeline rank that holds it. With ZeRO-3 each stage
         is gathered in turn: every rank must iterate to the end."""
+        if self.refresh is not None:
+            self.refresh.wait_all()
         for stage in range(self.layout.num_stages):
             owned = stage in self.owned
             if self.gatherer is not None and owned:

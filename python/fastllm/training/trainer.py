@@ -221,7 +221,15 @@ class Trainer:
         and summed over data-parallel ranks (the weights of a step's micro-batches on all
         ranks should sum to 1: `token_shares`).
         `last`: the step's last micro-batch, whose backward pass then also sums the gradients
-        over data-parallel ranks (ZeRO-1), overlapping it; otherwise `optimizer_step` does."""
+        over data-parallel ranks (ZeRO-1), overlapping it; otherwise `optimizer_step` does.
+        Not with pipeline parallelism or breadth-first micro-batches: `train_step` runs the
+        whole step's schedule then."""
+        if self.pipeline is not None:
+            raise RuntimeError(
+                "forward_backward runs one micro-batch whole: with model.distributed."
+                "pipeline_parallel > 1 or schedule.breadth_first_micro_batches > 1, use "
+                "train_step, which runs the step's schedule"
+            )
         loss = self._loss(batch)
         self.flat.start_backward(last)
         (loss * (weight * self.scaler.scale)).backward()
@@ -237,7 +245,7 @@ class Trainer:
         # The micro-batches' weights already normalize the sum over data ranks (train_step).
         report = self.optimizer.step(lr, self.scaler.scale)
         if not report.skipped:
-            gather_weights(self.flat)
+            gather_weights(self.flat, wait=False)  # each stage's forward pass waits for its own
             if self.config.model.multi_stage.debug_tensor_parallel:
                 check_replicated(self.flat)
         self.scaler.update(report.skipped)

@@ -68,6 +68,14 @@ class PipelineRunner:
         self.trace: list[Op] | None = None
         """When a list, every op run is appended to it (tests compare it with the program)."""
 
+    def _needs(self, stage: int) -> list[int]:
+        """The stages whose weights running `stage` reads."""
+        gatherer = self.flat.gatherer
+        if gatherer is not None:
+            return sorted(gatherer.needs(stage))
+        tied_here = self.flat.tied and self.flat.tied_copy is None
+        return sorted({0, stage}) if tied_here and stage == self.layout.num_stages - 1 else [stage]
+
     def _global(self, pipeline_rank: int) -> int:
         return dist.get_global_rank(self.flat.pipeline.group, pipeline_rank)
 
@@ -113,9 +121,8 @@ class PipelineRunner:
                 step = op.step
                 assert step is not None
                 m = step.micro_batch
-                if flat.gatherer is not None:
-                    for stage in sorted(flat.gatherer.needs(step.stage)):
-                        flat.gatherer.ensure(stage)
+                for stage in self._needs(step.stage):
+                    flat.wait_for_weights(stage)
                 if step.forward:
                     if m not in contexts:
                         contexts[m] = make_context(micro_batches[m])
@@ -220,9 +227,8 @@ class PipelineRunner:
                         produced[need] = buffer
                 if not mine:
                     continue
-                if flat.gatherer is not None:
-                    for needed in sorted(flat.gatherer.needs(stage)):
-                        flat.gatherer.ensure(needed)
+                for needed in self._needs(stage):
+                    flat.wait_for_weights(needed)
                 _, value = self._forward(step, micro_batch, context, produced, 1.0, last)
                 loss += weights[m] * value
                 if flat.gatherer is not None:
