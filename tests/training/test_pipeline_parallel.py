@@ -150,3 +150,19 @@ def test_each_rank_runs_its_program_as_the_schedule_has_it(dataset: Path, tmp_pa
     result = torchrun_script(4, script)
     assert result.returncode == 0, result.stderr
     assert sorted(result.stdout.split()) == sorted(["ok", "0", "ok", "1", "ok", "2", "ok", "3"])
+
+
+def test_pipeline_tensor_and_data_parallel_at_zero3_match_one_process(
+    dataset: Path, tmp_path: Path, reference: Path
+) -> None:
+    run = tmp_path / "pp2xtp2xdp2"
+    layout = (
+        "model.distributed.tensor_parallel=2",
+        "model.distributed.sequence_tensor_parallel=true",
+        "model.multi_stage.zero_stage=3",
+        "schedule.breadth_first_micro_batches=2",
+    )
+    result = torchrun(8, *arguments(dataset, run, *PIPELINE_2, *layout))
+    assert result.returncode == 0, result.stderr
+    assert "pipeline parallel 2 (4 stages, breadth-first), data parallel 2, ZeRO-3" in result.stdout
+    assert_same_run(reference, run)

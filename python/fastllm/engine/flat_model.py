@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fastllm import _native
+from fastllm.engine import point_to_point
 from fastllm.engine.gradient_buffers import GradientBuffers
 from fastllm.engine.gradient_reducer import GradientReducer
 from fastllm.engine.mesh import ParallelMesh
@@ -406,14 +407,13 @@ class FlatModel:
                 dist.all_reduce(copy.grad, group=self.data.group)
             flat = copy.grad.reshape(-1)
             for p0, p1, _, _ in pieces:
-                dist.send(flat[p0:p1].contiguous(), dst=copy.peer)
+                point_to_point.send(flat[p0:p1], copy.peer)
             copy.fresh = True
             return
         shard = self.shards[0]
         for p0, p1, s0, s1 in pieces:
             received = torch.empty(p1 - p0, dtype=torch.float32, device=self.device)
-            dist.recv(received, src=copy.peer)
-            shard.grad[s0:s1].add_(received)
+            shard.grad[s0:s1].add_(point_to_point.recv(received, copy.peer))
 
     def _embedding_pieces(self) -> list[tuple[int, int, int, int]]:
         """(parameter start, end, shard start, end) of the embedding in this data rank's shard
@@ -437,14 +437,13 @@ class FlatModel:
         if copy.weight is None:
             weight = self.shards[0].weight
             for _, _, s0, s1 in pieces:
-                dist.send(weight[s0:s1].contiguous(), dst=copy.peer)
+                point_to_point.send(weight[s0:s1], copy.peer)
             return
         flat = copy.weight.reshape(-1)
         flat.zero_()
         for p0, p1, _, _ in pieces:
             received = torch.empty(p1 - p0, dtype=self.compute_dtype, device=self.device)
-            dist.recv(received, src=copy.peer)
-            flat[p0:p1].copy_(received)
+            flat[p0:p1].copy_(point_to_point.recv(received, copy.peer))
         if self.data.size > 1:
             dist.all_reduce(copy.weight, group=self.data.group)
 

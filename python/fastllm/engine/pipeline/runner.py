@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from fastllm.engine import point_to_point
 from fastllm.engine.flat_model import FlatModel, stage_positions
 from fastllm.engine.pipeline.schedule import Layout, Op, Program, Step, build_programs, dependency
 from fastllm.model.gpt import Context, GPTModel
@@ -94,7 +94,7 @@ class PipelineRunner:
         contexts: dict[int, Context] = {}
         produced: dict[Step, Tensor] = {}
         saved: dict[Step, _Saved] = {}
-        sends: list[tuple[Any, Tensor]] = []
+        sends: list[point_to_point.Sent] = []
         loss = torch.zeros((), dtype=torch.float32, device=flat.device)
         last = layout.num_stages - 1
         for op in self.program.ops:
@@ -111,12 +111,10 @@ class PipelineRunner:
                 buffer = torch.empty(
                     self.activation_shape, dtype=flat.compute_dtype, device=flat.device
                 )
-                dist.recv(buffer, src=self._global(op.peer))
-                produced[op.step] = buffer
+                produced[op.step] = point_to_point.recv(buffer, self._global(op.peer))
             elif op.kind == "send":
                 assert op.step is not None
-                tensor = produced.pop(op.step).contiguous()
-                sends.append((dist.isend(tensor, dst=self._global(op.peer)), tensor))
+                sends.append(point_to_point.isend(produced.pop(op.step), self._global(op.peer)))
             else:
                 step = op.step
                 assert step is not None
@@ -135,8 +133,8 @@ class PipelineRunner:
                     self._backward(step, saved.pop(Step(step.stage, m, True)), produced, op.reduce)
                     if step.stage == 0:
                         contexts.pop(m, None)
-        for work, _ in sends:
-            work.wait()
+        for sent in sends:
+            sent.wait()
         flat.finish_step_backward()
         return loss
 
@@ -218,13 +216,12 @@ class PipelineRunner:
                 if stage and previous != rank:
                     need = Step(stage - 1, m, True)
                     if previous == flat.pipeline.rank:
-                        dist.send(produced.pop(need).contiguous(), dst=self._global(rank))
+                        point_to_point.send(produced.pop(need), self._global(rank))
                     elif mine:
                         buffer = torch.empty(
                             self.activation_shape, dtype=flat.compute_dtype, device=flat.device
                         )
-                        dist.recv(buffer, src=self._global(previous))
-                        produced[need] = buffer
+                        produced[need] = point_to_point.recv(buffer, self._global(previous))
                 if not mine:
                     continue
                 for needed in self._needs(stage):
