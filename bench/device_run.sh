@@ -17,8 +17,9 @@
 # sustained (bf16 matmul TFLOP/s, clock and power over a minute of load),
 # prepare (16-core scaling), train-1b | train-3b (train_bench + profile), zero-8b (llama-8b
 # ZeRO-2 and 3 on 2 GPUs), profile-8b (one profiled llama-8b step on 2 GPUs), scale-x2 |
-# scale-x8 (Mistral-7B scaling), sft (llama-1b fine-tuning on packed, masked conversations
-# against HF + compile on the same batches; chat prepare against apply_chat_template in a pool).
+# scale-x8 (Mistral-7B scaling), long (llama-1b/3b at 16k-128k tokens per sequence against HF),
+# sft (llama-1b fine-tuning on packed, masked conversations against HF + compile on the same
+# batches; chat prepare against apply_chat_template in a pool).
 set -uo pipefail
 COMMIT=$1
 shift
@@ -91,6 +92,11 @@ run_part() {
       # micro-batch (on 2 GPUs: 98.8% scaling against 91.8%, h200-94993d3).
       python3 bench/scale_bench.py --gpus 1 2 8 --steps 5 --kill-at-end --timeout 190 \
         --zero-stage "${ZERO:-1}" --commit "$COMMIT" --out "$RES/scale_x8" 2>&1 | tail -12 ;;
+    long)
+      # llama-1b at 16k-128k and llama-3b at 32k-64k tokens in one sequence against HF +
+      # compile, and attention alone at those lengths; LONG_S: seconds for all its runs.
+      python3 bench/long_context_bench.py --deadline "${LONG_S:-330}" --commit "$COMMIT" \
+        --out "$RES/long_context${TAG:+_$TAG}" 2>&1 | tail -40 ;;
     sft)
       # SFT_PARTS: train and/or prepare (both by default).
       python3 bench/sft_bench.py --parts ${SFT_PARTS:-train prepare} --cores 1 2 4 8 16 \

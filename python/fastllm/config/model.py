@@ -229,10 +229,16 @@ class DistributedConfig(Section):
     """Ranks that split the model's stages (`model.multi_stage.layers_per_stage`): stage s
     runs on pipeline rank s mod pipeline_parallel, so more stages than ranks loops over them.
     The order of the micro-batches through the stages is `schedule`'s."""
+    sequence_data_parallel: int = 1
+    """Consecutive ranks of the data group that share each sequence, each computing one
+    contiguous chunk of it (attention all-gathers the keys and values of the earlier chunks);
+    it must divide the data-parallel size. ZeRO and the gradient sum still span the whole
+    data group."""
 
     def validate(self) -> None:
         check_non_negative(self.seed, "seed")
         check_positive(self.tensor_parallel, "tensor_parallel")
+        check_positive(self.sequence_data_parallel, "sequence_data_parallel")
         check_positive(self.pipeline_parallel, "pipeline_parallel")
 
     def data_parallel(self, world_size: int) -> int:
@@ -244,7 +250,15 @@ class DistributedConfig(Section):
                 f"tensor_parallel ({self.tensor_parallel}) × model.distributed.pipeline_parallel "
                 f"({self.pipeline_parallel}) must divide the number of ranks ({world_size})",
             )
-        return world_size // model_parallel
+        data_size = world_size // model_parallel
+        if data_size % self.sequence_data_parallel:
+            raise ConfigError(
+                "model.distributed.sequence_data_parallel",
+                f"({self.sequence_data_parallel}) must divide the data-parallel size "
+                f"({data_size}: {world_size} ranks over model.distributed.tensor_parallel × "
+                "pipeline_parallel)",
+            )
+        return data_size
 
     @property
     def sequence_parallel(self) -> bool:

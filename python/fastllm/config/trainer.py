@@ -50,6 +50,12 @@ class TrainerConfig(Section):
                 "compiled blocks with model.distributed.tensor_parallel > 1 are not supported "
                 "yet (their collectives would break the graphs)",
             )
+        if self.training.compile and distributed.sequence_data_parallel > 1:
+            raise ConfigError(
+                "training.compile",
+                "compiled blocks with model.distributed.sequence_data_parallel > 1 are not "
+                "supported yet (their collectives would break the graphs)",
+            )
         if (
             distributed.sequence_parallel
             and self.batch.sequence_length % distributed.tensor_parallel
@@ -59,4 +65,18 @@ class TrainerConfig(Section):
                 f"({self.batch.sequence_length}) must be divisible by "
                 f"model.distributed.tensor_parallel ({distributed.tensor_parallel}) with "
                 "model.distributed.sequence_tensor_parallel",
+            )
+        chunks = distributed.sequence_data_parallel
+        if distributed.sequence_parallel:
+            chunks *= distributed.tensor_parallel
+        if distributed.sequence_data_parallel > 1 and self.batch.sequence_length % chunks:
+            tensor = (
+                " × model.distributed.tensor_parallel (with sequence_tensor_parallel)"
+                if distributed.sequence_parallel
+                else ""
+            )
+            raise ConfigError(
+                "batch.sequence_length",
+                f"({self.batch.sequence_length}) must be divisible by "
+                f"model.distributed.sequence_data_parallel{tensor} ({chunks})",
             )

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fastllm.config.model import BaseModelConfig, NoRotaryConfig
+from fastllm.engine.sequence_data_parallel import SequenceDataParallel
 from fastllm.engine.tensor_parallel import (
     TensorParallel,
     enter,
@@ -54,13 +55,21 @@ class GPTModel(torch.nn.Module):
 
     With `tp` of more than one rank, this rank's slice of the model: a vocab-parallel
     embedding and head, column- and row-parallel projections (see engine/tensor_parallel.py).
-    Every parameter carries a `ParameterMeta` (model/parameters.py)."""
+    With `sdp` of more than one rank, the inputs are this rank's chunk of each sequence
+    (engine/sequence_data_parallel.py). Every parameter carries a `ParameterMeta`
+    (model/parameters.py)."""
 
-    def __init__(self, config: BaseModelConfig, tp: TensorParallel | None = None) -> None:
+    def __init__(
+        self,
+        config: BaseModelConfig,
+        tp: TensorParallel | None = None,
+        sdp: SequenceDataParallel | None = None,
+    ) -> None:
         super().__init__()
         transformer = config.transformer
         assert transformer.kv_channels is not None, "validate the config first"
         self.config, self.tp = config, tp or TensorParallel()
+        self.sdp = sdp or SequenceDataParallel()
         vocab, hidden = config.vocab_size // self.tp.size, transformer.hidden_size
         vocab_split = TensorSplit(0, (config.vocab_size,))
         self.embeddings = Embedding(config.vocab_size, hidden, self.tp)
@@ -72,7 +81,8 @@ class GPTModel(torch.nn.Module):
             tied=config.tie_word_embeddings,
         )
         self.layers = torch.nn.ModuleList(
-            TransformerBlock(transformer, i, self.tp) for i in range(transformer.num_layers)
+            TransformerBlock(transformer, i, self.tp, self.sdp)
+            for i in range(transformer.num_layers)
         )
         self.final_norm = Normalization(transformer.normalization, hidden)
         self.head = (
@@ -110,15 +120,16 @@ class GPTModel(torch.nn.Module):
         """What every layer of one batch reads besides the residual stream.
 
         `document_ids` (batch, seq) keeps attention inside documents of packed samples, and
-        positions restart with each document unless `position_ids` are given."""
+        positions restart with each document unless `position_ids` are given. With
+        sequence-data parallelism `input_ids` are this rank's chunk of the sequences and
+        `document_ids` cover them up to the end of that chunk."""
+        length = input_ids.shape[1]
         if position_ids is None:
             if document_ids is not None:
-                position_ids = positions_in_documents(document_ids)
+                position_ids = positions_in_documents(document_ids)[:, -length:]
             else:
-                start = cache.get_seq_length() if cache is not None else 0
-                position_ids = torch.arange(
-                    start, start + input_ids.shape[1], device=input_ids.device
-                )
+                start = cache.get_seq_length() if cache is not None else self.sdp.rank * length
+                position_ids = torch.arange(start, start + length, device=input_ids.device)
         rotary = None if self.rotary is None else self.rotary(position_ids)
         return Context(rotary, document_ids, cache)
 

@@ -32,6 +32,7 @@ from fastllm.engine.precision import DTYPES, LossScaler
 from fastllm.engine.process_group import Distributed, setup_distributed
 from fastllm.engine.recompute import apply_recompute
 from fastllm.engine.replicated_check import check_replicated
+from fastllm.engine.sequence_data_parallel import SequenceDataParallel
 from fastllm.engine.tensor_parallel import TensorParallel
 from fastllm.model import GPTModel
 from fastllm.model.init import initializers
@@ -57,8 +58,10 @@ class Trainer:
         )
         tensor = self.mesh.tensor
         tp = TensorParallel(tensor.size, tensor.rank, tensor.group, self.mesh.sequence_parallel)
+        sequence_data = self.mesh.sequence_data
+        sdp = SequenceDataParallel(sequence_data.size, sequence_data.rank, sequence_data.group)
         with torch.device("meta"):
-            self.model = GPTModel(config.model.base_model, tp)
+            self.model = GPTModel(config.model.base_model, tp, sdp)
         stages = config.model.multi_stage
         self.micro_batch_size, self.layout = self._step_layout()
         pipelined = self.layout.pipeline > 1 or self.layout.breadth_first > 1
@@ -78,7 +81,8 @@ class Trainer:
         """Runs the steps stage by stage (pipeline parallelism or breadth-first micro-batches);
         None: each micro-batch's forward and backward pass whole, in turn."""
         if pipelined:
-            sequence = config.batch.sequence_length // (tensor.size if tp.sequence_parallel else 1)
+            sequence = config.batch.sequence_length // self.mesh.sequence_data.size
+            sequence //= tensor.size if tp.sequence_parallel else 1
             self.pipeline = PipelineRunner(
                 self.model,
                 self.flat,
@@ -106,12 +110,14 @@ class Trainer:
         """The micro-batch size and the shape of a step: stages, pipeline ranks, breadth- and
         depth-first micro-batches (config errors name the keys that do not fit)."""
         config = self.config
-        batch, data = config.batch, self.mesh.data
+        # The ranks of a sequence-data group share their sequences: they count as one here.
+        batch, data = config.batch, self.mesh.sample_groups
         assert batch.micro_batch_size is not None
         if batch.batch_size % data.size:
             raise ConfigError(
                 "batch.batch_size",
-                f"({batch.batch_size}) must be divisible by the data-parallel size ({data.size})",
+                f"({batch.batch_size}) must be divisible by the data-parallel size over "
+                f"model.distributed.sequence_data_parallel ({data.size})",
             )
         per_rank = batch.batch_size // data.size
         micro = min(batch.micro_batch_size, per_rank)
@@ -175,8 +181,9 @@ class Trainer:
         return self._loader(stream, self.consumed_samples)
 
     def _loader(self, stream: SampleStream, consumed_samples: int = 0) -> DataLoader:
-        """This rank's share of each batch of `stream`, in micro-batches."""
-        batch, data = self.config.batch, self.mesh.data
+        """This rank's share of each batch of `stream`, in micro-batches (whole sequences: the
+        ranks of a sequence-data group share them, and `_loss` takes this rank's chunk)."""
+        batch, data = self.config.batch, self.mesh.sample_groups
         return DataLoader(
             stream,
             batch_size=batch.batch_size,
@@ -194,8 +201,8 @@ class Trainer:
     def _on_device(self, batch: Batch) -> MicroBatch:
         device = self.distributed.device
         return (
-            batch.input_ids.to(device, non_blocking=True),
-            batch.labels.to(device, non_blocking=True),
+            self.model.sdp.chunk(batch.input_ids).to(device, non_blocking=True),
+            self.model.sdp.chunk(batch.labels).to(device, non_blocking=True),
             self._attention_documents(batch),
         )
 
@@ -206,11 +213,12 @@ class Trainer:
     def _attention_documents(self, batch: Batch) -> torch.Tensor | None:
         """The document ids attention must keep within, on the device; None when it may cross
         documents (`batch.cross_document_attention`) or each sequence is a single document,
-        where plain causal attention (the fastest kernels) is the same."""
+        where plain causal attention (the fastest kernels) is the same. With sequence-data
+        parallelism, those of the sequences up to the end of this rank's chunk."""
         ids = batch.document_ids
         if self.config.batch.cross_document_attention or bool((ids == ids[:, :1]).all()):
             return None
-        return ids.to(self.distributed.device, non_blocking=True)
+        return self.model.sdp.prefix(ids).to(self.distributed.device, non_blocking=True)
 
     # --- steps --------------------------------------------------------------------------------
 
@@ -276,9 +284,10 @@ class Trainer:
         return {"loss": loss.item(), **metrics}
 
     def token_shares(self, micro_batches: list[Batch]) -> list[float]:
-        """Each micro-batch's trained tokens over those of the global batch (over every data
-        rank); zeros when the batch trains no token."""
-        counts = [int((batch.labels != -100).sum()) for batch in micro_batches]  # on the host
+        """Each micro-batch's trained tokens (in this rank's chunk of its sequences) over those
+        of the global batch (over every data rank); zeros when the batch trains no token."""
+        sdp = self.model.sdp
+        counts = [int((sdp.chunk(batch.labels) != -100).sum()) for batch in micro_batches]
         total = float(sum(counts))
         if self.mesh.data.size > 1:
             total = self._data_sum(torch.tensor(total, device=self.distributed.device)).item()
@@ -372,6 +381,8 @@ class Trainer:
                 f"data parallel {mesh.data.size}, ZeRO-{stages.zero_stage}, "
                 f"{stages.layers_per_stage} layer(s)/stage"
             )
+        if mesh.sequence_data.size > 1:
+            parts.append(f"sequence-data parallel {mesh.sequence_data.size}")
         parts.append(f"{stages.recompute} recomputation")
         if config.training.compile:
             parts.append("compiled blocks")

@@ -109,7 +109,7 @@ def layout_for(config: TrainerConfig, world_size: int) -> Layout:
     distributed, batch = config.model.distributed, config.batch
     data_size = distributed.data_parallel(world_size)
     assert batch.micro_batch_size is not None
-    per_rank = batch.batch_size // data_size
+    per_rank = batch.batch_size // (data_size // distributed.sequence_data_parallel)
     micro = min(batch.micro_batch_size, per_rank)
     breadth, depth = config.schedule.micro_batches(per_rank, micro)
     stages = config.model.multi_stage.num_stages(config.model.base_model.transformer.num_layers)
@@ -131,8 +131,10 @@ def cost_model(
     t, stages = base.transformer, config.model.multi_stage
     tensor = distributed.tensor_parallel
     data_size = distributed.data_parallel(world_size)
-    micro = min(batch.micro_batch_size or batch.batch_size, batch.batch_size // data_size)
-    tokens = micro * batch.sequence_length
+    sequence_data = distributed.sequence_data_parallel
+    per_rank = batch.batch_size // (data_size // sequence_data)
+    micro = min(batch.micro_batch_size or batch.batch_size, per_rank)
+    tokens = micro * batch.sequence_length // sequence_data
     head = 6 * base.vocab_size * t.hidden_size
     block = (flops_per_token(base, batch.sequence_length) - head) / t.num_layers
     count = stages.num_stages(t.num_layers)
@@ -149,7 +151,8 @@ def cost_model(
         forward.append(flops / 3 * tokens / tensor / (tflops * 1e12))
         weights.append(parameters / tensor * compute_bytes)
     recompute = 2.0 if stages.recompute == "full" else 1.0
-    sequence = batch.sequence_length // (tensor if distributed.sequence_parallel else 1)
+    sequence = batch.sequence_length // sequence_data
+    sequence //= tensor if distributed.sequence_parallel else 1
     return CostModel(
         forward=forward,
         backward=[(1 + recompute) * f for f in forward],
