@@ -275,8 +275,10 @@ class Trainer:
         per_rank = batch.batch_size // mesh.data.size
         assert batch.micro_batch_size is not None
         micro = min(batch.micro_batch_size, per_rank)
+        base = config.model.base_model
+        total, active = base.num_parameters(), base.num_parameters(active=True)
         parts = [
-            f"{config.model.base_model.num_parameters():,} parameters",
+            f"{total:,} parameters" + (f" ({active:,} active per token)" if active < total else ""),
             f"{distributed.world_size} × {distributed.device.type}",
             f"{config.model.distributed.training_dtype}"
             + (" (fp32 masters)" if self.flat.mixed_precision else ""),
