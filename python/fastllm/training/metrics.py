@@ -98,6 +98,7 @@ class MetricsLogger:
             ("tflops", "{:.1f} TFLOP/s"),
             ("mfu", "MFU {:.1%}"),
             ("memory_gib", "mem {:.1f} GiB"),
+            ("expert_tokens_max", "experts max {:,.0f}"),
             ("skipped_steps", "skipped {}"),
         ):
             if metrics.get(key) is not None:

@@ -33,6 +33,7 @@ from fastllm.engine.schedule import learning_rate
 from fastllm.engine.tensor_parallel import TensorParallel
 from fastllm.model import GPTModel
 from fastllm.model.init import initializers
+from fastllm.model.mlp import take_expert_load
 from fastllm.training import state
 from fastllm.training.experiment_lock import ExperimentLock
 from fastllm.training.metrics import PEAK_FLOPS, MetricsLogger, flops_per_token
@@ -243,6 +244,15 @@ class Trainer:
             self.model.train()
         return self._data_sum(torch.stack(losses).sum()).item()
 
+    def _expert_load(self, steps: int) -> dict[str, float]:
+        """Tokens routed per expert and step since the last call, over every data rank: the
+        most any expert of any layer got, and the mean (what a balanced router gives each)."""
+        load = take_expert_load(self.model)
+        if load is None or not steps:
+            return {}
+        load = self._data_sum(load).double() / steps
+        return {"expert_tokens_max": load.max().item(), "expert_tokens_mean": load.mean().item()}
+
     def _data_sum(self, value: torch.Tensor) -> torch.Tensor:
         """`value` summed over the data-parallel ranks (tensor ranks agree on it)."""
         data = self.mesh.data
@@ -366,6 +376,7 @@ class Trainer:
                         "skipped_steps": self.skipped_steps,
                         "consumed_samples": self.consumed_samples,
                     }
+                    record.update(self._expert_load(len(window)))
                     if training.validation.interval and step % training.validation.interval == 0:
                         record["validation_loss"] = self.validation_loss()
                     logger.log(step, record)
