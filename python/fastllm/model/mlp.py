@@ -161,7 +161,7 @@ class MixtureOfExperts(torch.nn.Module):
             if self.shared_gate is not None:
                 shared = shared * torch.sigmoid(self.shared_gate(tokens))
             out = out + shared
-        return out.view_as(x), self._auxiliary_loss(logits, probabilities, experts)
+        return out.view_as(x), self._auxiliary_loss(logits, probabilities, counts)
 
     def _dropless(self, tokens: Tensor, weights: Tensor, experts: Tensor) -> tuple[Tensor, Tensor]:
         sparse = sparse_map(experts, self.num_experts)
@@ -177,10 +177,8 @@ class MixtureOfExperts(torch.nn.Module):
 
     def _looped(self, tokens: Tensor, weights: Tensor, experts: Tensor) -> tuple[Tensor, Tensor]:
         out = torch.zeros_like(tokens)
-        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=tokens.device)
         for expert in range(self.num_experts):
             rows, slot = torch.nonzero(experts == expert, as_tuple=True)
-            counts[expert] = rows.numel()
             if rows.numel() == 0:
                 continue
             y = _project(
@@ -193,12 +191,12 @@ class MixtureOfExperts(torch.nn.Module):
             )
             y = y * weights[rows, slot, None]
             out.index_add_(0, rows, y)
-        return out, counts
+        return out, torch.bincount(experts.flatten(), minlength=self.num_experts)
 
-    def _auxiliary_loss(self, logits: Tensor, probabilities: Tensor, experts: Tensor) -> Tensor:
+    def _auxiliary_loss(self, logits: Tensor, probabilities: Tensor, counts: Tensor) -> Tensor:
         # Switch-Transformer balance as Hugging Face computes it (per layer here):
         # E * sum_e (tokens routed to e, summed over the k slots, / tokens) * (mean prob of e).
-        routed = F.one_hot(experts, self.num_experts).float().mean(dim=0).sum(dim=0)
+        routed = counts.float() / logits.shape[0]
         balance = self.num_experts * (routed * probabilities.mean(dim=0)).sum()
         loss = self.auxiliary_coefficient * balance
         if self.z_loss_coefficient:
