@@ -3,7 +3,8 @@ call, on two geometries; and one MoE layer's forward + backward against a dense 
 same active FLOPs.
 
 - train:  the Trainer `fastllm train` builds (bf16 compute, fp32 masters, ZeRO-1, fused AdamW,
-          clipping), micro-batch 2 × 4096, one micro-batch per step, random tokens:
+          clipping), micro-batch 2 × 4096, --accumulate micro-batches per optimizer step (1:
+          the optimizer's pass over the fp32 state is part of every micro-batch), random tokens:
           mixtral: examples/mixtral-8x7b.yaml cut to --mixtral-layers blocks (8 experts, top-2,
           hidden 4096, expert ffn 14336);
           fine:    64 experts, top-8, hidden 2048, expert ffn 1024, 16 heads, --fine-layers blocks.
@@ -11,9 +12,10 @@ same active FLOPs.
           active parameters only (fastllm.training.metrics.flops_per_token).
 - layer:  MixtureOfExperts (router, dispatch, grouped matmuls, combine) on 8192 tokens against
           the gated MLP of width top-k × expert ffn (the same matmul FLOPs, router aside), bf16,
-          median of CUDA-event timings.
+          median of CUDA-event timings; and the GPU kernels of one dropless forward + backward.
 
     python bench/moe_bench.py --out bench/results/moe_h200 --commit HASH
+    python bench/moe_bench.py --plot bench/results/moe_h200/moe_bench.json
 """
 
 from __future__ import annotations
@@ -26,9 +28,12 @@ from typing import Any
 from bench_common import (
     EXAMPLES,
     commit_info,
+    fmt,
     machine_info,
     markdown_table,
+    pyplot,
     read_json,
+    replot_report,
     write_json,
     write_random_dataset,
 )
@@ -58,7 +63,7 @@ def train_overrides(spec: dict[str, Any]) -> list[str]:
         "model.distributed.training_dtype=bfloat16",
         "batch.sequence_length=4096",
         "batch.micro_batch_size=2",
-        "batch.batch_size=2",
+        f"batch.batch_size={2 * spec['accumulate']}",
         f"training.train_iters={spec['warmup'] + spec['steps']}",
     ]
 
@@ -124,7 +129,24 @@ def run_layer(spec: dict[str, Any]) -> dict[str, Any]:
         seconds = fwd_bwd_seconds(module, norm, x, grad)
         result[name] = {"median_s": seconds, "tflops": matmul_flops / seconds / 1e12}
     result["dropless_over_dense"] = result["dropless"]["median_s"] / result["dense"]["median_s"]
+    result["dropless_kernels"] = kernel_table(modules["dropless"], norm, x, grad)
     return result
+
+
+def kernel_table(module: Any, norm: Any, x: Any, grad: Any, rows: int = 15) -> list[dict[str, Any]]:
+    """The GPU kernels of one forward + backward under torch.profiler, most time first."""
+    import torch
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+        out, auxiliary = module(x, norm)
+        ((out * grad).sum() + auxiliary).backward()
+        torch.cuda.synchronize()
+    module.zero_grad(set_to_none=True)
+    events = sorted(profiler.key_averages(), key=lambda e: e.self_device_time_total, reverse=True)
+    return [
+        {"kernel": e.key[:120], "calls": e.count, "ms": e.self_device_time_total / 1e3}
+        for e in events[:rows]
+    ]
 
 
 def fwd_bwd_seconds(module: Any, norm: Any, x: Any, grad: Any, repeats: int = 10) -> float:
@@ -165,6 +187,10 @@ def main() -> None:
     parser.add_argument("--mixtral-layers", type=int, default=2)
     parser.add_argument("--fine-layers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument(
+        "--accumulate", type=int, nargs="+", default=[1, 4], help="micro-batches per step"
+    )
+    parser.add_argument("--plot", type=Path, metavar="RESULT.json", help="only tabulate and plot")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=150, help="seconds per run")
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
@@ -172,12 +198,15 @@ def main() -> None:
     if args.child:
         child(args.child)
         return
+    if args.plot:
+        replot_report(read_json(args.plot), args.plot.parent, "moe_bench", False, table, plot)
+        return
     args.device = "auto"
     out: Path = args.out
     work, logs = out / "work", out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     dataset = write_random_dataset(
-        work / "dataset", vocab_size=32000, tokens=(args.warmup + args.steps + 2) * 8192 * 2,
+        work / "dataset", vocab_size=32000, tokens=(args.warmup + args.steps + 2) * 8192 * max(args.accumulate),
         document_length=None, seed=1234,
     )  # fmt: skip
     layers = {"mixtral": args.mixtral_layers, "fine": args.fine_layers}
@@ -190,33 +219,50 @@ def main() -> None:
             "result": str(work / f"{geometry}_layer.json"),
         }
         runs.append(spawn(spec, work, logs, args, Path(__file__)))
-        print(runs[-1].get("dropless_over_dense"), runs[-1].get("status"), flush=True)
-        for dropless in ("true", "false"):
-            system = "dropless" if dropless == "true" else "looped"
-            spec = {
-                "model": geometry, "system": system, "geometry": geometry, "layers": layers[geometry],
-                "dropless": dropless, "warmup": args.warmup, "steps": args.steps,
-                "dataset": dataset["path"], "experiment": str(work / f"exp_{geometry}_{system}"),
-                "result": str(work / f"{geometry}_{system}.json"),
-            }  # fmt: skip
-            run = summarize(spawn(spec, work, logs, args, Path(__file__)), 2 * 4096, PEAK_FLOPS)
-            runs.append(run)
-            print(
-                geometry,
-                system,
-                run.get("status"),
-                run.get("tokens_per_s"),
-                run.get("mfu"),
-                flush=True,
-            )
+        print(geometry, "layer", runs[-1].get("status"), runs[-1].get("dropless_over_dense"))
+        for accumulate in args.accumulate:
+            for dropless in ("true", "false"):
+                path = "dropless" if dropless == "true" else "looped"
+                name = f"{path}-x{accumulate}"
+                spec = {
+                    "model": geometry, "system": name, "geometry": geometry,
+                    "layers": layers[geometry], "dropless": dropless, "accumulate": accumulate,
+                    "warmup": args.warmup, "steps": args.steps, "dataset": dataset["path"],
+                    "experiment": str(work / f"exp_{geometry}_{name}"),
+                    "result": str(work / f"{geometry}_{name}.json"),
+                }  # fmt: skip
+                run = spawn(spec, work, logs, args, Path(__file__))
+                run = summarize(run, 2 * 4096 * accumulate, PEAK_FLOPS)
+                runs.append(run)
+                print(geometry, name, run.get("status"), run.get("tokens_per_s"), run.get("mfu"))
     report = {"commit": commit_info(args.commit), "runs": runs}
     write_json(out / "moe_bench.json", report)
-    (out / "moe_bench.md").write_text(table(runs))
-    print(table(runs))
+    (out / "moe_bench.md").write_text(table(report))
+    print(table(report))
+    plot(report, out / "moe_bench.png")
 
 
-def table(runs: list[dict[str, Any]]) -> str:
-    rows = []
+def plot(report: dict[str, Any], path: Path) -> bool:
+    """Tokens/s of each training run, dropless beside looped, per geometry and accumulation."""
+    plt = pyplot()
+    if plt is None:
+        return False
+    runs = [r for r in report["runs"] if r["system"] != "layer" and r.get("status") == "ok"]
+    figure, axis = plt.subplots(figsize=(8, 4))
+    labels = [f"{r['model']} {r['system']}" for r in runs]
+    colors = ["tab:blue" if r["system"].startswith("dropless") else "tab:gray" for r in runs]
+    axis.barh(labels, [r["tokens_per_s"] for r in runs], color=colors)
+    for i, r in enumerate(runs):
+        axis.text(r["tokens_per_s"], i, f" {r['mfu']:.0%} MFU", va="center", fontsize=8)
+    axis.set_xlabel("tokens/s (one H200; MFU on active parameters)")
+    axis.invert_yaxis()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    return True
+
+
+def table(report: dict[str, Any]) -> str:
+    runs, rows = report["runs"], []
     train = {(r["model"], r["system"]): r for r in runs if r["system"] != "layer"}
     for r in runs:
         if r.get("status") != "ok":
@@ -229,14 +275,14 @@ def table(runs: list[dict[str, Any]]) -> str:
                 f"{r['dropless_over_dense']:.2f}× dense", "", "",
             ])  # fmt: skip
         else:
-            looped = train.get((r["model"], "looped"), {})
+            looped = train.get((r["model"], r["system"].replace("dropless", "looped")), {})
             speedup = (
                 r["tokens_per_s"] / looped["tokens_per_s"] if looped.get("status") == "ok" else None
             )
             rows.append([
                 r["model"], r["system"], f"{r['tokens_per_s']:,.0f} tok/s", f"{r['mfu']:.1%} MFU (active)",
                 "" if speedup is None else f"{speedup:.2f}× looped",
-                f"{r['peak_memory']['process']['allocated_gib']:.1f} GiB",
+                fmt(r["peak_memory"]["process"]["allocated_gib"], ".1f") + " GiB",
             ])  # fmt: skip
     return (
         markdown_table(["geometry", "path", "speed", "MFU", "vs looped", "peak memory"], rows)
