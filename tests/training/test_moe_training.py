@@ -36,5 +36,7 @@ def test_dropless_trains_like_looped_through_the_trainer(dataset: Path, tmp_path
         for run, micro_batches, record in zip(runs, steps, losses, strict=True):
             record.append(run.train_step(micro_batches)["loss"])
     assert losses[0] == pytest.approx(losses[1], rel=1e-5)
-    for ours, theirs in zip(runs[0].flat.shards, runs[1].flat.shards, strict=True):
+    for ours, theirs in zip(
+        runs[0].flat.shards.values(), runs[1].flat.shards.values(), strict=True
+    ):
         torch.testing.assert_close(ours.master, theirs.master, rtol=1e-4, atol=1e-5)

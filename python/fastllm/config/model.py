@@ -250,18 +250,14 @@ class DistributedConfig(Section):
     too (their all-reduces become all-gather / reduce-scatter pairs): less activation memory,
     the same communication. Ignored at tensor_parallel 1."""
     pipeline_parallel: int = 1
-    """Ranks that split the model's stages. Only 1 is implemented yet."""
+    """Ranks that split the model's stages (`model.multi_stage.layers_per_stage`): stage s
+    runs on pipeline rank s mod pipeline_parallel, so more stages than ranks loops over them.
+    The order of the micro-batches through the stages is `schedule`'s."""
 
     def validate(self) -> None:
         check_non_negative(self.seed, "seed")
         check_positive(self.tensor_parallel, "tensor_parallel")
         check_positive(self.pipeline_parallel, "pipeline_parallel")
-        if self.pipeline_parallel != 1:
-            raise ConfigError(
-                "pipeline_parallel",
-                f"pipeline parallelism is not implemented yet; got {self.pipeline_parallel}, "
-                "only 1 is accepted",
-            )
 
     def data_parallel(self, world_size: int) -> int:
         """The data-parallel size of `world_size` ranks, or a config error naming the keys."""
@@ -287,8 +283,10 @@ class MultiStageConfig(Section):
     the compute weights (each stage is all-gathered one stage ahead of its use in the forward
     and backward passes, and freed after)."""
     layers_per_stage: int = 1
-    """Transformer blocks per stage: the unit in which weights are laid out, gradients
-    reduce-scattered and (ZeRO-3) weights gathered. Larger stages mean fewer, larger messages."""
+    """Transformer blocks per stage (the embedding joins the first, the final norm and the
+    head the last): the unit in which weights are laid out, gradients reduce-scattered,
+    (ZeRO-3) weights gathered and the pipeline split. Larger stages mean fewer, larger
+    messages."""
     debug_tensor_parallel: bool = False
     """After every optimizer step, check that the parameters replicated across tensor ranks
     (norms, biases of row-parallel layers) are still identical on every tensor rank; an error
@@ -303,6 +301,9 @@ class MultiStageConfig(Section):
     def validate(self) -> None:
         check_positive(self.layers_per_stage, "layers_per_stage")
 
+    def num_stages(self, num_layers: int) -> int:
+        return max(1, -(-num_layers // self.layers_per_stage))
+
 
 class ModelConfig(Section):
     base_model: BaseModelConfig = msgspec.field(default_factory=BaseModelConfig)
@@ -313,6 +314,15 @@ class ModelConfig(Section):
     """How the model's memory is traded against compute."""
 
     def validate(self) -> None:
+        pipeline = self.distributed.pipeline_parallel
+        stages = self.multi_stage.num_stages(self.base_model.transformer.num_layers)
+        if pipeline > stages:
+            raise ConfigError(
+                "distributed.pipeline_parallel",
+                f"({pipeline}) is more than the model's stages ({stages}: "
+                f"model.base_model.transformer.num_layers / model.multi_stage.layers_per_stage), "
+                "so some pipeline rank would hold none",
+            )
         tensor = self.distributed.tensor_parallel
         if tensor == 1:
             return

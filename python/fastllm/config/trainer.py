@@ -7,6 +7,7 @@ import msgspec
 from fastllm.config.data import DataConfig
 from fastllm.config.formats import ModelFormat
 from fastllm.config.model import ModelConfig
+from fastllm.config.schedule import ScheduleConfig
 from fastllm.config.section import ConfigError, Section
 from fastllm.config.training import BatchConfig, OptimizerConfig, RunConfig, TrainingConfig
 
@@ -32,6 +33,8 @@ class TrainerConfig(Section):
     """Length of the run, logging, checkpoints, exports and validation."""
     batch: BatchConfig = msgspec.field(default_factory=BatchConfig)
     """Batch geometry."""
+    schedule: ScheduleConfig = msgspec.field(default_factory=ScheduleConfig)
+    """How a step's micro-batches are grouped and ordered through the pipeline stages."""
     data: DataConfig = msgspec.field(default_factory=DataConfig)
     """Training data."""
     optimizer: OptimizerConfig = msgspec.field(default_factory=OptimizerConfig)
