@@ -21,6 +21,16 @@ from fastllm_kernels.cross_entropy import (
     linear_cross_entropy_reference,
 )
 from fastllm_kernels.linear import linear, matmul_into_fp32_, weight_gradient
+from fastllm_kernels.moe import (
+    SparseMap,
+    combine,
+    combine_reference,
+    dispatch,
+    dispatch_reference,
+    grouped_linear,
+    grouped_linear_reference,
+    sparse_map,
+)
 from fastllm_kernels.norm import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
 from fastllm_kernels.norm_linear import norm_linear, norm_linear_reference
 from fastllm_kernels.rotary import (
@@ -31,6 +41,7 @@ from fastllm_kernels.rotary import (
 )
 
 __all__ = [
+    "SparseMap",
     "accumulate_",
     "accumulate_reference_",
     "adamw_step_",
@@ -39,13 +50,19 @@ __all__ = [
     "apply_rotary_reference",
     "attention",
     "attention_reference",
+    "combine",
+    "combine_reference",
     "cross_entropy",
     "cross_entropy_reference",
+    "dispatch",
+    "dispatch_reference",
     "gated_activation",
     "gated_activation_fused",
     "gated_activation_reference",
     "gated_linear",
     "gated_linear_reference",
+    "grouped_linear",
+    "grouped_linear_reference",
     "layer_norm",
     "layer_norm_reference",
     "linear",
@@ -56,6 +73,7 @@ __all__ = [
     "norm_linear_reference",
     "rms_norm",
     "rms_norm_reference",
+    "sparse_map",
     "split_qkv_rotary",
     "split_qkv_rotary_reference",
     "weight_gradient",

@@ -86,8 +86,22 @@ def test_micro_sequences_with_tensor_and_sequence_parallelism_give_the_same_grad
     assert result.returncode == 0, result.stderr
 
 
-def test_pieces_must_divide_the_sequence(dataset: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("overrides", "key", "words"),
+    [
+        (("schedule.micro_batch_splits=5",), "batch.sequence_length", "micro_batch_splits"),
+        (
+            (SPLITS_4, "schedule.breadth_first_micro_batches=2"),
+            "schedule.micro_batch_splits",
+            "breadth",
+        ),
+    ],
+    ids=["pieces-divide-the-sequence", "not-with-breadth-first"],
+)
+def test_micro_sequences_config_errors_name_the_keys(
+    dataset: Path, tmp_path: Path, overrides: tuple[str, ...], key: str, words: str
+) -> None:
     with pytest.raises(ConfigError) as error:
-        trainer(dataset, tmp_path / "bad", "schedule.micro_batch_splits=5")
-    assert error.value.path == "batch.sequence_length"
-    assert "schedule.micro_batch_splits" in error.value.message
+        trainer(dataset, tmp_path / "bad", *overrides)
+    assert error.value.path == key
+    assert words in error.value.message

@@ -125,6 +125,17 @@ class TransformerConfig(Section):
     """Weight of the router's load-balancing loss."""
     expert_z_loss_coefficient: float = 0.0
     """Weight of the router's z-loss (mean squared log-sum-exp of the router logits)."""
+    expert_renormalize: bool = True
+    """Each token's k routing weights are renormalized to sum to 1 (Mixtral); false keeps
+    them the softmax over all experts (Qwen2-MoE with norm_topk_prob false)."""
+    num_shared_experts: int = 0
+    """Always-on experts added to the routed ones (Qwen2-MoE, DeepSeek): one MLP of
+    num_shared_experts × ffn_hidden_size that every token goes through."""
+    shared_expert_gate: bool = False
+    """Scale the shared experts' output per token by sigmoid(x · w), w learned (Qwen2-MoE)."""
+    dropless_moe: bool = True
+    """Experts run as grouped matmuls over a sparse layout of the routed tokens, none dropped;
+    false loops over the experts (slower, kept as the reference)."""
     init_method_std: float | None = None
     """Standard deviation of the normal initialization of weights; default hidden_size ** -0.5."""
 
@@ -164,6 +175,15 @@ class TransformerConfig(Section):
             self.expert_auxiliary_loss_coefficient, "expert_auxiliary_loss_coefficient"
         )
         check_non_negative(self.expert_z_loss_coefficient, "expert_z_loss_coefficient")
+        check_non_negative(self.num_shared_experts, "num_shared_experts")
+        if self.shared_expert_gate and not self.num_shared_experts:
+            raise ConfigError("shared_expert_gate", "needs num_shared_experts > 0")
+        if self.num_experts > 1 and self.biases_elsewhere:
+            raise ConfigError(
+                "add_linear_biases",
+                f"experts have no biases: with num_experts ({self.num_experts}) > 1 it must be "
+                f"false, nowhere or only_attn_qkv, got {self.add_linear_biases!r}",
+            )
 
     @property
     def biases_in_attention_qkv(self) -> bool:
@@ -186,8 +206,9 @@ class BaseModelConfig(Section):
     def validate(self) -> None:
         check_positive(self.vocab_size, "vocab_size")
 
-    def num_parameters(self, *, embeddings: bool = True) -> int:
-        """Parameters of the model (all experts counted); without the input and output
+    def num_parameters(self, *, embeddings: bool = True, active: bool = False) -> int:
+        """Parameters of the model; with `active`, only those one token uses (its
+        num_experts_per_token routed experts, not all of them); without the input and output
         embeddings when `embeddings` is false, as MFU formulas count them."""
         t = self.transformer
         assert t.kv_channels is not None and t.ffn_hidden_size is not None, "validate() first"
@@ -200,9 +221,12 @@ class BaseModelConfig(Section):
             attention += h
         mlp_inputs = 2 if t.gated else 1
         expert = mlp_inputs * h * t.ffn_hidden_size + t.ffn_hidden_size * h
-        if t.biases_elsewhere:
-            expert += mlp_inputs * t.ffn_hidden_size + h
-        mlp = t.num_experts * expert + (h * t.num_experts if t.num_experts > 1 else 0)
+        if t.num_experts == 1:
+            mlp = expert + (mlp_inputs * t.ffn_hidden_size + h if t.biases_elsewhere else 0)
+        else:  # experts have no biases (validate)
+            experts = t.num_experts_per_token if active else t.num_experts
+            router = h * t.num_experts + (h if t.shared_expert_gate else 0)
+            mlp = (experts + t.num_shared_experts) * expert + router
         norm = 2 * h if isinstance(t.normalization, LayerNormConfig) else h
         layers = t.num_layers * (attention + mlp + 2 * norm) + norm
         if not embeddings:
@@ -226,7 +250,9 @@ class DistributedConfig(Section):
     too (their all-reduces become all-gather / reduce-scatter pairs): less activation memory,
     the same communication. Ignored at tensor_parallel 1."""
     pipeline_parallel: int = 1
-    """Ranks that split the model's stages. Only 1 is implemented yet."""
+    """Ranks that split the model's stages (`model.multi_stage.layers_per_stage`): stage s
+    runs on pipeline rank s mod pipeline_parallel, so more stages than ranks loops over them.
+    The order of the micro-batches through the stages is `schedule`'s."""
     sequence_data_parallel: int = 1
     """Consecutive ranks of the data group that share each sequence, each computing one
     contiguous chunk of it (attention all-gathers the keys and values of the earlier chunks);
@@ -238,12 +264,6 @@ class DistributedConfig(Section):
         check_positive(self.tensor_parallel, "tensor_parallel")
         check_positive(self.sequence_data_parallel, "sequence_data_parallel")
         check_positive(self.pipeline_parallel, "pipeline_parallel")
-        if self.pipeline_parallel != 1:
-            raise ConfigError(
-                "pipeline_parallel",
-                f"pipeline parallelism is not implemented yet; got {self.pipeline_parallel}, "
-                "only 1 is accepted",
-            )
 
     def data_parallel(self, world_size: int) -> int:
         """The data-parallel size of `world_size` ranks, or a config error naming the keys."""
@@ -277,8 +297,10 @@ class MultiStageConfig(Section):
     the compute weights (each stage is all-gathered one stage ahead of its use in the forward
     and backward passes, and freed after)."""
     layers_per_stage: int = 1
-    """Transformer blocks per stage: the unit in which weights are laid out, gradients
-    reduce-scattered and (ZeRO-3) weights gathered. Larger stages mean fewer, larger messages."""
+    """Transformer blocks per stage (the embedding joins the first, the final norm and the
+    head the last): the unit in which weights are laid out, gradients reduce-scattered,
+    (ZeRO-3) weights gathered and the pipeline split. Larger stages mean fewer, larger
+    messages."""
     debug_tensor_parallel: bool = False
     """After every optimizer step, check that the parameters replicated across tensor ranks
     (norms, biases of row-parallel layers) are still identical on every tensor rank; an error
@@ -293,6 +315,9 @@ class MultiStageConfig(Section):
     def validate(self) -> None:
         check_positive(self.layers_per_stage, "layers_per_stage")
 
+    def num_stages(self, num_layers: int) -> int:
+        return max(1, -(-num_layers // self.layers_per_stage))
+
 
 class ModelConfig(Section):
     base_model: BaseModelConfig = msgspec.field(default_factory=BaseModelConfig)
@@ -303,6 +328,15 @@ class ModelConfig(Section):
     """How the model's memory is traded against compute."""
 
     def validate(self) -> None:
+        pipeline = self.distributed.pipeline_parallel
+        stages = self.multi_stage.num_stages(self.base_model.transformer.num_layers)
+        if pipeline > stages:
+            raise ConfigError(
+                "distributed.pipeline_parallel",
+                f"({pipeline}) is more than the model's stages ({stages}: "
+                f"model.base_model.transformer.num_layers / model.multi_stage.layers_per_stage), "
+                "so some pipeline rank would hold none",
+            )
         tensor = self.distributed.tensor_parallel
         if tensor == 1:
             return

@@ -33,14 +33,15 @@ class TrainerConfig(Section):
     """Length of the run, logging, checkpoints, exports and validation."""
     batch: BatchConfig = msgspec.field(default_factory=BatchConfig)
     """Batch geometry."""
+    schedule: ScheduleConfig = msgspec.field(default_factory=ScheduleConfig)
+    """How a step's micro-batches are grouped and ordered through the pipeline stages, and
+    cut into pieces."""
     data: DataConfig = msgspec.field(default_factory=DataConfig)
     """Training data."""
     optimizer: OptimizerConfig = msgspec.field(default_factory=OptimizerConfig)
     """AdamW and its learning-rate schedule."""
     pretrained: PretrainedConfig | None = None
     """Initialize the model from a checkpoint (fine-tuning, continued pretraining)."""
-    schedule: ScheduleConfig = msgspec.field(default_factory=ScheduleConfig)
-    """How each micro-batch is cut into passes."""
 
     def validate(self) -> None:
         distributed = self.model.distributed
