@@ -93,14 +93,23 @@ def test_rowwise_scaling_keeps_rows_that_one_tensor_scale_flushes() -> None:
 
 def test_the_weight_is_quantized_once_until_it_changes() -> None:
     weight = _fp8_weight(16, 32, "rowwise")
-    first = weight.fp8.quantized(weight)
-    assert weight.fp8.quantized(weight) is first
+    first = weight.fp8.rows(weight)
+    assert weight.fp8.rows(weight) is first
     with torch.no_grad():
         weight.mul_(2)  # an in-place op bumps the version
-    second = weight.fp8.quantized(weight)
+    second = weight.fp8.rows(weight)
     assert torch.equal(second.rows.scale, 2 * first.rows.scale)
     torch.autograd.graph.increment_version(weight)  # what a fused optimizer kernel does
-    assert weight.fp8.quantized(weight) is not second
+    assert weight.fp8.rows(weight) is not second
+
+
+@pytest.mark.parametrize("tensorwise", [True, False])
+def test_the_transposed_weight_is_scaled_as_a_quantization_of_both_layouts(tensorwise) -> None:
+    weight = _fp8_weight(16, 32, "tensorwise" if tensorwise else "rowwise")
+    both = quantize_reference(weight.detach(), E4M3, tensorwise=tensorwise, columns=True)
+    columns = weight.fp8.columns(weight)
+    assert torch.equal(columns.data.float(), both.columns.data.float())
+    assert torch.equal(columns.scale, both.columns.scale)
 
 
 def test_norm_and_gated_projections_take_the_fp8_path_of_their_weight(monkeypatch) -> None:

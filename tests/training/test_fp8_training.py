@@ -44,11 +44,11 @@ def test_fp8_weights_are_requantized_after_each_optimizer_step(
     weight = run.model.layers[0].mlp.layer_2.weight
     micro_batches = next(iter(run.data_loader()))
     run.forward_backward(micro_batches[0])
-    first = weight.fp8.quantized(weight)
+    first = weight.fp8.rows(weight)
     run.forward_backward(micro_batches[1])
-    assert weight.fp8.quantized(weight) is first, "one quantization per step, not per micro-batch"
+    assert weight.fp8.rows(weight) is first, "one quantization per step, not per micro-batch"
     run.optimizer_step()
-    again = weight.fp8.quantized(weight)
+    again = weight.fp8.rows(weight)
     expected = quantize(weight.detach(), E4M3, tensorwise=False, rows=True)
     assert not torch.equal(again.rows.data.float(), first.rows.data.float())
     assert torch.equal(again.rows.data.float(), expected.rows.data.float())
@@ -71,3 +71,17 @@ def test_an_fp8_run_resumes_bit_for_bit(dataset: Path, tmp_path: Path) -> None:
 def test_fp8_refuses_float32_compute(dataset: Path, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"model\.distributed\.fp8_linear.*training_dtype"):
         trainer(dataset, tmp_path, "model.distributed.fp8_linear=rowwise")
+
+
+def test_fp8_attention_false_keeps_the_attention_projections_in_bf16(
+    dataset: Path, tmp_path: Path
+) -> None:
+    run = trainer(
+        dataset, tmp_path, *BF16, "model.distributed.fp8_linear=rowwise",
+        "model.distributed.fp8_attention=false",
+    )  # fmt: skip
+    block = run.model.layers[0]
+    assert getattr(block.attention.query_key_value.weight, "fp8", None) is None
+    assert getattr(block.attention.dense.weight, "fp8", None) is None
+    assert block.mlp.layer_1.weight.fp8.name == block.mlp.layer_2.weight.fp8.name == "rowwise"
+    assert getattr(run.model.embeddings.weight, "fp8", None) is None
