@@ -45,4 +45,3 @@ def test_unsupported_fp8_combinations_are_refused_naming_the_keys(
 def test_fp8_with_bf16_validates() -> None:
     config = load_config(TrainerConfig, overrides=list(FP8))
     assert config.model.distributed.fp8_linear == "rowwise"
-    assert config.model.distributed.fp8_attention

@@ -12,6 +12,7 @@ import torch
 from fastllm.config import ConfigError
 from fastllm_kernels.fp8 import quantize
 from fastllm_kernels.fp8_linear import E4M3
+from tests.training.test_data_parallel import _assert_ranks_match_one_process
 from tests.training.test_training_options import GATED, trainer
 
 BF16 = ("model.distributed.training_dtype=bfloat16", *GATED)
@@ -73,15 +74,24 @@ def test_fp8_refuses_float32_compute(dataset: Path, tmp_path: Path) -> None:
         trainer(dataset, tmp_path, "model.distributed.fp8_linear=rowwise")
 
 
-def test_fp8_attention_false_keeps_the_attention_projections_in_bf16(
+def test_fp8_marks_the_block_projections_and_leaves_embedding_and_head_bf16(
     dataset: Path, tmp_path: Path
 ) -> None:
-    run = trainer(
-        dataset, tmp_path, *BF16, "model.distributed.fp8_linear=rowwise",
-        "model.distributed.fp8_attention=false",
+    run = trainer(dataset, tmp_path, *BF16, "model.distributed.fp8_linear=rowwise")
+    marked = {name for name, p in run.model.named_parameters() if hasattr(p, "fp8")}
+    projections = ("query_key_value", "dense", "layer_1", "layer_2")
+    expected = {
+        f"layers.{i}.{module}.{name}.weight"
+        for i in range(len(run.model.layers))
+        for module, name in zip(("attention",) * 2 + ("mlp",) * 2, projections, strict=True)
+    }
+    assert marked == expected
+
+
+def test_fp8_on_two_zero2_ranks_matches_one_process(dataset: Path, tmp_path: Path) -> None:
+    """The weight gradients reach the sharded buffers through autograd (not a gradient sink),
+    and each rank requantizes its weights after the all-gather of the new shards."""
+    _assert_ranks_match_one_process(
+        dataset, tmp_path, 2, "bfloat16", *GATED, "model.multi_stage.zero_stage=2",
+        "model.distributed.fp8_linear=rowwise",
     )  # fmt: skip
-    block = run.model.layers[0]
-    assert getattr(block.attention.query_key_value.weight, "fp8", None) is None
-    assert getattr(block.attention.dense.weight, "fp8", None) is None
-    assert block.mlp.layer_1.weight.fp8.name == block.mlp.layer_2.weight.fp8.name == "rowwise"
-    assert getattr(run.model.embeddings.weight, "fp8", None) is None

@@ -234,9 +234,6 @@ class DistributedConfig(Section):
     rowwise: one scale per row of each operand, all in e4m3. Needs bfloat16 training and a
     GPU with FP8 tensor cores (compute capability 8.9 or more); on CPU the FP8 rounding is
     emulated."""
-    fp8_attention: bool = True
-    """With fp8_linear, the attention's q/k/v and output projections compute in FP8 too; false
-    keeps them in bf16 and only the MLPs in FP8."""
 
     def validate(self) -> None:
         check_non_negative(self.seed, "seed")

@@ -67,9 +67,8 @@ class Trainer:
             layers_per_stage=config.model.multi_stage.layers_per_stage,
         )
         apply_recompute(self.model, config.model.multi_stage.recompute)
-        distributed = config.model.distributed
-        if distributed.fp8_linear != "none":
-            apply_fp8(self.model, distributed.fp8_linear, device, distributed.fp8_attention)
+        if config.model.distributed.fp8_linear != "none":
+            apply_fp8(self.model, config.model.distributed.fp8_linear, device)
         if config.training.compile:
             apply_compile(self.model)
         self.optimizer = AdamW(self.flat, config.optimizer)
