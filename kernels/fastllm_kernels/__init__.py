@@ -20,6 +20,8 @@ from fastllm_kernels.cross_entropy import (
     linear_cross_entropy,
     linear_cross_entropy_reference,
 )
+from fastllm_kernels.fp8 import quantize, quantize_reference
+from fastllm_kernels.fp8_linear import Fp8Weight, fp8_linear
 from fastllm_kernels.linear import linear, matmul_into_fp32_, weight_gradient
 from fastllm_kernels.norm import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
 from fastllm_kernels.norm_linear import norm_linear, norm_linear_reference
@@ -31,6 +33,7 @@ from fastllm_kernels.rotary import (
 )
 
 __all__ = [
+    "Fp8Weight",
     "accumulate_",
     "accumulate_reference_",
     "adamw_step_",
@@ -41,6 +44,7 @@ __all__ = [
     "attention_reference",
     "cross_entropy",
     "cross_entropy_reference",
+    "fp8_linear",
     "gated_activation",
     "gated_activation_fused",
     "gated_activation_reference",
@@ -54,6 +58,8 @@ __all__ = [
     "matmul_into_fp32_",
     "norm_linear",
     "norm_linear_reference",
+    "quantize",
+    "quantize_reference",
     "rms_norm",
     "rms_norm_reference",
     "split_qkv_rotary",

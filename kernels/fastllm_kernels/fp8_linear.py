@@ -113,14 +113,13 @@ def forward_product(
     """rows @ weightᵀ + bias in the rows' dtype, and (tensorwise) the rows' amax, which the
     weight gradient's quantization of the same rows reuses."""
     x = quantize(rows, E4M3, tensorwise=fp8.recipe.tensorwise)
-    return product_of_rows(x.rows, weight, bias, fp8, rows.dtype), x.amax
+    return product_of_rows(_part(x.rows), weight, bias, fp8, rows.dtype), x.amax
 
 
 def product_of_rows(
-    x: Fp8Tensor | None, weight: Tensor, bias: Tensor | None, fp8: Fp8Weight, dtype: torch.dtype
+    x: Fp8Tensor, weight: Tensor, bias: Tensor | None, fp8: Fp8Weight, dtype: torch.dtype
 ) -> Tensor:
     """The forward product of rows already in fp8."""
-    assert x is not None
     out = scaled_matmul(x, _part(fp8.rows(weight).rows), dtype, fast=True)
     return out if bias is None else out.add_(bias)
 
@@ -159,6 +158,7 @@ def backward_products(
 
 
 def _part(t: Fp8Tensor | None) -> Fp8Tensor:
+    """A layout `quantize` was asked for (so not None)."""
     assert t is not None
     return t
 

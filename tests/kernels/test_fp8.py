@@ -167,9 +167,10 @@ def _check_fused(recipe: str, device: str, output_bound: float, gradient_bound: 
 @triton_on_cpu
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_fused_fp8_projections_run_their_kernels(recipe) -> None:
-    """The interpreter's conversion to fp8 rounds coarser than the GPU's (ties away from zero,
-    e5m2 worse): loose bounds here, the recipe's on the GPU."""
-    _check_fused(recipe, "cpu", 0.2, 0.3)
+    """The interpreter's conversion to fp8, which the rowwise norm and activation kernels use
+    here, rounds coarser than the GPU's (ties away from zero, some values a binade off): a
+    looser output bound here (0.075 measured), the recipe's on the GPU."""
+    _check_fused(recipe, "cpu", 0.12, 0.1)
 
 
 @pytest.mark.gpu
