@@ -8,6 +8,7 @@
 #   nvidia-h200:    bash bench/device_run.sh HASH train-3b
 #   nvidia-h200-x8: bash bench/device_run.sh HASH scale-x8
 #   nvidia-h200:    bash bench/device_run.sh HASH sft
+#   nvidia-h200-x2: bash bench/device_run.sh HASH layouts-x2 bfdf-x2 sdp-x2   (issue 19)
 # A second setting of a train part in the same call (its results under train_MODEL_TAG):
 #   ... && APPEND=1 SYSTEMS=fastllm SET=model.multi_stage.recompute=none TAG=store \
 #          bash bench/device_run.sh HASH train-1b
@@ -17,8 +18,9 @@
 # sustained (bf16 matmul TFLOP/s, clock and power over a minute of load),
 # prepare (16-core scaling), train-1b | train-3b (train_bench + profile), zero-8b (llama-8b
 # ZeRO-2 and 3 on 2 GPUs), profile-8b (one profiled llama-8b step on 2 GPUs), scale-x2 |
-# scale-x8 (Mistral-7B scaling), sft (llama-1b fine-tuning on packed, masked conversations
-# against HF + compile on the same batches; chat prepare against apply_chat_template in a pool).
+# scale-x8 (Mistral-7B scaling), long (llama-1b/3b at 16k-128k tokens per sequence against HF),
+# sft (llama-1b fine-tuning on packed, masked conversations against HF + compile on the same
+# batches; chat prepare against apply_chat_template in a pool).
 set -uo pipefail
 COMMIT=$1
 shift
@@ -91,6 +93,43 @@ run_part() {
       # micro-batch (on 2 GPUs: 98.8% scaling against 91.8%, h200-94993d3).
       python3 bench/scale_bench.py --gpus 1 2 8 --steps 5 --kill-at-end --timeout 190 \
         --zero-stage "${ZERO:-1}" --commit "$COMMIT" --out "$RES/scale_x8" 2>&1 | tail -12 ;;
+    layouts-x2)
+      # Issue 19 on nvidia-h200-x2: llama-8b, the same global batch (PER_GPU sequences per GPU
+      # of 1 × 4096, default 4) as ZeRO-3 alone, with tp2 + sequence parallelism and pp2
+      # breadth-first (all of a rank's micro-batches in one group).
+      local per_gpu=${PER_GPU:-4}
+      for layout in "zero3:model.multi_stage.zero_stage=3" \
+        "tp2:model.distributed.tensor_parallel=2 model.distributed.sequence_tensor_parallel=true" \
+        "pp2:model.distributed.pipeline_parallel=2 model.multi_stage.zero_stage=3 model.multi_stage.layers_per_stage=4 schedule.breadth_first_micro_batches=$((2 * per_gpu))"; do
+        python3 bench/scale_bench.py --config examples/llama3-8b.yaml --gpus 2 --micro-batch 1 \
+          --per-gpu-batch "$per_gpu" --steps 6 --kill-at-end --timeout 170 --set ${layout#*:} \
+          --commit "$COMMIT" --out "$RES/layout_8b_${layout%%:*}" 2>&1 | tail -6
+      done ;;
+    bfdf-x2)
+      # Breadth-first against depth-first micro-batches with ZeRO-3 over 2 data ranks, llama-8b,
+      # at 1, 2 and 4 sequences per GPU (compare with `fastllm schedule` on the same settings).
+      for per_gpu in 1 2 4; do
+        for order in breadth depth; do
+          python3 bench/scale_bench.py --config examples/llama3-8b.yaml --gpus 2 --micro-batch 1 \
+            --per-gpu-batch "$per_gpu" --steps 6 --kill-at-end --timeout 170 --zero-stage 3 \
+            --set "schedule.${order}_first_micro_batches=$per_gpu" \
+            --commit "$COMMIT" --out "$RES/bfdf_8b_${order}_$per_gpu" 2>&1 | tail -4
+        done
+      done ;;
+    sdp-x2)
+      # llama-1b with sequence-data parallelism 2 at 128k and 256k tokens (one sequence shared
+      # by the 2 GPUs); the one-GPU 128k figure is part long's.
+      for seq in 131072 262144; do
+        python3 bench/scale_bench.py --config examples/llama3-1b.yaml --gpus 2 --micro-batch 1 \
+          --per-gpu-batch 1 --seq "$seq" --steps 5 --skip 1 --kill-at-end --timeout 200 \
+          --set model.distributed.sequence_data_parallel=2 \
+          --commit "$COMMIT" --out "$RES/sdp2_1b_$seq" 2>&1 | tail -4
+      done ;;
+    long)
+      # llama-1b at 16k-128k and llama-3b at 32k-64k tokens in one sequence against HF +
+      # compile, and attention alone at those lengths; LONG_S: seconds for all its runs.
+      python3 bench/long_context_bench.py --deadline "${LONG_S:-330}" --commit "$COMMIT" \
+        --out "$RES/long_context${TAG:+_$TAG}" 2>&1 | tail -40 ;;
     sft)
       # SFT_PARTS: train and/or prepare (both by default).
       python3 bench/sft_bench.py --parts ${SFT_PARTS:-train prepare} --cores 1 2 4 8 16 \

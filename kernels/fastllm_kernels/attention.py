@@ -14,6 +14,10 @@ No kernel of our own: the op picks the fastest existing one for the case.
 Masks: query i sees key j when j <= i (causal), i - window_size < j (window; |i - j| < window
 when not causal) and document_ids[b, i] == document_ids[b, j]. Each document must be one
 contiguous run of positions (as packing produces), which is what flash-attn's varlen assumes.
+There may be fewer queries than keys: the queries are then the last positions of the keys (a
+later chunk of a sequence that attends to its earlier chunks' keys too), i and j count key
+positions, and document_ids covers the keys. Dense SDPA aligns a causal mask to the first
+key, so such calls go to the masked kernels.
 """
 
 from __future__ import annotations
@@ -51,21 +55,26 @@ def attention(
     document_ids: Tensor | None = None,
     scale: float | None = None,
 ) -> Tensor:
-    """q (batch, seq, heads, head_dim), k/v (batch, seq, kv_heads, head_dim) → like q."""
+    """q (batch, seq, heads, head_dim), k/v (batch, key_seq ≥ seq, kv_heads, head_dim) → like
+    q; document_ids (batch, key_seq)."""
     _check(q, k, v, window_size, document_ids)
     if window_size is not None and window_size >= k.shape[1]:
         window_size = None  # masks nothing: keep the fastest (dense) kernels
-    masked = window_size is not None or document_ids is not None
+    offset = k.shape[1] - q.shape[1]
+    masked = window_size is not None or document_ids is not None or (causal and offset > 0)
     if q.is_cuda and not masked:
         with sdpa_kernel(_SDPA_PRIORITY, set_priority=True):
             return _sdpa(q, k, v, is_causal=causal, scale=scale)
-    if q.is_cuda and flash_attn_func is not None and q.dtype in (torch.float16, torch.bfloat16):
+    flash = flash_attn_func is not None and q.dtype in (torch.float16, torch.bfloat16)
+    # flash-attn aligns causal masks to the last key, but its varlen path would need the
+    # query and key document offsets apart.
+    if q.is_cuda and flash and (document_ids is None or offset == 0):
         return _flash_attn(q, k, v, causal, window_size, document_ids, scale)
     # Fewer keys than one flex block leave nothing to skip; and torch 2.11's inductor found no
     # flex kernel config for head dim 128 at 48 keys (H200).
-    if q.is_cuda and k.shape[1] >= _FLEX_MIN_KEYS:
+    if q.is_cuda and q.shape[1] >= _FLEX_MIN_KEYS:
         return _flex(q, k, v, causal, window_size, document_ids, scale)
-    mask = _dense_mask(q, causal, window_size, document_ids)
+    mask = _dense_mask(q, k, causal, window_size, document_ids)
     if mask is None:
         return _sdpa(q, k, v, is_causal=causal, scale=scale)
     return _sdpa(q, k, v, attn_mask=mask, scale=scale)
@@ -88,14 +97,20 @@ def attention_reference(
     kf = k.float().repeat_interleave(group, dim=2).transpose(1, 2)
     vf = v.float().repeat_interleave(group, dim=2).transpose(1, 2)
     scores = qf @ kf.transpose(-1, -2) * (scale if scale is not None else q.shape[-1] ** -0.5)
-    mask = _dense_mask(q, causal, window_size, document_ids)
+    mask = _dense_mask(q, k, causal, window_size, document_ids)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     return (torch.softmax(scores, dim=-1) @ vf).transpose(1, 2).to(q.dtype)
 
 
 def _check(q, k, v, window_size, document_ids) -> None:
-    if q.dim() != 4 or k.shape != v.shape or q.shape[:2] != k.shape[:2] or q.shape[3] != k.shape[3]:
+    if (
+        q.dim() != 4
+        or k.shape != v.shape
+        or q.shape[0] != k.shape[0]
+        or q.shape[1] > k.shape[1]
+        or q.shape[3] != k.shape[3]
+    ):
         raise ValueError(
             f"bad attention shapes: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
@@ -103,23 +118,25 @@ def _check(q, k, v, window_size, document_ids) -> None:
         raise ValueError(f"{q.shape[2]} query heads are not a multiple of {k.shape[2]} kv heads")
     if window_size is not None and window_size < 1:
         raise ValueError(f"window_size must be positive, got {window_size}")
-    if document_ids is not None and document_ids.shape != q.shape[:2]:
-        raise ValueError(f"document_ids must be (batch, seq) = {tuple(q.shape[:2])}")
+    if document_ids is not None and document_ids.shape != k.shape[:2]:
+        raise ValueError(f"document_ids must be (batch, key_seq) = {tuple(k.shape[:2])}")
 
 
-def _dense_mask(q: Tensor, causal, window_size, document_ids) -> Tensor | None:
-    """Boolean (batch or 1, 1, seq, seq) mask, True where attention is allowed; None if all."""
+def _dense_mask(q: Tensor, k: Tensor, causal, window_size, document_ids) -> Tensor | None:
+    """Boolean (batch or 1, 1, seq, key_seq) mask, True where attention is allowed; None if
+    all."""
     if not causal and window_size is None and document_ids is None:
         return None
-    seq = q.shape[1]
-    i = torch.arange(seq, device=q.device)[:, None]
-    j = torch.arange(seq, device=q.device)[None, :]
-    mask = j <= i if causal else torch.ones(seq, seq, dtype=torch.bool, device=q.device)
+    seq, key_seq = q.shape[1], k.shape[1]
+    i = torch.arange(key_seq - seq, key_seq, device=q.device)[:, None]
+    j = torch.arange(key_seq, device=q.device)[None, :]
+    mask = j <= i if causal else torch.ones(seq, key_seq, dtype=torch.bool, device=q.device)
     if window_size is not None:
         mask = mask & (i - j < window_size) & (j - i < window_size)
     mask = mask[None, None]
     if document_ids is not None:
-        mask = mask & (document_ids[:, None, :, None] == document_ids[:, None, None, :])
+        queries = document_ids[:, key_seq - seq :]
+        mask = mask & (queries[:, None, :, None] == document_ids[:, None, None, :])
     return mask
 
 
@@ -151,11 +168,11 @@ def _flash_attn(q, k, v, causal, window_size, document_ids, scale) -> Tensor:
 
 
 def _flex(q, k, v, causal, window_size, document_ids, scale) -> Tensor:
-    seq = q.shape[1]
+    seq, key_seq = q.shape[1], k.shape[1]
     if document_ids is None:  # the same mask for every batch: build it once per shape
-        block_mask = _cached_block_mask(seq, causal, window_size, q.device)
+        block_mask = _cached_block_mask(seq, key_seq, causal, window_size, q.device)
     else:
-        block_mask = _block_mask(seq, causal, window_size, document_ids, q.device)
+        block_mask = _block_mask(seq, key_seq, causal, window_size, document_ids, q.device)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     out = _compiled_flex_attention()(
         q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
@@ -178,12 +195,15 @@ def _compiled_create_block_mask():
 
 
 @functools.lru_cache(maxsize=16)
-def _cached_block_mask(seq, causal, window_size, device):
-    return _block_mask(seq, causal, window_size, None, device)
+def _cached_block_mask(seq, key_seq, causal, window_size, device):
+    return _block_mask(seq, key_seq, causal, window_size, None, device)
 
 
-def _block_mask(seq, causal, window_size, document_ids, device):
-    def mask_mod(b, h, i, j):
+def _block_mask(seq, key_seq, causal, window_size, document_ids, device):
+    offset = key_seq - seq  # query q is key position q + offset
+
+    def mask_mod(b, h, q, j):
+        i = q + offset
         keep = (j <= i) if causal else (i >= 0)
         if window_size is not None:
             keep = keep & (i - j < window_size) & (j - i < window_size)
@@ -192,4 +212,4 @@ def _block_mask(seq, causal, window_size, document_ids, device):
         return keep
 
     batch = None if document_ids is None else document_ids.shape[0]
-    return _compiled_create_block_mask()(mask_mod, batch, None, seq, seq, device=device)
+    return _compiled_create_block_mask()(mask_mod, batch, None, seq, key_seq, device=device)

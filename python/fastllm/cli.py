@@ -6,9 +6,11 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from fastllm.checkpoint.errors import CheckpointWriteError
 from fastllm.config import ConfigError
+from fastllm.engine.pipeline.simulator import EFFECTIVE_TFLOPS, LINK_GBPS
 
 MODEL_FAMILIES = ("gpt",)
 """Model families a config can describe; `gpt` (decoder-only transformers) is the default."""
@@ -154,6 +156,14 @@ def _generate(args: argparse.Namespace) -> None:
     )
 
 
+def _schedule(args: argparse.Namespace) -> None:
+    from fastllm.engine.pipeline.simulator import report
+
+    config = _load_trainer_config(args)
+    rates = {"tflops": args.tflops, "pipeline_gbps": args.pipeline_gbps}
+    print(report(config, args.world_size, args.png, data_gbps=args.data_gbps, **rates))
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -249,6 +259,30 @@ def build_parser() -> argparse.ArgumentParser:
         description="Example: fastllm convert gpt input.format=llama input.path=HF_DIR "
         "output.format=fastllm output.path=OUT (output.type is a synonym of output.format)",
     )
+
+    schedule = _config_command(
+        commands,
+        "schedule",
+        _schedule,
+        help="predict a config's pipeline step under breadth- and depth-first schedules",
+        description="Times the step the runner would execute under a cost model (stage times "
+        "from the FLOPs at --tflops, transfers and collectives at the given bandwidths) and "
+        "prints the bubble, the exposed communication and the step time of each schedule.",
+    )
+    schedule.add_argument("--world-size", type=_positive_int, required=True, help="ranks")
+    schedule.add_argument(
+        "--tflops",
+        type=float,
+        default=EFFECTIVE_TFLOPS,
+        help="compute per GPU (default: an H200's)",
+    )
+    schedule.add_argument(
+        "--pipeline-gbps", type=float, default=LINK_GBPS, help="GB/s between pipeline ranks"
+    )
+    schedule.add_argument(
+        "--data-gbps", type=float, default=LINK_GBPS, help="bus GB/s of data-parallel collectives"
+    )
+    schedule.add_argument("--png", type=Path, default=None, help="draw the timelines here")
 
     generate = commands.add_parser("generate", help="complete a prompt with a trained model")
     generate.add_argument("path", help="model directory (fastllm or Hugging Face format)")

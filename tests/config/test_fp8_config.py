@@ -18,7 +18,17 @@ FP8 = ("model.distributed.fp8_linear=rowwise", "model.distributed.training_dtype
         (
             (*FP8, "model.distributed.tensor_parallel=2"),
             "model.distributed.fp8_linear",
-            "model.distributed.tensor_parallel=2",
+            "model.distributed.tensor_parallel > 1",
+        ),
+        (
+            (*FP8, "model.distributed.pipeline_parallel=2"),
+            "model.distributed.fp8_linear",
+            "model.distributed.pipeline_parallel > 1",
+        ),
+        (
+            (*FP8, "model.distributed.sequence_data_parallel=2"),
+            "model.distributed.fp8_linear",
+            "model.distributed.sequence_data_parallel > 1",
         ),
         (
             (*FP8, "model.multi_stage.zero_stage=3"),

@@ -94,6 +94,31 @@ def test_attention_matches_reference(case, heads, kv_heads):
         assert_close(grad, expected_grad, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_queries_of_a_later_chunk_see_the_keys_of_the_earlier_ones(case):
+    """q of the last 7 of 19 positions against all 19 keys: the last 7 rows of the whole
+    sequence's attention, with the gradients of those rows."""
+    q, k, v = _qkv(2, 19, 4, 2, 16)
+    documents = _documents(2, 19) if case.get("documents") else None
+    options = {
+        "causal": case["causal"],
+        "window_size": case.get("window_size"),
+        "document_ids": documents,
+        "scale": case.get("scale"),
+    }
+    grad_out = torch.randn(2, 7, 4, 16)
+    whole = attention_reference(q, k, v, **options)[:, 12:]
+    expected_grads = torch.autograd.grad(whole, [q, k, v], grad_out)
+    chunk = q.detach()[:, 12:].clone().requires_grad_()
+    for implementation in (attention, attention_reference):
+        out = implementation(chunk, k, v, **options)
+        assert_close(out, whole)
+        grads = torch.autograd.grad(out, [chunk, k, v], grad_out)
+        assert_close(grads[0], expected_grads[0][:, 12:], rtol=1e-5, atol=1e-5)
+        for grad, expected_grad in zip(grads[1:], expected_grads[1:], strict=True):
+            assert_close(grad, expected_grad, rtol=1e-5, atol=1e-5)
+
+
 def test_attention_bf16_matches_fp32_reference():
     q, k, v = _qkv(2, 23, 4, 2, 16, dtype=torch.bfloat16)
     documents = _documents(2, 23)
@@ -132,6 +157,18 @@ def test_attention_matches_reference_on_gpu(case):
     for grad, expected_grad in zip(grads, expected_grads, strict=True):
         scale = expected_grad.abs().max().item()
         assert_close(grad, expected_grad, rtol=2e-2, atol=2e-2 * scale)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("documents", [False, True])
+def test_queries_of_a_later_chunk_on_gpu(documents):
+    q, k, v = _qkv(1, 1024, 8, 2, 64, dtype=torch.bfloat16, device="cuda")
+    ids = _documents(1, 1024, device="cuda") if documents else None
+    chunk = q.detach()[:, 768:].clone().requires_grad_()
+    out = attention(chunk, k, v, document_ids=ids)
+    expected = attention_reference(q, k, v, document_ids=ids)[:, 768:]
+    assert_close(out, expected, atol=2e-2)
 
 
 @pytest.mark.gpu

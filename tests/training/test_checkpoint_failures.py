@@ -92,7 +92,7 @@ def snapshot(numel, config):
     state = ShardedState(
         specs=[("w", 2 * numel, 0, True)], shapes={"w": (2 * numel,)}, splits={"w": None},
         alignment=1, tensor_size=1, tensor_rank=0, data_size=2, data_rank=rank,
-        shards=[{"master": torch.ones(numel)}],
+        shards={0: {"master": torch.ones(numel)}},
     )
     return Snapshot("checkpoint", state, config)
 

@@ -3,13 +3,15 @@ any layout, by `fastllm convert` and by `pretrained`. This module alone writes a
 manifest.
 
 One safetensors file per rank (`rank_NNNNN.safetensors`, the global rank = tensor rank +
-tensor size × data rank) holds that rank's shards of the flat fp32 state, one tensor per
+tensor size × (data rank + data size × pipeline rank)) holds that rank's shards of the flat
+fp32 state of the stages it runs (stage s on pipeline rank s mod pipeline size), one tensor per
 stage and kind (`master`, and in checkpoints `exp_avg`, `exp_avg_sq`, plus the RNG states).
 `manifest.json` describes the layout: every parameter's flat placement on one tensor rank
-(the same on all of them), its slice shape and how tensor ranks split it, the tensor and
-data sizes, the config and the training counters. A reader rebuilds any parameter whole
-(merging data shards, then tensor slices), so a checkpoint loads with any tensor size,
-data size and ZeRO stage."""
+(the same on all of them), its slice shape and how tensor ranks split it, the tensor, data and
+pipeline sizes, the config and the training counters. A reader rebuilds any parameter whole
+(merging data shards, then tensor slices), so a checkpoint loads with any tensor, data and
+pipeline size and ZeRO stage (the stages, `model.multi_stage.layers_per_stage`, are the
+writer's: the reader finds each parameter's pieces by its layout)."""
 
 from __future__ import annotations
 
@@ -55,12 +57,17 @@ class ShardedState:
     tensor_rank: int
     data_size: int
     data_rank: int
-    shards: list[dict[str, Tensor]]
-    """Per stage: each kind's shard (views of the engine's buffers, or copies of them)."""
+    shards: dict[int, dict[str, Tensor]]
+    """Per stage this rank runs: each kind's shard (views of the engine's buffers, or copies
+    of them)."""
+    pipeline_size: int = 1
+    pipeline_rank: int = 0
 
     @property
     def rank(self) -> int:
-        return self.tensor_rank + self.tensor_size * self.data_rank
+        return self.tensor_rank + self.tensor_size * (
+            self.data_rank + self.data_size * self.pipeline_rank
+        )
 
     def layout(self) -> Any:
         return _native.Layout(self.specs, alignment=self.alignment, data_size=self.data_size)
@@ -94,7 +101,8 @@ class Snapshot:
             "alignment": state.alignment,
             "tensor_parallel": state.tensor_size,
             "data_parallel": state.data_size,
-            "world_size": state.tensor_size * state.data_size,
+            "pipeline_parallel": state.pipeline_size,
+            "world_size": state.tensor_size * state.data_size * state.pipeline_size,
             "config": self.config,
         }
 
@@ -122,6 +130,7 @@ class SavedCheckpoint:
             name: TensorSplit.from_builtins(raw) for name, raw in m.get("splits", {}).items()
         }
         self.tensor_size = m.get("tensor_parallel", 1)
+        self.pipeline_size = m.get("pipeline_parallel", 1)
         self.data_size = m.get("data_parallel", m["world_size"])
         self.layout = _native.Layout(
             self.parameters, alignment=m["alignment"], data_size=self.data_size
@@ -138,7 +147,8 @@ class SavedCheckpoint:
 
     def same_layout(self, state: ShardedState) -> bool:
         """Written by ranks laid out as `state`'s are: its RNG streams apply."""
-        return (self.tensor_size, self.data_size) == (state.tensor_size, state.data_size)
+        saved = (self.tensor_size, self.data_size, self.pipeline_size)
+        return saved == (state.tensor_size, state.data_size, state.pipeline_size)
 
     def _handle(self, rank: int) -> Any:
         if rank not in self._handles:
@@ -191,7 +201,7 @@ class SavedCheckpoint:
             raise ConfigError(str(self.directory), "holds the parameters of another model")
         layout = state.layout()
         same_slices = self.tensor_size == state.tensor_size
-        for stage, shard in enumerate(state.shards):
+        for stage, shard in state.shards.items():
             for index, p0, p1, s0, _ in layout.shard_parameters(stage, state.data_rank):
                 name = names[index]
                 for kind in kinds:
@@ -213,6 +223,7 @@ class SavedCheckpoint:
         for data_rank, stage, q0, q1, t0, _ in self._pieces(name):
             start, end = max(p0, q0), min(p1, q1)
             if start < end:
-                rank = tensor_rank + self.tensor_size * data_rank
+                pipeline_rank = stage % self.pipeline_size
+                rank = tensor_rank + self.tensor_size * (data_rank + self.data_size * pipeline_rank)
                 values = self._piece(rank, kind, stage, t0 + start - q0, t0 + end - q0)
                 target[start - p0 : end - p0].copy_(values)

@@ -92,7 +92,7 @@ class CheckpointSaver:
         pin = self.device.type == "cuda"
         tensors = [
             (stage_key(kind, stage), _staged(tensor, pin))
-            for stage, kinds in enumerate(snapshot.state.shards)
+            for stage, kinds in snapshot.state.shards.items()
             for kind, tensor in kinds.items()
         ]
         tensors += [(name, _staged(t, pin)) for name, t in snapshot.extra.items()]

@@ -226,7 +226,14 @@ class DistributedConfig(Section):
     too (their all-reduces become all-gather / reduce-scatter pairs): less activation memory,
     the same communication. Ignored at tensor_parallel 1."""
     pipeline_parallel: int = 1
-    """Ranks that split the model's stages. Only 1 is implemented yet."""
+    """Ranks that split the model's stages (`model.multi_stage.layers_per_stage`): stage s
+    runs on pipeline rank s mod pipeline_parallel, so more stages than ranks loops over them.
+    The order of the micro-batches through the stages is `schedule`'s."""
+    sequence_data_parallel: int = 1
+    """Consecutive ranks of the data group that share each sequence, each computing one
+    contiguous chunk of it (attention all-gathers the keys and values of the earlier chunks);
+    it must divide the data-parallel size. ZeRO and the gradient sum still span the whole
+    data group."""
     fp8_linear: Literal["none", "tensorwise", "rowwise"] = "none"
     """FP8 compute of the blocks' linear layers (attention q/k/v and output, dense MLP; the
     embedding, the head and mixture-of-experts layers stay bf16; the fp32 master weights and
@@ -238,13 +245,8 @@ class DistributedConfig(Section):
     def validate(self) -> None:
         check_non_negative(self.seed, "seed")
         check_positive(self.tensor_parallel, "tensor_parallel")
+        check_positive(self.sequence_data_parallel, "sequence_data_parallel")
         check_positive(self.pipeline_parallel, "pipeline_parallel")
-        if self.pipeline_parallel != 1:
-            raise ConfigError(
-                "pipeline_parallel",
-                f"pipeline parallelism is not implemented yet; got {self.pipeline_parallel}, "
-                "only 1 is accepted",
-            )
 
     def data_parallel(self, world_size: int) -> int:
         """The data-parallel size of `world_size` ranks, or a config error naming the keys."""
@@ -255,7 +257,15 @@ class DistributedConfig(Section):
                 f"tensor_parallel ({self.tensor_parallel}) × model.distributed.pipeline_parallel "
                 f"({self.pipeline_parallel}) must divide the number of ranks ({world_size})",
             )
-        return world_size // model_parallel
+        data_size = world_size // model_parallel
+        if data_size % self.sequence_data_parallel:
+            raise ConfigError(
+                "model.distributed.sequence_data_parallel",
+                f"({self.sequence_data_parallel}) must divide the data-parallel size "
+                f"({data_size}: {world_size} ranks over model.distributed.tensor_parallel × "
+                "pipeline_parallel)",
+            )
+        return data_size
 
     @property
     def sequence_parallel(self) -> bool:
@@ -270,8 +280,10 @@ class MultiStageConfig(Section):
     the compute weights (each stage is all-gathered one stage ahead of its use in the forward
     and backward passes, and freed after)."""
     layers_per_stage: int = 1
-    """Transformer blocks per stage: the unit in which weights are laid out, gradients
-    reduce-scattered and (ZeRO-3) weights gathered. Larger stages mean fewer, larger messages."""
+    """Transformer blocks per stage (the embedding joins the first, the final norm and the
+    head the last): the unit in which weights are laid out, gradients reduce-scattered,
+    (ZeRO-3) weights gathered and the pipeline split. Larger stages mean fewer, larger
+    messages."""
     debug_tensor_parallel: bool = False
     """After every optimizer step, check that the parameters replicated across tensor ranks
     (norms, biases of row-parallel layers) are still identical on every tensor rank; an error
@@ -286,6 +298,9 @@ class MultiStageConfig(Section):
     def validate(self) -> None:
         check_positive(self.layers_per_stage, "layers_per_stage")
 
+    def num_stages(self, num_layers: int) -> int:
+        return max(1, -(-num_layers // self.layers_per_stage))
+
 
 class ModelConfig(Section):
     base_model: BaseModelConfig = msgspec.field(default_factory=BaseModelConfig)
@@ -297,6 +312,15 @@ class ModelConfig(Section):
 
     def validate(self) -> None:
         self._validate_fp8()
+        pipeline = self.distributed.pipeline_parallel
+        stages = self.multi_stage.num_stages(self.base_model.transformer.num_layers)
+        if pipeline > stages:
+            raise ConfigError(
+                "distributed.pipeline_parallel",
+                f"({pipeline}) is more than the model's stages ({stages}: "
+                f"model.base_model.transformer.num_layers / model.multi_stage.layers_per_stage), "
+                "so some pipeline rank would hold none",
+            )
         tensor = self.distributed.tensor_parallel
         if tensor == 1:
             return
@@ -332,12 +356,13 @@ class ModelConfig(Section):
                 f"{recipe} needs model.distributed.training_dtype bfloat16, got "
                 f"{distributed.training_dtype}",
             )
-        if distributed.tensor_parallel > 1:
-            raise ConfigError(
-                key,
-                f"FP8 with tensor parallelism is not implemented yet (fp8_linear={recipe}, "
-                f"model.distributed.tensor_parallel={distributed.tensor_parallel})",
-            )
+        for name in ("tensor_parallel", "pipeline_parallel", "sequence_data_parallel"):
+            if getattr(distributed, name) > 1:
+                raise ConfigError(
+                    key,
+                    f"FP8 with model.distributed.{name} > 1 is not implemented yet "
+                    f"(fp8_linear={recipe}, {name}={getattr(distributed, name)})",
+                )
         if self.multi_stage.zero_stage == 3:
             raise ConfigError(
                 key,

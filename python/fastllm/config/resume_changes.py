@@ -27,6 +27,7 @@ MAY_CHANGE_ON_RESUME = (
     "model.distributed.sequence_tensor_parallel",
     "model.distributed.pipeline_parallel",
     "batch.micro_batch_size",
+    "schedule",
     "data.cache_dir",
     "data.prefetch",
     "data.validation_path",

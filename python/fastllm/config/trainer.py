@@ -7,6 +7,7 @@ import msgspec
 from fastllm.config.data import DataConfig
 from fastllm.config.formats import ModelFormat
 from fastllm.config.model import ModelConfig
+from fastllm.config.schedule import ScheduleConfig
 from fastllm.config.section import ConfigError, Section
 from fastllm.config.training import BatchConfig, OptimizerConfig, RunConfig, TrainingConfig
 
@@ -32,6 +33,8 @@ class TrainerConfig(Section):
     """Length of the run, logging, checkpoints, exports and validation."""
     batch: BatchConfig = msgspec.field(default_factory=BatchConfig)
     """Batch geometry."""
+    schedule: ScheduleConfig = msgspec.field(default_factory=ScheduleConfig)
+    """How a step's micro-batches are grouped and ordered through the pipeline stages."""
     data: DataConfig = msgspec.field(default_factory=DataConfig)
     """Training data."""
     optimizer: OptimizerConfig = msgspec.field(default_factory=OptimizerConfig)
@@ -46,6 +49,12 @@ class TrainerConfig(Section):
                 "training.compile",
                 "compiled blocks with model.distributed.tensor_parallel > 1 are not supported "
                 "yet (their collectives would break the graphs)",
+            )
+        if self.training.compile and distributed.sequence_data_parallel > 1:
+            raise ConfigError(
+                "training.compile",
+                "compiled blocks with model.distributed.sequence_data_parallel > 1 are not "
+                "supported yet (their collectives would break the graphs)",
             )
         if self.training.compile and distributed.fp8_linear != "none":
             raise ConfigError(
@@ -62,4 +71,18 @@ class TrainerConfig(Section):
                 f"({self.batch.sequence_length}) must be divisible by "
                 f"model.distributed.tensor_parallel ({distributed.tensor_parallel}) with "
                 "model.distributed.sequence_tensor_parallel",
+            )
+        chunks = distributed.sequence_data_parallel
+        if distributed.sequence_parallel:
+            chunks *= distributed.tensor_parallel
+        if distributed.sequence_data_parallel > 1 and self.batch.sequence_length % chunks:
+            tensor = (
+                " × model.distributed.tensor_parallel (with sequence_tensor_parallel)"
+                if distributed.sequence_parallel
+                else ""
+            )
+            raise ConfigError(
+                "batch.sequence_length",
+                f"({self.batch.sequence_length}) must be divisible by "
+                f"model.distributed.sequence_data_parallel{tensor} ({chunks})",
             )

@@ -2,28 +2,27 @@
 its shard of the fp32 masters and Adam moments (ZeRO-1), and with ZeRO-2 only its shard of the
 gradients too. The gradients are reduce-scattered into the shards stage by stage during the
 backward pass (GradientReducer); after the optimizer step, each rank's updated weight shard is
-all-gathered back into everyone's weights (ZeRO-3 gathers each stage only while it runs: see
-WeightGatherer). This all-gather is synchronous: it does not overlap the next forward pass.
-Every collective here is over the data group; tensor ranks have buffers of their own."""
+all-gathered back into everyone's weights, stage by stage, overlapping the next forward pass
+(WeightRefresh; ZeRO-3 gathers each stage only while it runs: see WeightGatherer).
+Every collective here is over the data group; tensor and pipeline ranks have buffers of their
+own (a tied head on another pipeline rank gets the embedding's new weights after them)."""
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from fastllm.engine.flat_model import FlatModel
 
 
 @torch.no_grad()
-def gather_weights(flat: FlatModel) -> None:
+def gather_weights(flat: FlatModel, wait: bool = True) -> None:
     """Every rank's updated shard of the compute weights, into every rank's full buffers (with
-    ZeRO-3, gathered copies of the old weights are dropped: stages are gathered when used)."""
+    ZeRO-3, gathered copies of the old weights are dropped: stages are gathered when used).
+    `wait=False` leaves the stages' all-gathers in flight for their forward passes to wait on."""
     if flat.gatherer is not None:
         flat.gatherer.keep_only(set())
-        return
-    if flat.data.size == 1:
-        return
-    for stage, shard in enumerate(flat.shards):
-        dist.all_gather_into_tensor(
-            flat.weights[stage], shard.weight.clone(), group=flat.data.group
-        )
+    elif flat.refresh is not None:
+        flat.refresh.start()
+        if wait:
+            flat.refresh.wait_all()
+    flat.sync_tied_copy()

@@ -20,10 +20,12 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fastllm import _native
+from fastllm.engine import point_to_point
 from fastllm.engine.gradient_buffers import GradientBuffers
 from fastllm.engine.gradient_reducer import GradientReducer
 from fastllm.engine.mesh import ParallelMesh
 from fastllm.engine.weight_gatherer import WeightGatherer
+from fastllm.engine.weight_refresh import WeightRefresh
 from fastllm.model import GPTModel
 from fastllm.model.parameters import full_shape, parameter_metas
 
@@ -32,25 +34,34 @@ ALIGNMENT = 128
 
 
 def stage_of_layer(layer: int, num_layers: int, layers_per_stage: int = 1) -> int:
-    """Stage 0: the embedding (model position 0); then `layers_per_stage` blocks per stage; the
-    last stage: the final norm and the head (position num_layers + 1)."""
-    if layer == 0:
-        return 0
-    if layer <= num_layers:
-        return (layer - 1) // layers_per_stage + 1
-    return -(-num_layers // layers_per_stage) + 1
+    """Model position `layer` (0 the embedding, 1 … num_layers the blocks, num_layers + 1 the
+    final norm and the head): `layers_per_stage` blocks per stage, the embedding with the
+    first, the head with the last."""
+    last = max(1, -(-num_layers // layers_per_stage)) - 1
+    return min(max(layer - 1, 0) // layers_per_stage, last)
+
+
+def stage_positions(stage: int, num_layers: int, layers_per_stage: int = 1) -> tuple[int, int]:
+    """The first and last model positions of `stage` (what `GPTModel.run_positions` takes)."""
+    first = 0 if stage == 0 else stage * layers_per_stage + 1
+    last = min((stage + 1) * layers_per_stage, num_layers)
+    if stage_of_layer(num_layers + 1, num_layers, layers_per_stage) == stage:
+        last = num_layers + 1
+    return first, last
 
 
 def stage_modules(model: GPTModel, layers_per_stage: int) -> list[list[torch.nn.Module]]:
     """The modules each stage's forward pass runs, in order (the head's weight is read by the
-    loss after the final norm, which starts the last stage)."""
+    loss after the final norm)."""
     positions = model.layer_modules()
-    blocks = positions[1:-1]
-    grouped = [
-        [module for position in blocks[i : i + layers_per_stage] for module in position]
-        for i in range(0, len(blocks), layers_per_stage)
-    ]
-    return [positions[0], *grouped, positions[-1]]
+    num_layers = len(positions) - 2
+    stages: list[list[torch.nn.Module]] = []
+    for layer, modules in enumerate(positions):
+        stage = stage_of_layer(layer, num_layers, layers_per_stage)
+        if stage == len(stages):
+            stages.append([])
+        stages[stage] += modules
+    return stages
 
 
 @dataclass
@@ -66,6 +77,24 @@ class Shard:
     decay_runs: list[tuple[int, int, bool]]
     replicated: int
     """Its first `replicated` elements belong to parameters every tensor rank holds whole."""
+
+
+@dataclass
+class TiedCopy:
+    """Pipeline parallelism with a tied embedding and head on different ranks: the head's rank
+    holds a copy of the embedding weight (refreshed after every optimizer step) and its
+    gradient, summed into the embedding's shards before the optimizer step."""
+
+    peer: int
+    """Global rank of the other side (same tensor and data ranks): the head's rank on the
+    embedding's, the embedding's on the head's."""
+    index: int
+    """The embedding weight's parameter index."""
+    weight: Tensor | None = None
+    """On the head's rank: the copy, which the head reads."""
+    grad: Tensor | None = None
+    """On the head's rank: its fp32 gradient, accumulated over the step's micro-batches."""
+    fresh: bool = True
 
 
 class FlatModel:
@@ -85,10 +114,13 @@ class FlatModel:
         mesh: ParallelMesh | None = None,
         zero_stage: int = 1,
         layers_per_stage: int = 1,
+        gather_in_forward: bool = True,
     ) -> None:
+        """`gather_in_forward`: ZeRO-3 gathers are driven by the stages' forward and backward
+        passes (false: by the pipeline runner's program)."""
         self.model, self.compute_dtype, self.device = model, compute_dtype, device
         self.mesh = mesh or ParallelMesh.single()
-        self.data, self.tensor = self.mesh.data, self.mesh.tensor
+        self.data, self.tensor, self.pipeline = self.mesh.data, self.mesh.tensor, self.mesh.pipeline
         self.shard_gradients = zero_stage >= 2 and self.data.size > 1
         self.shard_weights = zero_stage >= 3 and self.data.size > 1
         num_layers = model.config.transformer.num_layers
@@ -118,24 +150,33 @@ class FlatModel:
         """(name, numel, stage, weight decay) of every parameter, in layout order."""
         self.layout = _native.Layout(self.specs, alignment=ALIGNMENT, data_size=self.data.size)
         stages = range(self.layout.num_stages)
+        self.owned = [s for s in stages if s % self.pipeline.size == self.pipeline.rank]
+        """The stages this pipeline rank runs (stage s on rank s mod pipeline size); only
+        their buffers exist here, the other stages' parameters stay on the meta device."""
         self.stage_parameters: list[list[int]] = [[] for _ in stages]
         """Indices of each stage's parameters, in layout order."""
         for index in range(len(self.names)):
             self.stage_parameters[self.layout.parameter(index)[0]].append(index)
+        self.owned_names = {
+            self.names[i] for stage in self.owned for i in self.stage_parameters[stage]
+        }
         self.tensor_reduced_end = [self._prefix_end(s, reduced) for s in stages]
         """Per stage: its gradient's elements [0, end) are summed over tensor ranks."""
         self.replicated_end = [self._prefix_end(s, replicated) for s in stages]
         self.weights = [self._weight_buffer(model, s) for s in stages]
         self.gradients = GradientBuffers(
-            [self.layout.stage_size(s) for s in stages],
-            self.stage_parameters,
+            [self.layout.stage_size(s) if s in self.owned else 0 for s in stages],
+            [self.stage_parameters[s] if s in self.owned else [] for s in stages],
             self._view,
             self.layout.parameter,
             device,
             pooled=self.shard_gradients,  # ZeRO-2: each stage's full gradient is reduced at once
+            slots=[self.slot(s) for s in stages],
         )
         self.grads = self.gradients.buffers
-        self.shards = [self._shard(stage) for stage in stages]
+        self.shards = {stage: self._shard(stage) for stage in self.owned}
+        """This rank's shard of each stage it runs."""
+        self.tied_copy = self._tied_copy(model)
         needs_reducer = self.data.size > 1 or any(self.tensor_reduced_end)
         self.reducer = GradientReducer(self) if needs_reducer else None
         # Linear layers' weight gradients go straight from the matmul into the fp32 buffer.
@@ -144,16 +185,66 @@ class FlatModel:
         }
         self._hooks = []
         for index, name in enumerate(self.names):
+            if name not in self.owned_names:
+                continue
             parameter = self.model.get_parameter(name)
             hook = self._accumulate_hook(index)
             self._hooks.append(parameter.register_post_accumulate_grad_hook(hook))
             if id(parameter) in linear_weights:
                 parameter.gradient_sink = self._gradient_sink(index)
-        self.gatherer = (
-            WeightGatherer(self, stage_modules(model, layers_per_stage))
-            if self.shard_weights
-            else None
+        self.gatherer = WeightGatherer(self) if self.shard_weights else None
+        if self.gatherer is not None and gather_in_forward:
+            self.gatherer.install_hooks(stage_modules(model, layers_per_stage))
+        self.refresh = (
+            WeightRefresh(self) if self.data.size > 1 and not self.shard_weights else None
         )
+        if self.refresh is not None and gather_in_forward:
+            self.refresh.install_hooks(stage_modules(model, layers_per_stage))
+
+    def wait_for_weights(self, stage: int) -> None:
+        """Block until `stage`'s full compute weights are in place (ZeRO-1/2 after a step,
+        ZeRO-3 whenever it runs)."""
+        if self.refresh is not None:
+            self.refresh.wait(stage)
+        if self.gatherer is not None:
+            self.gatherer.ensure(stage)
+
+    def slot(self, stage: int) -> int:
+        """Which of two buffers `stage` uses where consecutive stages of this rank alternate
+        (pooled ZeRO-2 gradients, reduce-scatter outputs)."""
+        return (stage // self.pipeline.size) % 2
+
+    def _tied_copy(self, model: GPTModel) -> TiedCopy | None:
+        """The tied embedding's copy when the head runs on another pipeline rank."""
+        stages = self.layout.num_stages
+        head_rank, embedding_rank = (stages - 1) % self.pipeline.size, 0
+        if not self.tied or head_rank == embedding_rank:
+            return None
+        if self.pipeline.rank not in (head_rank, embedding_rank):
+            return None
+        name = "embeddings.weight"
+        index = self.names.index(name)
+        peer = head_rank if self.pipeline.rank == embedding_rank else embedding_rank
+        copy = TiedCopy(peer=dist.get_global_rank(self.pipeline.group, peer), index=index)
+        if self.pipeline.rank == embedding_rank:
+            return copy
+        shape = self.shapes[name]
+        copy.weight = torch.zeros(shape, dtype=self.compute_dtype, device=self.device)
+        copy.grad = torch.zeros(shape, dtype=torch.float32, device=self.device)
+        parameter = torch.nn.Parameter(copy.weight)
+        _set_parameter(model, name, parameter)
+
+        def hook(parameter: Tensor) -> None:
+            assert copy.grad is not None and parameter.grad is not None
+            if copy.fresh:
+                copy.grad.copy_(parameter.grad)
+                copy.fresh = False
+            else:
+                copy.grad.add_(parameter.grad)
+            parameter.grad = None
+
+        self._tied_hook = parameter.register_post_accumulate_grad_hook(hook)
+        return copy
 
     def _prefix_end(self, stage: int, member: Callable[[str], bool]) -> int:
         """End of the stage's leading parameters for which `member` holds (0 if none)."""
@@ -184,6 +275,8 @@ class FlatModel:
         """The stage's compute weights, its parameters made views of it. With ZeRO-3 its
         memory is freed at once (before the next stage's is taken): it holds the stage only
         while the stage runs (WeightGatherer)."""
+        if stage not in self.owned:
+            return torch.zeros(0, dtype=self.compute_dtype, device=self.device)
         buffer = torch.zeros(
             self.layout.stage_size(stage), dtype=self.compute_dtype, device=self.device
         )
@@ -278,6 +371,82 @@ class FlatModel:
         if self.gatherer is not None:
             self.gatherer.keep_only(set())
 
+    def finish_stage_backward(self, stage: int, reduce: bool) -> None:
+        """After a pipeline step's backward pass of `stage` (begun with `reducer.armed =
+        reduce`): run the deferred weight gradients, and start the stage's reduction if it was
+        to be reduced and some parameter got no gradient."""
+        self.model.tp.run_deferred()
+        if self.reducer is not None:
+            self.reducer.stage_done(stage, reduce)
+        elif reduce:
+            self.gradients.complete(stage)
+
+    def finish_step_backward(self) -> None:
+        """After the last backward pass of a pipeline step: wait for the reductions, free the
+        gathered weights (ZeRO-3) and add the tied head's gradient to the embedding's."""
+        if self.reducer is not None:
+            self.reducer.finish_step()
+        else:
+            self.gradients.complete_all()
+        if self.gatherer is not None:
+            self.gatherer.keep_only(set())
+        self._reduce_tied_gradient()
+
+    @torch.no_grad()
+    def _reduce_tied_gradient(self) -> None:
+        """The head's rank sums its copy's gradient over data ranks and sends each embedding
+        rank the piece of its shard, which adds it."""
+        copy = self.tied_copy
+        if copy is None:
+            return
+        pieces = self._embedding_pieces()
+        if copy.grad is not None:
+            if copy.fresh:
+                copy.grad.zero_()
+            if self.data.size > 1:
+                dist.all_reduce(copy.grad, group=self.data.group)
+            flat = copy.grad.reshape(-1)
+            for p0, p1, _, _ in pieces:
+                point_to_point.send(flat[p0:p1], copy.peer)
+            copy.fresh = True
+            return
+        shard = self.shards[0]
+        for p0, p1, s0, s1 in pieces:
+            received = torch.empty(p1 - p0, dtype=torch.float32, device=self.device)
+            shard.grad[s0:s1].add_(point_to_point.recv(received, copy.peer))
+
+    def _embedding_pieces(self) -> list[tuple[int, int, int, int]]:
+        """(parameter start, end, shard start, end) of the embedding in this data rank's shard
+        of stage 0."""
+        assert self.tied_copy is not None
+        index = self.tied_copy.index
+        return [
+            (p0, p1, s0, s1)
+            for i, p0, p1, s0, s1 in self.layout.shard_parameters(0, self.data.rank)
+            if i == index
+        ]
+
+    @torch.no_grad()
+    def sync_tied_copy(self) -> None:
+        """The embedding's rank sends the head's rank its shard's piece of the updated weight;
+        the head's ranks sum the pieces of all data ranks into their copies."""
+        copy = self.tied_copy
+        if copy is None:
+            return
+        pieces = self._embedding_pieces()
+        if copy.weight is None:
+            weight = self.shards[0].weight
+            for _, _, s0, s1 in pieces:
+                point_to_point.send(weight[s0:s1], copy.peer)
+            return
+        flat = copy.weight.reshape(-1)
+        flat.zero_()
+        for p0, p1, _, _ in pieces:
+            received = torch.empty(p1 - p0, dtype=self.compute_dtype, device=self.device)
+            flat[p0:p1].copy_(point_to_point.recv(received, copy.peer))
+        if self.data.size > 1:
+            dist.all_reduce(copy.weight, group=self.data.group)
+
     def reduce_gradients(self) -> None:
         """Before the optimizer reads the shards: every rank's gradients summed into them."""
         if self.reducer is not None:
@@ -285,7 +454,7 @@ class FlatModel:
 
     def zero_grad(self) -> None:
         """Start a new step: the next gradients overwrite the buffers and the shards."""
-        for stage in range(self.layout.num_stages):
+        for stage in self.owned:
             self.gradients.consumed(stage)
         if self.reducer is not None:
             self.reducer.new_step()
@@ -296,6 +465,12 @@ class FlatModel:
         which this tensor rank keeps its slice."""
         seen = set()
         for name, tensor in tensors:
+            seen.add(name)
+            if name not in self.owned_names:
+                copy = self.tied_copy
+                if copy is not None and copy.weight is not None and name == self.names[copy.index]:
+                    copy.weight.copy_(self.local(name, tensor))
+                continue
             index = self.names.index(name)
             tensor = self.local(name, tensor)
             if not self.shard_weights:
@@ -303,7 +478,6 @@ class FlatModel:
             for stage_shard, (param_start, param_end, shard_start, shard_end) in self._owned(index):
                 piece = tensor.reshape(-1)[param_start:param_end].to(self.device, torch.float32)
                 stage_shard.master[shard_start:shard_end].copy_(piece)
-            seen.add(name)
         missing = set(self.names) - seen
         if missing:
             raise KeyError(f"no values given for parameters {sorted(missing)[:5]}")
@@ -321,6 +495,7 @@ class FlatModel:
         return full_shape(shape, self.metas[name].tensor_split if self.tensor.size > 1 else None)
 
     def _owned(self, index: int) -> list[tuple[Shard, tuple[int, int, int, int]]]:
+        """This rank's pieces of parameter `index` (of a stage it runs)."""
         stage, _, _ = self.layout.parameter(index)
         return [
             (self.shards[stage], (p0, p1, s0, s1))
@@ -333,19 +508,35 @@ class FlatModel:
         """Compute weights of this rank's shards from the masters (exactly what the optimizer
         step writes), so that a restored run computes bit for bit as the original did."""
         if self.mixed_precision:
-            for shard in self.shards:
+            for shard in self.shards.values():
                 shard.weight.copy_(shard.master)
 
     def full_parameters(self) -> Iterator[tuple[str, Tensor]]:
         """Every parameter of this tensor rank in the compute dtype (views: copy each before
-        taking the next). With ZeRO-3 each stage is gathered in turn: every rank must iterate
-        to the end."""
+        taking the next), each sent by the pipeline rank that holds it. With ZeRO-3 each stage
+        is gathered in turn: every rank must iterate to the end."""
+        if self.refresh is not None:
+            self.refresh.wait_all()
         for stage in range(self.layout.num_stages):
-            if self.gatherer is not None:
+            owned = stage in self.owned
+            if self.gatherer is not None and owned:
                 self.gatherer.ensure(stage)
             for index in self.stage_parameters[stage]:
-                yield self.names[index], self._view(self.weights[stage], index)
-            if self.gatherer is not None:
+                name = self.names[index]
+                if self.pipeline.size == 1:
+                    yield name, self._view(self.weights[stage], index)
+                    continue
+                tensor = (
+                    self._view(self.weights[stage], index)
+                    if owned
+                    else torch.empty(
+                        self.shapes[name], dtype=self.compute_dtype, device=self.device
+                    )
+                )
+                source = dist.get_global_rank(self.pipeline.group, stage % self.pipeline.size)
+                dist.broadcast(tensor, src=source, group=self.pipeline.group)
+                yield name, tensor
+            if self.gatherer is not None and owned:
                 self.gatherer.release(stage)
 
     def whole_parameters(self) -> Iterator[tuple[str, Tensor]]:

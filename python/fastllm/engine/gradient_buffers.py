@@ -27,26 +27,32 @@ class GradientBuffers:
         ranges: Callable[[int], tuple[int, int, int]],
         device: torch.device,
         pooled: bool,
+        slots: list[int] | None = None,
     ) -> None:
         """`view(stage_buffer, index)`: a parameter's view of its stage's buffer; `ranges(index)`:
-        its (stage, offset, numel). `pooled` (ZeRO-2): consecutive stages share two buffers,
-        since a stage's gradient only lives while its backward pass runs."""
+        its (stage, offset, numel). `pooled` (ZeRO-2): consecutive stages share two buffers
+        (stage s the one of `slots[s]`), since a stage's gradient only lives while its backward
+        pass runs. Stages of size 0 (run by other pipeline ranks) list no parameters."""
         self.stage_parameters, self.pooled = stage_parameters, pooled
         stages = range(len(stage_sizes))
         if pooled:
+            slots = slots or [s % 2 for s in stages]
             largest = max(stage_sizes)
             pool = [torch.zeros(largest, dtype=torch.float32, device=device) for _ in range(2)]
-            self.buffers = [pool[s % 2][: stage_sizes[s]] for s in stages]
+            self.buffers = [pool[slots[s]][: stage_sizes[s]] for s in stages]
         else:
             self.buffers = [
                 torch.zeros(size, dtype=torch.float32, device=device) for size in stage_sizes
             ]
-        count = sum(len(indices) for indices in stage_parameters)
-        self.views = [view(self.buffers[ranges(index)[0]], index) for index in range(count)]
-        self.fresh = [True] * count
+        indices = [index for stage in stage_parameters for index in stage]
+        self.views = {index: view(self.buffers[ranges(index)[0]], index) for index in indices}
+        self.fresh = dict.fromkeys(indices, True)
         """Per parameter: its view holds stale values that the next gradient overwrites."""
         self.gaps = [
-            _gaps(stage_sizes[s], [ranges(i) for i in stage_parameters[s]]) for s in stages
+            _gaps(stage_sizes[s], [ranges(i) for i in stage_parameters[s]])
+            if stage_sizes[s]
+            else []
+            for s in stages
         ]
 
     def add(self, index: int, grad: Tensor) -> None:

@@ -33,13 +33,16 @@ class GradientReducer:
         """Reduce in this backward pass (always with ZeRO-2)."""
         self.expected = [len(indices) for indices in flat.stage_parameters]
         self.received = [0] * flat.layout.num_stages
-        # What a reduce-scatter writes: two buffers used in turn (by stage parity).
+        # What a reduce-scatter writes: two buffers used in turn (`flat.slot`).
         # (None with one data rank: the tensor all-reduce works in place.)
-        largest = max(shard.grad.numel() for shard in flat.shards) if flat.data.size > 1 else 0
+        shards = flat.shards
+        largest = max(s.grad.numel() for s in shards.values()) if flat.data.size > 1 else 0
         pool = [torch.empty(largest, dtype=torch.float32, device=flat.device) for _ in range(2)]
-        self.scratch = [pool[s % 2][: shard.grad.numel()] for s, shard in enumerate(flat.shards)]
+        self.scratch = {
+            stage: pool[flat.slot(stage)][: shard.grad.numel()] for stage, shard in shards.items()
+        }
         self.in_flight: dict[int, tuple[Any, int]] = {}
-        """Per scratch buffer (stage parity): the reduce-scatter writing it, and its stage."""
+        """Per scratch buffer (`flat.slot`): the reduce-scatter writing it, and its stage."""
         self.shard_fresh = [True] * flat.layout.num_stages
         """ZeRO-2, per stage: the shard holds no gradient of this step yet."""
         self.reduced = False
@@ -61,9 +64,10 @@ class GradientReducer:
                 "a backward pass after this step's gradients were summed over ranks: only the "
                 "step's last micro-batch may be passed with last=True"
             )
-        pending = self.in_flight.get(stage % 2)
+        slot = self.flat.slot(stage)
+        pending = self.in_flight.get(slot)
         if self.sharded and pending is not None and pending[1] != stage:
-            self._complete(stage % 2)
+            self._complete(slot)
 
     def parameter_done(self, stage: int) -> None:
         self.received[stage] += 1
@@ -80,6 +84,22 @@ class GradientReducer:
             self.flat.gradients.complete_all()
         self.received = [0] * len(self.received)
 
+    def stage_done(self, stage: int, reduce: bool) -> None:
+        """A pipeline step's backward pass of `stage` is over (run with `armed = reduce`):
+        when reducing, start it if some parameter got no gradient; count afresh."""
+        if reduce and self.received[stage] < self.expected[stage]:
+            self._start(stage)
+        elif not reduce:
+            self.flat.gradients.complete(stage)
+        self.received[stage] = 0
+
+    def finish_step(self) -> None:
+        """The pipeline step's backward passes are over: wait for the reductions (ZeRO-1 has
+        now summed every stage)."""
+        for slot in list(self.in_flight):
+            self._complete(slot)
+        self.reduced = not self.sharded
+
     def ensure_reduced(self) -> None:
         """Before the optimizer reads the shards: ZeRO-1 sums now if no backward pass did."""
         if not self.sharded and not self.reduced:
@@ -88,16 +108,17 @@ class GradientReducer:
             self.reduced = True
 
     def _reduce_remaining(self) -> None:
-        for stage in reversed(range(len(self.received))):
+        for stage in reversed(self.flat.owned):
             if self.received[stage] < self.expected[stage]:
                 self._start(stage)
-        for parity in list(self.in_flight):
-            self._complete(parity)
+        for slot in list(self.in_flight):
+            self._complete(slot)
 
     @torch.no_grad()
     def _start(self, stage: int) -> None:
-        if stage % 2 in self.in_flight:
-            self._complete(stage % 2)
+        slot = self.flat.slot(stage)
+        if slot in self.in_flight:
+            self._complete(slot)
         self.received[stage] = self.expected[stage]
         flat = self.flat
         flat.gradients.complete(stage)
@@ -113,11 +134,11 @@ class GradientReducer:
             target = shard.grad if direct else self.scratch[stage]
             work = dist.reduce_scatter_tensor(target, grads, group=flat.data.group, async_op=True)
         if work is not None:
-            self.in_flight[stage % 2] = (work, stage)
+            self.in_flight[slot] = (work, stage)
 
     @torch.no_grad()
-    def _complete(self, parity: int) -> None:
-        work, stage = self.in_flight.pop(parity)
+    def _complete(self, slot: int) -> None:
+        work, stage = self.in_flight.pop(slot)
         work.wait()
         if self.flat.data.size == 1:  # the shard is the whole buffer, summed in place
             return

@@ -4,7 +4,9 @@ group per dimension.
 Ranks are ordered tensor → data → pipeline (Fast-LLM's order): global rank
 = tensor_rank + tensor_size × (data_rank + data_size × pipeline_rank), so the ranks of one
 tensor group are neighbours (one node, the fastest links) and pipeline ranks are farthest
-apart. A dimension of size 1 has no group: nothing is communicated over it."""
+apart. A dimension of size 1 has no group: nothing is communicated over it. Sequence-data
+parallelism adds a sub-group of the data dimension: consecutive data ranks that share each
+sequence."""
 
 from __future__ import annotations
 
@@ -34,6 +36,15 @@ class ParallelMesh:
     pipeline: Dimension
     sequence_parallel: bool
     """Sequence-tensor parallelism: activations between layers split over the tensor ranks."""
+    sequence_data: Dimension = Dimension(1, 0, None)
+    """The consecutive data ranks that load the same sequences, each computing its chunk of
+    them (rank r the r-th); the data dimension still spans them for ZeRO and gradients."""
+
+    @property
+    def sample_groups(self) -> Dimension:
+        """The data dimension as the data loader sees it: one rank per sequence-data group."""
+        sdp = self.sequence_data.size
+        return Dimension(self.data.size // sdp, self.data.rank // sdp, None)
 
     @staticmethod
     def single() -> ParallelMesh:
@@ -53,7 +64,31 @@ def build_mesh(config: DistributedConfig, world_size: int, rank: int) -> Paralle
     dimensions = [
         _dimension(sizes, coordinates, axis, world_size > 1) for axis in range(len(sizes))
     ]
-    return ParallelMesh(world_size, rank, *dimensions, sequence_parallel=config.sequence_parallel)
+    sequence_data = _sequence_data(config.sequence_data_parallel, sizes, coordinates)
+    return ParallelMesh(world_size, rank, *dimensions, config.sequence_parallel, sequence_data)
+
+
+def _sequence_data(
+    size: int, sizes: tuple[int, int, int], coordinates: tuple[int, int, int]
+) -> Dimension:
+    """This rank's block of `size` consecutive data ranks; every rank creates every block's
+    group, in the same order."""
+    if size == 1:
+        return Dimension(1, 0, None)
+    tensor_size, data_size, pipeline_size = sizes
+    mine = None
+    for pipeline in range(pipeline_size):
+        for first in range(0, data_size, size):
+            for tensor in range(tensor_size):
+                ranks = [
+                    tensor + tensor_size * (data + data_size * pipeline)
+                    for data in range(first, first + size)
+                ]
+                group = dist.new_group(ranks)
+                here = (tensor, pipeline) == (coordinates[0], coordinates[2])
+                if here and first == coordinates[1] // size * size:
+                    mine = group
+    return Dimension(size, coordinates[1] % size, mine)
 
 
 def _dimension(

@@ -30,15 +30,16 @@ class AdamW:
 
     @torch.no_grad()
     def grad_norm(self, grad_scale: float) -> float:
-        """Over the whole model: every data rank's shards, every tensor rank's slices, and the
-        parameters replicated over tensor ranks once (on tensor rank 0)."""
+        """Over the whole model: every data rank's shards, every tensor rank's slices, every
+        pipeline rank's stages, and the parameters replicated over tensor ranks once (on
+        tensor rank 0)."""
         flat = self.flat
         squares = torch.zeros((), dtype=torch.float32, device=flat.device)
         counts_replicated = flat.tensor.rank == 0
-        for shard in flat.shards:
+        for shard in flat.shards.values():
             grad = shard.grad if counts_replicated else shard.grad[shard.replicated :]
             squares += torch.linalg.vector_norm(grad, dtype=torch.float32).square()
-        for dimension in (flat.data, flat.tensor):
+        for dimension in (flat.data, flat.tensor, flat.pipeline):
             if dimension.size > 1:
                 dist.all_reduce(squares, group=dimension.group)
         return math.sqrt(squares.item()) * grad_scale
@@ -52,7 +53,7 @@ class AdamW:
         clip = self.config.gradient_norm_clipping
         clip_factor = min(1.0, clip / (norm + 1e-6)) if clip is not None else 1.0
         self.step_count += 1
-        for shard in self.flat.shards:
+        for shard in self.flat.shards.values():
             for start, end, decay in shard.decay_runs:
                 adamw_step_(
                     shard.master[start:end],

@@ -18,7 +18,7 @@ def check_replicated(flat: FlatModel) -> None:
         return
     source = dist.get_global_rank(tensor.group, 0)
     drifted: list[str] = []
-    for stage, shard in enumerate(flat.shards):
+    for stage, shard in flat.shards.items():
         if not shard.replicated:
             continue
         mine = shard.master[: shard.replicated]

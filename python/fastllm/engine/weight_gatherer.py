@@ -22,7 +22,10 @@ if TYPE_CHECKING:
 
 
 class WeightGatherer:
-    def __init__(self, flat: FlatModel, modules: list[list[torch.nn.Module]]) -> None:
+    """Gathers and frees the stages this pipeline rank runs: driven by the stages' forward
+    passes (`install_hooks`), or by the pipeline runner's program."""
+
+    def __init__(self, flat: FlatModel) -> None:
         self.flat = flat
         # Aliases of the buffers with their own version counters: gathering into them again
         # must not look to autograd like an in-place change of the weights it saved.
@@ -32,14 +35,18 @@ class WeightGatherer:
         """Stages whose buffer holds (or is receiving) the full weights."""
         self.pending: dict[int, Any] = {}
         """Stages whose all-gather is still in flight."""
-        self.last = len(modules) - 1
-        self.tied = flat.tied
+        self.last = flat.layout.num_stages - 1
+        self.tied = flat.tied and flat.tied_copy is None
+
+    def install_hooks(self, modules: list[list[torch.nn.Module]]) -> None:
+        """Gather in the stages' forward and backward passes (one process per pipeline)."""
         for stage, stage_modules in enumerate(modules):
             stage_modules[0].register_forward_pre_hook(self._forward_hook(stage))
             stage_modules[-1].register_forward_hook(self._output_hook(stage))
 
     def needs(self, stage: int) -> set[int]:
-        """Stages whose weights running `stage` reads (a tied head reads the embedding)."""
+        """Stages whose weights running `stage` reads (a tied head reads the embedding, unless
+        it has a copy of its own)."""
         return {stage, 0} if stage == self.last and self.tied else {stage}
 
     def prefetch(self, stage: int) -> None:
@@ -84,11 +91,7 @@ class WeightGatherer:
         return hook
 
     def _before_backward(self, stage: int) -> None:
-        # The embedding's backward reads only the token ids, never the weights.
-        if stage == 0:
-            self.keep_only(set())
-            return
-        upcoming = {stage - 1} if stage > 1 else set()
+        upcoming = {stage - 1} if stage > 0 else set()
         self.keep_only({stage} | upcoming)
         self.ensure(stage)
         for ahead in upcoming:

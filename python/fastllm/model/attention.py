@@ -9,11 +9,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fastllm.config.model import TransformerConfig
+from fastllm.engine.sequence_data_parallel import KeyValueGather, SequenceDataParallel
 from fastllm.engine.tensor_parallel import TensorParallel, enter, leave
 from fastllm.model.parameters import TensorSplit, describe
 from fastllm_kernels.attention import attention
 from fastllm_kernels.linear import linear
-from fastllm_kernels.rotary import split_qkv_rotary
+from fastllm_kernels.rotary import apply_rotary, split_qkv_rotary
 
 if TYPE_CHECKING:
     from fastllm.model.block import Normalization
@@ -21,12 +22,20 @@ if TYPE_CHECKING:
 
 class Attention(torch.nn.Module):
     """Column-parallel q/k/v (each tensor rank holds whole query heads and their key/value
-    heads) and a row-parallel output projection."""
+    heads) and a row-parallel output projection. With sequence-data parallelism the queries
+    of this rank's chunk attend to the keys and values of the chunks up to it, gathered from
+    the group."""
 
-    def __init__(self, config: TransformerConfig, layer_index: int, tp: TensorParallel) -> None:
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_index: int,
+        tp: TensorParallel,
+        sdp: SequenceDataParallel | None = None,
+    ) -> None:
         super().__init__()
         assert config.kv_channels is not None
-        self.layer_index, self.tp = layer_index, tp
+        self.layer_index, self.tp, self.sdp = layer_index, tp, sdp or SequenceDataParallel()
         self.heads, self.kv_heads, self.head_size = (
             config.num_attention_heads // tp.size,
             config.head_groups // tp.size,
@@ -55,12 +64,17 @@ class Attention(torch.nn.Module):
         document_ids: Tensor | None = None,
         cache: Any = None,
     ) -> Tensor:
-        """Attention over norm(x) (the block's input, normalized by the q/k/v projection)."""
+        """Attention over norm(x) (the block's input, normalized by the q/k/v projection);
+        `document_ids` cover the keys (with sequence-data parallelism, the sequence up to the
+        end of this rank's chunk)."""
         x = enter(x, self.tp)
         batch, length, _ = x.shape
-        qkv = norm.project(x, self.query_key_value.weight, self.query_key_value.bias)
         cos, sin = rotary if rotary is not None else (None, None)
-        q, k, v = split_qkv_rotary(qkv, self.heads, self.kv_heads, cos, sin)
+        if self.sdp.split:
+            q, k, v = self._project_gathering_keys(x, norm, cos, sin)
+        else:
+            qkv = norm.project(x, self.query_key_value.weight, self.query_key_value.bias)
+            q, k, v = split_qkv_rotary(qkv, self.heads, self.kv_heads, cos, sin)
         if cache is None:
             out = attention(
                 q, k, v, causal=True, window_size=self.window_size, document_ids=document_ids
@@ -71,6 +85,29 @@ class Attention(torch.nn.Module):
         if not self.tp.split:
             return linear(out, self.dense.weight, self.dense.bias)
         return leave(linear(out, self.dense.weight), self.tp, self.dense.bias)
+
+    def _project_gathering_keys(
+        self, x: Tensor, norm: Normalization, cos: Tensor | None, sin: Tensor | None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """q of this chunk, k and v of the causal prefix: keys and values are projected first,
+        so that their all-gather runs while the queries are projected and rotated. (The two
+        row slices of the projection's weight get their gradients through autograd, not the
+        flat buffer's gradient sink.)"""
+        batch, length, _ = x.shape
+        weight, bias = self.query_key_value.weight, self.query_key_value.bias
+        rows = slice(self.q_size, None)
+        kv = norm.project(x, weight[rows], None if bias is None else bias[rows])
+        k, v = kv.view(batch, length, 2 * self.kv_heads, self.head_size).chunk(2, dim=2)
+        if cos is not None and sin is not None:
+            k = apply_rotary(k.contiguous(), cos, sin)
+        pending = KeyValueGather(k, v.contiguous(), self.sdp)
+        rows = slice(None, self.q_size)
+        q = norm.project(x, weight[rows], None if bias is None else bias[rows])
+        q = q.view(batch, length, self.heads, self.head_size)
+        if cos is not None and sin is not None:  # in place: not on a view of the projection's
+            q = apply_rotary(q.clone(), cos, sin)
+        k, v = pending.finish()
+        return q, k, v
 
     def _attend_with_cache(self, q: Tensor, k: Tensor, v: Tensor, cache: Any) -> Tensor:
         """Generation: `cache.update` (a transformers Cache) appends the new keys and values in

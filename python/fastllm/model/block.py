@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from fastllm.config.model import LayerNormConfig, NormalizationConfig, TransformerConfig
+from fastllm.engine.sequence_data_parallel import SequenceDataParallel
 from fastllm.engine.tensor_parallel import TensorParallel
 from fastllm.model.attention import Attention
 from fastllm.model.mlp import MLP, MixtureOfExperts
@@ -48,10 +49,16 @@ class Normalization(torch.nn.Module):
 
 
 class TransformerBlock(torch.nn.Module):
-    def __init__(self, config: TransformerConfig, layer_index: int, tp: TensorParallel) -> None:
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_index: int,
+        tp: TensorParallel,
+        sdp: SequenceDataParallel | None = None,
+    ) -> None:
         super().__init__()
         self.norm_1 = Normalization(config.normalization, config.hidden_size)
-        self.attention = Attention(config, layer_index, tp)
+        self.attention = Attention(config, layer_index, tp, sdp)
         self.norm_2 = Normalization(config.normalization, config.hidden_size)
         self.mlp: MLP | MixtureOfExperts = (
             MixtureOfExperts(config) if config.num_experts > 1 else MLP(config, tp)

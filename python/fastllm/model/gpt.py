@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fastllm.config.model import BaseModelConfig, NoRotaryConfig
+from fastllm.engine.sequence_data_parallel import SequenceDataParallel
 from fastllm.engine.tensor_parallel import (
     TensorParallel,
     enter,
@@ -19,6 +21,16 @@ from fastllm.model.block import Normalization, TransformerBlock
 from fastllm.model.parameters import TensorSplit, describe, set_layer
 from fastllm.model.rotary import RotaryTables, positions_in_documents
 from fastllm_kernels.cross_entropy import linear_cross_entropy
+
+
+@dataclass(frozen=True)
+class Context:
+    """What every layer of a batch reads besides the residual stream."""
+
+    rotary: tuple[Tensor, Tensor] | None
+    document_ids: Tensor | None
+    cache: Any = None
+    """A Hugging Face cache, when generating."""
 
 
 class Embedding(torch.nn.Embedding):
@@ -43,13 +55,21 @@ class GPTModel(torch.nn.Module):
 
     With `tp` of more than one rank, this rank's slice of the model: a vocab-parallel
     embedding and head, column- and row-parallel projections (see engine/tensor_parallel.py).
-    Every parameter carries a `ParameterMeta` (model/parameters.py)."""
+    With `sdp` of more than one rank, the inputs are this rank's chunk of each sequence
+    (engine/sequence_data_parallel.py). Every parameter carries a `ParameterMeta`
+    (model/parameters.py)."""
 
-    def __init__(self, config: BaseModelConfig, tp: TensorParallel | None = None) -> None:
+    def __init__(
+        self,
+        config: BaseModelConfig,
+        tp: TensorParallel | None = None,
+        sdp: SequenceDataParallel | None = None,
+    ) -> None:
         super().__init__()
         transformer = config.transformer
         assert transformer.kv_channels is not None, "validate the config first"
         self.config, self.tp = config, tp or TensorParallel()
+        self.sdp = sdp or SequenceDataParallel()
         vocab, hidden = config.vocab_size // self.tp.size, transformer.hidden_size
         vocab_split = TensorSplit(0, (config.vocab_size,))
         self.embeddings = Embedding(config.vocab_size, hidden, self.tp)
@@ -61,7 +81,8 @@ class GPTModel(torch.nn.Module):
             tied=config.tie_word_embeddings,
         )
         self.layers = torch.nn.ModuleList(
-            TransformerBlock(transformer, i, self.tp) for i in range(transformer.num_layers)
+            TransformerBlock(transformer, i, self.tp, self.sdp)
+            for i in range(transformer.num_layers)
         )
         self.final_norm = Normalization(transformer.normalization, hidden)
         self.head = (
@@ -88,34 +109,70 @@ class GPTModel(torch.nn.Module):
         last = [self.final_norm] + ([self.head] if self.head is not None else [])
         return [[self.embeddings], *([block] for block in self.layers), last]
 
-    def hidden_states(
+    def context(
         self,
         input_ids: Tensor,
         *,
         document_ids: Tensor | None = None,
         position_ids: Tensor | None = None,
         cache: Any = None,
-    ) -> tuple[Tensor, Tensor | None]:
-        """The final-normed hidden states (batch, seq, hidden) and the summed auxiliary loss.
+    ) -> Context:
+        """What every layer of one batch reads besides the residual stream.
 
         `document_ids` (batch, seq) keeps attention inside documents of packed samples, and
-        positions restart with each document unless `position_ids` are given."""
+        positions restart with each document unless `position_ids` are given. With
+        sequence-data parallelism `input_ids` are this rank's chunk of the sequences and
+        `document_ids` cover them up to the end of that chunk."""
+        length = input_ids.shape[1]
         if position_ids is None:
             if document_ids is not None:
-                position_ids = positions_in_documents(document_ids)
+                position_ids = positions_in_documents(document_ids)[:, -length:]
             else:
-                start = cache.get_seq_length() if cache is not None else 0
-                position_ids = torch.arange(
-                    start, start + input_ids.shape[1], device=input_ids.device
-                )
+                start = cache.get_seq_length() if cache is not None else self.sdp.rank * length
+                position_ids = torch.arange(start, start + length, device=input_ids.device)
         rotary = None if self.rotary is None else self.rotary(position_ids)
-        x = self.embeddings(input_ids)
+        return Context(rotary, document_ids, cache)
+
+    def run_positions(
+        self,
+        first: int,
+        last: int,
+        x: Tensor,
+        context: Context,
+        labels: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Model positions `first` … `last` (0 the embedding, then the blocks, then the final
+        norm with the head: `layer_modules`' order) on `x` (the token ids when `first` is 0,
+        else the residual stream), and the summed auxiliary loss of their blocks.
+
+        Returns the residual stream; through the last position, the final-normed hidden
+        states, or with `labels` the mean next-token loss (a pipeline stage is such a run)."""
+        num_layers = len(self.layers)
+        if first == 0:
+            x = self.embeddings(x)
         auxiliary: Tensor | None = None
-        for layer in self.layers:
-            x, layer_auxiliary = layer(x, rotary, document_ids, cache)
+        for layer in self.layers[max(first, 1) - 1 : min(last, num_layers)]:
+            x, layer_auxiliary = layer(x, context.rotary, context.document_ids, context.cache)
             if layer_auxiliary is not None:
                 auxiliary = layer_auxiliary if auxiliary is None else auxiliary + layer_auxiliary
-        return self.final_norm(enter(x, self.tp)), auxiliary
+        if last <= num_layers:
+            return x, auxiliary
+        x = self.final_norm(enter(x, self.tp))
+        if labels is None:
+            return x, auxiliary
+        hidden, labels = x.reshape(-1, x.shape[-1]), labels.reshape(-1)
+        if self.tp.split:
+            return vocab_parallel_cross_entropy(
+                hidden, self.head_weight, labels, self.tp
+            ), auxiliary
+        return linear_cross_entropy(hidden, self.head_weight, labels), auxiliary
+
+    def hidden_states(self, input_ids: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+        """The final-normed hidden states (batch, seq, hidden) and the summed auxiliary loss
+        (`context` takes the keyword arguments)."""
+        return self.run_positions(
+            0, len(self.layers) + 1, input_ids, self.context(input_ids, **kwargs)
+        )
 
     def forward(self, input_ids: Tensor, **kwargs: Any) -> Tensor:
         if self.tp.split:
@@ -124,10 +181,6 @@ class GPTModel(torch.nn.Module):
         return F.linear(hidden, self.head_weight)
 
     def loss(self, input_ids: Tensor, labels: Tensor, **kwargs: Any) -> Tensor:
-        hidden, auxiliary = self.hidden_states(input_ids, **kwargs)
-        hidden, labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
-        if self.tp.split:
-            loss = vocab_parallel_cross_entropy(hidden, self.head_weight, labels, self.tp)
-        else:
-            loss = linear_cross_entropy(hidden, self.head_weight, labels)
+        context = self.context(input_ids, **kwargs)
+        loss, auxiliary = self.run_positions(0, len(self.layers) + 1, input_ids, context, labels)
         return loss if auxiliary is None else loss + auxiliary

@@ -47,10 +47,18 @@ def check_inputs(config: TrainerConfig) -> None:
     batch = config.batch
     assert batch.micro_batch_size is not None
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    data_size = config.model.distributed.data_parallel(world_size)
-    if batch.batch_size % data_size:
+    distributed = config.model.distributed
+    data_size = distributed.data_parallel(world_size)
+    groups = data_size // distributed.sequence_data_parallel
+    if batch.batch_size % groups:
+        sdp = (
+            f" over model.distributed.sequence_data_parallel ({distributed.sequence_data_parallel})"
+            if distributed.sequence_data_parallel > 1
+            else ""
+        )
         raise ConfigError(
             "batch.batch_size",
-            f"({batch.batch_size}) must be divisible by the data-parallel size, {data_size} (the "
-            f"{world_size} ranks over model.distributed.tensor_parallel × pipeline_parallel)",
+            f"({batch.batch_size}) must be divisible by the data-parallel size{sdp}, {groups} "
+            f"(the {world_size} ranks over model.distributed.tensor_parallel × "
+            "pipeline_parallel)",
         )

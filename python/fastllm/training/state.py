@@ -35,7 +35,12 @@ def sharded_state(flat: FlatModel, kinds: tuple[str, ...]) -> ShardedState:
         tensor_rank=flat.tensor.rank,
         data_size=flat.data.size,
         data_rank=flat.data.rank,
-        shards=[{kind: getattr(shard, kind) for kind in kinds} for shard in flat.shards],
+        shards={
+            stage: {kind: getattr(shard, kind) for kind in kinds}
+            for stage, shard in flat.shards.items()
+        },
+        pipeline_size=flat.pipeline.size,
+        pipeline_rank=flat.pipeline.rank,
     )
 
 

@@ -24,13 +24,16 @@ from fastllm.engine.compile import apply_compile
 from fastllm.engine.data_parallel import gather_weights
 from fastllm.engine.flat_model import FlatModel
 from fastllm.engine.fp8 import apply_fp8
+from fastllm.engine.learning_rate import learning_rate
 from fastllm.engine.mesh import build_mesh
 from fastllm.engine.optimizer import AdamW
+from fastllm.engine.pipeline.runner import MicroBatch, PipelineRunner
+from fastllm.engine.pipeline.schedule import Layout
 from fastllm.engine.precision import DTYPES, LossScaler
 from fastllm.engine.process_group import Distributed, setup_distributed
 from fastllm.engine.recompute import apply_recompute
 from fastllm.engine.replicated_check import check_replicated
-from fastllm.engine.schedule import learning_rate
+from fastllm.engine.sequence_data_parallel import SequenceDataParallel
 from fastllm.engine.tensor_parallel import TensorParallel
 from fastllm.model import GPTModel
 from fastllm.model.init import initializers
@@ -56,21 +59,45 @@ class Trainer:
         )
         tensor = self.mesh.tensor
         tp = TensorParallel(tensor.size, tensor.rank, tensor.group, self.mesh.sequence_parallel)
+        sequence_data = self.mesh.sequence_data
+        sdp = SequenceDataParallel(sequence_data.size, sequence_data.rank, sequence_data.group)
         with torch.device("meta"):
-            self.model = GPTModel(config.model.base_model, tp)
+            self.model = GPTModel(config.model.base_model, tp, sdp)
+        stages = config.model.multi_stage
+        self.micro_batch_size, self.layout = self._step_layout()
+        pipelined = self.layout.pipeline > 1 or self.layout.breadth_first > 1
         self.flat = FlatModel(
             self.model,
             compute_dtype=dtype,
             device=device,
             mesh=self.mesh,
-            zero_stage=config.model.multi_stage.zero_stage,
-            layers_per_stage=config.model.multi_stage.layers_per_stage,
+            zero_stage=stages.zero_stage,
+            layers_per_stage=stages.layers_per_stage,
+            gather_in_forward=not pipelined,
         )
-        apply_recompute(self.model, config.model.multi_stage.recompute)
+        apply_recompute(self.model, stages.recompute)
         if config.model.distributed.fp8_linear != "none":
             apply_fp8(self.model, config.model.distributed.fp8_linear, device)
         if config.training.compile:
             apply_compile(self.model)
+        self.pipeline: PipelineRunner | None = None
+        """Runs the steps stage by stage (pipeline parallelism or breadth-first micro-batches);
+        None: each micro-batch's forward and backward pass whole, in turn."""
+        if pipelined:
+            sequence = config.batch.sequence_length // self.mesh.sequence_data.size
+            sequence //= tensor.size if tp.sequence_parallel else 1
+            self.pipeline = PipelineRunner(
+                self.model,
+                self.flat,
+                self.layout,
+                zero_stage=stages.zero_stage,
+                layers_per_stage=stages.layers_per_stage,
+                activation_shape=(
+                    self.micro_batch_size,
+                    sequence,
+                    config.model.base_model.transformer.hidden_size,
+                ),
+            )
         self.optimizer = AdamW(self.flat, config.optimizer)
         self.scaler = LossScaler(dtype == torch.float16)
         self.step = 0
@@ -81,6 +108,26 @@ class Trainer:
             self.distributed.rank, self.distributed.world_size, device
         )
         self._initialize_weights()
+
+    def _step_layout(self) -> tuple[int, Layout]:
+        """The micro-batch size and the shape of a step: stages, pipeline ranks, breadth- and
+        depth-first micro-batches (config errors name the keys that do not fit)."""
+        config = self.config
+        # The ranks of a sequence-data group share their sequences: they count as one here.
+        batch, data = config.batch, self.mesh.sample_groups
+        assert batch.micro_batch_size is not None
+        if batch.batch_size % data.size:
+            raise ConfigError(
+                "batch.batch_size",
+                f"({batch.batch_size}) must be divisible by the data-parallel size over "
+                f"model.distributed.sequence_data_parallel ({data.size})",
+            )
+        per_rank = batch.batch_size // data.size
+        micro = min(batch.micro_batch_size, per_rank)
+        breadth, depth = config.schedule.micro_batches(per_rank, micro)
+        stages = config.model.multi_stage.num_stages(config.model.base_model.transformer.num_layers)
+        layout = Layout(stages, self.mesh.pipeline.size, breadth, depth, config.schedule.order)
+        return micro, layout
 
     @property
     def experiment_dir(self) -> Path:
@@ -137,14 +184,13 @@ class Trainer:
         return self._loader(stream, self.consumed_samples)
 
     def _loader(self, stream: SampleStream, consumed_samples: int = 0) -> DataLoader:
-        """This rank's share of each batch of `stream`, in micro-batches."""
-        batch, data = self.config.batch, self.mesh.data
-        assert batch.micro_batch_size is not None
-        per_rank = batch.batch_size // data.size
+        """This rank's share of each batch of `stream`, in micro-batches (whole sequences: the
+        ranks of a sequence-data group share them, and `_loss` takes this rank's chunk)."""
+        batch, data = self.config.batch, self.mesh.sample_groups
         return DataLoader(
             stream,
             batch_size=batch.batch_size,
-            micro_batch_size=min(batch.micro_batch_size, per_rank),
+            micro_batch_size=self.micro_batch_size,
             rank=data.rank,
             world_size=data.size,
             consumed_samples=consumed_samples,
@@ -152,21 +198,30 @@ class Trainer:
         )
 
     def _loss(self, batch: Batch) -> torch.Tensor:
+        input_ids, labels, documents = self._on_device(batch)
+        return self.model.loss(input_ids, labels, document_ids=documents)
+
+    def _on_device(self, batch: Batch) -> MicroBatch:
         device = self.distributed.device
-        return self.model.loss(
-            batch.input_ids.to(device, non_blocking=True),
-            batch.labels.to(device, non_blocking=True),
-            document_ids=self._attention_documents(batch),
+        return (
+            self.model.sdp.chunk(batch.input_ids).to(device, non_blocking=True),
+            self.model.sdp.chunk(batch.labels).to(device, non_blocking=True),
+            self._attention_documents(batch),
         )
+
+    def _context(self, micro_batch: MicroBatch):
+        input_ids, _, documents = micro_batch
+        return self.model.context(input_ids, document_ids=documents)
 
     def _attention_documents(self, batch: Batch) -> torch.Tensor | None:
         """The document ids attention must keep within, on the device; None when it may cross
         documents (`batch.cross_document_attention`) or each sequence is a single document,
-        where plain causal attention (the fastest kernels) is the same."""
+        where plain causal attention (the fastest kernels) is the same. With sequence-data
+        parallelism, those of the sequences up to the end of this rank's chunk."""
         ids = batch.document_ids
         if self.config.batch.cross_document_attention or bool((ids == ids[:, :1]).all()):
             return None
-        return ids.to(self.distributed.device, non_blocking=True)
+        return self.model.sdp.prefix(ids).to(self.distributed.device, non_blocking=True)
 
     # --- steps --------------------------------------------------------------------------------
 
@@ -177,7 +232,15 @@ class Trainer:
         and summed over data-parallel ranks (the weights of a step's micro-batches on all
         ranks should sum to 1: `token_shares`).
         `last`: the step's last micro-batch, whose backward pass then also sums the gradients
-        over data-parallel ranks (ZeRO-1), overlapping it; otherwise `optimizer_step` does."""
+        over data-parallel ranks (ZeRO-1), overlapping it; otherwise `optimizer_step` does.
+        Not with pipeline parallelism or breadth-first micro-batches: `train_step` runs the
+        whole step's schedule then."""
+        if self.pipeline is not None:
+            raise RuntimeError(
+                "forward_backward runs one micro-batch whole: with model.distributed."
+                "pipeline_parallel > 1 or schedule.breadth_first_micro_batches > 1, use "
+                "train_step, which runs the step's schedule"
+            )
         loss = self._loss(batch)
         self.flat.start_backward(last)
         (loss * (weight * self.scaler.scale)).backward()
@@ -193,7 +256,7 @@ class Trainer:
         # The micro-batches' weights already normalize the sum over data ranks (train_step).
         report = self.optimizer.step(lr, self.scaler.scale)
         if not report.skipped:
-            gather_weights(self.flat)
+            gather_weights(self.flat, wait=False)  # each stage's forward pass waits for its own
             if self.config.model.multi_stage.debug_tensor_parallel:
                 check_replicated(self.flat)
         self.scaler.update(report.skipped)
@@ -208,19 +271,26 @@ class Trainer:
         micro-batching and the data-parallel split: each micro-batch's mean loss is weighted
         by its share of the batch's trained tokens."""
         shares = self.token_shares(micro_batches)
-        losses = [
-            self.forward_backward(batch, share, last=i == len(micro_batches) - 1)
-            for i, (batch, share) in enumerate(zip(micro_batches, shares, strict=True))
-        ]
-        loss = self._data_sum(sum(share * loss for share, loss in zip(shares, losses, strict=True)))
+        if self.pipeline is not None:
+            inputs = [self._on_device(batch) for batch in micro_batches]
+            weighted = self.pipeline.run(inputs, shares, self.scaler.scale, self._context)
+            loss = self._data_sum(self._pipeline_sum(weighted))
+        else:
+            losses = [
+                self.forward_backward(batch, share, last=i == len(micro_batches) - 1)
+                for i, (batch, share) in enumerate(zip(micro_batches, shares, strict=True))
+            ]
+            weighted = sum(share * loss for share, loss in zip(shares, losses, strict=True))
+            loss = self._data_sum(weighted)
         metrics = self.optimizer_step()
         self.consumed_samples += self.config.batch.batch_size
         return {"loss": loss.item(), **metrics}
 
     def token_shares(self, micro_batches: list[Batch]) -> list[float]:
-        """Each micro-batch's trained tokens over those of the global batch (over every data
-        rank); zeros when the batch trains no token."""
-        counts = [int((batch.labels != -100).sum()) for batch in micro_batches]  # on the host
+        """Each micro-batch's trained tokens (in this rank's chunk of its sequences) over those
+        of the global batch (over every data rank); zeros when the batch trains no token."""
+        sdp = self.model.sdp
+        counts = [int((sdp.chunk(batch.labels) != -100).sum()) for batch in micro_batches]
         total = float(sum(counts))
         if self.mesh.data.size > 1:
             total = self._data_sum(torch.tensor(total, device=self.distributed.device)).item()
@@ -241,10 +311,22 @@ class Trainer:
         shares = self.token_shares(micro_batches)
         self.model.eval()
         try:
-            losses = [share * self._loss(b) for b, share in zip(micro_batches, shares, strict=True)]
+            if self.pipeline is not None:
+                inputs = [self._on_device(batch) for batch in micro_batches]
+                total = self._pipeline_sum(self.pipeline.evaluate(inputs, shares, self._context))
+            else:
+                pairs = zip(micro_batches, shares, strict=True)
+                total = torch.stack([share * self._loss(b) for b, share in pairs]).sum()
         finally:
             self.model.train()
-        return self._data_sum(torch.stack(losses).sum()).item()
+        return self._data_sum(total).item()
+
+    def _pipeline_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """`value` summed over the pipeline ranks (each holds its stages' part of the loss)."""
+        pipeline = self.mesh.pipeline
+        if pipeline.size > 1:
+            dist.all_reduce(value, group=pipeline.group)
+        return value
 
     def _data_sum(self, value: torch.Tensor) -> torch.Tensor:
         """`value` summed over the data-parallel ranks (tensor ranks agree on it)."""
@@ -274,28 +356,38 @@ class Trainer:
     def _describe(self) -> str:
         """One line: the model, where and how it trains."""
         config, distributed, mesh = self.config, self.distributed, self.mesh
-        batch, stages = config.batch, config.model.multi_stage
-        per_rank = batch.batch_size // mesh.data.size
-        assert batch.micro_batch_size is not None
-        micro = min(batch.micro_batch_size, per_rank)
+        batch, stages, layout = config.batch, config.model.multi_stage, self.layout
+        micro = self.micro_batch_size
+        accumulated = (
+            f"{layout.depth_first} accumulated"
+            if layout.breadth_first == 1
+            else f"{layout.depth_first} × {layout.breadth_first} breadth-first"
+        )
         parts = [
             f"{config.model.base_model.num_parameters():,} parameters",
             f"{distributed.world_size} × {distributed.device.type}",
             f"{config.model.distributed.training_dtype}"
             + (" (fp32 masters)" if self.flat.mixed_precision else ""),
             f"batch {batch.batch_size} × {batch.sequence_length} tokens"
-            f" ({micro} per micro-batch, {per_rank // micro} accumulated)",
+            f" ({micro} per micro-batch, {accumulated})",
         ]
         if config.model.distributed.fp8_linear != "none":
             parts.append(f"{config.model.distributed.fp8_linear} FP8 linear layers")
         if mesh.tensor.size > 1:
             sequence = " with sequence parallelism" if mesh.sequence_parallel else ""
             parts.append(f"tensor parallel {mesh.tensor.size}{sequence}")
+        if mesh.pipeline.size > 1:
+            parts.append(
+                f"pipeline parallel {mesh.pipeline.size} ({layout.num_stages} stages, "
+                f"{config.schedule.order.replace('_', '-')})"
+            )
         if mesh.data.size > 1:
             parts.append(
                 f"data parallel {mesh.data.size}, ZeRO-{stages.zero_stage}, "
                 f"{stages.layers_per_stage} layer(s)/stage"
             )
+        if mesh.sequence_data.size > 1:
+            parts.append(f"sequence-data parallel {mesh.sequence_data.size}")
         parts.append(f"{stages.recompute} recomputation")
         if config.training.compile:
             parts.append("compiled blocks")

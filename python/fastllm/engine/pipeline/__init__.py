@@ -1,0 +1,2 @@
+"""Pipeline parallelism: the static schedule of a step (`schedule`), its execution on one
+rank (`runner`) and its simulation under a cost model (`simulator`)."""

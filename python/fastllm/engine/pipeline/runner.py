@@ -1,0 +1,233 @@
+"""Runs one rank's `Program` of a training step: its stages' forward and backward passes on
+its micro-batches, the transfers of activations and input gradients with the neighbouring
+pipeline ranks, and the ZeRO gathers and reductions the program places.
+
+Each stage is an autograd graph of its own: its input is a leaf that requires a gradient,
+and its backward pass is `torch.autograd.backward` from the received output gradient (the
+last stage: from its loss, weighted by the micro-batch's share of the batch's tokens and the
+loss scale). A stage's saved activations are dropped as soon as its backward pass is done.
+Transfers run in the program's order: blocking receives, sends started asynchronously (one
+at a time in that order, never batched: Gloo-safe) and waited for at the end of the step."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from fastllm.engine import point_to_point
+from fastllm.engine.flat_model import FlatModel, stage_positions
+from fastllm.engine.pipeline.schedule import Layout, Op, Program, Step, build_programs, dependency
+from fastllm.model.gpt import Context, GPTModel
+
+MicroBatch = tuple[Tensor, Tensor, Tensor | None]
+"""Token ids, labels and attention document ids (None: plain causal) of a micro-batch, on the
+device."""
+
+
+@dataclass
+class _Saved:
+    """What a stage's forward pass keeps for its backward pass."""
+
+    input: Tensor | None
+    """The stage's input leaf (None for the first stage: it reads token ids)."""
+    output: Tensor
+    """The residual stream it hands on, or its weighted loss (the last stage)."""
+    auxiliary: Tensor | None
+    """Its blocks' auxiliary losses, weighted (MoE routers)."""
+
+
+class PipelineRunner:
+    def __init__(
+        self,
+        model: GPTModel,
+        flat: FlatModel,
+        layout: Layout,
+        *,
+        zero_stage: int,
+        layers_per_stage: int,
+        activation_shape: tuple[int, ...],
+    ) -> None:
+        """`activation_shape`: what a stage hands the next one for one micro-batch (batch,
+        sequence on this tensor rank, hidden)."""
+        self.model, self.flat, self.layout = model, flat, layout
+        self.num_layers = len(model.layers)
+        self.layers_per_stage = layers_per_stage
+        self.activation_shape = activation_shape
+        gatherer = flat.gatherer
+        programs = build_programs(
+            layout,
+            zero_stage=zero_stage,
+            gather_weights=gatherer is not None,
+            needs=gatherer.needs if gatherer is not None else None,
+        )
+        self.program: Program = programs[flat.pipeline.rank]
+        self.trace: list[Op] | None = None
+        """When a list, every op run is appended to it (tests compare it with the program)."""
+
+    def _needs(self, stage: int) -> list[int]:
+        """The stages whose weights running `stage` reads."""
+        gatherer = self.flat.gatherer
+        if gatherer is not None:
+            return sorted(gatherer.needs(stage))
+        tied_here = self.flat.tied and self.flat.tied_copy is None
+        return sorted({0, stage}) if tied_here and stage == self.layout.num_stages - 1 else [stage]
+
+    def _global(self, pipeline_rank: int) -> int:
+        return dist.get_global_rank(self.flat.pipeline.group, pipeline_rank)
+
+    def run(
+        self,
+        micro_batches: Sequence[MicroBatch],
+        weights: Sequence[float],
+        loss_scale: float,
+        make_context: Callable[[MicroBatch], Context],
+    ) -> Tensor:
+        """Run the step's program; returns this rank's part of the weighted loss (the last
+        stage's losses and every stage's auxiliary losses, each times its micro-batch's
+        weight): summed over the pipeline ranks, the step's loss."""
+        flat, layout = self.flat, self.layout
+        assert len(micro_batches) == layout.micro_batches
+        contexts: dict[int, Context] = {}
+        produced: dict[Step, Tensor] = {}
+        saved: dict[Step, _Saved] = {}
+        sends: list[point_to_point.Sent] = []
+        loss = torch.zeros((), dtype=torch.float32, device=flat.device)
+        last = layout.num_stages - 1
+        for op in self.program.ops:
+            if self.trace is not None:
+                self.trace.append(op)
+            if op.kind == "gather":
+                assert flat.gatherer is not None
+                flat.gatherer.prefetch(op.stage)
+            elif op.kind == "release":
+                assert flat.gatherer is not None
+                flat.gatherer.release(op.stage)
+            elif op.kind == "recv":
+                assert op.step is not None
+                buffer = torch.empty(
+                    self.activation_shape, dtype=flat.compute_dtype, device=flat.device
+                )
+                produced[op.step] = point_to_point.recv(buffer, self._global(op.peer))
+            elif op.kind == "send":
+                assert op.step is not None
+                sends.append(point_to_point.isend(produced.pop(op.step), self._global(op.peer)))
+            else:
+                step = op.step
+                assert step is not None
+                m = step.micro_batch
+                for stage in self._needs(step.stage):
+                    flat.wait_for_weights(stage)
+                if step.forward:
+                    if m not in contexts:
+                        contexts[m] = make_context(micro_batches[m])
+                    scale = weights[m] * loss_scale
+                    saved[step], value = self._forward(
+                        step, micro_batches[m], contexts[m], produced, scale, last
+                    )
+                    loss += weights[m] * value
+                else:
+                    self._backward(step, saved.pop(Step(step.stage, m, True)), produced, op.reduce)
+                    if step.stage == 0:
+                        contexts.pop(m, None)
+        for sent in sends:
+            sent.wait()
+        flat.finish_step_backward()
+        return loss
+
+    def _forward(
+        self,
+        step: Step,
+        micro_batch: MicroBatch,
+        context: Context,
+        produced: dict[Step, Tensor],
+        scale: float,
+        last: int,
+    ) -> tuple[_Saved, Tensor]:
+        """The stage's forward pass: what it saves, and its unweighted loss contribution."""
+        input_ids, labels, _ = micro_batch
+        first_position, last_position = stage_positions(
+            step.stage, self.num_layers, self.layers_per_stage
+        )
+        leaf = None
+        if step.stage == 0:
+            x = input_ids
+        else:
+            need = dependency(step, self.layout.num_stages)
+            assert need is not None
+            leaf = produced.pop(need).detach().requires_grad_(True)
+            x = leaf
+        out, auxiliary = self.model.run_positions(
+            first_position, last_position, x, context, labels if step.stage == last else None
+        )
+        value = torch.zeros((), dtype=torch.float32, device=out.device)
+        if auxiliary is not None:
+            value = value + auxiliary.detach().float()
+            auxiliary = auxiliary * scale
+        if step.stage == last:
+            value = value + out.detach().float()
+            return _Saved(leaf, out * scale, auxiliary), value
+        produced[step] = out.detach()
+        return _Saved(leaf, out, auxiliary), value
+
+    def _backward(
+        self, step: Step, saved: _Saved, produced: dict[Step, Tensor], reduce: bool
+    ) -> None:
+        flat = self.flat
+        tensors, grads = [saved.output], [None]
+        if step.stage != self.layout.num_stages - 1:
+            need = dependency(step, self.layout.num_stages)
+            assert need is not None
+            grads = [produced.pop(need)]
+        if saved.auxiliary is not None:
+            tensors.append(saved.auxiliary)
+            grads.append(None)
+        if flat.reducer is not None:
+            flat.reducer.armed = reduce
+        torch.autograd.backward(tensors, grads)
+        flat.finish_stage_backward(step.stage, reduce)
+        if saved.input is not None:
+            assert saved.input.grad is not None
+            produced[step] = saved.input.grad
+
+    @torch.no_grad()
+    def evaluate(
+        self,
+        micro_batches: Sequence[MicroBatch],
+        weights: Sequence[float],
+        make_context: Callable[[MicroBatch], Context],
+    ) -> Tensor:
+        """Forward passes only (validation): each micro-batch through the stages in turn, its
+        activations handed on by blocking transfers in that one global order. Returns this
+        rank's part of the weighted loss, as `run` does."""
+        flat, layout = self.flat, self.layout
+        last = layout.num_stages - 1
+        loss = torch.zeros((), dtype=torch.float32, device=flat.device)
+        for m, micro_batch in enumerate(micro_batches):
+            context = make_context(micro_batch)
+            produced: dict[Step, Tensor] = {}
+            for stage in range(layout.num_stages):
+                rank, step = layout.rank_of(stage), Step(stage, m, True)
+                previous = layout.rank_of(stage - 1) if stage else rank
+                mine = rank == flat.pipeline.rank
+                if stage and previous != rank:
+                    need = Step(stage - 1, m, True)
+                    if previous == flat.pipeline.rank:
+                        point_to_point.send(produced.pop(need), self._global(rank))
+                    elif mine:
+                        buffer = torch.empty(
+                            self.activation_shape, dtype=flat.compute_dtype, device=flat.device
+                        )
+                        produced[need] = point_to_point.recv(buffer, self._global(previous))
+                if not mine:
+                    continue
+                for needed in self._needs(stage):
+                    flat.wait_for_weights(needed)
+                _, value = self._forward(step, micro_batch, context, produced, 1.0, last)
+                loss += weights[m] * value
+                if flat.gatherer is not None:
+                    flat.gatherer.keep_only(set())
+        return loss

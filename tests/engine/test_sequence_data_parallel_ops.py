@@ -1,0 +1,108 @@
+"""Sequence-data parallelism on two Gloo processes against the whole sequence in one: the
+positions and document ids each rank's layers see are the slices of the whole sequence's, and
+the chunks' losses and gradients, weighted by their tokens and summed, are the whole
+sequence's."""
+
+from __future__ import annotations
+
+from tests.torchrun import torchrun_script
+
+SCRIPT = """
+import torch
+import torch.distributed as dist
+import fastllm.model.attention as attention_module
+from fastllm.config import BaseModelConfig, build
+from fastllm.engine.process_group import setup_distributed
+from fastllm.engine.sequence_data_parallel import SequenceDataParallel
+from fastllm.model import GPTModel
+from fastllm.model.rotary import RotaryTables, positions_in_documents
+
+distributed = setup_distributed()
+
+
+class Spy:
+    # What the layers are given: the rotary positions and the attention's document ids.
+    def __init__(self):
+        self.positions, self.documents = [], []
+        rotary, attention = RotaryTables.forward, attention_module.attention
+
+        def rotary_spy(tables, positions):
+            self.positions.append(positions)
+            return rotary(tables, positions)
+
+        def attention_spy(*args, **kwargs):
+            self.documents.append(kwargs.get("document_ids"))
+            return attention(*args, **kwargs)
+
+        RotaryTables.forward, attention_module.attention = rotary_spy, attention_spy
+        self.restore = lambda: (
+            setattr(RotaryTables, "forward", rotary),
+            setattr(attention_module, "attention", attention),
+        )
+
+
+def check(rank: int) -> None:
+    config = build(BaseModelConfig, {
+        "vocab_size": 64, "tie_word_embeddings": False,
+        "transformer": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4,
+                        "head_groups": 2, "gated": True, "window_size": 11},
+    })
+    generator = torch.Generator().manual_seed(0)
+    whole = GPTModel(config)
+    for parameter in whole.parameters():
+        parameter.data = torch.randn(parameter.shape, generator=generator) * 0.3
+    sdp = SequenceDataParallel(2, rank, dist.group.WORLD)
+    ours = GPTModel(config, sdp=sdp)
+    ours.load_state_dict(whole.state_dict())
+    input_ids = torch.randint(0, 64, (2, 16), generator=generator)
+    labels = torch.randint(0, 64, (2, 16), generator=generator)
+    labels[0, 9:12] = -100
+    # Documents that cross the chunks' border (at 8) and one that starts on it.
+    documents = torch.tensor([[0] * 5 + [1] * 6 + [2] * 5, [0] * 8 + [1] * 8])
+    for document_ids in (None, documents):
+        expected = whole.loss(input_ids, labels, document_ids=document_ids)
+        expected_grads = torch.autograd.grad(expected, list(whole.parameters()))
+        spy = Spy()
+        try:
+            loss = ours.loss(
+                sdp.chunk(input_ids),
+                sdp.chunk(labels),
+                document_ids=None if document_ids is None else sdp.prefix(document_ids),
+            )
+        finally:
+            spy.restore()
+        mine = slice(8 * rank, 8 * rank + 8)
+        if document_ids is None:
+            expected_positions = torch.arange(16)[mine]
+        else:
+            expected_positions = positions_in_documents(document_ids)[:, mine]
+        assert len(spy.positions) == 1 and len(spy.documents) == 2
+        assert torch.equal(spy.positions[0], expected_positions), spy.positions
+        for seen in spy.documents:
+            if document_ids is None:
+                assert seen is None
+            else:
+                assert torch.equal(seen, document_ids[:, : 8 * (rank + 1)])
+        # Each chunk's mean loss, weighted by its share of the trained tokens, summed.
+        share = (sdp.chunk(labels) != -100).sum() / (labels != -100).sum()
+        grads = torch.autograd.grad(loss * share, list(ours.parameters()))
+        total = (loss * share).detach()
+        dist.all_reduce(total)
+        torch.testing.assert_close(total, expected.detach(), rtol=1e-5, atol=1e-6)
+        for (name, _), grad, expected_grad in zip(
+            ours.named_parameters(), grads, expected_grads, strict=True
+        ):
+            grad = grad.clone()
+            dist.all_reduce(grad)
+            torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+check(distributed.rank)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_chunks_see_slices_of_the_whole_sequence_and_sum_to_its_loss_and_gradients() -> None:
+    result = torchrun_script(2, SCRIPT)
+    assert result.returncode == 0, result.stderr

@@ -1,0 +1,102 @@
+"""Sequence-data parallelism under torchrun (Gloo, fp32) against the single-process run of the
+same global batch, with and without document-masked attention: alone, with more data ranks
+than one group, and with tensor and sequence-tensor parallelism; losses and final weights
+within 1e-5 relative over 6 steps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fastllm.config import ConfigError, TrainerConfig, load_config
+from fastllm.training.setup import check_inputs
+from tests.conftest import ROOT
+from tests.test_cli import fastllm as run_cli
+from tests.torchrun import torchrun
+from tests.training.conftest import train_arguments
+from tests.training.test_data_parallel import final_weights
+from tests.training.test_tensor_parallel import assert_close_weights
+from tests.training.test_train_cli import losses
+
+STEPS = 6
+COMMON = (
+    f"training.train_iters={STEPS}",
+    f"training.export.interval={STEPS}",
+    "training.export.format=distributed",
+    "batch.batch_size=8",
+)
+DOCUMENTS = ("batch.cross_document_attention=false",)
+SDP_2 = ("model.distributed.sequence_data_parallel=2",)
+TP_2 = ("model.distributed.tensor_parallel=2", "model.distributed.sequence_tensor_parallel=true")
+
+
+@pytest.fixture(scope="module")
+def references(dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Single-process runs of the tiny StarCoder2-style model (biases on the q/k/v
+    projection, grouped-query attention, a sliding window), attention across and within
+    documents."""
+    root = tmp_path_factory.mktemp("references")
+    runs = {}
+    with pytest.MonkeyPatch.context() as patch:  # set up before the autouse fixture runs
+        patch.delenv("TRITON_INTERPRET", raising=False)
+        for name, overrides in (("across", ()), ("within", DOCUMENTS)):
+            runs[name] = root / name
+            result = run_cli(*train_arguments(dataset, runs[name], *COMMON, *overrides))
+            assert result.returncode == 0, result.stderr
+    # The samples do hold several documents: masking them changes the run.
+    assert losses(runs["across"]) != losses(runs["within"])
+    return runs
+
+
+@pytest.mark.parametrize(
+    ("ranks", "documents", "overrides"),
+    [
+        (4, False, ("model.multi_stage.zero_stage=2",)),  # two groups of two data ranks
+        (2, True, ()),
+        (4, True, TP_2),
+        (4, False, (*TP_2, "model.multi_stage.zero_stage=3")),
+    ],
+    ids=["dp4-sdp2-zero2", "sdp2-documents", "tp2-sdp2-documents", "tp2-sdp2-zero3"],
+)
+def test_sequence_data_parallel_matches_one_process(
+    dataset: Path,
+    tmp_path: Path,
+    references: dict[str, Path],
+    ranks: int,
+    documents: bool,
+    overrides: tuple[str, ...],
+) -> None:
+    run = tmp_path / "sdp"
+    arguments = train_arguments(
+        dataset, run, *COMMON, *SDP_2, *(DOCUMENTS if documents else ()), *overrides
+    )
+    result = torchrun(ranks, *arguments)
+    assert result.returncode == 0, result.stderr
+    assert "sequence-data parallel 2" in result.stdout
+    reference = references["within" if documents else "across"]
+    expected, got = losses(reference), losses(run)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step in got:
+        assert got[step] == pytest.approx(expected[step], rel=1e-5), step
+    assert_close_weights(final_weights(run, STEPS), final_weights(reference, STEPS))
+
+
+@pytest.mark.parametrize(
+    ("world_size", "overrides", "key"),
+    [
+        (1, ("model.distributed.sequence_data_parallel=5",), "batch.sequence_length"),
+        (4, (*SDP_2, *TP_2, "batch.sequence_length=50"), "batch.sequence_length"),
+        (1, ("model.distributed.sequence_data_parallel=4",), "sequence_data_parallel"),
+        (4, (*SDP_2, "batch.batch_size=3"), "batch.batch_size"),
+    ],
+    ids=["length-by-sdp", "length-by-sdp-and-tensor", "sdp-by-data", "batch-by-groups"],
+)
+def test_sequence_data_parallel_config_errors_name_the_keys(
+    dataset: Path, monkeypatch: pytest.MonkeyPatch, world_size: int, overrides: tuple, key: str
+) -> None:
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    arguments = [f"data.path=[{dataset}]", "run.experiment_dir=/tmp/unused", *overrides]
+    with pytest.raises(ConfigError) as error:
+        check_inputs(load_config(TrainerConfig, [ROOT / "examples" / "tiny.yaml"], arguments))
+    assert error.value.path.endswith(key), error.value
