@@ -76,7 +76,7 @@ def profile(name: str, recipe: str) -> str:
             step()
         torch.cuda.synchronize()
     return prof.key_averages().table(
-        sort_by="cuda_time_total", row_limit=14, max_name_column_width=70
+        sort_by="device_time_total", row_limit=14, max_name_column_width=70
     )
 
 
