@@ -20,7 +20,9 @@
 # ZeRO-2 and 3 on 2 GPUs), profile-8b (one profiled llama-8b step on 2 GPUs), scale-x2 |
 # scale-x8 (Mistral-7B scaling), long (llama-1b/3b at 16k-128k tokens per sequence against HF),
 # sft (llama-1b fine-tuning on packed, masked conversations against HF + compile on the same
-# batches; chat prepare against apply_chat_template in a pool).
+# batches; chat prepare against apply_chat_template in a pool), moe (MoE GPU tests, then
+# bench/moe_bench.py: dropless against looped, on nvidia-h200); layouts-x2, bfdf-x2, sdp-x2
+# (issue 19, on nvidia-h200-x2).
 set -uo pipefail
 COMMIT=$1
 shift
@@ -134,6 +136,15 @@ run_part() {
       # SFT_PARTS: train and/or prepare (both by default).
       python3 bench/sft_bench.py --parts ${SFT_PARTS:-train prepare} --cores 1 2 4 8 16 \
         --timeout 170 --commit "$COMMIT" --out "$RES/sft${TAG:+_$TAG}" 2>&1 | tail -24 ;;
+    moe)
+      # The MoE kernels' GPU tests, then bench/moe_bench.py (dropless against looped, the
+      # layer against a dense MLP of the same active FLOPs).
+      timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_moe.py \
+        >"$RES/gpu_tests_moe${TAG:+_$TAG}.log" 2>&1
+      tail -3 "$RES/gpu_tests_moe${TAG:+_$TAG}.log"
+      python3 bench/moe_bench.py --timeout 150 --commit "$COMMIT" --out "$RES/moe${TAG:+_$TAG}" \
+        2>&1 | tail -20
+      rm -rf "$RES/moe${TAG:+_$TAG}"/work/{dataset,caches,exp_*} ;;
     *) echo "unknown part $1"; return 2 ;;
   esac
 }

@@ -23,6 +23,16 @@ from fastllm_kernels.cross_entropy import (
 from fastllm_kernels.fp8 import quantize, quantize_reference
 from fastllm_kernels.fp8_linear import Fp8Weight, fp8_linear
 from fastllm_kernels.linear import linear, matmul_into_fp32_, weight_gradient
+from fastllm_kernels.moe import (
+    SparseMap,
+    combine,
+    combine_reference,
+    dispatch,
+    dispatch_reference,
+    grouped_linear,
+    grouped_linear_reference,
+    sparse_map,
+)
 from fastllm_kernels.norm import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
 from fastllm_kernels.norm_linear import norm_linear, norm_linear_reference
 from fastllm_kernels.rotary import (
@@ -34,6 +44,7 @@ from fastllm_kernels.rotary import (
 
 __all__ = [
     "Fp8Weight",
+    "SparseMap",
     "accumulate_",
     "accumulate_reference_",
     "adamw_step_",
@@ -42,14 +53,20 @@ __all__ = [
     "apply_rotary_reference",
     "attention",
     "attention_reference",
+    "combine",
+    "combine_reference",
     "cross_entropy",
     "cross_entropy_reference",
+    "dispatch",
+    "dispatch_reference",
     "fp8_linear",
     "gated_activation",
     "gated_activation_fused",
     "gated_activation_reference",
     "gated_linear",
     "gated_linear_reference",
+    "grouped_linear",
+    "grouped_linear_reference",
     "layer_norm",
     "layer_norm_reference",
     "linear",
@@ -62,6 +79,7 @@ __all__ = [
     "quantize_reference",
     "rms_norm",
     "rms_norm_reference",
+    "sparse_map",
     "split_qkv_rotary",
     "split_qkv_rotary_reference",
     "weight_gradient",

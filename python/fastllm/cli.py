@@ -76,8 +76,10 @@ def _config_validate(args: argparse.Namespace) -> None:
     base_model = config.model.base_model
     transformer = base_model.transformer
     source = ", ".join(args.config) or "defaults"
+    total, active = base_model.num_parameters(), base_model.num_parameters(active=True)
+    active_part = f" ({active / 1e9:.2f}B active per token)" if active < total else ""
     print(
-        f"{source}: valid; {base_model.num_parameters() / 1e9:.2f}B parameters, "
+        f"{source}: valid; {total / 1e9:.2f}B parameters{active_part}, "
         f"{transformer.num_layers} layers, hidden {transformer.hidden_size}, "
         f"vocabulary {base_model.vocab_size}"
     )

@@ -51,6 +51,18 @@ CONFIGS = {
         transformers.Qwen2ForCausalLM,
         {"rope_theta": 1000000.0, "tie_word_embeddings": True},
     ),
+    "qwen2_moe": (
+        transformers.Qwen2MoeConfig,
+        transformers.Qwen2MoeForCausalLM,
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "shared_expert_intermediate_size": 32,
+            "norm_topk_prob": False,
+            "rope_theta": 1000000.0,
+        },
+    ),
     "starcoder2": (
         transformers.Starcoder2Config,
         transformers.Starcoder2ForCausalLM,

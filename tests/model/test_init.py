@@ -30,6 +30,9 @@ def test_one_parameter_at_a_time_equals_the_whole_model() -> None:
         "model.base_model.transformer.num_attention_heads=4",
         "model.base_model.transformer.ffn_hidden_size=48",
         "model.base_model.transformer.num_experts=2",
+        "model.base_model.transformer.num_shared_experts=1",
+        "model.base_model.transformer.shared_expert_gate=true",
+        "model.base_model.transformer.add_linear_biases=false",
         "model.base_model.vocab_size=61",
         "model.base_model.tie_word_embeddings=false",
     ]

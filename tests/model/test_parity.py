@@ -33,21 +33,28 @@ def all_tensors(directory: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def on_disk_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """transformers 5 fuses Mixtral's experts in memory; its checkpoints keep one tensor per
-    expert (w1 gate, w3 up, w2 down), which is what our mapping reads."""
+def on_disk_names(tensors: dict[str, torch.Tensor], architecture: str) -> dict[str, torch.Tensor]:
+    """transformers 5 fuses the experts in memory; its checkpoints keep one tensor per expert
+    (Mixtral: w1 gate, w3 up, w2 down under block_sparse_moe; Qwen2-MoE: gate_proj, up_proj,
+    down_proj), which is what our mappings read."""
+    moe, gate, up, down = {
+        "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
+        "qwen2_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+    }.get(architecture, ("", "", "", ""))
     renamed: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
         layer, _, rest = name.partition(".mlp.")
-        if rest == "gate.weight":
-            renamed[f"{layer}.block_sparse_moe.gate.weight"] = tensor
+        if not moe:
+            renamed[name] = tensor
+        elif rest == "gate.weight":
+            renamed[f"{layer}.{moe}.gate.weight"] = tensor
         elif rest == "experts.gate_up_proj":
             for e, (w1, w3) in enumerate(t.chunk(2) for t in tensor.unbind(0)):
-                renamed[f"{layer}.block_sparse_moe.experts.{e}.w1.weight"] = w1
-                renamed[f"{layer}.block_sparse_moe.experts.{e}.w3.weight"] = w3
+                renamed[f"{layer}.{moe}.experts.{e}.{gate}.weight"] = w1
+                renamed[f"{layer}.{moe}.experts.{e}.{up}.weight"] = w3
         elif rest == "experts.down_proj":
             for e, w2 in enumerate(tensor.unbind(0)):
-                renamed[f"{layer}.block_sparse_moe.experts.{e}.w2.weight"] = w2
+                renamed[f"{layer}.{moe}.experts.{e}.{down}.weight"] = w2
         else:
             renamed[name] = tensor
     return renamed
@@ -68,7 +75,9 @@ def test_logits_and_gradients_match_transformers(architecture: str, tmp_path: Pa
 
     F.cross_entropy(our_logits.flatten(0, 1), labels.flatten()).backward()
     F.cross_entropy(their_logits.flatten(0, 1), labels.flatten()).backward()
-    their_grads = on_disk_names({name: p.grad for name, p in theirs.named_parameters()})
+    their_grads = on_disk_names(
+        {name: p.grad for name, p in theirs.named_parameters()}, architecture
+    )
     if theirs.config.tie_word_embeddings:
         their_grads.pop("lm_head.weight", None)
     source = open_model(tmp_path)
@@ -163,3 +172,24 @@ def test_yarn_rotary_matches_transformers_past_the_original_context(
     assert isinstance(ours.config.transformer.rotary, YarnRotaryConfig)
     input_ids = torch.randint(0, 97, (1, 160), generator=torch.Generator().manual_seed(2))
     assert relative_error(ours(input_ids), theirs(input_ids).logits) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    ("architecture", "overrides", "key"),
+    [
+        ("mixtral", {"num_shared_experts": 1}, "num_shared_experts"),
+        ("mixtral", {"expert_renormalize": False}, "expert_renormalize"),
+        ("qwen2_moe", {"num_shared_experts": 1}, "shared_expert_gate"),
+    ],
+)
+def test_moe_exports_refuse_what_the_architecture_cannot_express(
+    architecture: str, overrides: dict, key: str
+) -> None:
+    from fastllm.checkpoint.hf_config import to_hf_config
+    from fastllm.config import BaseModelConfig, ConfigError
+
+    transformer = {"num_experts": 4, "num_experts_per_token": 2, "gated": True}
+    transformer |= {"add_linear_biases": False, **overrides}
+    config = build(BaseModelConfig, {"transformer": transformer})
+    with pytest.raises(ConfigError, match=key):
+        to_hf_config(config, architecture)

@@ -178,3 +178,29 @@ def test_the_loss_is_the_mean_over_the_trained_tokens_of_the_whole_batch(
         weights = final_weights(runs[name], 3)
         for key, tensor in reference.items():
             torch.testing.assert_close(weights[key], tensor, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_mixture_of_experts_router_losses_and_load_match_one_process(
+    dataset: Path, tmp_path: Path
+) -> None:
+    # Each rank accumulates 2 micro-batches of the 4 the single process does: the router's
+    # losses (load balancing and z-loss, weighted by the micro-batches' token shares) and the
+    # logged expert load (summed over the data ranks) must come out the same.
+    moe = (
+        "model.base_model.transformer.num_experts=4",
+        "model.base_model.transformer.num_experts_per_token=2",
+        "model.base_model.transformer.add_linear_biases=only_attn_qkv",
+        "model.base_model.transformer.expert_auxiliary_loss_coefficient=0.1",
+        "model.base_model.transformer.expert_z_loss_coefficient=0.01",
+    )
+    _assert_ranks_match_one_process(dataset, tmp_path, 2, "float32", *moe, "batch.batch_size=8")
+    single, double = (
+        [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        for name in ("single", "double")
+    )
+    load = [(r["expert_tokens_max"], r["expert_tokens_mean"]) for r in single if "loss" in r]
+    assert load == [
+        (r["expert_tokens_max"], r["expert_tokens_mean"]) for r in double if "loss" in r
+    ]
+    # 8 sequences of 48 tokens, 2 experts each, over 4 experts.
+    assert all(mean == 8 * 48 * 2 / 4 < most for most, mean in load)

@@ -26,7 +26,10 @@ def trainer(dataset: Path, experiment: Path, *overrides: str) -> Trainer:
     return Trainer(build(TrainerConfig, with_pretrained_architecture(load_raw(files, overrides))))
 
 
-MOE = "model.base_model.transformer.num_experts=4"
+MOE = (  # experts have no biases
+    "model.base_model.transformer.num_experts=4",
+    "model.base_model.transformer.add_linear_biases=only_attn_qkv",
+)
 GATED = (
     "model.base_model.transformer.gated=true",
     "model.base_model.transformer.activation_type=silu",
@@ -40,7 +43,7 @@ GATED = (
         ("elementwise", GATED),
         ("selective", ()),
         ("full", ()),
-        ("elementwise", (MOE, *GATED)),
+        ("elementwise", (*MOE, *GATED)),
     ],
     ids=["elementwise", "elementwise-gated", "selective", "full", "elementwise-gated-moe"],
 )
@@ -162,7 +165,7 @@ def test_attention_keeps_within_documents_only_when_asked_and_when_it_matters(
     [
         ("model.multi_stage.recompute=none",),
         ("model.multi_stage.recompute=full",),
-        (MOE,),
+        MOE,
     ],
     ids=["plain", "recompute", "moe"],
 )

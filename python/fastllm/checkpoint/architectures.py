@@ -12,6 +12,7 @@ from fastllm.checkpoint.hf_rules import Rule, concat, same, stack
 from fastllm.config import BaseModelConfig, ConfigError
 from fastllm.config.formats import HF_ARCHITECTURES
 
+_KEY = "model.base_model.transformer."
 Biases = tuple[bool, bool]
 """(biases on q/k/v, biases elsewhere)."""
 
@@ -95,6 +96,10 @@ def _mixtral_from_hf(hf: dict[str, Any], transformer: dict[str, Any]) -> None:
 
 def _mixtral_to_hf(config: BaseModelConfig, hf: dict[str, Any]) -> None:
     t = config.transformer
+    if t.num_shared_experts:
+        raise ConfigError(_KEY + "num_shared_experts", "Mixtral has no shared experts")
+    if not t.expert_renormalize:
+        raise ConfigError(_KEY + "expert_renormalize", "Mixtral always renormalizes")
     _window_to_hf(config, hf)
     hf["num_local_experts"] = t.num_experts
     hf["num_experts_per_tok"] = t.num_experts_per_token
@@ -110,6 +115,68 @@ def _mixtral_mlp(config: BaseModelConfig, ours: str, theirs: str) -> Iterator[Ru
     gate_up = tuple(f"{experts}.{e}.{w}.weight" for e in range(t.num_experts) for w in ("w1", "w3"))
     yield stack(f"{ours}.layer_1", gate_up, [t.ffn_hidden_size, t.ffn_hidden_size])
     yield stack(f"{ours}.layer_2", tuple(f"{experts}.{e}.w2.weight" for e in range(t.num_experts)))
+
+
+def _qwen2_moe_from_hf(hf: dict[str, Any], transformer: dict[str, Any]) -> None:
+    _qwen2_from_hf(hf, transformer)
+    if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
+        raise ConfigError(
+            "config.json:mlp_only_layers",
+            "dense MLP layers among the sparse ones are not supported",
+        )
+    ffn, shared = hf["moe_intermediate_size"], hf["shared_expert_intermediate_size"]
+    if shared <= 0 or shared % ffn:
+        raise ConfigError(
+            "config.json:shared_expert_intermediate_size",
+            f"must be a positive multiple of moe_intermediate_size ({ffn}), got {shared}",
+        )
+    transformer["add_linear_biases"] = "only_attn_qkv" if hf.get("qkv_bias", True) else False
+    transformer["ffn_hidden_size"] = ffn
+    transformer["num_experts"] = hf["num_experts"]
+    transformer["num_experts_per_token"] = hf["num_experts_per_tok"]
+    transformer["expert_renormalize"] = bool(hf.get("norm_topk_prob", False))
+    transformer["expert_auxiliary_loss_coefficient"] = hf.get("router_aux_loss_coef", 0.001)
+    transformer["num_shared_experts"] = shared // ffn
+    transformer["shared_expert_gate"] = True
+
+
+def _qwen2_moe_to_hf(config: BaseModelConfig, hf: dict[str, Any]) -> None:
+    t = config.transformer
+    assert t.ffn_hidden_size is not None
+    if not t.shared_expert_gate:  # implies num_shared_experts > 0
+        raise ConfigError(
+            _KEY + "shared_expert_gate", "Qwen2-MoE has gated shared experts (true, with some)"
+        )
+    _qwen2_to_hf(config, hf)
+    hf["qkv_bias"] = t.biases_in_attention_qkv
+    hf["moe_intermediate_size"] = t.ffn_hidden_size
+    hf["shared_expert_intermediate_size"] = t.num_shared_experts * t.ffn_hidden_size
+    hf["num_experts"] = t.num_experts
+    hf["num_experts_per_tok"] = t.num_experts_per_token
+    hf["norm_topk_prob"] = t.expert_renormalize
+    hf["router_aux_loss_coef"] = t.expert_auxiliary_loss_coefficient
+    hf["decoder_sparse_step"] = 1
+    hf["mlp_only_layers"] = []
+    hf["output_router_logits"] = False
+
+
+def _qwen2_moe_mlp(config: BaseModelConfig, ours: str, theirs: str) -> Iterator[Rule]:
+    t = config.transformer
+    assert t.ffn_hidden_size is not None
+    mlp, ffn = f"{theirs}.mlp", t.ffn_hidden_size
+    yield same(f"{ours}.router.weight", f"{mlp}.gate.weight")
+    gate_up = tuple(
+        f"{mlp}.experts.{e}.{w}_proj.weight" for e in range(t.num_experts) for w in ("gate", "up")
+    )
+    yield stack(f"{ours}.layer_1", gate_up, [ffn, ffn])
+    down = tuple(f"{mlp}.experts.{e}.down_proj.weight" for e in range(t.num_experts))
+    yield stack(f"{ours}.layer_2", down)
+    shared = f"{mlp}.shared_expert"
+    width = t.num_shared_experts * ffn
+    gate_up_shared = (f"{shared}.gate_proj.weight", f"{shared}.up_proj.weight")
+    yield concat(f"{ours}.shared.layer_1.weight", gate_up_shared, [width, width])
+    yield same(f"{ours}.shared.layer_2.weight", f"{shared}.down_proj.weight")
+    yield same(f"{ours}.shared_gate.weight", f"{mlp}.shared_expert_gate.weight")
 
 
 def _starcoder2_from_hf(hf: dict[str, Any], transformer: dict[str, Any]) -> None:
@@ -184,6 +251,18 @@ ARCHITECTURES = {
             from_hf=_qwen2_from_hf,
             to_hf=_qwen2_to_hf,
             mlp_rules=_gated_mlp,
+        ),
+        Architecture(
+            "qwen2_moe",
+            "Qwen2MoeForCausalLM",
+            layer_norm=False,
+            gated=True,
+            experts=True,
+            window=True,
+            biases=frozenset({(True, False), (False, False)}),
+            from_hf=_qwen2_moe_from_hf,
+            to_hf=_qwen2_moe_to_hf,
+            mlp_rules=_qwen2_moe_mlp,
         ),
         Architecture(
             "starcoder2",

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-HF_ARCHITECTURES = ("llama", "mistral", "mixtral", "qwen2", "starcoder2")
+HF_ARCHITECTURES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "starcoder2")
 """Hugging Face `model_type`s that fastllm converts to and from."""
 MODEL_FORMATS = ("fastllm", "distributed", *HF_ARCHITECTURES)
 """fastllm (safetensors + config.yaml), distributed (what training writes: per-rank shards and

@@ -125,6 +125,17 @@ class TransformerConfig(Section):
     """Weight of the router's load-balancing loss."""
     expert_z_loss_coefficient: float = 0.0
     """Weight of the router's z-loss (mean squared log-sum-exp of the router logits)."""
+    expert_renormalize: bool = True
+    """Each token's k routing weights are renormalized to sum to 1 (Mixtral); false keeps
+    them the softmax over all experts (Qwen2-MoE with norm_topk_prob false)."""
+    num_shared_experts: int = 0
+    """Always-on experts added to the routed ones (Qwen2-MoE, DeepSeek): one MLP of
+    num_shared_experts × ffn_hidden_size that every token goes through."""
+    shared_expert_gate: bool = False
+    """Scale the shared experts' output per token by sigmoid(x · w), w learned (Qwen2-MoE)."""
+    dropless_moe: bool = True
+    """Experts run as grouped matmuls over a sparse layout of the routed tokens, none dropped;
+    false loops over the experts (slower, kept as the reference)."""
     init_method_std: float | None = None
     """Standard deviation of the normal initialization of weights; default hidden_size ** -0.5."""
 
@@ -164,6 +175,15 @@ class TransformerConfig(Section):
             self.expert_auxiliary_loss_coefficient, "expert_auxiliary_loss_coefficient"
         )
         check_non_negative(self.expert_z_loss_coefficient, "expert_z_loss_coefficient")
+        check_non_negative(self.num_shared_experts, "num_shared_experts")
+        if self.shared_expert_gate and not self.num_shared_experts:
+            raise ConfigError("shared_expert_gate", "needs num_shared_experts > 0")
+        if self.num_experts > 1 and self.biases_elsewhere:
+            raise ConfigError(
+                "add_linear_biases",
+                f"experts have no biases: with num_experts ({self.num_experts}) > 1 it must be "
+                f"false, nowhere or only_attn_qkv, got {self.add_linear_biases!r}",
+            )
 
     @property
     def biases_in_attention_qkv(self) -> bool:
@@ -186,8 +206,9 @@ class BaseModelConfig(Section):
     def validate(self) -> None:
         check_positive(self.vocab_size, "vocab_size")
 
-    def num_parameters(self, *, embeddings: bool = True) -> int:
-        """Parameters of the model (all experts counted); without the input and output
+    def num_parameters(self, *, embeddings: bool = True, active: bool = False) -> int:
+        """Parameters of the model; with `active`, only those one token uses (its
+        num_experts_per_token routed experts, not all of them); without the input and output
         embeddings when `embeddings` is false, as MFU formulas count them."""
         t = self.transformer
         assert t.kv_channels is not None and t.ffn_hidden_size is not None, "validate() first"
@@ -200,9 +221,12 @@ class BaseModelConfig(Section):
             attention += h
         mlp_inputs = 2 if t.gated else 1
         expert = mlp_inputs * h * t.ffn_hidden_size + t.ffn_hidden_size * h
-        if t.biases_elsewhere:
-            expert += mlp_inputs * t.ffn_hidden_size + h
-        mlp = t.num_experts * expert + (h * t.num_experts if t.num_experts > 1 else 0)
+        if t.num_experts == 1:
+            mlp = expert + (mlp_inputs * t.ffn_hidden_size + h if t.biases_elsewhere else 0)
+        else:  # experts have no biases (validate)
+            experts = t.num_experts_per_token if active else t.num_experts
+            router = h * t.num_experts + (h if t.shared_expert_gate else 0)
+            mlp = (experts + t.num_shared_experts) * expert + router
         norm = 2 * h if isinstance(t.normalization, LayerNormConfig) else h
         layers = t.num_layers * (attention + mlp + 2 * norm) + norm
         if not embeddings:

@@ -58,6 +58,8 @@ def initializers(
             normal(module.router.weight, std)
             normal(module.layer_1, std)
             normal(module.layer_2, output_std)
+            if module.shared_gate is not None:
+                normal(module.shared_gate.weight, std)
     return plan
 
 

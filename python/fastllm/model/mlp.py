@@ -1,11 +1,12 @@
-"""The MLP of a block: dense (gated or plain) or a mixture of experts (looped, for clarity;
-the dropless fast version is a later step). Both take the block's residual stream and its
-norm, and return the output and the auxiliary loss."""
+"""The MLP of a block: dense (gated or plain) or a mixture of experts (dropless, or looped as
+the reference). Both take the block's residual stream and its norm, and return the output and
+the auxiliary loss."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import msgspec
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -15,6 +16,7 @@ from fastllm.engine.tensor_parallel import TensorParallel, enter, leave
 from fastllm.model.parameters import TensorSplit, describe
 from fastllm_kernels.activation import gated_activation_fused, gated_linear
 from fastllm_kernels.linear import linear
+from fastllm_kernels.moe import combine, dispatch, grouped_linear, sparse_map
 
 if TYPE_CHECKING:
     from fastllm.model.block import Normalization
@@ -90,19 +92,31 @@ def _project(
 
 
 class MixtureOfExperts(torch.nn.Module):
-    """Top-k routing (Mixtral): softmax over experts, the k largest renormalized to sum to 1.
+    """Top-k routing: softmax over the experts, each token sent to its k most probable, their
+    probabilities (renormalized to sum to 1 with `expert_renormalize`, as Mixtral does) weighting
+    the experts' outputs; plus, with `num_shared_experts`, an MLP every token goes through
+    (Qwen2-MoE, DeepSeek), its output gated per token with `shared_expert_gate`.
+
+    Dropless (`dropless_moe`): the routed tokens are permuted into a sparse layout of contiguous
+    per-expert rows, both projections are grouped matmuls over it, and the outputs are permuted
+    back scaled by the routing weights (kernels/fastllm_kernels/moe.py). Otherwise a loop over
+    the experts, the reference.
 
     `forward` returns the output and the router's auxiliary losses (load balancing, z-loss),
-    already weighted by their coefficients."""
+    already weighted by their coefficients. While training, `load` sums the tokens routed to
+    each expert until `take_expert_load` reads it."""
 
     recompute_activation = True
-    """A gated activation is recomputed in the backward pass rather than stored."""
+    """The looped path recomputes a gated activation in the backward pass rather than storing
+    it (the dropless path stores it: its grouped matmul keeps its input for the weight
+    gradient anyway)."""
 
     def __init__(self, config: TransformerConfig) -> None:
         super().__init__()
         assert config.ffn_hidden_size is not None and config.activation_type is not None
         self.gated, self.activation = config.gated, config.activation_type
         self.num_experts, self.top_k = config.num_experts, config.num_experts_per_token
+        self.renormalize, self.dropless = config.expert_renormalize, config.dropless_moe
         self.auxiliary_coefficient = config.expert_auxiliary_loss_coefficient
         self.z_loss_coefficient = config.expert_z_loss_coefficient
         hidden, ffn = config.hidden_size, config.ffn_hidden_size
@@ -113,15 +127,55 @@ class MixtureOfExperts(torch.nn.Module):
         describe(self.router, "weight", weight_decay=True)
         for name in ("layer_1", "layer_2"):
             describe(self, name, weight_decay=True)
+        self.shared = None
+        if config.num_shared_experts:
+            width = config.num_shared_experts * ffn
+            shared = msgspec.structs.replace(config, ffn_hidden_size=width, num_experts=1)
+            self.shared = MLP(shared, TensorParallel())
+        self.shared_gate = (
+            torch.nn.Linear(hidden, 1, bias=False) if config.shared_expert_gate else None
+        )
+        if self.shared_gate is not None:
+            describe(self.shared_gate, "weight", weight_decay=True)
+        self.load: Tensor | None = None
 
     def forward(self, x: Tensor, norm: Normalization) -> tuple[Tensor, Tensor]:
         """The mixture of norm(x), the block's residual stream."""
-        x = norm(x)
-        tokens = x.reshape(-1, x.shape[-1])
+        normed = norm(x)
+        tokens = normed.reshape(-1, normed.shape[-1])
         logits = self.router(tokens).float()
         probabilities = logits.softmax(dim=-1)
         weights, experts = probabilities.topk(self.top_k, dim=-1)
-        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        if self.dropless:
+            out, counts = self._dropless(tokens, weights, experts)
+        else:
+            out, counts = self._looped(tokens, weights, experts)
+        # Not while a backward pass recomputes the forward (selective or full recomputation).
+        if self.training and torch._C._current_graph_task_id() == -1:
+            self.load = counts if self.load is None else self.load + counts
+        if self.shared is not None:
+            shared = self.shared(x, norm)[0].reshape_as(out)
+            if self.shared_gate is not None:
+                shared = shared * torch.sigmoid(self.shared_gate(tokens))
+            out = out + shared
+        return out.view_as(x), self._auxiliary_loss(logits, probabilities, counts)
+
+    def _dropless(self, tokens: Tensor, weights: Tensor, experts: Tensor) -> tuple[Tensor, Tensor]:
+        sparse = sparse_map(experts, self.num_experts)
+        h = dispatch(tokens, sparse.rows, sparse.num_rows)
+        h = grouped_linear(h, self.layer_1, sparse.ends)
+        h = (
+            gated_activation_fused(h, self.activation)
+            if self.gated
+            else _ACTIVATIONS[self.activation](h)
+        )
+        y = grouped_linear(h, self.layer_2, sparse.ends)
+        return combine(y, sparse.rows, weights), sparse.counts
+
+    def _looped(self, tokens: Tensor, weights: Tensor, experts: Tensor) -> tuple[Tensor, Tensor]:
         out = torch.zeros_like(tokens)
         for expert in range(self.num_experts):
             rows, slot = torch.nonzero(experts == expert, as_tuple=True)
@@ -137,14 +191,25 @@ class MixtureOfExperts(torch.nn.Module):
             )
             y = y * weights[rows, slot, None]
             out.index_add_(0, rows, y)
-        return out.view_as(x), self._auxiliary_loss(logits, probabilities, experts)
+        return out, torch.bincount(experts.flatten(), minlength=self.num_experts)
 
-    def _auxiliary_loss(self, logits: Tensor, probabilities: Tensor, experts: Tensor) -> Tensor:
+    def _auxiliary_loss(self, logits: Tensor, probabilities: Tensor, counts: Tensor) -> Tensor:
         # Switch-Transformer balance as Hugging Face computes it (per layer here):
         # E * sum_e (tokens routed to e, summed over the k slots, / tokens) * (mean prob of e).
-        routed = F.one_hot(experts, self.num_experts).float().mean(dim=0).sum(dim=0)
+        routed = counts.float() / logits.shape[0]
         balance = self.num_experts * (routed * probabilities.mean(dim=0)).sum()
         loss = self.auxiliary_coefficient * balance
         if self.z_loss_coefficient:
             loss = loss + self.z_loss_coefficient * torch.logsumexp(logits, dim=-1).square().mean()
         return loss
+
+
+def take_expert_load(model: torch.nn.Module) -> Tensor | None:
+    """(layers, experts): the tokens routed to each expert of each mixture since the last
+    call (None for a model without experts); resets the counts."""
+    loads = []
+    for module in model.modules():
+        if isinstance(module, MixtureOfExperts) and module.load is not None:
+            loads.append(module.load)
+            module.load = None
+    return torch.stack(loads) if loads else None

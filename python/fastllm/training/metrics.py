@@ -18,10 +18,12 @@ PEAK_FLOPS = {"cuda": 989.4e12}
 
 def flops_per_token(config: BaseModelConfig, sequence_length: int) -> float:
     """Training FLOPs per token, torchtitan's formula: 6 × (parameters that multiply, i.e. all
-    but the embedding lookup) + 12 × layers × heads × head size × sequence (attention)."""
+    but the embedding lookup; of a mixture of experts only the experts a token is routed to)
+    + 12 × layers × heads × head size × sequence (attention)."""
     t = config.transformer
     assert t.kv_channels is not None
-    matmul_parameters = config.num_parameters(embeddings=False) + config.vocab_size * t.hidden_size
+    active = config.num_parameters(embeddings=False, active=True)
+    matmul_parameters = active + config.vocab_size * t.hidden_size
     attention = 12 * t.num_layers * t.num_attention_heads * t.kv_channels * sequence_length
     return 6 * matmul_parameters + attention
 
@@ -96,6 +98,7 @@ class MetricsLogger:
             ("tflops", "{:.1f} TFLOP/s"),
             ("mfu", "MFU {:.1%}"),
             ("memory_gib", "mem {:.1f} GiB"),
+            ("expert_tokens_max", "experts max {:,.0f}"),
             ("skipped_steps", "skipped {}"),
         ):
             if metrics.get(key) is not None:

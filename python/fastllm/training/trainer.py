@@ -37,6 +37,7 @@ from fastllm.engine.sequence_data_parallel import SequenceDataParallel
 from fastllm.engine.tensor_parallel import TensorParallel
 from fastllm.model import GPTModel
 from fastllm.model.init import initializers
+from fastllm.model.mlp import take_expert_load
 from fastllm.training import state
 from fastllm.training.experiment_lock import ExperimentLock
 from fastllm.training.metrics import PEAK_FLOPS, MetricsLogger, flops_per_token
@@ -328,6 +329,26 @@ class Trainer:
             dist.all_reduce(value, group=pipeline.group)
         return value
 
+    def _expert_load(self, steps: int) -> dict[str, float]:
+        """Tokens routed per expert and step since the last call, over every data rank: the
+        most any expert of any layer got, and the mean (what a balanced router gives each)."""
+        load = take_expert_load(self.model)
+        if load is None or not steps:
+            return {}
+        load = self._data_sum(load).double() / steps
+        most = load.max()
+        total = torch.stack(
+            [load.sum(), torch.tensor(load.numel(), dtype=load.dtype, device=load.device)]
+        )
+        pipeline = self.mesh.pipeline
+        if pipeline.size > 1:  # each pipeline rank counted the layers of its stages
+            dist.all_reduce(most, op=dist.ReduceOp.MAX, group=pipeline.group)
+            dist.all_reduce(total, group=pipeline.group)
+        return {
+            "expert_tokens_max": most.item(),
+            "expert_tokens_mean": (total[0] / total[1]).item(),
+        }
+
     def _data_sum(self, value: torch.Tensor) -> torch.Tensor:
         """`value` summed over the data-parallel ranks (tensor ranks agree on it)."""
         data = self.mesh.data
@@ -363,8 +384,10 @@ class Trainer:
             if layout.breadth_first == 1
             else f"{layout.depth_first} × {layout.breadth_first} breadth-first"
         )
+        base = config.model.base_model
+        total, active = base.num_parameters(), base.num_parameters(active=True)
         parts = [
-            f"{config.model.base_model.num_parameters():,} parameters",
+            f"{total:,} parameters" + (f" ({active:,} active per token)" if active < total else ""),
             f"{distributed.world_size} × {distributed.device.type}",
             f"{config.model.distributed.training_dtype}"
             + (" (fp32 masters)" if self.flat.mixed_precision else ""),
@@ -461,6 +484,7 @@ class Trainer:
                         "skipped_steps": self.skipped_steps,
                         "consumed_samples": self.consumed_samples,
                     }
+                    record.update(self._expert_load(len(window)))
                     if training.validation.interval and step % training.validation.interval == 0:
                         record["validation_loss"] = self.validation_loss()
                     logger.log(step, record)

@@ -1,0 +1,128 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from fastllm_kernels.moe import (
+    combine,
+    combine_reference,
+    dispatch,
+    dispatch_reference,
+    grouped_linear,
+    grouped_linear_reference,
+    sparse_map,
+)
+from tests.kernels.conftest import assert_close, cuda, triton_on_cpu
+
+
+def sparse_map_numpy(experts: np.ndarray, num_experts: int, block: int):
+    """The layout spelled out: experts in order, each one's (token, slot) pairs in token order,
+    its range padded to the block."""
+    tokens, k = experts.shape
+    rows = np.full((tokens, k), -1)
+    ends, position = [], 0
+    for expert in range(num_experts):
+        for token in range(tokens):
+            for slot in range(k):
+                if experts[token, slot] == expert:
+                    rows[token, slot] = position
+                    position += 1
+        position = -(-position // block) * block
+        ends.append(position)
+    return rows, np.array(ends)
+
+
+def top_k(tokens: int, num_experts: int, k: int, skew: float = 0.0) -> torch.Tensor:
+    """Distinct experts per token; `skew` favours the low experts (some may get none)."""
+    scores = torch.rand(tokens, num_experts) - skew * torch.arange(num_experts)
+    return scores.topk(k, dim=-1).indices
+
+
+@pytest.mark.parametrize(
+    ("tokens", "num_experts", "k", "block", "skew"),
+    [
+        (1, 8, 1, 16, 0.0),
+        (37, 8, 2, 16, 0.0),
+        (50, 16, 8, 4, 0.0),
+        (29, 128, 4, 16, 0.0),
+        (40, 8, 2, 8, 0.5),
+    ],
+)
+def test_sparse_map_matches_numpy(tokens, num_experts, k, block, skew) -> None:
+    experts = top_k(tokens, num_experts, k, skew)
+    sparse = sparse_map(experts, num_experts, block)
+    rows, ends = sparse_map_numpy(experts.numpy(), num_experts, block)
+    np.testing.assert_array_equal(sparse.rows.numpy(), rows)
+    np.testing.assert_array_equal(sparse.ends.numpy(), ends)
+    np.testing.assert_array_equal(
+        sparse.counts.numpy(), np.bincount(experts.numpy().ravel(), minlength=num_experts)
+    )
+    assert sparse.num_rows == tokens * k + num_experts * block >= ends[-1]
+    if skew:
+        assert (sparse.counts == 0).any(), "the skewed case should leave an expert without tokens"
+
+
+@triton_on_cpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("tokens", "hidden", "num_experts", "k"),
+    [(13, 40, 8, 2), (6, 24, 8, 8), (9, 7, 4, 1), (5, 33, 16, 3)],
+)
+def test_dispatch_and_combine_match_their_references(
+    dtype, tokens, hidden, num_experts, k, poisoned_empty
+) -> None:
+    experts = top_k(tokens, num_experts, k)
+    sparse = sparse_map(experts, num_experts, 4)
+    x = torch.randn(tokens, hidden).to(dtype).requires_grad_()
+    weights = torch.rand(tokens, k).to(dtype).requires_grad_()
+    y = torch.randn(sparse.num_rows, hidden).to(dtype).requires_grad_()
+    grad_sparse = torch.randn(sparse.num_rows, hidden).to(dtype)
+    grad_dense = torch.randn(tokens, hidden).to(dtype)
+
+    out = dispatch(x, sparse.rows, sparse.num_rows)
+    expected = dispatch_reference(x, sparse.rows, sparse.num_rows)
+    assert_close(out, expected)
+    (d_x,) = torch.autograd.grad(out, x, grad_sparse)
+    (expected_d_x,) = torch.autograd.grad(expected, x, grad_sparse)
+    assert_close(d_x, expected_d_x)
+
+    out = combine(y, sparse.rows, weights)
+    expected = combine_reference(y.float(), sparse.rows, weights.float())
+    assert_close(out, expected.to(dtype))
+    grads = torch.autograd.grad(out, (y, weights), grad_dense)
+    expected_grads = torch.autograd.grad(expected, (y, weights), grad_dense.float())
+    for actual, reference in zip(grads, expected_grads, strict=True):
+        assert_close(actual, reference.to(dtype), atol=1e-4 if dtype == torch.float32 else 2e-2)
+
+
+def test_grouped_linear_reference_multiplies_each_range_by_its_expert() -> None:
+    x = torch.randn(12, 5)
+    weight = torch.randn(3, 4, 5)
+    ends = torch.tensor([4, 4, 10], dtype=torch.int32)
+    out = grouped_linear_reference(x, weight, ends)
+    torch.testing.assert_close(out[:4], x[:4] @ weight[0].T)
+    torch.testing.assert_close(out[4:10], x[4:10] @ weight[2].T)
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize(("num_experts", "skew"), [(8, 0.0), (64, 0.0), (8, 0.8)])
+def test_grouped_mm_matches_the_reference_on_gpu(num_experts, skew) -> None:
+    experts = top_k(2048, num_experts, 2, skew).cuda()
+    sparse = sparse_map(experts, num_experts)
+    x = dispatch(
+        torch.randn(2048, 256, device="cuda", dtype=torch.bfloat16), sparse.rows, sparse.num_rows
+    )
+    x.requires_grad_()
+    weight = (torch.randn(num_experts, 384, 256, device="cuda") / 16).bfloat16().requires_grad_()
+    grad = torch.randn(sparse.num_rows, 384, device="cuda", dtype=torch.bfloat16)
+    out = grouped_linear(x, weight, sparse.ends)
+    expected = grouped_linear_reference(x.float(), weight.float(), sparse.ends)
+    used = int(sparse.ends[-1])
+    assert_close(out[:used], expected[:used].bfloat16())
+    grad[used:] = 0  # rows past the last range are never read back, so get no gradient
+    grads = torch.autograd.grad(out[:used], (x, weight), grad[:used])
+    expected_grads = torch.autograd.grad(expected[:used], (x, weight), grad[:used].float())
+    assert_close(grads[0][:used], expected_grads[0][:used].bfloat16(), atol=1e-2)
+    assert_close(grads[1], expected_grads[1].bfloat16(), atol=1e-2)

@@ -1,0 +1,84 @@
+"""What the config says a model has and costs against the model it builds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastllm.config import ConfigError, TrainerConfig, load_config
+from fastllm.model import GPTModel
+from fastllm.model.mlp import MixtureOfExperts
+from fastllm.training.metrics import flops_per_token
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = [
+    "model.base_model.transformer.num_layers=2",
+    "model.base_model.transformer.hidden_size=32",
+    "model.base_model.transformer.num_attention_heads=4",
+    "model.base_model.transformer.ffn_hidden_size=48",
+    "model.base_model.vocab_size=61",
+]
+MOE_VARIANTS = {
+    "moe-gated-qkv-biases": ["num_experts=8", "num_experts_per_token=2", "gated=true",
+                             "add_linear_biases=only_attn_qkv"],
+    "moe-plain-no-biases": ["num_experts=4", "num_experts_per_token=1", "add_linear_biases=false"],
+    "moe-shared-gated": ["num_experts=16", "num_experts_per_token=4", "gated=true",
+                         "add_linear_biases=false", "num_shared_experts=2", "shared_expert_gate=true"],
+}  # fmt: skip
+
+
+def config_of(example: str, overrides: list[str]) -> TrainerConfig:
+    return load_config(TrainerConfig, [ROOT / "examples" / f"{example}.yaml"], overrides)
+
+
+def sizes(config: TrainerConfig) -> tuple[int, int]:
+    """(parameters, those a token does not use) of the model the config builds."""
+    with torch.device("meta"):
+        model = GPTModel(config.model.base_model)
+    unused = 0
+    for module in model.modules():
+        if isinstance(module, MixtureOfExperts):
+            routed = module.layer_1.numel() + module.layer_2.numel()
+            unused += routed * (module.num_experts - module.top_k) // module.num_experts
+    return sum(p.numel() for p in model.parameters()), unused
+
+
+@pytest.mark.parametrize("example", sorted(p.stem for p in (ROOT / "examples").glob("*.yaml")))
+def test_num_parameters_is_the_size_of_every_example_model(example: str) -> None:
+    config = config_of(example, [])
+    with torch.device("meta"):
+        model = GPTModel(config.model.base_model)
+    total = sum(p.numel() for p in model.parameters())
+    assert config.model.base_model.num_parameters() == total
+
+
+@pytest.mark.parametrize("variant", sorted(MOE_VARIANTS))
+def test_num_parameters_counts_all_and_active_experts(variant: str) -> None:
+    overrides = [f"model.base_model.transformer.{o}" for o in MOE_VARIANTS[variant]]
+    config = config_of("tiny", SMALL + overrides)
+    total, unused = sizes(config)
+    base = config.model.base_model
+    assert base.num_parameters() == total
+    assert base.num_parameters(active=True) == total - unused > 0
+    assert unused > 0
+
+
+def test_flops_per_token_count_only_the_routed_experts() -> None:
+    def flops(experts: int) -> float:
+        overrides = [
+            f"model.base_model.transformer.{o}" for o in MOE_VARIANTS["moe-gated-qkv-biases"]
+        ]
+        config = config_of(
+            "tiny", [*SMALL, *overrides, f"model.base_model.transformer.num_experts={experts}"]
+        )
+        return flops_per_token(config.model.base_model, 64)
+
+    # More experts at the same top-k cost only their wider router: 6 FLOPs per weight.
+    assert flops(8) - flops(2) == 6 * 2 * 32 * (8 - 2)
+
+
+def test_expert_biases_are_refused_naming_the_key() -> None:
+    with pytest.raises(ConfigError, match="add_linear_biases"):
+        config_of("tiny", [*SMALL, "model.base_model.transformer.num_experts=4"])

@@ -1,0 +1,42 @@
+"""A mixture-of-experts run through the Trainer (flat buffers, fp32 gradients, AdamW): the
+dropless path against the looped one."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.training.test_training_options import trainer
+
+
+def test_dropless_trains_like_looped_through_the_trainer(dataset: Path, tmp_path: Path) -> None:
+    # Every token goes to every expert, so rounding differences between the two paths cannot
+    # flip a top-k choice over the steps; the expert weights' gradients reach the flat buffer.
+    options = (
+        "model.base_model.transformer.num_experts=4",
+        "model.base_model.transformer.num_experts_per_token=4",
+        "model.base_model.transformer.add_linear_biases=only_attn_qkv",
+        "model.base_model.transformer.gated=true",
+        "model.base_model.transformer.activation_type=silu",
+        "model.base_model.transformer.expert_z_loss_coefficient=0.01",
+        "batch.batch_size=2",
+        "training.train_iters=10",
+    )
+    runs = [
+        trainer(
+            dataset, tmp_path / path, *options, f"model.base_model.transformer.dropless_moe={v}"
+        )
+        for path, v in (("dropless", "true"), ("looped", "false"))
+    ]
+    losses: list[list[float]] = [[], []]
+    for steps in zip(*(itertools.islice(run.data_loader(), 10) for run in runs), strict=True):
+        for run, micro_batches, record in zip(runs, steps, losses, strict=True):
+            record.append(run.train_step(micro_batches)["loss"])
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    for ours, theirs in zip(
+        runs[0].flat.shards.values(), runs[1].flat.shards.values(), strict=True
+    ):
+        torch.testing.assert_close(ours.master, theirs.master, rtol=1e-4, atol=1e-5)
