@@ -81,6 +81,24 @@ def write_random_dataset(
     inside one document, so the packed-document attention does the work of plain causal
     attention, as the baseline does."""
     dtype = np.uint16 if vocab_size <= 1 << 16 else np.int32
+    generator = np.random.default_rng(seed)
+    values = generator.integers(0, vocab_size, size=tokens, dtype=dtype)
+    documents = write_token_dataset(directory, values, document_length)
+    return {
+        "path": str(directory),
+        "kind": "uniformly random tokens",
+        "vocab_size": vocab_size,
+        "tokens": tokens,
+        "documents": documents,
+        "document_length": document_length or tokens,
+        "seed": seed,
+    }
+
+
+def write_token_dataset(directory: Path, values: np.ndarray, document_length: int | None) -> int:
+    """`values` (uint16 or int32 tokens) as DIRECTORY/data.bin + .idx, in documents of
+    `document_length` (one document when None); returns the number of documents."""
+    dtype, tokens = values.dtype, len(values)
     code = 8 if dtype == np.uint16 else 4  # Megatron's dtype codes
     length = document_length or tokens
     lengths = np.full(tokens // length, length, dtype=np.int32)
@@ -89,8 +107,7 @@ def write_random_dataset(
     partial = directory.with_name(f".{directory.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
-    generator = np.random.default_rng(seed)
-    generator.integers(0, vocab_size, size=tokens, dtype=dtype).tofile(partial / "data.bin")
+    values.tofile(partial / "data.bin")
     pointers = np.zeros(len(lengths), dtype=np.int64)
     np.cumsum(lengths[:-1].astype(np.int64) * np.dtype(dtype).itemsize, out=pointers[1:])
     with open(partial / "data.idx", "wb") as index:
@@ -102,15 +119,7 @@ def write_random_dataset(
         index.write(np.arange(len(lengths) + 1, dtype="<i8").tobytes())
     shutil.rmtree(directory, ignore_errors=True)
     partial.rename(directory)
-    return {
-        "path": str(directory),
-        "kind": "uniformly random tokens",
-        "vocab_size": vocab_size,
-        "tokens": tokens,
-        "documents": len(lengths),
-        "document_length": int(lengths[0]),
-        "seed": seed,
-    }
+    return len(lengths)
 
 
 # ---------------------------------------------------------------- results

@@ -261,9 +261,14 @@ def run_fastllm(spec: dict[str, Any]) -> dict[str, Any]:
         "attention": spy.describe(cuda),
         "cross_document_attention": getattr(config.batch, "cross_document_attention", None),
         "flops_per_token": flops_per_token(config.model.base_model, config.batch.sequence_length),
-        "precision": "bf16 compute, fp32 master weights, gradients and Adam moments",
+        "precision": "bf16 compute, fp32 master weights, gradients and Adam moments"
+        + _fp8_note(config.model.distributed.fp8_linear),
         **timing,
     }
+
+
+def _fp8_note(recipe: str) -> str:
+    return "" if recipe == "none" else f"; {recipe} FP8 linear layers in the blocks"
 
 
 class AttentionSpy:

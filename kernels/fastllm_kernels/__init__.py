@@ -20,6 +20,8 @@ from fastllm_kernels.cross_entropy import (
     linear_cross_entropy,
     linear_cross_entropy_reference,
 )
+from fastllm_kernels.fp8 import quantize, quantize_reference
+from fastllm_kernels.fp8_linear import Fp8Weight, fp8_linear
 from fastllm_kernels.linear import linear, matmul_into_fp32_, weight_gradient
 from fastllm_kernels.moe import (
     SparseMap,
@@ -41,6 +43,7 @@ from fastllm_kernels.rotary import (
 )
 
 __all__ = [
+    "Fp8Weight",
     "SparseMap",
     "accumulate_",
     "accumulate_reference_",
@@ -56,6 +59,7 @@ __all__ = [
     "cross_entropy_reference",
     "dispatch",
     "dispatch_reference",
+    "fp8_linear",
     "gated_activation",
     "gated_activation_fused",
     "gated_activation_reference",
@@ -71,6 +75,8 @@ __all__ = [
     "matmul_into_fp32_",
     "norm_linear",
     "norm_linear_reference",
+    "quantize",
+    "quantize_reference",
     "rms_norm",
     "rms_norm_reference",
     "sparse_map",

@@ -44,8 +44,14 @@ def gated_linear(
 
     The activation output (d per token) is not stored for the backward pass but recomputed
     there from x, which the activation's own backward needs anyway: a gated MLP then keeps a
-    third less activation memory for one extra elementwise pass."""
+    third less activation memory for one extra elementwise pass. In FP8 for a weight given
+    `weight.fp8` (fp8_fused.py)."""
     _check(activation, x.shape[-1] % 2 == 0 and weight.shape[-1] * 2 == x.shape[-1], x, weight)
+    fp8 = getattr(weight, "fp8", None)
+    if fp8 is not None:
+        from fastllm_kernels.fp8_fused import fp8_gated_linear  # it imports this module
+
+        return fp8_gated_linear(x, weight, bias, activation, fp8)
     if use_triton(x, weight, bias):
         return _GatedLinearFunction.apply(x, weight, bias, activation)
     return gated_linear_reference(x, weight, bias, activation)

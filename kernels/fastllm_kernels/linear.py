@@ -16,12 +16,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from fastllm_kernels.fp8_linear import Fp8Weight, fp8_linear
+
 GradientSink = Callable[[Tensor, Tensor], None]
 """sink(a, b): add a @ b, computed in fp32, to the weight's gradient."""
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """F.linear(x, weight, bias), handing the weight gradient to the weight's sink if any."""
+    """F.linear(x, weight, bias), handing the weight gradient to the weight's sink if any; in
+    FP8 for a weight given an `Fp8Weight` as `weight.fp8` (fp8_linear.py)."""
+    fp8: Fp8Weight | None = getattr(weight, "fp8", None)
+    if fp8 is not None:
+        return fp8_linear(x, weight, bias, fp8)
     if getattr(weight, "gradient_sink", None) is None or torch.compiler.is_compiling():
         return F.linear(x, weight, bias)
     return _SinkLinearFunction.apply(x, weight, bias)

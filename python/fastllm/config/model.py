@@ -258,6 +258,13 @@ class DistributedConfig(Section):
     contiguous chunk of it (attention all-gathers the keys and values of the earlier chunks);
     it must divide the data-parallel size. ZeRO and the gradient sum still span the whole
     data group."""
+    fp8_linear: Literal["none", "tensorwise", "rowwise"] = "none"
+    """FP8 compute of the blocks' linear layers (attention q/k/v and output, dense MLP; the
+    embedding, the head and mixture-of-experts layers stay bf16; the fp32 master weights and
+    the optimizer do not change). tensorwise: one scale per tensor, gradients in e5m2;
+    rowwise: one scale per row of each operand, all in e4m3. Needs bfloat16 training and a
+    GPU with FP8 tensor cores (compute capability 8.9 or more); on CPU the FP8 rounding is
+    emulated."""
 
     def validate(self) -> None:
         check_non_negative(self.seed, "seed")
@@ -328,6 +335,7 @@ class ModelConfig(Section):
     """How the model's memory is traded against compute."""
 
     def validate(self) -> None:
+        self._validate_fp8()
         pipeline = self.distributed.pipeline_parallel
         stages = self.multi_stage.num_stages(self.base_model.transformer.num_layers)
         if pipeline > stages:
@@ -360,3 +368,28 @@ class ModelConfig(Section):
                 raise ConfigError(
                     key, f"({tensor}) must divide {field} ({value}): each rank holds a slice"
                 )
+
+    def _validate_fp8(self) -> None:
+        distributed, key = self.distributed, "distributed.fp8_linear"
+        recipe = distributed.fp8_linear
+        if recipe == "none":
+            return
+        if distributed.training_dtype != "bfloat16":
+            raise ConfigError(
+                key,
+                f"{recipe} needs model.distributed.training_dtype bfloat16, got "
+                f"{distributed.training_dtype}",
+            )
+        for name in ("tensor_parallel", "pipeline_parallel", "sequence_data_parallel"):
+            if getattr(distributed, name) > 1:
+                raise ConfigError(
+                    key,
+                    f"FP8 with model.distributed.{name} > 1 is not implemented yet "
+                    f"(fp8_linear={recipe}, {name}={getattr(distributed, name)})",
+                )
+        if self.multi_stage.zero_stage == 3:
+            raise ConfigError(
+                key,
+                f"FP8 with ZeRO-3 is not implemented yet (fp8_linear={recipe}, "
+                "model.multi_stage.zero_stage=3): each rank would keep every layer's FP8 weights",
+            )

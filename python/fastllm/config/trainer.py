@@ -57,6 +57,12 @@ class TrainerConfig(Section):
                 "compiled blocks with model.distributed.sequence_data_parallel > 1 are not "
                 "supported yet (their collectives would break the graphs)",
             )
+        if self.training.compile and distributed.fp8_linear != "none":
+            raise ConfigError(
+                "training.compile",
+                f"compiled blocks with model.distributed.fp8_linear={distributed.fp8_linear} are "
+                "not supported yet (the FP8 layers run their own kernels)",
+            )
         if (
             distributed.sequence_parallel
             and self.batch.sequence_length % distributed.tensor_parallel

@@ -69,4 +69,9 @@ class AdamW:
                     compute_copy=shard.weight[start:end] if self.flat.mixed_precision else None,
                     grad_scale=clip_factor / loss_scale,
                 )
+        if self.flat.mixed_precision:
+            # The kernel wrote the compute weights behind autograd's back: a new version tells
+            # the caches keyed by it (the FP8 weight copies) that they changed.
+            for weights in self.flat.weights:
+                torch.autograd.graph.increment_version(weights)
         return StepReport(norm, skipped=False)

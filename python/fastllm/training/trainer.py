@@ -23,6 +23,7 @@ from fastllm.data import Batch, DataLoader, SampleStream
 from fastllm.engine.compile import apply_compile
 from fastllm.engine.data_parallel import gather_weights
 from fastllm.engine.flat_model import FlatModel
+from fastllm.engine.fp8 import apply_fp8
 from fastllm.engine.learning_rate import learning_rate
 from fastllm.engine.mesh import build_mesh
 from fastllm.engine.micro_sequences import KeyValueMemory
@@ -83,6 +84,8 @@ class Trainer:
             gather_in_forward=not pipelined,
         )
         apply_recompute(self.model, stages.recompute)
+        if config.model.distributed.fp8_linear != "none":
+            apply_fp8(self.model, config.model.distributed.fp8_linear, device)
         if config.training.compile:
             apply_compile(self.model)
         self.pipeline: PipelineRunner | None = None
@@ -414,6 +417,8 @@ class Trainer:
             f"batch {batch.batch_size} × {batch.sequence_length} tokens"
             f" ({micro} per micro-batch, {accumulated})",
         ]
+        if config.model.distributed.fp8_linear != "none":
+            parts.append(f"{config.model.distributed.fp8_linear} FP8 linear layers")
         if mesh.tensor.size > 1:
             sequence = " with sequence parallelism" if mesh.sequence_parallel else ""
             parts.append(f"tensor parallel {mesh.tensor.size}{sequence}")

@@ -1,0 +1,221 @@
+"""FP8 versions of `norm_linear` and `gated_linear`: the kernel that produces the projection's
+input also quantizes it.
+
+With rowwise scaling the norm (or the gated activation) holds each output row whole in
+registers, so it writes the row in fp8 with its scale directly: the bf16 activation is never
+written nor read again (4 bytes per element saved, of 7). Tensorwise scaling needs the amax
+of the whole output before the first element can be cast, so there the producer writes bf16
+and `quantize` follows. As in the bf16 versions, the backward pass recomputes the producer's
+output (in bf16) from the input it keeps anyway, for the weight gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from fastllm_kernels._dispatch import as_rows, row_block, use_triton
+from fastllm_kernels.activation import (
+    _activation_and_derivative,
+    _gated_rows,
+    _launch_backward,
+    gated_activation_reference,
+)
+from fastllm_kernels.fp8 import FP8_MAX, Fp8Tensor, power_of_two_multiplier
+from fastllm_kernels.fp8_linear import (
+    E4M3,
+    Fp8Weight,
+    backward_products,
+    bias_gradient,
+    forward_product,
+    fp8_linear,
+    product_of_rows,
+)
+from fastllm_kernels.norm import (
+    layer_norm_reference,
+    norm_backward,
+    norm_forward,
+    rms_norm_reference,
+)
+
+
+def fp8_norm_linear(
+    x: Tensor,
+    norm_weight: Tensor,
+    norm_bias: Tensor | None,
+    eps: float,
+    rms: bool,
+    weight: Tensor,
+    bias: Tensor | None,
+    fp8: Fp8Weight,
+) -> Tensor:
+    """`norm_linear` with the projection in FP8."""
+    if use_triton(x, norm_weight, norm_bias, weight, bias):
+        return _Fp8NormLinearFunction.apply(x, norm_weight, norm_bias, eps, rms, weight, bias, fp8)
+    if rms:
+        normed = rms_norm_reference(x, norm_weight, eps)
+    else:
+        normed = layer_norm_reference(x, norm_weight, norm_bias, eps)
+    return fp8_linear(normed, weight, bias, fp8)
+
+
+def fp8_gated_linear(
+    x: Tensor, weight: Tensor, bias: Tensor | None, activation: str, fp8: Fp8Weight
+) -> Tensor:
+    """`gated_linear` with the projection in FP8."""
+    if use_triton(x, weight, bias):
+        return _Fp8GatedLinearFunction.apply(x, weight, bias, activation, fp8)
+    gate, up = x.chunk(2, dim=-1)
+    return fp8_linear(gated_activation_reference(gate, up, activation), weight, bias, fp8)
+
+
+class _Fp8NormLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, norm_weight, norm_bias, eps, rms, weight, bias, fp8):
+        rows = as_rows(x)
+        if fp8.recipe.tensorwise:
+            normed, mean, rstd = norm_forward(rows, norm_weight, norm_bias, eps, rms)
+            out, amax = forward_product(normed, weight, bias, fp8)
+            del normed
+        else:
+            quantized, mean, rstd = _norm_quantized(rows, norm_weight, norm_bias, eps, rms)
+            out, amax = product_of_rows(quantized, weight, bias, fp8, x.dtype), None
+        ctx.save_for_backward(rows, norm_weight, norm_bias, mean, rstd, weight, amax)
+        ctx.eps, ctx.rms, ctx.fp8 = eps, rms, fp8
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, norm_weight, norm_bias, mean, rstd, weight, amax = ctx.saved_tensors
+        grad_rows = as_rows(grad)
+        need_x, need_norm_weight, need_norm_bias = ctx.needs_input_grad[:3]
+        need_weight, need_bias = ctx.needs_input_grad[5:7]
+        need_normed = need_x or need_norm_weight or need_norm_bias
+        normed = (
+            norm_forward(rows, norm_weight, norm_bias, ctx.eps, ctx.rms)[0] if need_weight else None
+        )
+        d_normed, d_weight = backward_products(
+            grad_rows, normed, amax, weight, ctx.fp8, need_normed
+        )
+        del normed
+        d_bias = bias_gradient(grad_rows, ctx.bias_dtype) if need_bias else None
+        dx = d_norm_weight = d_norm_bias = None
+        if d_normed is not None:
+            bias_dtype = None if norm_bias is None else norm_bias.dtype
+            dx, d_norm_weight, d_norm_bias = norm_backward(
+                d_normed, rows, norm_weight, mean, rstd, ctx.rms, bias_dtype
+            )
+            dx = dx.view(*grad.shape[:-1], rows.shape[1])
+        return dx, d_norm_weight, d_norm_bias, None, None, d_weight, d_bias, None
+
+
+class _Fp8GatedLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, activation, fp8):
+        x2 = as_rows(x)
+        if fp8.recipe.tensorwise:
+            out, amax = forward_product(_gated_rows(x2, activation), weight, bias, fp8)
+        else:
+            quantized = _gated_quantized(x2, activation)
+            out, amax = product_of_rows(quantized, weight, bias, fp8, x.dtype), None
+        ctx.save_for_backward(x2, weight, amax)
+        ctx.activation, ctx.fp8 = activation, fp8
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x2, weight, amax = ctx.saved_tensors
+        need_x, need_weight, need_bias = ctx.needs_input_grad[:3]
+        dy2 = as_rows(dy)
+        activated = _gated_rows(x2, ctx.activation) if need_weight else None
+        d_activation, d_weight = backward_products(dy2, activated, amax, weight, ctx.fp8, need_x)
+        del activated
+        d_bias = bias_gradient(dy2, ctx.bias_dtype) if need_bias else None
+        dx = None
+        if d_activation is not None:
+            d = x2.shape[1] // 2
+            dx2 = torch.empty_like(x2)
+            _launch_backward(
+                d_activation, x2[:, :d], x2[:, d:], dx2[:, :d], dx2[:, d:], ctx.activation
+            )
+            dx = dx2.view(*dy.shape[:-1], 2 * d)
+        return dx, d_weight, d_bias, None, None
+
+
+def _norm_quantized(
+    rows: Tensor, weight: Tensor, bias: Tensor | None, eps: float, is_rms: bool
+) -> tuple[Fp8Tensor, Tensor, Tensor]:
+    """norm(rows) in e4m3 with one scale per row, and the rows' means and reciprocal stds."""
+    n_rows, n_cols = rows.shape
+    block, num_warps = row_block(n_cols)
+    q = torch.empty((n_rows, n_cols), dtype=E4M3, device=rows.device)
+    scale = torch.empty((n_rows, 1), dtype=torch.float32, device=rows.device)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=rows.device)
+    mean = rstd if is_rms else torch.empty_like(rstd)  # never written for RMSNorm
+    _norm_quantize_kernel[(n_rows,)](
+        rows, rows.stride(0), q, scale, weight, bias if bias is not None else weight, mean, rstd,
+        n_cols, eps, IS_RMS=is_rms, HAS_BIAS=bias is not None, FP8_MAX=FP8_MAX[E4M3],
+        BLOCK=block, num_warps=num_warps,
+    )  # fmt: skip
+    return Fp8Tensor(q, scale), mean, rstd
+
+
+def _gated_quantized(x2: Tensor, activation: str) -> Fp8Tensor:
+    """act(gate) * up of [gate | up] rows in e4m3 with one scale per row."""
+    n_rows, d = x2.shape[0], x2.shape[1] // 2
+    block, num_warps = row_block(d)
+    q = torch.empty((n_rows, d), dtype=E4M3, device=x2.device)
+    scale = torch.empty((n_rows, 1), dtype=torch.float32, device=x2.device)
+    _gated_quantize_kernel[(n_rows,)](
+        x2, x2.stride(0), q, scale, d, ACTIVATION=activation, FP8_MAX=FP8_MAX[E4M3],
+        BLOCK=block, num_warps=num_warps,
+    )  # fmt: skip
+    return Fp8Tensor(q, scale)
+
+
+@triton.jit
+def _norm_quantize_kernel(
+    x_ptr, x_row_stride, q_ptr, scale_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, n_cols, eps,
+    IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """norm.py's forward kernel, its output row quantized in registers."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    if IS_RMS:
+        xc = x
+    else:
+        mean = tl.sum(x, axis=0) / n_cols
+        xc = tl.where(mask, x - mean, 0.0)
+        tl.store(mean_ptr + row, mean)
+    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / n_cols + eps)
+    tl.store(rstd_ptr + row, rstd)
+    y = xc * rstd * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = tl.where(mask, y, 0.0)
+    multiplier = power_of_two_multiplier(tl.max(tl.abs(y), axis=0), FP8_MAX)
+    tl.store(q_ptr + row * n_cols + cols, (y * multiplier).to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr + row, tl.math.div_rn(1.0, multiplier))
+
+
+@triton.jit
+def _gated_quantize_kernel(
+    x_ptr, x_row_stride, q_ptr, scale_ptr, d,
+    ACTIVATION: tl.constexpr, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < d
+    g = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * x_row_stride + d + cols, mask=mask, other=0.0).to(tl.float32)
+    a, _ = _activation_and_derivative(g, ACTIVATION)
+    y = a * u  # zero where masked: act(0) * 0
+    multiplier = power_of_two_multiplier(tl.max(tl.abs(y), axis=0), FP8_MAX)
+    tl.store(q_ptr + row * d + cols, (y * multiplier).to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr + row, tl.math.div_rn(1.0, multiplier))

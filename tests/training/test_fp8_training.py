@@ -1,0 +1,97 @@
+"""Training with `model.distributed.fp8_linear`: on CPU the FP8 rounding is emulated (the GPU
+computes the same products with `torch._scaled_mm`), so these tests pin the recipes' wiring."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastllm.config import ConfigError
+from fastllm_kernels.fp8 import quantize
+from fastllm_kernels.fp8_linear import E4M3
+from tests.training.test_data_parallel import _assert_ranks_match_one_process
+from tests.training.test_training_options import GATED, trainer
+
+BF16 = ("model.distributed.training_dtype=bfloat16", *GATED)
+RECIPES = ("tensorwise", "rowwise")
+
+
+def _losses(run, steps: int) -> list[float]:
+    return [run.train_step(batch)["loss"] for batch in itertools.islice(run.data_loader(), steps)]
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_recipes_train_close_to_bf16_but_not_identically(
+    dataset: Path, tmp_path: Path, recipe: str
+) -> None:
+    options = ("training.train_iters=3", *BF16)
+    bf16 = _losses(trainer(dataset, tmp_path / "bf16", *options), 3)
+    run = trainer(dataset, tmp_path / recipe, *options, f"model.distributed.fp8_linear={recipe}")
+    fp8 = _losses(run, 3)
+    assert fp8 != bf16, "the linear layers computed in FP8"
+    assert fp8 == pytest.approx(bf16, rel=2e-2)
+
+
+def test_fp8_weights_are_requantized_after_each_optimizer_step(
+    dataset: Path, tmp_path: Path
+) -> None:
+    run = trainer(
+        dataset, tmp_path / "run", "training.train_iters=2", *BF16,
+        "model.distributed.fp8_linear=rowwise",
+    )  # fmt: skip
+    weight = run.model.layers[0].mlp.layer_2.weight
+    micro_batches = next(iter(run.data_loader()))
+    run.forward_backward(micro_batches[0])
+    first = weight.fp8.rows(weight)
+    run.forward_backward(micro_batches[1])
+    assert weight.fp8.rows(weight) is first, "one quantization per step, not per micro-batch"
+    run.optimizer_step()
+    again = weight.fp8.rows(weight)
+    expected = quantize(weight.detach(), E4M3, tensorwise=False, rows=True)
+    assert not torch.equal(again.rows.data.float(), first.rows.data.float())
+    assert torch.equal(again.rows.data.float(), expected.rows.data.float())
+
+
+def test_an_fp8_run_resumes_bit_for_bit(dataset: Path, tmp_path: Path) -> None:
+    """Current scaling keeps no scale state: a restored run requantizes the restored weights."""
+    options = ("training.train_iters=4", *BF16, "model.distributed.fp8_linear=tensorwise")
+    straight = _losses(trainer(dataset, tmp_path / "straight", *options), 4)
+    first = trainer(dataset, tmp_path / "first", *options)
+    assert _losses(first, 2) == straight[:2]
+    first.wait_for_checkpoints()
+    checkpoint = first.save_checkpoint()
+    first.wait_for_checkpoints()
+    resumed = trainer(dataset, tmp_path / "second", *options)
+    resumed.load_checkpoint(checkpoint)
+    assert _losses(resumed, 2) == straight[2:]
+
+
+def test_fp8_refuses_float32_compute(dataset: Path, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"model\.distributed\.fp8_linear.*training_dtype"):
+        trainer(dataset, tmp_path, "model.distributed.fp8_linear=rowwise")
+
+
+def test_fp8_marks_the_block_projections_and_leaves_embedding_and_head_bf16(
+    dataset: Path, tmp_path: Path
+) -> None:
+    run = trainer(dataset, tmp_path, *BF16, "model.distributed.fp8_linear=rowwise")
+    marked = {name for name, p in run.model.named_parameters() if hasattr(p, "fp8")}
+    projections = ("query_key_value", "dense", "layer_1", "layer_2")
+    expected = {
+        f"layers.{i}.{module}.{name}.weight"
+        for i in range(len(run.model.layers))
+        for module, name in zip(("attention",) * 2 + ("mlp",) * 2, projections, strict=True)
+    }
+    assert marked == expected
+
+
+def test_fp8_on_two_zero2_ranks_matches_one_process(dataset: Path, tmp_path: Path) -> None:
+    """The weight gradients reach the sharded buffers through autograd (not a gradient sink),
+    and each rank requantizes its weights after the all-gather of the new shards."""
+    _assert_ranks_match_one_process(
+        dataset, tmp_path, 2, "bfloat16", *GATED, "model.multi_stage.zero_stage=2",
+        "model.distributed.fp8_linear=rowwise",
+    )  # fmt: skip
