@@ -262,7 +262,8 @@ def run_fastllm(spec: dict[str, Any]) -> dict[str, Any]:
         "cross_document_attention": getattr(config.batch, "cross_document_attention", None),
         "flops_per_token": flops_per_token(config.model.base_model, config.batch.sequence_length),
         "precision": "bf16 compute, fp32 master weights, gradients and Adam moments"
-        + _fp8_note(config.model.distributed.fp8_linear),
+        # getattr: a baseline commit's config may predate the key (its wheels run this script).
+        + _fp8_note(getattr(config.model.distributed, "fp8_linear", "none")),
         **timing,
     }
 
