@@ -252,3 +252,43 @@ fn paths_that_match_nothing_are_errors_naming_them() {
     };
     assert_eq!(read_all(&as_text).0, ["a,b"]);
 }
+
+#[test]
+fn a_named_pipe_is_opened_once_and_read_whole() {
+    // The format sniffing that regular files get would take the pipe's first lines from the
+    // reader, and open it a second time: once the writer is gone, that open blocks for good.
+    let dir = tempfile::tempdir().unwrap();
+    let pipe = dir.path().join("stream.jsonl");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&pipe)
+        .status()
+        .unwrap();
+    assert!(made.success());
+    let expected = texts(2_000, "streamed");
+    let lines: String = expected
+        .iter()
+        .map(|text| serde_json::json!({ "text": text }).to_string() + "\n")
+        .collect();
+    let writer = {
+        let pipe = pipe.clone();
+        std::thread::spawn(move || fs::write(pipe, lines).unwrap())
+    };
+    let (sender, receiver) = std::sync::mpsc::channel();
+    let spec = spec(&[&pipe]);
+    std::thread::spawn(move || {
+        let mut reader = DocumentReader::open(&spec).unwrap();
+        let mut read = (Vec::new(), Vec::new());
+        while let Some(batch) = reader.next_batch(4096) {
+            read.0.extend(batch.documents.into_iter().map(|d| d.text));
+            read.1
+                .extend(batch.bad_records.iter().map(ToString::to_string));
+        }
+        sender.send(read).unwrap();
+    });
+    let (got, bad) = receiver
+        .recv_timeout(std::time::Duration::from_secs(30))
+        .expect("reading the pipe is stuck");
+    writer.join().unwrap();
+    assert_eq!(bad, Vec::<String>::new());
+    assert_eq!(got, expected);
+}

@@ -100,8 +100,15 @@ fn input(
         (format, walk(&path, extensions)?)
     } else {
         let format = match format {
+            // Only a regular file is sniffed: reading a pipe's first line here would take it
+            // from the reader, and open the pipe a second time (which blocks for good once
+            // its writer is gone).
             InputFormat::Auto => match format_of(&path)? {
-                InputFormat::Jsonl if is_conversation(&path, &fields(spec)) => InputFormat::Chat,
+                InputFormat::Jsonl
+                    if metadata.is_file() && is_conversation(&path, &fields(spec)) =>
+                {
+                    InputFormat::Chat
+                }
                 format => format,
             },
             format => format,
