@@ -261,6 +261,11 @@ class FlatModel:
         return any(meta.tied for meta in self.metas.values())
 
     @property
+    def tied_here(self) -> bool:
+        """The head reads the embedding's own weights (tied, and on this rank)."""
+        return self.tied and self.tied_copy is None
+
+    @property
     def mixed_precision(self) -> bool:
         return self.compute_dtype != torch.float32
 

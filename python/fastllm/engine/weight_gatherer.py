@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from fastllm.engine.pipeline.schedule import stages_read
+
 if TYPE_CHECKING:
     from fastllm.engine.flat_model import FlatModel
 
@@ -36,7 +38,6 @@ class WeightGatherer:
         self.pending: dict[int, Any] = {}
         """Stages whose all-gather is still in flight."""
         self.last = flat.layout.num_stages - 1
-        self.tied = flat.tied and flat.tied_copy is None
 
     def install_hooks(self, modules: list[list[torch.nn.Module]]) -> None:
         """Gather in the stages' forward and backward passes (one process per pipeline)."""
@@ -45,9 +46,8 @@ class WeightGatherer:
             stage_modules[-1].register_forward_hook(self._output_hook(stage))
 
     def needs(self, stage: int) -> set[int]:
-        """Stages whose weights running `stage` reads (a tied head reads the embedding, unless
-        it has a copy of its own)."""
-        return {stage, 0} if stage == self.last and self.tied else {stage}
+        """Stages whose weights running `stage` reads."""
+        return stages_read(stage, self.last + 1, self.flat.tied_here)
 
     def prefetch(self, stage: int) -> None:
         if stage in self.gathered:

@@ -20,7 +20,15 @@ from torch import Tensor
 
 from fastllm.engine import point_to_point
 from fastllm.engine.flat_model import FlatModel, stage_positions
-from fastllm.engine.pipeline.schedule import Layout, Op, Program, Step, build_programs, dependency
+from fastllm.engine.pipeline.schedule import (
+    Layout,
+    Op,
+    Program,
+    Step,
+    build_programs,
+    dependency,
+    stages_read,
+)
 from fastllm.model.gpt import Context, GPTModel
 
 MicroBatch = tuple[Tensor, Tensor, Tensor | None]
@@ -70,11 +78,7 @@ class PipelineRunner:
 
     def _needs(self, stage: int) -> list[int]:
         """The stages whose weights running `stage` reads."""
-        gatherer = self.flat.gatherer
-        if gatherer is not None:
-            return sorted(gatherer.needs(stage))
-        tied_here = self.flat.tied and self.flat.tied_copy is None
-        return sorted({0, stage}) if tied_here and stage == self.layout.num_stages - 1 else [stage]
+        return sorted(stages_read(stage, self.layout.num_stages, self.flat.tied_here))
 
     def _global(self, pipeline_rank: int) -> int:
         return dist.get_global_rank(self.flat.pipeline.group, pipeline_rank)

@@ -22,7 +22,7 @@ from pathlib import Path
 import msgspec
 
 from fastllm.config import TrainerConfig
-from fastllm.engine.pipeline.schedule import Layout, Program, Step, build_programs
+from fastllm.engine.pipeline.schedule import Layout, Program, Step, build_programs, stages_read
 
 EFFECTIVE_TFLOPS = 550.0
 """Default compute rate: what our dense training sustains on one H200 (56% MFU of 989 TFLOP/s:
@@ -91,11 +91,11 @@ def programs_for(config: TrainerConfig, world_size: int) -> list[Program]:
     data_size = distributed.data_parallel(world_size)
     tied = config.model.base_model.tie_word_embeddings
     last = layout.num_stages - 1
-    # As WeightGatherer.needs: a tied head on the embedding's rank reads stage 0's weights.
+    # As FlatModel.tied_here: the head has no copy of its own when it shares the rank.
     tied_here = tied and layout.rank_of(last) == layout.rank_of(0)
 
     def needs(stage: int) -> set[int]:
-        return {stage, 0} if stage == last and tied_here else {stage}
+        return stages_read(stage, layout.num_stages, tied_here)
 
     return build_programs(
         layout,
