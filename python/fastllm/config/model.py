@@ -258,6 +258,12 @@ class DistributedConfig(Section):
     contiguous chunk of it (attention all-gathers the keys and values of the earlier chunks);
     it must divide the data-parallel size. ZeRO and the gradient sum still span the whole
     data group."""
+    expert_parallel: int = 1
+    """Consecutive ranks of the data group that split each mixture's experts among them
+    (rank r of E holds experts r·N/E to (r+1)·N/E - 1) and send each other the tokens routed
+    to them (all-to-all); it must divide the data-parallel size and
+    model.base_model.transformer.num_experts. The expert parameters get buffers of their own,
+    which ZeRO shards over the data ranks holding the same experts."""
     fp8_linear: Literal["none", "tensorwise", "rowwise"] = "none"
     """FP8 compute of the blocks' linear layers (attention q/k/v and output, dense MLP; the
     embedding, the head and mixture-of-experts layers stay bf16; the fp32 master weights and
@@ -271,6 +277,7 @@ class DistributedConfig(Section):
         check_positive(self.tensor_parallel, "tensor_parallel")
         check_positive(self.sequence_data_parallel, "sequence_data_parallel")
         check_positive(self.pipeline_parallel, "pipeline_parallel")
+        check_positive(self.expert_parallel, "expert_parallel")
 
     def data_parallel(self, world_size: int) -> int:
         """The data-parallel size of `world_size` ranks, or a config error naming the keys."""
@@ -288,6 +295,12 @@ class DistributedConfig(Section):
                 f"({self.sequence_data_parallel}) must divide the data-parallel size "
                 f"({data_size}: {world_size} ranks over model.distributed.tensor_parallel × "
                 "pipeline_parallel)",
+            )
+        if data_size % self.expert_parallel:
+            raise ConfigError(
+                "model.distributed.expert_parallel",
+                f"({self.expert_parallel}) must divide the data-parallel size ({data_size}: "
+                f"{world_size} ranks over model.distributed.tensor_parallel × pipeline_parallel)",
             )
         return data_size
 
@@ -336,6 +349,7 @@ class ModelConfig(Section):
 
     def validate(self) -> None:
         self._validate_fp8()
+        self._validate_expert_parallel()
         pipeline = self.distributed.pipeline_parallel
         stages = self.multi_stage.num_stages(self.base_model.transformer.num_layers)
         if pipeline > stages:
@@ -367,6 +381,25 @@ class ModelConfig(Section):
             if value % tensor:
                 raise ConfigError(
                     key, f"({tensor}) must divide {field} ({value}): each rank holds a slice"
+                )
+
+    def _validate_expert_parallel(self) -> None:
+        distributed, key = self.distributed, "distributed.expert_parallel"
+        experts, size = self.base_model.transformer.num_experts, distributed.expert_parallel
+        if size == 1:
+            return
+        if experts % size:
+            raise ConfigError(
+                key,
+                f"({size}) must divide model.base_model.transformer.num_experts ({experts}): "
+                "each rank holds an equal share of the experts",
+            )
+        for name in ("tensor_parallel", "pipeline_parallel"):
+            if getattr(distributed, name) > 1:
+                raise ConfigError(
+                    key,
+                    f"expert parallelism with model.distributed.{name} > 1 is not implemented "
+                    f"yet (expert_parallel={size}, {name}={getattr(distributed, name)})",
                 )
 
     def _validate_fp8(self) -> None:

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fastllm.config.model import BaseModelConfig, NoRotaryConfig
+from fastllm.engine.expert_parallel import ExpertParallel
 from fastllm.engine.sequence_data_parallel import SequenceDataParallel
 from fastllm.engine.tensor_parallel import (
     TensorParallel,
@@ -56,7 +57,8 @@ class GPTModel(torch.nn.Module):
     With `tp` of more than one rank, this rank's slice of the model: a vocab-parallel
     embedding and head, column- and row-parallel projections (see engine/tensor_parallel.py).
     With `sdp` of more than one rank, the inputs are this rank's chunk of each sequence
-    (engine/sequence_data_parallel.py). Every parameter carries a `ParameterMeta`
+    (engine/sequence_data_parallel.py). With `ep` of more than one rank, each mixture of
+    experts holds this rank's share of the experts (engine/expert_parallel.py). Every parameter carries a `ParameterMeta`
     (model/parameters.py)."""
 
     def __init__(
@@ -64,6 +66,7 @@ class GPTModel(torch.nn.Module):
         config: BaseModelConfig,
         tp: TensorParallel | None = None,
         sdp: SequenceDataParallel | None = None,
+        ep: ExpertParallel | None = None,
     ) -> None:
         super().__init__()
         transformer = config.transformer
@@ -81,7 +84,7 @@ class GPTModel(torch.nn.Module):
             tied=config.tie_word_embeddings,
         )
         self.layers = torch.nn.ModuleList(
-            TransformerBlock(transformer, i, self.tp, self.sdp)
+            TransformerBlock(transformer, i, self.tp, self.sdp, ep)
             for i in range(transformer.num_layers)
         )
         self.final_norm = Normalization(transformer.normalization, hidden)

@@ -25,7 +25,17 @@ if TYPE_CHECKING:
 
 
 def sharded_state(flat: FlatModel, kinds: tuple[str, ...]) -> ShardedState:
-    """The engine's shards of `kinds`, as views."""
+    """The engine's shards of `kinds`, as views (with expert parallelism, the experts' in
+    `experts`)."""
+    state = _part_state(flat, kinds)
+    if flat.experts is not None:
+        expert = flat.mesh.expert
+        state.expert_size, state.expert_rank = expert.size, expert.rank
+        state.experts = _part_state(flat.experts, kinds)
+    return state
+
+
+def _part_state(flat: FlatModel, kinds: tuple[str, ...]) -> ShardedState:
     return ShardedState(
         specs=flat.specs,
         shapes={name: tuple(flat.shapes[name]) for name in flat.names},

@@ -22,6 +22,7 @@ from fastllm.config import ConfigError, TrainerConfig
 from fastllm.data import Batch, DataLoader, SampleStream
 from fastllm.engine.compile import apply_compile
 from fastllm.engine.data_parallel import gather_weights
+from fastllm.engine.expert_parallel import ExpertParallel
 from fastllm.engine.flat_model import FlatModel
 from fastllm.engine.fp8 import apply_fp8
 from fastllm.engine.learning_rate import learning_rate
@@ -63,8 +64,10 @@ class Trainer:
         tp = TensorParallel(tensor.size, tensor.rank, tensor.group, self.mesh.sequence_parallel)
         sequence_data = self.mesh.sequence_data
         sdp = SequenceDataParallel(sequence_data.size, sequence_data.rank, sequence_data.group)
+        expert = self.mesh.expert
+        ep = ExpertParallel(expert.size, expert.rank, expert.group)
         with torch.device("meta"):
-            self.model = GPTModel(config.model.base_model, tp, sdp)
+            self.model = GPTModel(config.model.base_model, tp, sdp, ep)
         stages = config.model.multi_stage
         self.micro_batch_size, self.layout = self._step_layout()
         pipelined = self.layout.pipeline > 1 or self.layout.breadth_first > 1
@@ -73,6 +76,11 @@ class Trainer:
                 "schedule.micro_batch_splits",
                 "with model.distributed.pipeline_parallel > 1 or "
                 "schedule.breadth_first_micro_batches > 1 is not supported yet",
+            )
+        if pipelined and ep.split:
+            raise ConfigError(
+                "model.distributed.expert_parallel",
+                "with schedule.breadth_first_micro_batches > 1 is not implemented yet",
             )
         self.flat = FlatModel(
             self.model,
@@ -434,6 +442,8 @@ class Trainer:
             )
         if mesh.sequence_data.size > 1:
             parts.append(f"sequence-data parallel {mesh.sequence_data.size}")
+        if mesh.expert.size > 1:
+            parts.append(f"expert parallel {mesh.expert.size}")
         if config.schedule.micro_batch_splits > 1:
             parts.append(f"sequences in {config.schedule.micro_batch_splits} pieces")
         parts.append(f"{stages.recompute} recomputation")
