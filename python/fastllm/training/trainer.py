@@ -62,7 +62,12 @@ class Trainer:
         tensor = self.mesh.tensor
         tp = TensorParallel(tensor.size, tensor.rank, tensor.group, self.mesh.sequence_parallel)
         sequence_data = self.mesh.sequence_data
-        sdp = SequenceDataParallel(sequence_data.size, sequence_data.rank, sequence_data.group)
+        sdp = SequenceDataParallel(
+            sequence_data.size,
+            sequence_data.rank,
+            sequence_data.group,
+            config.model.distributed.sequence_data_chunking,
+        )
         with torch.device("meta"):
             self.model = GPTModel(config.model.base_model, tp, sdp)
         stages = config.model.multi_stage
@@ -450,7 +455,8 @@ class Trainer:
                 f"{stages.layers_per_stage} layer(s)/stage"
             )
         if mesh.sequence_data.size > 1:
-            parts.append(f"sequence-data parallel {mesh.sequence_data.size}")
+            chunks = config.model.distributed.sequence_data_chunking.replace("_", "-")
+            parts.append(f"sequence-data parallel {mesh.sequence_data.size} ({chunks} chunks)")
         if config.schedule.micro_batch_splits > 1:
             parts.append(f"sequences in {config.schedule.micro_batch_splits} pieces")
         parts.append(f"{stages.recompute} recomputation")
