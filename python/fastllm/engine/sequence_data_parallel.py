@@ -7,8 +7,10 @@ every rank).
 Only attention mixes positions, so only attention communicates: each rank all-gathers the
 keys and values of the group's chunks and keeps those of its causal prefix (up to the end of
 its last chunk), and their gradients are reduce-scattered back to the chunks' owners in the
-backward pass. Each of its chunks attends to the prefix up to its own end. Everything else (ZeRO, the gradient reduction over the data group) sees S more data
-ranks, whose micro-batches are chunks weighted by their trained tokens (Trainer.token_shares).
+backward pass; both collectives run while the queries' part of the work is done. Each of its
+chunks attends to the prefix up to its own end. Everything else (ZeRO, the gradient
+reduction over the data group) sees S more data ranks, whose micro-batches are chunks
+weighted by their trained tokens (Trainer.token_shares).
 
 The kernels know nothing of this: they only learn that the queries may be the last positions
 of the keys (fastllm_kernels.attention)."""
@@ -84,10 +86,19 @@ class SequenceDataParallel:
 class KeyValueGather:
     """The all-gather of one layer's keys and values (batch, chunk, kv_heads, head_size) over
     the group, started as soon as they exist so that it runs while the queries are projected
-    and rotated; `finish` waits for it and returns those of the causal prefix."""
+    and rotated; `finish` waits for it and returns those of the causal prefix.
+
+    In the backward pass the reduce-scatter of their gradients is started as soon as they
+    exist too, and waited for only where the key/value projection's backward pass reads them:
+    autograd runs the query branch's backward passes (created later in the forward pass)
+    first, meanwhile."""
 
     def __init__(self, k: Tensor, v: Tensor, sdp: SequenceDataParallel) -> None:
-        self.k, self.v, self.sdp = k, v, sdp
+        self.sdp = sdp
+        self.reduction: dist.Work | None = None
+        self.in_flight: Tensor | None = None
+        """What the reduction reads, kept alive until it is done."""
+        self.k, self.v = _ReducedGradients.apply(k, v, self)
         local = torch.stack([k.detach(), v.detach()])
         self.gathered = local.new_empty((sdp.size, *local.shape))
         self.work = dist.all_gather_into_tensor(
@@ -99,11 +110,29 @@ class KeyValueGather:
         return k, v
 
 
+class _ReducedGradients(torch.autograd.Function):
+    """The identity; its backward pass waits for the reduce-scatter `_GatheredPrefix`'s
+    started, which fills the gradients it is handed."""
+
+    @staticmethod
+    def forward(ctx: Any, k: Tensor, v: Tensor, pending: KeyValueGather) -> tuple[Tensor, Tensor]:
+        ctx.pending = pending
+        return k.view_as(k), v.view_as(v)
+
+    @staticmethod
+    def backward(ctx: Any, d_k: Tensor, d_v: Tensor) -> tuple[Tensor, Tensor, None]:
+        pending: KeyValueGather = ctx.pending
+        assert pending.reduction is not None
+        pending.reduction.wait()
+        pending.reduction = pending.in_flight = None
+        return d_k, d_v, None
+
+
 class _GatheredPrefix(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, k: Tensor, v: Tensor, pending: KeyValueGather) -> tuple[Tensor, Tensor]:
         sdp = pending.sdp
-        ctx.sdp = sdp
+        ctx.pending = pending
         ctx.local, ctx.pieces = k.shape[1], sdp.pieces(k.shape[1])
         pending.work.wait()
         # (ranks, 2, batch, local, ...) → (2, batch, prefix, ...), in sequence order.
@@ -113,7 +142,8 @@ class _GatheredPrefix(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, d_k: Tensor, d_v: Tensor) -> tuple[Tensor, Tensor, None]:
-        sdp: SequenceDataParallel = ctx.sdp
+        pending: KeyValueGather = ctx.pending
+        sdp = pending.sdp
         # Positions after this rank's last received no gradient from its queries: zeros.
         grads = d_k.new_zeros((sdp.size, 2, d_k.shape[0], ctx.local, *d_k.shape[2:]))
         position = 0
@@ -123,5 +153,9 @@ class _GatheredPrefix(torch.autograd.Function):
             grads[rank, 1, :, start:end] = d_v[:, part]
             position += end - start
         mine = grads.new_empty(grads.shape[1:])
-        dist.reduce_scatter_tensor(mine.view(-1), grads.view(-1), group=sdp.group)
+        # Filled when `_ReducedGradients` waits: nothing reads them before.
+        pending.in_flight = grads
+        pending.reduction = dist.reduce_scatter_tensor(
+            mine.view(-1), grads.view(-1), group=sdp.group, async_op=True
+        )
         return mine[0], mine[1], None
