@@ -1,8 +1,9 @@
 """Pipeline parallelism under torchrun (Gloo, fp32) against the single-process run of the same
 global batch and accumulation: losses (validation included) and final weights within 1e-5
 relative over 10 steps, with looped and plain placements, breadth- and depth-first orders,
-sequences in pieces (micro-sequences), a tied head on another rank than its embedding, data parallelism at every ZeRO stage, tensor
-parallelism, and checkpoints that move between pipeline sizes."""
+sequences in pieces (micro-sequences), a tied head on another rank than its embedding, data
+parallelism at every ZeRO stage, tensor parallelism, and checkpoints that move between
+pipeline sizes."""
 
 from __future__ import annotations
 

@@ -244,6 +244,8 @@ class Trainer:
         """Each piece's share of the batch's trained tokens: its micro-batch's, split by the
         pieces' trained tokens."""
         splits, result = self.config.schedule.micro_batch_splits, []
+        if splits == 1:
+            return [[share] for share in shares]
         for batch, share in zip(micro_batches, shares, strict=True):
             trained = (self.model.sdp.chunk(batch.labels) != -100).reshape(
                 batch.labels.shape[0], splits, -1

@@ -1,6 +1,7 @@
 """Runs one rank's `Program` of a training step: its stages' forward and backward passes on
-its micro-batches (or their pieces: `schedule.micro_batch_splits`), the transfers of activations and input gradients with the neighbouring
-pipeline ranks, and the ZeRO gathers and reductions the program places.
+its micro-batches (or their pieces: `schedule.micro_batch_splits`), the transfers of
+activations and input gradients with the neighbouring pipeline ranks, and the ZeRO gathers
+and reductions the program places.
 
 Each stage is an autograd graph of its own: its input is a leaf that requires a gradient,
 and its backward pass is `torch.autograd.backward` from the received output gradient (the

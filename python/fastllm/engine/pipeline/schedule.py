@@ -4,12 +4,12 @@ A step is a list of `Step`s (the forward or backward pass of one stage on one pi
 micro-batch: with `schedule.micro_batch_splits`, each micro-batch's sequences are cut into
 pieces that go through the stages one after another, a piece's attention reading the keys and
 values of the earlier pieces on the same stage, so a stage's backward passes of a micro-batch
-run in reverse piece order). Each pipeline rank runs the steps of its stages (stage s on rank s mod P) in an order fixed
-here, cost-independent:
+run in reverse piece order). Each pipeline rank runs the steps of its stages (stage s on rank
+s mod P) in an order fixed here, cost-independent:
 - breadth_first: for each depth-first group, every stage in turn runs the group's
   micro-batches (their pieces in order) back to back, forward through the stages, then
-  backward in reverse (the pieces of each micro-batch last to first), so
-  ZeRO gathers and reduces each stage once per group (Lamy-Poirier 2023, arXiv 2211.05953);
+  backward in reverse (the pieces of each micro-batch last to first), so ZeRO gathers and
+  reduces each stage once per group (Lamy-Poirier 2023, arXiv 2211.05953);
 - depth_first (1F1B): each rank starts a backward as soon as one is ready and holds at most
   as many micro-batches in flight as the pipeline ranks after it (the order a greedy run with
   unit costs gives).
