@@ -120,12 +120,18 @@ run_part() {
       done ;;
     sdp-x2)
       # llama-1b with sequence-data parallelism 2 at 128k and 256k tokens (one sequence shared
-      # by the 2 GPUs); the one-GPU 128k figure is part long's.
-      for seq in 131072 262144; do
-        python3 bench/scale_bench.py --config examples/llama3-1b.yaml --gpus 2 --micro-batch 1 \
-          --per-gpu-batch 1 --seq "$seq" --steps 5 --skip 1 --kill-at-end --timeout 200 \
-          --set model.distributed.sequence_data_parallel=2 \
-          --commit "$COMMIT" --out "$RES/sdp2_1b_$seq" 2>&1 | tail -4
+      # by the 2 GPUs), in contiguous and head-tail chunks (which is faster decides
+      # model.distributed.sequence_data_chunking's default); the one-GPU 128k figure is part
+      # long's. SDP_SEQS / SDP_CHUNKINGS pick a subset (all four runs may pass 10 minutes:
+      # then split them over two calls, e.g. SDP_SEQS=262144).
+      for seq in ${SDP_SEQS:-131072 262144}; do
+        for chunking in ${SDP_CHUNKINGS:-contiguous head_tail}; do
+          python3 bench/scale_bench.py --config examples/llama3-1b.yaml --gpus 2 --micro-batch 1 \
+            --per-gpu-batch 1 --seq "$seq" --steps 5 --skip 1 --kill-at-end --timeout 200 \
+            --set model.distributed.sequence_data_parallel=2 \
+            "model.distributed.sequence_data_chunking=$chunking" \
+            --commit "$COMMIT" --out "$RES/sdp2_1b_${seq}_$chunking" 2>&1 | tail -4
+        done
       done ;;
     ep-x2)
       # The Mixtral geometry cut to EP_LAYERS layers (default 4), micro-batch 2 × 4096, 4

@@ -254,10 +254,15 @@ class DistributedConfig(Section):
     runs on pipeline rank s mod pipeline_parallel, so more stages than ranks loops over them.
     The order of the micro-batches through the stages is `schedule`'s."""
     sequence_data_parallel: int = 1
-    """Consecutive ranks of the data group that share each sequence, each computing one
-    contiguous chunk of it (attention all-gathers the keys and values of the earlier chunks);
-    it must divide the data-parallel size. ZeRO and the gradient sum still span the whole
-    data group."""
+    """Consecutive ranks of the data group that share each sequence, each computing a part of
+    it (`sequence_data_chunking`; attention all-gathers the keys and values of the earlier
+    chunks); it must divide the data-parallel size. ZeRO and the gradient sum still span the
+    whole data group."""
+    sequence_data_chunking: Literal["contiguous", "head_tail"] = "contiguous"
+    """How the sequence-data ranks share a sequence: contiguous (rank r of S computes chunk r
+    of S) or head_tail (chunks r and 2S-1-r of 2S: with causal attention every rank then
+    attends to as many keys, where with contiguous chunks the last rank does S times the
+    first's attention work; the sequence length must be divisible by 2S)."""
     expert_parallel: int = 1
     """Consecutive ranks of the data group that split each mixture's experts among them
     (rank r of E holds experts r·N/E to (r+1)·N/E - 1) and send each other the tokens routed

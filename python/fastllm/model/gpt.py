@@ -124,15 +124,19 @@ class GPTModel(torch.nn.Module):
 
         `document_ids` (batch, seq) keeps attention inside documents of packed samples, and
         positions restart with each document unless `position_ids` are given. With
-        sequence-data parallelism `input_ids` are this rank's chunk of the sequences and
-        `document_ids` cover them up to the end of that chunk."""
+        sequence-data parallelism `input_ids` are this rank's chunks of the sequences and
+        `document_ids` cover them up to the end of the last one."""
         length = input_ids.shape[1]
         if position_ids is None:
             if document_ids is not None:
-                position_ids = positions_in_documents(document_ids)[:, -length:]
-            else:
-                start = cache.get_seq_length() if cache is not None else self.sdp.rank * length
+                positions = positions_in_documents(document_ids)
+                split = self.sdp.split
+                position_ids = self.sdp.take(positions, length) if split else positions[:, -length:]
+            elif cache is not None:
+                start = cache.get_seq_length()
                 position_ids = torch.arange(start, start + length, device=input_ids.device)
+            else:
+                position_ids = self.sdp.positions(length, input_ids.device)
         rotary = None if self.rotary is None else self.rotary(position_ids)
         return Context(rotary, document_ids, cache)
 
