@@ -20,10 +20,6 @@ MOE = (
             (*MOE, "model.distributed.expert_parallel=2", "model.distributed.tensor_parallel=2"),
             "model.distributed.tensor_parallel > 1",
         ),
-        (
-            (*MOE, "model.distributed.expert_parallel=2", "model.distributed.pipeline_parallel=2"),
-            "model.distributed.pipeline_parallel > 1",
-        ),
         ((*MOE, "model.distributed.expert_parallel=0"), "must be positive"),
     ],
 )

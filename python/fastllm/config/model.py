@@ -399,13 +399,13 @@ class ModelConfig(Section):
                 f"({size}) must divide model.base_model.transformer.num_experts ({experts}): "
                 "each rank holds an equal share of the experts",
             )
-        for name in ("tensor_parallel", "pipeline_parallel"):
-            if getattr(distributed, name) > 1:
-                raise ConfigError(
-                    key,
-                    f"expert parallelism with model.distributed.{name} > 1 is not implemented "
-                    f"yet (expert_parallel={size}, {name}={getattr(distributed, name)})",
-                )
+        if distributed.tensor_parallel > 1:
+            raise ConfigError(
+                key,
+                "expert parallelism with model.distributed.tensor_parallel > 1 is not "
+                f"implemented yet (expert_parallel={size}, "
+                f"tensor_parallel={distributed.tensor_parallel})",
+            )
 
     def _validate_fp8(self) -> None:
         distributed, key = self.distributed, "distributed.fp8_linear"

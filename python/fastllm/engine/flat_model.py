@@ -247,6 +247,27 @@ class FlatModel:
             if part.gatherer is not None:
                 part.gatherer.ensure(stage)
 
+    def prefetch_weights(self, stage: int) -> None:
+        """ZeRO-3: start gathering `stage`'s full compute weights (the pipeline runner)."""
+        for part in self.parts:
+            if part.gatherer is not None:
+                part.gatherer.prefetch(stage)
+
+    def release_weights(self, stage: int | None = None) -> None:
+        """ZeRO-3: free `stage`'s gathered weights (every stage's with None)."""
+        for part in self.parts:
+            if part.gatherer is not None:
+                if stage is None:
+                    part.gatherer.keep_only(set())
+                else:
+                    part.gatherer.release(stage)
+
+    def arm_reduction(self, reduce: bool) -> None:
+        """Whether the coming backward pass of a pipeline step reduces its stage."""
+        for part in self.parts:
+            if part.reducer is not None:
+                part.reducer.armed = reduce
+
     def slot(self, stage: int) -> int:
         """Which of two buffers `stage` uses where consecutive stages of this rank alternate
         (pooled ZeRO-2 gradients, reduce-scatter outputs)."""

@@ -76,11 +76,6 @@ class Trainer:
         stages = config.model.multi_stage
         self.micro_batch_size, self.layout = self._step_layout()
         pipelined = self.layout.pipeline > 1 or self.layout.breadth_first > 1
-        if pipelined and ep.split:
-            raise ConfigError(
-                "model.distributed.expert_parallel",
-                "with schedule.breadth_first_micro_batches > 1 is not implemented yet",
-            )
         self.flat = FlatModel(
             self.model,
             compute_dtype=dtype,

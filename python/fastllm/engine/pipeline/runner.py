@@ -126,11 +126,9 @@ class PipelineRunner:
             if self.trace is not None:
                 self.trace.append(op)
             if op.kind == "gather":
-                assert flat.gatherer is not None
-                flat.gatherer.prefetch(op.stage)
+                flat.prefetch_weights(op.stage)
             elif op.kind == "release":
-                assert flat.gatherer is not None
-                flat.gatherer.release(op.stage)
+                flat.release_weights(op.stage)
             elif op.kind == "recv":
                 assert op.step is not None
                 buffer = torch.empty(
@@ -228,8 +226,7 @@ class PipelineRunner:
             keys_values, their_grads = memory.backward_roots(layers, step.piece)
             tensors += keys_values
             grads += their_grads
-        if flat.reducer is not None:
-            flat.reducer.armed = reduce
+        flat.arm_reduction(reduce)
         torch.autograd.backward(tensors, grads)
         flat.finish_stage_backward(step.stage, reduce)
         if saved.input is not None:
@@ -273,6 +270,5 @@ class PipelineRunner:
                         flat.wait_for_weights(needed)
                     _, value = self._forward(step, piece, context, produced, 1.0, last)
                     loss += weights[m][p] * value
-                    if flat.gatherer is not None:
-                        flat.gatherer.keep_only(set())
+                    flat.release_weights()
         return loss
