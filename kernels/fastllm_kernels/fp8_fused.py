@@ -7,7 +7,10 @@ written nor read again (4 bytes per element saved, of 7). So does tensorwise wit
 scaling, its scale known before the pass (from the amax history), the output's amax recorded
 by the same pass. Current tensorwise scaling needs the amax of the whole output before the
 first element can be cast, so there the producer writes bf16 and `quantize` follows. As in the bf16 versions, the backward pass recomputes the producer's
-output (in bf16) from the input it keeps anyway, for the weight gradient.
+output from the input it keeps anyway, for the weight gradient; tensorwise, in tiles that are
+written transposed in fp8 with the forward's scale, the operand the weight gradient takes
+(rowwise, each column's scale needs the whole column first: the output is recomputed in bf16
+and quantized after).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from fastllm_kernels.fp8_linear import (
     bias_gradient,
     forward_product,
     fp8_linear,
+    input_scale_source,
     product_of_rows,
 )
 from fastllm_kernels.norm import (
@@ -103,9 +107,12 @@ class _Fp8NormLinearFunction(torch.autograd.Function):
         need_x, need_norm_weight, need_norm_bias = ctx.needs_input_grad[:3]
         need_weight, need_bias = ctx.needs_input_grad[5:7]
         need_normed = need_x or need_norm_weight or need_norm_bias
-        normed = (
-            norm_forward(rows, norm_weight, norm_bias, ctx.eps, ctx.rms)[0] if need_weight else None
-        )
+        source = input_scale_source(ctx.fp8, amax)
+        normed: Tensor | Fp8Tensor | None = None
+        if need_weight and source is not None:
+            normed = _norm_columns(rows, norm_weight, norm_bias, mean, rstd, ctx.rms, source)
+        elif need_weight:
+            normed = norm_forward(rows, norm_weight, norm_bias, ctx.eps, ctx.rms)[0]
         d_normed, d_weight = backward_products(
             grad_rows, normed, amax, weight, ctx.fp8, need_normed
         )
@@ -141,7 +148,12 @@ class _Fp8GatedLinearFunction(torch.autograd.Function):
         x2, weight, amax = ctx.saved_tensors
         need_x, need_weight, need_bias = ctx.needs_input_grad[:3]
         dy2 = as_rows(dy)
-        activated = _gated_rows(x2, ctx.activation) if need_weight else None
+        source = input_scale_source(ctx.fp8, amax)
+        activated: Tensor | Fp8Tensor | None = None
+        if need_weight and source is not None:
+            activated = _gated_columns(x2, ctx.activation, source)
+        elif need_weight:
+            activated = _gated_rows(x2, ctx.activation)
         d_activation, d_weight = backward_products(dy2, activated, amax, weight, ctx.fp8, need_x)
         del activated
         d_bias = bias_gradient(dy2, ctx.bias_dtype) if need_bias else None
@@ -211,6 +223,92 @@ def _gated_quantized(x2: Tensor, activation: str, delayed: DelayedScale | None) 
         num_warps=num_warps,
     )  # fmt: skip
     return Fp8Tensor(q, scale)
+
+
+_TILE_ROWS, _TILE_COLS = 64, 128
+
+
+def _norm_columns(
+    rows: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    mean: Tensor,
+    rstd: Tensor,
+    is_rms: bool,
+    source: Tensor,
+) -> Fp8Tensor:
+    """norm(rows)ᵀ in e4m3, recomputed from the rows and their statistics, with the one scale
+    of `source` (an amax, or an amax history)."""
+    n_rows, n_cols = rows.shape
+    qt = torch.empty((n_cols, n_rows), dtype=E4M3, device=rows.device)
+    scale = torch.empty((), dtype=torch.float32, device=rows.device)
+    grid = (triton.cdiv(n_rows, _TILE_ROWS), triton.cdiv(n_cols, _TILE_COLS))
+    _columns_kernel[grid](
+        rows, rows.stride(0), n_rows, n_cols, qt, scale, source, source.numel(),
+        weight, bias if bias is not None else weight, mean, rstd,
+        GATED=False, IS_RMS=is_rms, HAS_BIAS=bias is not None, ACTIVATION="",
+        AMAX_BLOCK=triton.next_power_of_2(source.numel()), FP8_MAX=FP8_MAX[E4M3],
+        BM=_TILE_ROWS, BK=_TILE_COLS,
+    )  # fmt: skip
+    return Fp8Tensor(qt, scale)
+
+
+def _gated_columns(x2: Tensor, activation: str, source: Tensor) -> Fp8Tensor:
+    """(act(gate) * up)ᵀ of [gate | up] rows in e4m3, with the one scale of `source`."""
+    n_rows, d = x2.shape[0], x2.shape[1] // 2
+    qt = torch.empty((d, n_rows), dtype=E4M3, device=x2.device)
+    scale = torch.empty((), dtype=torch.float32, device=x2.device)
+    grid = (triton.cdiv(n_rows, _TILE_ROWS), triton.cdiv(d, _TILE_COLS))
+    _columns_kernel[grid](
+        x2, x2.stride(0), n_rows, d, qt, scale, source, source.numel(), x2, x2, x2, x2,
+        GATED=True, IS_RMS=False, HAS_BIAS=False, ACTIVATION=activation,
+        AMAX_BLOCK=triton.next_power_of_2(source.numel()), FP8_MAX=FP8_MAX[E4M3],
+        BM=_TILE_ROWS, BK=_TILE_COLS,
+    )  # fmt: skip
+    return Fp8Tensor(qt, scale)
+
+
+@triton.jit
+def _columns_kernel(
+    x_ptr, x_row_stride, n_rows, n_cols, qt_ptr, scale_ptr, amax_ptr, n_amax,
+    w_ptr, b_ptr, mean_ptr, rstd_ptr,
+    GATED: tl.constexpr, IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr, AMAX_BLOCK: tl.constexpr, FP8_MAX: tl.constexpr,
+    BM: tl.constexpr, BK: tl.constexpr,
+):  # fmt: skip
+    """A tile of the producer's output (the norm from the rows' mean and rstd, or the gated
+    activation of [gate | up]) written transposed in fp8 under one tensor scale."""
+    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = pid_k * BK + tl.arange(0, BK)
+    row_mask, col_mask = rows < n_rows, cols < n_cols
+    mask = row_mask[:, None] & col_mask[None, :]
+    offsets = rows[:, None].to(tl.int64) * x_row_stride + cols[None, :]
+    if GATED:
+        g = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + offsets + n_cols, mask=mask, other=0.0).to(tl.float32)
+        a, _ = _activation_and_derivative(g, ACTIVATION)
+        y = a * u
+    else:
+        x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        if not IS_RMS:
+            x -= tl.load(mean_ptr + rows, mask=row_mask, other=0.0)[:, None]
+        rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+        w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        y = x * rstd[:, None] * w[None, :]
+        if HAS_BIAS:
+            y += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    y = tl.where(mask, y, 0.0)
+    multiplier = tensor_multiplier(amax_ptr, n_amax, AMAX_BLOCK, FP8_MAX)
+    y = tl.minimum(tl.maximum(y, -FP8_MAX / multiplier), FP8_MAX / multiplier)
+    if pid_m == 0 and pid_k == 0:
+        tl.store(scale_ptr, tl.math.div_rn(1.0, multiplier))
+    qt = tl.trans((y * multiplier).to(qt_ptr.dtype.element_ty))
+    tl.store(
+        qt_ptr + cols[:, None].to(tl.int64) * n_rows + rows[None, :],
+        qt,
+        mask=col_mask[:, None] & row_mask[None, :],
+    )
 
 
 @triton.jit

@@ -197,16 +197,17 @@ def product_of_rows(
 
 def backward_products(
     grad_rows: Tensor,
-    input_rows: Tensor | None,
+    input_rows: Tensor | Fp8Tensor | None,
     input_amax: Tensor | None,
     weight: Tensor,
     fp8: Fp8Weight,
     need_input: bool,
 ) -> tuple[Tensor | None, Tensor | None]:
     """The input gradient (when `need_input`) and the weight gradient (when `input_rows`, the
-    forward product's input, recomputed or kept, is given; None once handed to the weight's
-    gradient sink) from the output gradient rows. The input rows are scaled as in the forward
-    product: from `input_amax`, or from the same amax history."""
+    forward product's input, recomputed or kept, is given, or its columns already in fp8;
+    None once handed to the weight's gradient sink) from the output gradient rows. The input
+    rows are scaled as in the forward product: from `input_amax`, or from the same amax
+    history."""
     need_weight = input_rows is not None
     if not (need_input or need_weight):
         return None, None
@@ -223,7 +224,9 @@ def backward_products(
     if need_input:
         w = fp8.columns(weight)
         d_input = scaled_matmul(_part(grad.rows), w, grad_rows.dtype, fast=False)
-    if input_rows is not None:
+    if isinstance(input_rows, Fp8Tensor):
+        d_weight = _weight_gradient(weight, _part(grad.columns), input_rows)
+    elif input_rows is not None:
         delayed = fp8.scale(INPUT, record=False) if input_amax is None else None
         x = quantize(
             input_rows, E4M3, tensorwise=tensorwise, rows=False, columns=True, amax=input_amax,
@@ -231,6 +234,18 @@ def backward_products(
         )  # fmt: skip
         d_weight = _weight_gradient(weight, _part(grad.columns), _part(x.columns))
     return d_input, d_weight
+
+
+def input_scale_source(fp8: Fp8Weight, input_amax: Tensor | None) -> Tensor | None:
+    """What the backward pass scales a tensorwise layer's input columns from, as in its forward
+    product: the input's amax (current scaling) or the amax history (delayed); None: rowwise."""
+    if not fp8.recipe.tensorwise:
+        return None
+    if input_amax is not None:
+        return input_amax
+    delayed = fp8.scale(INPUT, record=False)
+    assert delayed is not None and delayed.history is not None
+    return delayed.history
 
 
 def _weight_gradient(weight: Tensor, grad: Fp8Tensor, x: Fp8Tensor) -> Tensor | None:
