@@ -31,13 +31,11 @@ from fastllm_kernels.fp8 import (
     FP8_MAX,
     DelayedScale,
     Fp8Tensor,
-    Quantized,
     power_of_two_multiplier,
     tensor_multiplier,
 )
 from fastllm_kernels.fp8_linear import (
     E4M3,
-    GRADIENT,
     INPUT,
     Fp8Weight,
     backward_products,
@@ -67,9 +65,7 @@ def fp8_norm_linear(
 ) -> Tensor:
     """`norm_linear` with the projection in FP8."""
     if use_triton(x, norm_weight, norm_bias, weight, bias):
-        out = _Fp8NormLinearFunction.apply(x, norm_weight, norm_bias, eps, rms, weight, bias, fp8)
-        out.fp8_gradient_of = fp8  # for a consumer that can produce its gradient in fp8
-        return out
+        return _Fp8NormLinearFunction.apply(x, norm_weight, norm_bias, eps, rms, weight, bias, fp8)
     if rms:
         normed = rms_norm_reference(x, norm_weight, eps)
     else:
@@ -136,7 +132,6 @@ class _Fp8GatedLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, activation, fp8):
         x2 = as_rows(x)
-        ctx.producer_of = getattr(x, "fp8_gradient_of", None)
         delayed = fp8.scale(INPUT)
         if _fused(fp8, delayed):
             quantized = _gated_quantized(x2, activation, delayed)
@@ -166,18 +161,9 @@ class _Fp8GatedLinearFunction(torch.autograd.Function):
         if d_activation is not None:
             d = x2.shape[1] // 2
             dx2 = torch.empty_like(x2)
-            consumer: Fp8Weight | None = ctx.producer_of
-            delayed = None if consumer is None else consumer.scale(GRADIENT)
-            if delayed is not None and delayed.history is not None:
-                assert consumer is not None
-                quantized = _gated_backward_quantized(
-                    d_activation, x2, dx2, ctx.activation, delayed, consumer.recipe.gradient_dtype
-                )
-                consumer.hand_gradient(dx2, quantized)
-            else:
-                _launch_backward(
-                    d_activation, x2[:, :d], x2[:, d:], dx2[:, :d], dx2[:, d:], ctx.activation
-                )
+            _launch_backward(
+                d_activation, x2[:, :d], x2[:, d:], dx2[:, :d], dx2[:, d:], ctx.activation
+            )
             dx = dx2.view(*dy.shape[:-1], 2 * d)
         return dx, d_weight, d_bias, None, None
 
@@ -280,70 +266,6 @@ def _gated_columns(x2: Tensor, activation: str, source: Tensor) -> Fp8Tensor:
         BM=_TILE_ROWS, BK=_TILE_COLS,
     )  # fmt: skip
     return Fp8Tensor(qt, scale)
-
-
-def _gated_backward_quantized(
-    dy: Tensor, x2: Tensor, dx2: Tensor, activation: str, delayed: DelayedScale, dtype
-) -> Quantized:
-    """The gated activation's backward pass into dx2 (bf16, what autograd passes on) and,
-    from the same registers, dx2 in fp8 under `delayed`'s scale: rows and columns, the
-    operands of the first projection's backward products, its amax recorded."""
-    assert delayed.history is not None and dx2.is_contiguous()
-    n_rows, d = dy.shape
-    q = torch.empty((n_rows, 2 * d), dtype=dtype, device=dy.device)
-    qt = torch.empty((2 * d, n_rows), dtype=dtype, device=dy.device)
-    scale = torch.empty((), dtype=torch.float32, device=dy.device)
-    record = delayed.record if delayed.record is not None else scale
-    grid = (triton.cdiv(n_rows, _TILE_ROWS), triton.cdiv(d, _TILE_COLS))
-    _gated_backward_quantize_kernel[grid](
-        dy, dy.stride(0), x2, x2.stride(0), dx2, n_rows, d, q, qt, scale, delayed.history,
-        delayed.history.numel(), record, ACTIVATION=activation,
-        RECORD=delayed.record is not None,
-        AMAX_BLOCK=triton.next_power_of_2(delayed.history.numel()), FP8_MAX=FP8_MAX[dtype],
-        BM=_TILE_ROWS, BK=_TILE_COLS,
-    )  # fmt: skip
-    return Quantized(Fp8Tensor(q, scale), Fp8Tensor(qt, scale), None)
-
-
-@triton.jit
-def _gated_backward_quantize_kernel(
-    dy_ptr, dy_row_stride, x_ptr, x_row_stride, dx_ptr, n_rows, d, q_ptr, qt_ptr, scale_ptr,
-    history_ptr, n_amax, record_ptr, ACTIVATION: tl.constexpr, RECORD: tl.constexpr,
-    AMAX_BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-):  # fmt: skip
-    pid_m, pid_k = tl.program_id(0), tl.program_id(1)
-    rows = pid_m * BM + tl.arange(0, BM)
-    cols = pid_k * BK + tl.arange(0, BK)
-    row_mask, col_mask = rows < n_rows, cols < d
-    mask = row_mask[:, None] & col_mask[None, :]
-    r64 = rows[:, None].to(tl.int64)
-    g = tl.load(x_ptr + r64 * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(x_ptr + r64 * x_row_stride + d + cols[None, :], mask=mask, other=0.0)
-    u = u.to(tl.float32)
-    dy = tl.load(dy_ptr + r64 * dy_row_stride + cols[None, :], mask=mask, other=0.0)
-    dy = dy.to(tl.float32)
-    a, da = _activation_and_derivative(g, ACTIVATION)
-    d_gate = tl.where(mask, dy * u * da, 0.0)
-    d_up = tl.where(mask, dy * a, 0.0)
-    dx_offsets = r64 * (2 * d) + cols[None, :]
-    tl.store(dx_ptr + dx_offsets, d_gate.to(dx_ptr.dtype.element_ty), mask=mask)
-    tl.store(dx_ptr + dx_offsets + d, d_up.to(dx_ptr.dtype.element_ty), mask=mask)
-    multiplier = tensor_multiplier(history_ptr, n_amax, AMAX_BLOCK, FP8_MAX)
-    if RECORD:
-        tile_amax = tl.maximum(tl.max(tl.abs(d_gate)), tl.max(tl.abs(d_up)))
-        tl.atomic_max(record_ptr, tile_amax)
-    if pid_m == 0 and pid_k == 0:
-        tl.store(scale_ptr, tl.math.div_rn(1.0, multiplier))
-    limit = FP8_MAX / multiplier
-    d_gate = tl.minimum(tl.maximum(d_gate, -limit), limit) * multiplier
-    d_up = tl.minimum(tl.maximum(d_up, -limit), limit) * multiplier
-    tl.store(q_ptr + dx_offsets, d_gate.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(q_ptr + dx_offsets + d, d_up.to(q_ptr.dtype.element_ty), mask=mask)
-    t_mask = col_mask[:, None] & row_mask[None, :]
-    gate_rows = cols[:, None].to(tl.int64) * n_rows + rows[None, :]
-    up_rows = (cols[:, None] + d).to(tl.int64) * n_rows + rows[None, :]
-    tl.store(qt_ptr + gate_rows, tl.trans(d_gate.to(qt_ptr.dtype.element_ty)), mask=t_mask)
-    tl.store(qt_ptr + up_rows, tl.trans(d_up.to(qt_ptr.dtype.element_ty)), mask=t_mask)
 
 
 @triton.jit

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from fastllm_kernels._dispatch import as_rows
-from fastllm_kernels.fp8 import DelayedScale, Fp8Tensor, Quantized, quantize
+from fastllm_kernels.fp8 import DelayedScale, Fp8Tensor, quantize
 
 
 class Fp8Recipe(NamedTuple):
@@ -110,7 +110,6 @@ class Fp8Weight:
         if delayed is not None and not self.recipe.tensorwise:
             raise ValueError(f"delayed scaling is tensorwise, not {recipe}")
         self.delayed = delayed
-        self._handed: tuple[tuple, Quantized] | None = None
         self._key: tuple[int, int] | None = None
         self._rows: Fp8Tensor | None = None
         self._amax: Tensor | None = None
@@ -136,19 +135,6 @@ class Fp8Weight:
         )  # fmt: skip
         return _part(quantized.columns)
 
-    def hand_gradient(self, grad: Tensor, quantized: Quantized) -> None:
-        """The kernel that produced this layer's output gradient `grad` quantized it too (rows
-        and columns, under this layer's gradient scale): the backward pass takes it."""
-        self._handed = (_identity(grad), quantized)
-
-    def take_gradient(self, grad: Tensor) -> Quantized | None:
-        """What `hand_gradient` left for exactly this gradient (same storage, shape and
-        version: not summed with another consumer's since); None otherwise."""
-        handed, self._handed = self._handed, None
-        if handed is None or handed[0] != _identity(grad):
-            return None
-        return handed[1]
-
     def scale(self, tensor: int, record: bool = True) -> DelayedScale | None:
         """How the layer's input (INPUT) or output gradient (GRADIENT) is scaled: None for
         current scaling."""
@@ -156,10 +142,6 @@ class Fp8Weight:
             return None
         histories, layer = self.delayed
         return histories.scale(layer, tensor, record)
-
-
-def _identity(t: Tensor) -> tuple:
-    return (t.data_ptr(), tuple(t.shape), t.stride(), t._version)
 
 
 def scaled_matmul(
@@ -230,7 +212,7 @@ def backward_products(
     if not (need_input or need_weight):
         return None, None
     tensorwise = fp8.recipe.tensorwise
-    grad = fp8.take_gradient(grad_rows) or quantize(
+    grad = quantize(
         grad_rows,
         fp8.recipe.gradient_dtype,
         tensorwise=tensorwise,
