@@ -276,6 +276,16 @@ class DistributedConfig(Section):
     rowwise: one scale per row of each operand, all in e4m3. Needs bfloat16 training and a
     GPU with FP8 tensor cores (compute capability 8.9 or more); on CPU the FP8 rounding is
     emulated."""
+    fp8_scaling: Literal["current", "delayed"] = "current"
+    """How tensorwise FP8 scales the layers' inputs and output gradients. current: each
+    tensor by its own amax (a pass to find it before the cast). delayed: by the largest amax
+    of the last `fp8_amax_history_length` steps (Transformer Engine's delayed scaling), so
+    the kernel that produces a tensor (the norm, the gated activation) writes it in FP8 and
+    records its amax in the same pass; values past the range saturate. The weights keep
+    current scaling. The histories are part of the checkpoint. rowwise scales currently."""
+    fp8_amax_history_length: int = 16
+    """Steps of amaxes that delayed scaling takes the max of (Transformer Engine's
+    amax_history_len)."""
 
     def validate(self) -> None:
         check_non_negative(self.seed, "seed")
@@ -283,6 +293,12 @@ class DistributedConfig(Section):
         check_positive(self.sequence_data_parallel, "sequence_data_parallel")
         check_positive(self.pipeline_parallel, "pipeline_parallel")
         check_positive(self.expert_parallel, "expert_parallel")
+        check_positive(self.fp8_amax_history_length, "fp8_amax_history_length")
+        if self.fp8_scaling == "delayed" and self.fp8_linear != "tensorwise":
+            raise ConfigError(
+                "fp8_scaling",
+                f"delayed scaling needs fp8_linear=tensorwise, got fp8_linear={self.fp8_linear}",
+            )
 
     def data_parallel(self, world_size: int) -> int:
         """The data-parallel size of `world_size` ranks, or a config error naming the keys."""

@@ -30,6 +30,7 @@ from fastllm.engine.weight_gatherer import WeightGatherer
 from fastllm.engine.weight_refresh import WeightRefresh
 from fastllm.model import GPTModel
 from fastllm.model.parameters import full_shape, parameter_metas
+from fastllm_kernels.linear import GradientProduct
 
 ALIGNMENT = 128
 """Elements; every parameter starts at a multiple, so kernels see aligned rows."""
@@ -395,11 +396,13 @@ class FlatModel:
         # gradient, to run while it is in flight (tensor_parallel.enter).
         deferred = self.model.tp.split and self.metas[self.names[index]].tensor_split is not None
 
-        def sink(a: Tensor, b: Tensor) -> None:
+        def sink(product: GradientProduct) -> None:
             if deferred:
-                self.model.tp.defer(lambda: write(lambda: self.gradients.add_product(index, a, b)))
+                self.model.tp.defer(
+                    lambda: write(lambda: self.gradients.add_product(index, product))
+                )
             else:
-                write(lambda: self.gradients.add_product(index, a, b))
+                write(lambda: self.gradients.add_product(index, product))
 
         return sink
 

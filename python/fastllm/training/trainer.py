@@ -44,6 +44,7 @@ from fastllm.training import state
 from fastllm.training.experiment_lock import ExperimentLock
 from fastllm.training.metrics import PEAK_FLOPS, MetricsLogger, flops_per_token
 from fastllm.training.profiling import StepProfiler
+from fastllm_kernels.fp8_linear import AmaxHistories
 
 
 class Trainer:
@@ -86,8 +87,7 @@ class Trainer:
             gather_in_forward=not pipelined,
         )
         apply_recompute(self.model, stages.recompute)
-        if config.model.distributed.fp8_linear != "none":
-            apply_fp8(self.model, config.model.distributed.fp8_linear, device)
+        self.fp8_histories = self._apply_fp8(device)
         if config.training.compile:
             apply_compile(self.model)
         self.pipeline: PipelineRunner | None = None
@@ -119,6 +119,23 @@ class Trainer:
             self.distributed.rank, self.distributed.world_size, device
         )
         self._initialize_weights()
+
+    def _apply_fp8(self, device: torch.device) -> AmaxHistories | None:
+        """FP8 linear layers, if configured; their amax histories under delayed scaling."""
+        config = self.config
+        distributed = config.model.distributed
+        if distributed.fp8_linear == "none":
+            return None
+        forwards = self.layout.depth_first * self.layout.breadth_first
+        forwards *= config.schedule.micro_batch_splits
+        return apply_fp8(
+            self.model,
+            distributed.fp8_linear,
+            device,
+            keep_copies=forwards > 1 or config.model.multi_stage.recompute == "full",
+            delayed=distributed.fp8_scaling == "delayed",
+            history_length=distributed.fp8_amax_history_length,
+        )
 
     def _step_layout(self) -> tuple[int, Layout]:
         """The micro-batch size and the shape of a step: stages, pipeline ranks, breadth- and
@@ -304,6 +321,8 @@ class Trainer:
         self.flat.reduce_gradients()
         # The micro-batches' weights already normalize the sum over data ranks (train_step).
         report = self.optimizer.step(lr, self.scaler.scale)
+        if self.fp8_histories is not None:
+            self.fp8_histories.roll()
         if not report.skipped:
             gather_weights(self.flat, wait=False)  # each stage's forward pass waits for its own
             if self.config.model.multi_stage.debug_tensor_parallel:
@@ -445,7 +464,8 @@ class Trainer:
             f" ({micro} per micro-batch, {accumulated})",
         ]
         if config.model.distributed.fp8_linear != "none":
-            parts.append(f"{config.model.distributed.fp8_linear} FP8 linear layers")
+            delayed = " (delayed scaling)" if self.fp8_histories is not None else ""
+            parts.append(f"{config.model.distributed.fp8_linear}{delayed} FP8 linear layers")
         if mesh.tensor.size > 1:
             sequence = " with sequence parallelism" if mesh.sequence_parallel else ""
             parts.append(f"tensor parallel {mesh.tensor.size}{sequence}")
