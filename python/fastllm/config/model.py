@@ -350,13 +350,6 @@ class ModelConfig(Section):
             return
         t = self.base_model.transformer
         key = "distributed.tensor_parallel"
-        if t.num_experts > 1:
-            raise ConfigError(
-                key,
-                f"tensor parallelism of mixture-of-experts models is not implemented yet "
-                f"(model.base_model.transformer.num_experts={t.num_experts}, tensor_parallel="
-                f"{tensor})",
-            )
         assert t.ffn_hidden_size is not None
         for field, value in (
             ("model.base_model.transformer.num_attention_heads", t.num_attention_heads),

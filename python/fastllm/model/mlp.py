@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fastllm.config.model import TransformerConfig
-from fastllm.engine.tensor_parallel import TensorParallel, enter, leave
+from fastllm.engine.tensor_parallel import TensorParallel, counted_once, enter, leave
 from fastllm.model.parameters import TensorSplit, describe
 from fastllm_kernels.activation import gated_activation_fused, gated_linear
 from fastllm_kernels.linear import linear
@@ -58,20 +58,23 @@ class MLP(torch.nn.Module):
 
     def forward(self, x: Tensor, norm: Normalization) -> tuple[Tensor, None]:
         """The MLP of norm(x) (the block's residual stream, normalized by the first projection)."""
-        x = enter(x, self.tp)
+        out = self.partial(enter(x, self.tp), norm)
+        if not self.tp.split:
+            return out, None
+        return leave(out, self.tp, self.layer_2.bias), None
+
+    def partial(self, x: Tensor, norm: Normalization) -> Tensor:
+        """This tensor rank's part of the MLP of norm(x), x already through `enter` (whole);
+        the second layer's bias added only when not split (`leave` adds it after the sum)."""
         h = norm.project(x, self.layer_1.weight, self.layer_1.bias)
-        split = self.tp.split
-        out = _project(
+        return _project(
             h,
             self.layer_2.weight,
-            None if split else self.layer_2.bias,
+            None if self.tp.split else self.layer_2.bias,
             self.gated,
             self.activation,
             self.recompute_activation,
         )
-        if not split:
-            return out, None
-        return leave(out, self.tp, self.layer_2.bias), None
 
 
 def _project(
@@ -97,6 +100,13 @@ class MixtureOfExperts(torch.nn.Module):
     the experts' outputs; plus, with `num_shared_experts`, an MLP every token goes through
     (Qwen2-MoE, DeepSeek), its output gated per token with `shared_expert_gate`.
 
+    With tensor parallelism every expert's ffn (and the shared MLP's) is split as the dense
+    MLP's is, layer_1 column-parallel and layer_2 row-parallel, while the router and the shared
+    gate are replicated: `enter` gives every tensor rank the same whole tokens (gathering the
+    sequence under sequence parallelism), so all route alike, and one `leave` sums the routed
+    and shared parts. Each rank's routing-weight gradient is then its part of the whole, so
+    the router's and the shared gate's gradients are summed over the tensor ranks.
+
     Dropless (`dropless_moe`): the routed tokens are permuted into a sparse layout of contiguous
     per-expert rows, both projections are grouped matmuls over it, and the outputs are permuted
     back scaled by the routing weights (kernels/fastllm_kernels/moe.py). Otherwise a loop over
@@ -111,9 +121,10 @@ class MixtureOfExperts(torch.nn.Module):
     it (the dropless path stores it: its grouped matmul keeps its input for the weight
     gradient anyway)."""
 
-    def __init__(self, config: TransformerConfig) -> None:
+    def __init__(self, config: TransformerConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         assert config.ffn_hidden_size is not None and config.activation_type is not None
+        self.tp = tp = tp or TensorParallel()
         self.gated, self.activation = config.gated, config.activation_type
         self.num_experts, self.top_k = config.num_experts, config.num_experts_per_token
         self.renormalize, self.dropless = config.expert_renormalize, config.dropless_moe
@@ -121,26 +132,29 @@ class MixtureOfExperts(torch.nn.Module):
         self.z_loss_coefficient = config.expert_z_loss_coefficient
         hidden, ffn = config.hidden_size, config.ffn_hidden_size
         inputs = 2 if self.gated else 1
+        local = ffn // tp.size
         self.router = torch.nn.Linear(hidden, self.num_experts, bias=False)
-        self.layer_1 = torch.nn.Parameter(torch.empty(self.num_experts, inputs * ffn, hidden))
-        self.layer_2 = torch.nn.Parameter(torch.empty(self.num_experts, hidden, ffn))
-        describe(self.router, "weight", weight_decay=True)
-        for name in ("layer_1", "layer_2"):
-            describe(self, name, weight_decay=True)
+        self.layer_1 = torch.nn.Parameter(torch.empty(self.num_experts, inputs * local, hidden))
+        self.layer_2 = torch.nn.Parameter(torch.empty(self.num_experts, hidden, local))
+        describe(self.router, "weight", weight_decay=True, tensor_partial=True)
+        split_1 = TensorSplit(1, (ffn,) * inputs)  # matching gate and up rows of every expert
+        describe(self, "layer_1", weight_decay=True, tensor_split=split_1)
+        describe(self, "layer_2", weight_decay=True, tensor_split=TensorSplit(2, (ffn,)))
         self.shared = None
         if config.num_shared_experts:
             width = config.num_shared_experts * ffn
             shared = msgspec.structs.replace(config, ffn_hidden_size=width, num_experts=1)
-            self.shared = MLP(shared, TensorParallel())
+            self.shared = MLP(shared, tp)
         self.shared_gate = (
             torch.nn.Linear(hidden, 1, bias=False) if config.shared_expert_gate else None
         )
         if self.shared_gate is not None:
-            describe(self.shared_gate, "weight", weight_decay=True)
+            describe(self.shared_gate, "weight", weight_decay=True, tensor_partial=True)
         self.load: Tensor | None = None
 
     def forward(self, x: Tensor, norm: Normalization) -> tuple[Tensor, Tensor]:
         """The mixture of norm(x), the block's residual stream."""
+        x = enter(x, self.tp)
         normed = norm(x)
         tokens = normed.reshape(-1, normed.shape[-1])
         logits = self.router(tokens).float()
@@ -157,11 +171,14 @@ class MixtureOfExperts(torch.nn.Module):
         if self.training and torch._C._current_graph_task_id() == -1:
             self.load = counts if self.load is None else self.load + counts
         if self.shared is not None:
-            shared = self.shared(x, norm)[0].reshape_as(out)
+            shared = self.shared.partial(x, norm).reshape_as(out)
             if self.shared_gate is not None:
                 shared = shared * torch.sigmoid(self.shared_gate(tokens))
             out = out + shared
-        return out.view_as(x), self._auxiliary_loss(logits, probabilities, counts)
+        auxiliary = self._auxiliary_loss(logits, probabilities, counts)
+        if not self.tp.split:
+            return out.view_as(x), auxiliary
+        return leave(out.view_as(x), self.tp), counted_once(auxiliary, self.tp)
 
     def _dropless(self, tokens: Tensor, weights: Tensor, experts: Tensor) -> tuple[Tensor, Tensor]:
         sparse = sparse_map(experts, self.num_experts)
