@@ -16,7 +16,7 @@ from fastllm.engine.tensor_parallel import TensorParallel, counted_once, enter, 
 from fastllm.model.parameters import TensorSplit, describe
 from fastllm_kernels.activation import gated_activation_fused, gated_linear
 from fastllm_kernels.linear import linear
-from fastllm_kernels.moe import combine, dispatch, grouped_linear, sparse_map
+from fastllm_kernels.moe import combine, dispatch, grouped_linear, route, sparse_map
 
 if TYPE_CHECKING:
     from fastllm.model.block import Normalization
@@ -157,16 +157,18 @@ class MixtureOfExperts(torch.nn.Module):
         x = enter(x, self.tp)
         normed = norm(x)
         tokens = normed.reshape(-1, normed.shape[-1])
-        logits = self.router(tokens).float()
-        probabilities = logits.softmax(dim=-1)
-        weights, experts = probabilities.topk(self.top_k, dim=-1)
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(x.dtype)
+        weights, experts, counts, auxiliary = route(
+            self.router(tokens),
+            self.top_k,
+            self.renormalize,
+            x.dtype,
+            self.auxiliary_coefficient,
+            self.z_loss_coefficient,
+        )
         if self.dropless:
-            out, counts = self._dropless(tokens, weights, experts)
+            out = self._dropless(tokens, weights, experts)
         else:
-            out, counts = self._looped(tokens, weights, experts)
+            out = self._looped(tokens, weights, experts)
         # Not while a backward pass recomputes the forward (selective or full recomputation).
         if self.training and torch._C._current_graph_task_id() == -1:
             self.load = counts if self.load is None else self.load + counts
@@ -175,14 +177,13 @@ class MixtureOfExperts(torch.nn.Module):
             if self.shared_gate is not None:
                 shared = shared * torch.sigmoid(self.shared_gate(tokens))
             out = out + shared
-        auxiliary = self._auxiliary_loss(logits, probabilities, counts)
         if not self.tp.split:
             return out.view_as(x), auxiliary
         return leave(out.view_as(x), self.tp), counted_once(auxiliary, self.tp)
 
-    def _dropless(self, tokens: Tensor, weights: Tensor, experts: Tensor) -> tuple[Tensor, Tensor]:
+    def _dropless(self, tokens: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
         sparse = sparse_map(experts, self.num_experts)
-        h = dispatch(tokens, sparse.rows, sparse.num_rows)
+        h = dispatch(tokens, sparse)
         h = grouped_linear(h, self.layer_1, sparse.ends)
         h = (
             gated_activation_fused(h, self.activation)
@@ -190,9 +191,9 @@ class MixtureOfExperts(torch.nn.Module):
             else _ACTIVATIONS[self.activation](h)
         )
         y = grouped_linear(h, self.layer_2, sparse.ends)
-        return combine(y, sparse.rows, weights), sparse.counts
+        return combine(y, sparse, weights)
 
-    def _looped(self, tokens: Tensor, weights: Tensor, experts: Tensor) -> tuple[Tensor, Tensor]:
+    def _looped(self, tokens: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
         out = torch.zeros_like(tokens)
         for expert in range(self.num_experts):
             rows, slot = torch.nonzero(experts == expert, as_tuple=True)
@@ -208,17 +209,7 @@ class MixtureOfExperts(torch.nn.Module):
             )
             y = y * weights[rows, slot, None]
             out.index_add_(0, rows, y)
-        return out, torch.bincount(experts.flatten(), minlength=self.num_experts)
-
-    def _auxiliary_loss(self, logits: Tensor, probabilities: Tensor, counts: Tensor) -> Tensor:
-        # Switch-Transformer balance as Hugging Face computes it (per layer here):
-        # E * sum_e (tokens routed to e, summed over the k slots, / tokens) * (mean prob of e).
-        routed = counts.float() / logits.shape[0]
-        balance = self.num_experts * (routed * probabilities.mean(dim=0)).sum()
-        loss = self.auxiliary_coefficient * balance
-        if self.z_loss_coefficient:
-            loss = loss + self.z_loss_coefficient * torch.logsumexp(logits, dim=-1).square().mean()
-        return loss
+        return out
 
 
 def take_expert_load(model: torch.nn.Module) -> Tensor | None:
