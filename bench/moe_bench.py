@@ -125,21 +125,25 @@ def run_layer(spec: dict[str, Any]) -> dict[str, Any]:
     grad = torch.randn_like(x)
     result: dict[str, Any] = {"tokens": TOKENS, "dense_ffn": dense.ffn_hidden_size}
     matmul_flops = 6 * TOKENS * t.hidden_size * (3 if t.gated else 2) * dense.ffn_hidden_size
+    traces = Path(spec["trace"]) if spec.get("trace") else None
     for name, module in modules.items():
         seconds, host = fwd_bwd_seconds(module, norm, x, grad)
+        trace = traces / f"{spec['geometry']}_trace.json" if traces and name == "dropless" else None
         result[name] = {
             "median_s": seconds,
             "host_s": host,
             "tflops": matmul_flops / seconds / 1e12,
-            **kernel_profile(module, norm, x, grad, rows=25 if name == "dropless" else 8),
+            **kernel_profile(module, norm, x, grad, 25 if name == "dropless" else 8, trace),
         }
     result["dropless_over_dense"] = result["dropless"]["median_s"] / result["dense"]["median_s"]
     return result
 
 
-def kernel_profile(module: Any, norm: Any, x: Any, grad: Any, rows: int) -> dict[str, Any]:
+def kernel_profile(
+    module: Any, norm: Any, x: Any, grad: Any, rows: int, trace: Path | None = None
+) -> dict[str, Any]:
     """One forward + backward under torch.profiler: its GPU kernels (count, summed time, the
-    `rows` longest) and the host's synchronizing runtime calls."""
+    `rows` longest) and the host's synchronizing runtime calls; the Chrome trace to `trace`."""
     import torch
 
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -149,6 +153,8 @@ def kernel_profile(module: Any, norm: Any, x: Any, grad: Any, rows: int) -> dict
         (loss if auxiliary is None else loss + auxiliary).backward()
         torch.cuda.synchronize()
     module.zero_grad(set_to_none=True)
+    if trace:
+        profiler.export_chrome_trace(str(trace))
     events = profiler.key_averages()
     kernels = [e for e in events if e.self_device_time_total > 0 and e.device_type.name != "CPU"]
     kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
@@ -216,6 +222,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=150, help="seconds per run")
     parser.add_argument("--geometries", nargs="+", default=list(GEOMETRIES), choices=GEOMETRIES)
     parser.add_argument("--layer-only", action="store_true", help="no training runs")
+    parser.add_argument("--traces", action="store_true", help="Chrome traces of the layers")
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -240,6 +247,7 @@ def main() -> None:
             "system": "layer",
             "geometry": geometry,
             "result": str(work / f"{geometry}_layer.json"),
+            "trace": str(out) if args.traces else None,
         }
         runs.append(spawn(spec, work, logs, args, Path(__file__)))
         print(geometry, "layer", runs[-1].get("status"), runs[-1].get("dropless_over_dense"))
