@@ -222,6 +222,9 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=150, help="seconds per run")
     parser.add_argument("--geometries", nargs="+", default=list(GEOMETRIES), choices=GEOMETRIES)
     parser.add_argument("--layer-only", action="store_true", help="no training runs")
+    parser.add_argument(
+        "--paths", nargs="+", default=["dropless", "looped"], choices=["dropless", "looped"]
+    )
     parser.add_argument("--traces", action="store_true", help="Chrome traces of the layers")
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -252,8 +255,8 @@ def main() -> None:
         runs.append(spawn(spec, work, logs, args, Path(__file__)))
         print(geometry, "layer", runs[-1].get("status"), runs[-1].get("dropless_over_dense"))
         for accumulate in [] if args.layer_only else args.accumulate:
-            for dropless in ("true", "false"):
-                path = "dropless" if dropless == "true" else "looped"
+            for path in args.paths:
+                dropless = "true" if path == "dropless" else "false"
                 name = f"{path}-x{accumulate}"
                 spec = {
                     "model": geometry, "system": name, "geometry": geometry,
