@@ -76,16 +76,24 @@ def permutations(sparse: Any) -> dict[str, float]:
     k_block, block = moe._gather_settings(HIDDEN, K)
     block_r, block_h = moe._row_settings(HIDDEN)
     timings = {}
-    for warps in (4, 8):
-        timings[f"combine_gather_{warps}_warps"] = median_ms(
-            lambda warps=warps: moe._gather_kernel[(TOKENS, triton.cdiv(HIDDEN, block))](
+    for block, warps in ((512, 4), (512, 8), (1024, 4), (1024, 8), (2048, 8), (256, 4)):
+        timings[f"combine_gather_{block}_columns_{warps}_warps"] = median_ms(
+            lambda block=block, warps=warps: moe._gather_kernel[(TOKENS, triton.cdiv(HIDDEN, block))](
                 y, sparse.rows, weights, gathered, HIDDEN, K=K, K_BLOCK=k_block, BLOCK=block,
                 SCALE=True, num_warps=warps,
             )
         )  # fmt: skip
+    for block_r, block_h, warps in (
+        (4, 1024, 4),
+        (4, 1024, 8),
+        (8, 512, 4),
+        (16, 256, 4),
+        (2, 2048, 8),
+        (8, 1024, 8),
+    ):
         grid = (triton.cdiv(sparse.num_rows, block_r), triton.cdiv(HIDDEN, block_h))
-        timings[f"dispatch_rows_{warps}_warps"] = median_ms(
-            lambda warps=warps, grid=grid: moe._rows_kernel[grid](
+        timings[f"dispatch_rows_{block_r}x{block_h}_{warps}_warps"] = median_ms(
+            lambda warps=warps, grid=grid, block_r=block_r, block_h=block_h: moe._rows_kernel[grid](
                 tokens, sparse.entries, tokens, scattered, tokens, tokens, sparse.num_rows,
                 HIDDEN, K=K, BLOCK_R=block_r, BLOCK_H=block_h, SCALE=False, DOT=False,
                 num_warps=warps,
@@ -93,6 +101,36 @@ def permutations(sparse: Any) -> dict[str, float]:
         )  # fmt: skip
     timings["copy_of_the_sparse_rows"] = median_ms(lambda: scattered.copy_(y))
     return timings
+
+
+def host_microseconds(sparse: Any) -> dict[str, float]:
+    """The host's time to launch each piece (median of 50 calls, the GPU keeping up)."""
+    import time
+
+    import torch
+
+    from fastllm_kernels import moe
+
+    logits = torch.randn(TOKENS, EXPERTS, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    experts = torch.randint(0, EXPERTS, (TOKENS, K), device="cuda")
+    pieces = {
+        "torch_empty": lambda: torch.empty(TOKENS, K, device="cuda"),
+        "torch_add": lambda: logits + 1,
+        "route": lambda: moe.route(logits, K, True, torch.bfloat16, 0.01, 0.001),
+        "sparse_map": lambda: moe.sparse_map(experts, EXPERTS),
+        "dispatch": lambda: moe.dispatch(x, sparse),
+    }
+    result = {}
+    for name, piece in pieces.items():
+        times = []
+        for _ in range(60):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            piece()
+            times.append(time.perf_counter() - start)
+        result[name] = sorted(times[10:])[25] * 1e6
+    return result
 
 
 def main() -> None:
@@ -110,6 +148,7 @@ def main() -> None:
         "layer_1_ms": matmuls(sparse, HIDDEN, 2 * FFN),
         "layer_2_ms": matmuls(sparse, FFN, HIDDEN),
         "permutations_ms": permutations(sparse),
+        "host_us": host_microseconds(sparse),
         "machine": machine_info(),
     }
     print({key: value for key, value in result.items() if key != "machine"})
