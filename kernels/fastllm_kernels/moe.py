@@ -31,69 +31,10 @@ GROUP_ALIGNMENT = 16
 aligned (torchtitan aligns bf16 groups to 8 or 16) at a cost of at most 15 rows per expert."""
 
 _TILE = 4096
-"""Elements of the (tokens or entries, experts) tiles the routing and sparse-map kernels hold."""
-
-
-class Routing(NamedTuple):
-    weights: Tensor
-    """(tokens, k) in the requested dtype: each token's routing weights, most probable first."""
-    experts: Tensor
-    """(tokens, k) int64: the experts they weight."""
-    counts: Tensor
-    """(experts,) int64: tokens routed to each expert."""
-    auxiliary: Tensor
-    """() fp32: balance_coefficient × the load-balancing loss + z_coefficient × the z-loss."""
-
-
-def route(
-    logits: Tensor,
-    k: int,
-    renormalize: bool,
-    dtype: torch.dtype,
-    balance_coefficient: float,
-    z_coefficient: float,
-) -> Routing:
-    """Top-k of softmax(logits) (tokens, experts), computed in fp32; with `renormalize` the k
-    weights are divided by their sum (Mixtral). The load-balancing loss is Switch
-    Transformer's as Hugging Face computes it, E × Σ_e (tokens routed to e over the k slots /
-    tokens) × (mean probability of e), the z-loss the mean squared logsumexp of the logits.
-    Differentiable in logits through the weights and the auxiliary loss."""
-    if use_triton(logits):
-        return Routing(
-            *_RouteFunction.apply(
-                logits.contiguous(), k, renormalize, dtype, balance_coefficient, z_coefficient
-            )
-        )
-    return route_reference(logits, k, renormalize, dtype, balance_coefficient, z_coefficient)
-
-
-def route_reference(
-    logits: Tensor,
-    k: int,
-    renormalize: bool,
-    dtype: torch.dtype,
-    balance_coefficient: float,
-    z_coefficient: float,
-) -> Routing:
-    logits = logits.float()
-    tokens, num_experts = logits.shape
-    probabilities = logits.softmax(dim=-1)
-    weights, experts = probabilities.topk(k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    counts = _histogram(experts, num_experts)
-    routed = counts.float() / tokens
-    auxiliary = balance_coefficient * num_experts * (routed * probabilities.mean(dim=0)).sum()
-    if z_coefficient:
-        z_loss = torch.logsumexp(logits, dim=-1).square().mean()
-        auxiliary = auxiliary + z_coefficient * z_loss
-    return Routing(weights.to(dtype), experts, counts, auxiliary)
-
-
-def _histogram(experts: Tensor, num_experts: int) -> Tensor:
-    flat = experts.reshape(-1)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
-    return counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync on its max
+"""Elements of the (tokens or blocks, experts) tiles the routing kernels hold."""
+_MAP_TILE = 16384
+"""Elements of the (entries, experts) tiles of the sparse map: large, since every program of
+its second kernel reads all blocks' counts (at 4096, that read took 70 µs on 65,536 entries)."""
 
 
 class SparseMap(NamedTuple):
@@ -110,6 +51,70 @@ class SparseMap(NamedTuple):
     """Rows of the sparse layout: tokens × k + experts × block, whatever the routing."""
 
 
+class Routing(NamedTuple):
+    weights: Tensor
+    """(tokens, k) in the requested dtype: each token's routing weights, most probable first."""
+    experts: Tensor
+    """(tokens, k) int64: the experts they weight."""
+    counts: Tensor
+    """(experts,) int64: tokens routed to each expert."""
+    auxiliary: Tensor
+    """() fp32: balance_coefficient × the load-balancing loss + z_coefficient × the z-loss."""
+    sparse: SparseMap
+    """The sparse layout of `experts`, as `sparse_map` gives it (same kernels on the GPU)."""
+
+
+def route(
+    logits: Tensor,
+    k: int,
+    renormalize: bool,
+    dtype: torch.dtype,
+    balance_coefficient: float,
+    z_coefficient: float,
+    block: int = GROUP_ALIGNMENT,
+) -> Routing:
+    """Top-k of softmax(logits) (tokens, experts), computed in fp32; with `renormalize` the k
+    weights are divided by their sum (Mixtral). The load-balancing loss is Switch
+    Transformer's as Hugging Face computes it, E × Σ_e (tokens routed to e over the k slots /
+    tokens) × (mean probability of e), the z-loss the mean squared logsumexp of the logits.
+    Differentiable in logits through the weights and the auxiliary loss. With the sparse map
+    of the choices (each expert's rows padded to `block`): on the GPU all of it is two
+    kernels, the second shared with `sparse_map`."""
+    if use_triton(logits):
+        weights, experts, counts, auxiliary, rows, entries, ends = _RouteFunction.apply(
+            logits.contiguous(), k, renormalize, dtype, balance_coefficient, z_coefficient, block
+        )
+        num_rows = logits.shape[0] * k + logits.shape[1] * block
+        sparse = SparseMap(rows, entries, ends, counts, num_rows)
+        return Routing(weights, experts, counts, auxiliary, sparse)
+    return route_reference(logits, k, renormalize, dtype, balance_coefficient, z_coefficient, block)
+
+
+def route_reference(
+    logits: Tensor,
+    k: int,
+    renormalize: bool,
+    dtype: torch.dtype,
+    balance_coefficient: float,
+    z_coefficient: float,
+    block: int = GROUP_ALIGNMENT,
+) -> Routing:
+    logits = logits.float()
+    tokens, num_experts = logits.shape
+    probabilities = logits.softmax(dim=-1)
+    weights, experts = probabilities.topk(k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    sparse = sparse_map_reference(experts, num_experts, block)
+    counts = sparse.counts
+    routed = counts.float() / tokens
+    auxiliary = balance_coefficient * num_experts * (routed * probabilities.mean(dim=0)).sum()
+    if z_coefficient:
+        z_loss = torch.logsumexp(logits, dim=-1).square().mean()
+        auxiliary = auxiliary + z_coefficient * z_loss
+    return Routing(weights.to(dtype), experts, counts, auxiliary, sparse)
+
+
 def sparse_map(experts: Tensor, num_experts: int, block: int = GROUP_ALIGNMENT) -> SparseMap:
     """The sparse layout of `experts` (tokens, k), each token's chosen experts. Within an
     expert, rows follow token order (and slot order within a token)."""
@@ -121,7 +126,8 @@ def sparse_map(experts: Tensor, num_experts: int, block: int = GROUP_ALIGNMENT) 
 def sparse_map_reference(experts: Tensor, num_experts: int, block: int) -> SparseMap:
     tokens, k = experts.shape
     flat = experts.reshape(-1)
-    counts = _histogram(experts, num_experts)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync on its max
     padded = (counts + block - 1) // block * block
     ends = padded.cumsum(0)
     order = flat.argsort(stable=True)
@@ -186,17 +192,19 @@ def grouped_linear_reference(x: Tensor, weight: Tensor, ends: Tensor) -> Tensor:
 # --- routing ---------------------------------------------------------------------------------
 
 
-def _route_settings(num_experts: int) -> tuple[int, int]:
-    """(E_BLOCK, BLOCK_T): a (tokens, experts) tile of at most _TILE elements."""
+def _route_settings(num_experts: int, k: int) -> tuple[int, int]:
+    """(E_BLOCK, BLOCK_T): a (tokens, experts) tile of at most _TILE elements, whose entries
+    make an (entries, experts) tile of at most _MAP_TILE."""
     e_block = triton.next_power_of_2(num_experts)
-    return e_block, max(1, _TILE // e_block)
+    k_block = triton.next_power_of_2(k)
+    return e_block, max(1, min(_TILE // e_block, _MAP_TILE // (e_block * k_block)))
 
 
 class _RouteFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, k, renormalize, dtype, balance, z):
+    def forward(ctx, logits, k, renormalize, dtype, balance, z, block):
         tokens, num_experts = logits.shape
-        e_block, block_t = _route_settings(num_experts)
+        e_block, block_t = _route_settings(num_experts, k)
         blocks = triton.cdiv(tokens, block_t)
         device = logits.device
         weights = torch.empty(tokens, k, dtype=dtype, device=device)
@@ -209,24 +217,24 @@ class _RouteFunction(torch.autograd.Function):
             E=num_experts, E_BLOCK=e_block, K=k, K_BLOCK=triton.next_power_of_2(k),
             BLOCK_T=block_t, RENORMALIZE=renormalize,
         )  # fmt: skip
-        counts = torch.empty(num_experts, dtype=torch.int64, device=device)
         auxiliary = torch.empty((), dtype=torch.float32, device=device)
-        _route_totals_kernel[(1,)](
-            probability_sums, block_counts, z_sums, counts, auxiliary, tokens, blocks,
-            balance, z, E=num_experts, E_BLOCK=e_block, BLOCKS=max(1, _TILE // e_block),
+        sparse = _sparse_rows(
+            experts, block_counts, block_t * k, num_experts, block,
+            (probability_sums, z_sums, auxiliary, tokens, balance, z),
         )  # fmt: skip
-        ctx.save_for_backward(logits, experts, counts)
+        ctx.save_for_backward(logits, experts, sparse.counts)
         ctx.settings = (renormalize, balance, z)
-        ctx.mark_non_differentiable(experts, counts)
-        return weights, experts, counts, auxiliary
+        outputs = (experts, sparse.counts, sparse.rows, sparse.entries, sparse.ends)
+        ctx.mark_non_differentiable(*outputs)
+        return weights, experts, sparse.counts, auxiliary, sparse.rows, sparse.entries, sparse.ends
 
     @staticmethod
-    def backward(ctx, grad_weights, grad_experts, grad_counts, grad_auxiliary):
+    def backward(ctx, grad_weights, _experts, _counts, grad_auxiliary, *_sparse):
         logits, experts, counts = ctx.saved_tensors
         renormalize, balance, z = ctx.settings
         tokens, num_experts = logits.shape
         k = experts.shape[1]
-        e_block, block_t = _route_settings(num_experts)
+        e_block, block_t = _route_settings(num_experts, k)
         grad_logits = torch.empty_like(logits)
         _route_backward_kernel[(triton.cdiv(tokens, block_t),)](
             logits, experts,
@@ -237,7 +245,7 @@ class _RouteFunction(torch.autograd.Function):
             E=num_experts, E_BLOCK=e_block, K=k, BLOCK_T=block_t, RENORMALIZE=renormalize,
             WEIGHTS=grad_weights is not None, AUXILIARY=grad_auxiliary is not None,
         )  # fmt: skip
-        return grad_logits, None, None, None, None, None
+        return grad_logits, None, None, None, None, None, None
 
 
 @triton.jit
@@ -293,28 +301,6 @@ def _route_kernel(
 
 
 @triton.jit
-def _route_totals_kernel(
-    probability_sums_ptr, block_counts_ptr, z_sums_ptr, counts_ptr, auxiliary_ptr, tokens,
-    blocks, balance, z, E: tl.constexpr, E_BLOCK: tl.constexpr, BLOCKS: tl.constexpr,
-):  # fmt: skip
-    columns = tl.arange(0, E_BLOCK)
-    sums = tl.zeros([E_BLOCK], dtype=tl.float32)
-    counts = tl.zeros([E_BLOCK], dtype=tl.int32)
-    z_total = tl.zeros([BLOCKS], dtype=tl.float32)
-    for start in range(0, blocks, BLOCKS):
-        rows = start + tl.arange(0, BLOCKS)
-        mask = (rows < blocks)[:, None] & (columns < E)[None, :]
-        offsets = rows[:, None] * E + columns[None, :]
-        sums += tl.sum(tl.load(probability_sums_ptr + offsets, mask=mask, other=0.0), axis=0)
-        counts += tl.sum(tl.load(block_counts_ptr + offsets, mask=mask, other=0), axis=0)
-        z_total += tl.load(z_sums_ptr + rows, mask=rows < blocks, other=0.0)
-    tl.store(counts_ptr + columns, counts.to(tl.int64), mask=columns < E)
-    n = tokens.to(tl.float32)
-    balance_loss = E * tl.sum(counts.to(tl.float32) * sums, axis=0) / (n * n)
-    tl.store(auxiliary_ptr, balance * balance_loss + z * tl.sum(z_total, axis=0) / n)
-
-
-@triton.jit
 def _route_backward_kernel(
     logits_ptr, experts_ptr, grad_weights_ptr, counts_ptr, grad_auxiliary_ptr, grad_logits_ptr,
     tokens, balance, z, E: tl.constexpr, E_BLOCK: tl.constexpr, K: tl.constexpr,
@@ -366,25 +352,45 @@ def _route_backward_kernel(
 
 
 def _sparse_map_triton(experts: Tensor, num_experts: int, block: int) -> SparseMap:
+    entries_count = experts.numel()
+    block_n = max(16, _MAP_TILE // triton.next_power_of_2(num_experts))
+    blocks = triton.cdiv(entries_count, block_n)
+    block_counts = torch.empty(blocks, num_experts, dtype=torch.int32, device=experts.device)
+    _histogram_kernel[(blocks,)](
+        experts, block_counts, entries_count, E=num_experts,
+        E_BLOCK=triton.next_power_of_2(num_experts), BLOCK_N=block_n, num_warps=8,
+    )  # fmt: skip
+    return _sparse_rows(experts, block_counts, block_n, num_experts, block)
+
+
+def _sparse_rows(
+    experts: Tensor,
+    block_counts: Tensor,
+    per_block: int,
+    num_experts: int,
+    block: int,
+    auxiliary: tuple[Tensor, Tensor, Tensor, int, float, float] | None = None,
+) -> SparseMap:
+    """The sparse map from the experts' counts in each block of `per_block` entries; with
+    `auxiliary` = (probability sums and z sums per block, the output, tokens, coefficients),
+    also the router's auxiliary loss."""
     tokens, k = experts.shape
     entries_count = tokens * k
     num_rows = entries_count + num_experts * block
-    e_block = triton.next_power_of_2(num_experts)
-    block_n = max(16, _TILE // e_block)
-    blocks = triton.cdiv(entries_count, block_n)
+    blocks = block_counts.shape[0]
     device = experts.device
-    block_counts = torch.empty(blocks, num_experts, dtype=torch.int32, device=device)
-    _histogram_kernel[(blocks,)](
-        experts, block_counts, entries_count, E=num_experts, E_BLOCK=e_block, BLOCK_N=block_n
-    )
     rows = torch.empty(tokens, k, dtype=torch.int64, device=device)
     entries = torch.empty(num_rows, dtype=torch.int32, device=device)
     ends = torch.empty(num_experts, dtype=torch.int32, device=device)
     counts = torch.empty(num_experts, dtype=torch.int64, device=device)
+    sums, z_sums, out, n, balance, z = auxiliary or (counts, counts, counts, 1, 0.0, 0.0)
+    e_block = triton.next_power_of_2(num_experts)
     _sparse_rows_kernel[(blocks,)](
-        experts, block_counts, rows, entries, ends, counts, entries_count, blocks, num_rows,
-        triton.cdiv(num_rows, blocks), E=num_experts, E_BLOCK=e_block, BLOCK_N=block_n,
-        ALIGN=block, BLOCKS=max(1, _TILE // e_block),
+        experts, block_counts, rows, entries, ends, counts, sums, z_sums, out, n, balance, z,
+        entries_count, blocks, num_rows, triton.cdiv(num_rows, blocks), E=num_experts,
+        E_BLOCK=e_block, PER_BLOCK=per_block, BLOCK_N=triton.next_power_of_2(per_block),
+        ALIGN=block, BLOCKS=max(1, _TILE // e_block), AUXILIARY=auxiliary is not None,
+        num_warps=8,
     )  # fmt: skip
     return SparseMap(rows, entries, ends, counts, num_rows)
 
@@ -403,9 +409,10 @@ def _histogram_kernel(
 
 @triton.jit
 def _sparse_rows_kernel(
-    experts_ptr, block_counts_ptr, rows_ptr, entries_ptr, ends_ptr, counts_ptr, n, blocks,
-    num_rows, rows_per_block, E: tl.constexpr, E_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-    ALIGN: tl.constexpr, BLOCKS: tl.constexpr,
+    experts_ptr, block_counts_ptr, rows_ptr, entries_ptr, ends_ptr, counts_ptr,
+    probability_sums_ptr, z_sums_ptr, auxiliary_ptr, tokens, balance, z, n, blocks, num_rows,
+    rows_per_block, E: tl.constexpr, E_BLOCK: tl.constexpr, PER_BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr, ALIGN: tl.constexpr, BLOCKS: tl.constexpr, AUXILIARY: tl.constexpr,
 ):  # fmt: skip
     block = tl.program_id(0)
     columns = tl.arange(0, E_BLOCK)
@@ -426,10 +433,23 @@ def _sparse_rows_kernel(
     if block == 0:
         tl.store(ends_ptr + columns, ends, mask=expert_mask)
         tl.store(counts_ptr + columns, counts.to(tl.int64), mask=expert_mask)
+        if AUXILIARY:  # the router's losses, from every block's sums
+            sums = tl.zeros([E_BLOCK], dtype=tl.float32)
+            z_total = tl.zeros([BLOCKS], dtype=tl.float32)
+            for start in range(0, blocks, BLOCKS):
+                others = start + tl.arange(0, BLOCKS)
+                mask = (others < blocks)[:, None] & expert_mask[None, :]
+                offsets = others[:, None] * E + columns[None, :]
+                sums += tl.sum(tl.load(probability_sums_ptr + offsets, mask=mask, other=0.0), 0)
+                z_total += tl.load(z_sums_ptr + others, mask=others < blocks, other=0.0)
+            t = tokens.to(tl.float32)
+            balance_loss = E * tl.sum(counts.to(tl.float32) * sums, axis=0) / (t * t)
+            tl.store(auxiliary_ptr, balance * balance_loss + z * tl.sum(z_total, axis=0) / t)
     # This block's entries: their expert's start, the entries of that expert in earlier blocks,
     # and those before them in this block.
-    entries = block * BLOCK_N + tl.arange(0, BLOCK_N)
-    valid = entries < n
+    local = tl.arange(0, BLOCK_N)
+    entries = block * PER_BLOCK + local
+    valid = (local < PER_BLOCK) & (entries < n)
     experts = tl.load(experts_ptr + entries, mask=valid, other=-1)
     picked = (experts[:, None] == columns[None, :]).to(tl.int32)
     earlier = tl.cumsum(picked, axis=0) - picked
@@ -444,7 +464,7 @@ def _sparse_rows_kernel(
         sparse_rows = start + tl.arange(0, BLOCK_N)
         inside = (sparse_rows < num_rows) & (sparse_rows < (block + 1) * rows_per_block)
         expert = tl.sum((sparse_rows[:, None] >= limits[None, :]).to(tl.int32), axis=1)
-        here = expert[:, None] == columns[None, :]
+        here = (expert[:, None] == columns[None, :]) & expert_mask[None, :]
         used = tl.sum(tl.where(here & (sparse_rows[:, None] < filled[None, :]), 1, 0), axis=1)
         tl.store(entries_ptr + sparse_rows, -1, mask=inside & (used == 0))
 
@@ -453,14 +473,16 @@ def _sparse_rows_kernel(
 
 
 def _gather_settings(hidden: int, k: int) -> tuple[int, int]:
-    """(K_BLOCK, BLOCK): a (k, columns) tile of at most 4096 elements."""
+    """(K_BLOCK, BLOCK): a (k, columns) tile of at most 8192 elements (on the H200, 8 × 1024
+    bf16 at 4 warps gathered at about the speed of a copy, twice as fast as 8 × 512)."""
     k_block = triton.next_power_of_2(k)
-    return k_block, min(triton.next_power_of_2(hidden), max(16, 4096 // k_block))
+    return k_block, min(triton.next_power_of_2(hidden), max(16, 8192 // k_block))
 
 
 def _row_settings(hidden: int) -> tuple[int, int]:
-    """(BLOCK_R, BLOCK_H): a (rows, columns) tile of 4096 elements at most."""
-    block_h = min(triton.next_power_of_2(hidden), 1024)
+    """(BLOCK_R, BLOCK_H): a (rows, columns) tile of 4096 elements at most, 16 × 256 where the
+    rows are long enough (on the H200 faster than 4 × 1024 or 8 × 512)."""
+    block_h = min(triton.next_power_of_2(hidden), 256)
     return max(1, 4096 // block_h), block_h
 
 

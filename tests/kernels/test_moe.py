@@ -50,6 +50,7 @@ def top_k(tokens: int, num_experts: int, k: int, skew: float = 0.0) -> torch.Ten
         (50, 16, 8, 4, 0.0),
         (29, 128, 4, 16, 0.0),
         (40, 8, 2, 8, 0.5),
+        (11, 6, 2, 4, 0.0),
     ],
 )
 @pytest.mark.parametrize("kernel", [sparse_map, sparse_map_reference], ids=["op", "reference"])
@@ -73,7 +74,14 @@ def test_sparse_map_matches_numpy(kernel, tokens, num_experts, k, block, skew) -
 @triton_on_cpu
 @pytest.mark.parametrize(
     ("tokens", "num_experts", "k", "renormalize"),
-    [(37, 8, 2, True), (50, 16, 8, False), (29, 128, 4, True), (5, 6, 1, False), (70, 4, 4, True)],
+    [
+        (37, 8, 2, True),
+        (50, 16, 8, False),
+        (29, 128, 4, True),
+        (5, 6, 1, False),
+        (70, 4, 4, True),
+        (23, 8, 3, True),
+    ],
 )
 def test_route_matches_its_reference(tokens, num_experts, k, renormalize, poisoned_empty) -> None:
     logits = (torch.randn(tokens, num_experts) * 2).requires_grad_()
@@ -85,6 +93,9 @@ def test_route_matches_its_reference(tokens, num_experts, k, renormalize, poison
         results.append((routing, torch.autograd.grad(loss, logits)[0]))
     (ours, grad), (theirs, expected_grad) = results
     assert torch.equal(ours.experts, theirs.experts) and torch.equal(ours.counts, theirs.counts)
+    for name in ("rows", "entries", "ends", "counts"):  # the sparse map made in passing
+        assert torch.equal(getattr(ours.sparse, name), getattr(theirs.sparse, name)), name
+    assert ours.sparse.num_rows == theirs.sparse.num_rows
     assert_close(ours.weights, theirs.weights)
     assert_close(ours.auxiliary, theirs.auxiliary)
     assert_close(grad, expected_grad, atol=1e-5)
@@ -182,11 +193,10 @@ def test_routing_sparse_map_and_permutations_match_their_references_on_gpu(num_e
     assert_close(ours.weights, theirs.weights)
     assert_close(ours.auxiliary, theirs.auxiliary)
     assert_close(grads[0], grads[1], atol=1e-2)
-    sparse, expected = (
-        m(ours.experts, num_experts, 16) for m in (sparse_map, sparse_map_reference)
-    )
-    for name in ("rows", "entries", "ends", "counts"):
-        assert torch.equal(getattr(sparse, name), getattr(expected, name)), name
+    expected = sparse_map_reference(ours.experts, num_experts, 16)
+    for sparse in (sparse_map(ours.experts, num_experts, 16), ours.sparse):
+        for name in ("rows", "entries", "ends", "counts"):
+            assert torch.equal(getattr(sparse, name), getattr(expected, name)), name
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     assert torch.equal(dispatch(x, sparse), dispatch_reference(x, sparse))
     y = torch.randn(sparse.num_rows, hidden, device="cuda", dtype=torch.bfloat16)

@@ -16,7 +16,7 @@ from fastllm.engine.tensor_parallel import TensorParallel, counted_once, enter, 
 from fastllm.model.parameters import TensorSplit, describe
 from fastllm_kernels.activation import gated_activation_fused, gated_linear
 from fastllm_kernels.linear import linear
-from fastllm_kernels.moe import combine, dispatch, grouped_linear, route, sparse_map
+from fastllm_kernels.moe import SparseMap, combine, dispatch, grouped_linear, route
 
 if TYPE_CHECKING:
     from fastllm.model.block import Normalization
@@ -157,7 +157,7 @@ class MixtureOfExperts(torch.nn.Module):
         x = enter(x, self.tp)
         normed = norm(x)
         tokens = normed.reshape(-1, normed.shape[-1])
-        weights, experts, counts, auxiliary = route(
+        weights, experts, counts, auxiliary, sparse = route(
             self.router(tokens),
             self.top_k,
             self.renormalize,
@@ -166,7 +166,7 @@ class MixtureOfExperts(torch.nn.Module):
             self.z_loss_coefficient,
         )
         if self.dropless:
-            out = self._dropless(tokens, weights, experts)
+            out = self._dropless(tokens, weights, sparse)
         else:
             out = self._looped(tokens, weights, experts)
         # Not while a backward pass recomputes the forward (selective or full recomputation).
@@ -181,8 +181,7 @@ class MixtureOfExperts(torch.nn.Module):
             return out.view_as(x), auxiliary
         return leave(out.view_as(x), self.tp), counted_once(auxiliary, self.tp)
 
-    def _dropless(self, tokens: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
-        sparse = sparse_map(experts, self.num_experts)
+    def _dropless(self, tokens: Tensor, weights: Tensor, sparse: SparseMap) -> Tensor:
         h = dispatch(tokens, sparse)
         h = grouped_linear(h, self.layer_1, sparse.ends)
         h = (
