@@ -494,15 +494,15 @@ def _rows_from_tokens(
     dot_with: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """out[r] = x[entries[r] // k] (× weights.flat[entries[r]]), zero where entries[r] < 0;
-    with `dot_with`, also ⟨x[t], dot_with[rows[t, j]]⟩ per entry t × k + j, in fp32."""
+    with `dot_with` (and weights), also ⟨x[t], dot_with[rows[t, j]]⟩ per entry t × k + j,
+    summed in fp32, in the weights' dtype."""
     tokens, hidden = x.shape
     num_rows = entries.shape[0]
     out = torch.empty(num_rows, hidden, dtype=x.dtype, device=x.device)
-    dots = (
-        torch.empty(tokens, k, dtype=torch.float32, device=x.device)
-        if dot_with is not None
-        else None
-    )
+    dots = None
+    if dot_with is not None:
+        assert weights is not None
+        dots = torch.empty(tokens, k, dtype=weights.dtype, device=x.device)
     block_r, block_h = _row_settings(hidden)
     # Each program one tile (more in flight for these memory-bound copies), or, to sum its
     # rows' dot products, the whole of its rows.
@@ -562,7 +562,7 @@ class _CombineFunction(torch.autograd.Function):
         grad_y, dots = _rows_from_tokens(
             grad.contiguous(), entries, rows.shape[1], weights, y if need_weights else None
         )
-        return grad_y, None, None, None if dots is None else dots.to(weights.dtype)
+        return grad_y, None, None, dots
 
 
 @triton.jit
@@ -597,7 +597,7 @@ def _rows_kernel(
             mask=inside[:, None] & column_mask[None, :],
         )
     if DOT:
-        tl.store(dots_ptr + entries, dots, mask=used)
+        tl.store(dots_ptr + entries, dots.to(dots_ptr.dtype.element_ty), mask=used)
 
 
 @triton.jit
