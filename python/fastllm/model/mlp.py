@@ -124,7 +124,7 @@ class MixtureOfExperts(torch.nn.Module):
     def __init__(self, config: TransformerConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         assert config.ffn_hidden_size is not None and config.activation_type is not None
-        self.tp = tp = tp or TensorParallel()
+        self.tp = tp = tp if tp is not None else TensorParallel()
         self.gated, self.activation = config.gated, config.activation_type
         self.num_experts, self.top_k = config.num_experts, config.num_experts_per_token
         self.renormalize, self.dropless = config.expert_renormalize, config.dropless_moe
