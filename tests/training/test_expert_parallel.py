@@ -84,16 +84,23 @@ def test_dp4_ep2_zero3_matches_one_process_and_resumes_without_expert_parallelis
     _assert_matches(experiment, reference, range(1, 7))
 
 
-def test_pp2_ep2_matches_one_process(dataset: Path, reference: Path, tmp_path: Path) -> None:
-    # 2 pipeline ranks of 2 data ranks each, the data ranks of a stage splitting its experts;
-    # the export holds every stage's experts whole.
-    experiment = tmp_path / "pp_ep"
-    layout = (
-        "model.distributed.pipeline_parallel=2",
-        "model.distributed.expert_parallel=2",
-        "schedule.breadth_first_micro_batches=2",
-        "training.train_iters=6",
-    )
+@pytest.mark.parametrize(
+    "layout",
+    [
+        # 2 pipeline ranks of 2 data ranks each, the data ranks of a stage splitting its experts.
+        ("model.distributed.pipeline_parallel=2", "schedule.breadth_first_micro_batches=2"),
+        # 2 tensor ranks of 2 data ranks each: tensor rank t exchanges tokens with tensor rank t
+        # of the other data rank and computes its half of each expert's ffn.
+        ("model.distributed.tensor_parallel=2", "model.distributed.sequence_tensor_parallel=true"),
+    ],
+    ids=["pp2-ep2", "tp2-ep2-sequence-parallel"],
+)
+def test_ep2_with_model_parallelism_matches_one_process(
+    dataset: Path, reference: Path, tmp_path: Path, layout: tuple[str, ...]
+) -> None:
+    # The export holds every expert whole, its tensor slices merged.
+    experiment = tmp_path / "ep"
+    layout = (*layout, "model.distributed.expert_parallel=2", "training.train_iters=6")
     result = torchrun(4, *train_arguments(dataset, experiment, *MOE, *layout))
     assert result.returncode == 0, result.stderr
     assert "expert parallel 2" in result.stdout
