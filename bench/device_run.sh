@@ -9,6 +9,7 @@
 #   nvidia-h200-x8: bash bench/device_run.sh HASH scale-x8
 #   nvidia-h200:    bash bench/device_run.sh HASH sft
 #   nvidia-h200-x2: bash bench/device_run.sh HASH layouts-x2 bfdf-x2 sdp-x2 ep-x2   (issue 19)
+#   nvidia-h200-x2: TESTS='nccl or expert' bash bench/device_run.sh HASH tests   (issue 19: NCCL layouts)
 # A second setting of a train part in the same call (its results under train_MODEL_TAG):
 #   ... && APPEND=1 SYSTEMS=fastllm SET=model.multi_stage.recompute=none TAG=store \
 #          bash bench/device_run.sh HASH train-1b
@@ -43,8 +44,8 @@ pack() { tar -czf "$OUT/results.tgz.part" -C "$RES" . && mv "$OUT/results.tgz.pa
 run_part() {
   case $1 in
     tests)
-      # TESTS: a pytest -k expression, to run only some of them.
-      timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/training \
+      # TESTS: a pytest -k expression, to run only some of them; TESTS_S: their time limit.
+      timeout "${TESTS_S:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/training \
         ${TESTS:+-k "$TESTS"} >"$RES/gpu_tests${TAG:+_$TAG}.log" 2>&1
       grep -E "^(FAILED|ERROR)|^E  |passed|failed" "$RES/gpu_tests${TAG:+_$TAG}.log" | tail -40 ;;
     sustained)

@@ -20,12 +20,15 @@ from tests.training.test_train_cli import losses
 
 # Top-2 of 4 experts with a strong balance loss; 8 sequences per step, 4 micro-batches of 2 in
 # the single process.
-MOE = (
+MOE_MODEL = (
     "model.base_model.transformer.num_experts=4",
     "model.base_model.transformer.num_experts_per_token=2",
     "model.base_model.transformer.add_linear_biases=only_attn_qkv",
     "model.base_model.transformer.expert_auxiliary_loss_coefficient=0.1",
     "model.base_model.transformer.expert_z_loss_coefficient=0.01",
+)
+MOE = (
+    *MOE_MODEL,
     "batch.batch_size=8",
     "training.checkpoint.interval=3",
     "training.export.interval=6",

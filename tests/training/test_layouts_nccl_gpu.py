@@ -1,0 +1,67 @@
+"""The parallel layouts over NCCL on two GPUs, in bf16, against one GPU running the same global
+batch: tensor (with sequence parallelism), pipeline (breadth-first), sequence-data and expert
+parallelism. The CPU suite checks each layout's arithmetic against one process in fp32; this
+checks the NCCL paths (streams, device collectives) end to end."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_cli import fastllm as run_cli
+from tests.torchrun import torchrun
+from tests.training.conftest import train_arguments
+from tests.training.test_expert_parallel import MOE_MODEL
+from tests.training.test_train_cli import losses
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs"),
+]
+
+BASE = (
+    "model.distributed.training_dtype=bfloat16",
+    "model.base_model.transformer.num_layers=4",
+    "batch.batch_size=8",
+    "training.train_iters=10",
+)
+
+
+@pytest.mark.parametrize(
+    ("model", "layout"),
+    [
+        (
+            (),
+            (
+                "model.distributed.tensor_parallel=2",
+                "model.distributed.sequence_tensor_parallel=true",
+            ),
+        ),
+        (
+            (),
+            (
+                "model.distributed.pipeline_parallel=2",
+                "schedule.breadth_first_micro_batches=4",
+                "model.multi_stage.zero_stage=1",
+            ),
+        ),
+        ((), ("model.distributed.sequence_data_parallel=2", "model.multi_stage.zero_stage=3")),
+        (MOE_MODEL, ("model.distributed.expert_parallel=2", "model.multi_stage.zero_stage=2")),
+    ],
+    ids=["tp2-sequence-parallel", "pp2-breadth-first", "sdp2-zero3", "ep2-zero2"],
+)
+def test_two_gpus_over_nccl_match_one_gpu_in_bfloat16(
+    dataset: Path, tmp_path: Path, model: tuple[str, ...], layout: tuple[str, ...]
+) -> None:
+    single = tmp_path / "single"
+    result = run_cli(*train_arguments(dataset, single, *BASE, *model))
+    assert result.returncode == 0, result.stderr
+    split = tmp_path / "split"
+    result = torchrun(2, *train_arguments(dataset, split, *BASE, *model, *layout))
+    assert result.returncode == 0, result.stderr
+    expected, got = losses(single), losses(split)
+    assert sorted(got) == sorted(expected) == list(range(1, 11))
+    for step, loss in expected.items():
+        assert got[step] == pytest.approx(loss, rel=1e-2), step
