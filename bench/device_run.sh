@@ -10,6 +10,7 @@
 #   nvidia-h200:    bash bench/device_run.sh HASH sft
 #   nvidia-h200-x2: bash bench/device_run.sh HASH layouts-x2 bfdf-x2 sdp-x2 ep-x2   (issue 19)
 #   nvidia-h200-x2: TESTS='nccl or expert' bash bench/device_run.sh HASH tests   (issue 19: NCCL layouts)
+#   nvidia-h200-x4: bash bench/device_run.sh HASH layouts-x4   (issue 19)
 # A second setting of a train part in the same call (its results under train_MODEL_TAG):
 #   ... && APPEND=1 SYSTEMS=fastllm SET=model.multi_stage.recompute=none TAG=store \
 #          bash bench/device_run.sh HASH train-1b
@@ -23,7 +24,7 @@
 # sft (llama-1b fine-tuning on packed, masked conversations against HF + compile on the same
 # batches; chat prepare against apply_chat_template in a pool), moe (MoE GPU tests, then
 # bench/moe_bench.py: dropless against looped, on nvidia-h200); layouts-x2, bfdf-x2, sdp-x2,
-# ep-x2 (issue 19, on nvidia-h200-x2).
+# ep-x2 (issue 19, on nvidia-h200-x2); layouts-x4 (issue 19, on nvidia-h200-x4).
 set -uo pipefail
 COMMIT=$1
 shift
@@ -133,6 +134,28 @@ run_part() {
             "model.distributed.sequence_data_chunking=$chunking" \
             --commit "$COMMIT" --out "$RES/sdp2_1b_${seq}_$chunking" 2>&1 | tail -4
         done
+      done ;;
+    layouts-x4)
+      # Issue 19 on nvidia-h200-x4: llama-8b tp2 x pp2 and tp2 x dp2 (ZeRO-1) at one global
+      # batch (PER_GPU sequences of 1 x 4096 per GPU, default 4), then a 13B-class geometry
+      # (Llama-2-13B's: hidden 5120, 40 layers, ffn 13824) breadth-first on pp4 (one data rank,
+      # so ZeRO shards nothing there) and on pp2 x dp2 with ZeRO-3.
+      local per_gpu=${PER_GPU:-4}
+      for layout in "tp2pp2:model.distributed.tensor_parallel=2 model.distributed.sequence_tensor_parallel=true model.distributed.pipeline_parallel=2 model.multi_stage.layers_per_stage=4 schedule.breadth_first_micro_batches=$((2 * per_gpu))" \
+        "tp2dp2:model.distributed.tensor_parallel=2 model.distributed.sequence_tensor_parallel=true"; do
+        python3 bench/scale_bench.py --config examples/llama3-8b.yaml --gpus 4 --micro-batch 1 \
+          --per-gpu-batch "$per_gpu" --steps 6 --kill-at-end --timeout 170 --zero-stage 1 \
+          --set ${layout#*:} --commit "$COMMIT" --out "$RES/layout4_8b_${layout%%:*}" 2>&1 | tail -6
+      done
+      local t=model.base_model.transformer
+      for layout in "pp4:4:1:$((4 * per_gpu))" "pp2dp2:2:3:$((2 * per_gpu))"; do
+        IFS=: read -r name pipeline zero breadth <<<"$layout"
+        python3 bench/scale_bench.py --config examples/llama3-8b.yaml --gpus 4 --micro-batch 1 \
+          --per-gpu-batch "$per_gpu" --steps 6 --kill-at-end --timeout 200 --zero-stage "$zero" \
+          --set $t.hidden_size=5120 $t.num_layers=40 $t.num_attention_heads=40 $t.head_groups=40 \
+          $t.ffn_hidden_size=13824 model.distributed.pipeline_parallel="$pipeline" \
+          model.multi_stage.layers_per_stage=5 schedule.breadth_first_micro_batches="$breadth" \
+          --commit "$COMMIT" --out "$RES/layout4_13b_$name" 2>&1 | tail -6
       done ;;
     ep-x2)
       # The Mixtral geometry cut to EP_LAYERS layers (default 4), micro-batch 2 × 4096, 4
