@@ -8,7 +8,7 @@
 #   nvidia-h200:    bash bench/device_run.sh HASH train-3b
 #   nvidia-h200-x8: bash bench/device_run.sh HASH scale-x8
 #   nvidia-h200:    bash bench/device_run.sh HASH sft
-#   nvidia-h200-x2: bash bench/device_run.sh HASH layouts-x2 bfdf-x2 sdp-x2   (issue 19)
+#   nvidia-h200-x2: bash bench/device_run.sh HASH layouts-x2 bfdf-x2 sdp-x2 ep-x2   (issue 19)
 # A second setting of a train part in the same call (its results under train_MODEL_TAG):
 #   ... && APPEND=1 SYSTEMS=fastllm SET=model.multi_stage.recompute=none TAG=store \
 #          bash bench/device_run.sh HASH train-1b
@@ -21,8 +21,8 @@
 # scale-x8 (Mistral-7B scaling), long (llama-1b/3b at 16k-128k tokens per sequence against HF),
 # sft (llama-1b fine-tuning on packed, masked conversations against HF + compile on the same
 # batches; chat prepare against apply_chat_template in a pool), moe (MoE GPU tests, then
-# bench/moe_bench.py: dropless against looped, on nvidia-h200); layouts-x2, bfdf-x2, sdp-x2
-# (issue 19, on nvidia-h200-x2).
+# bench/moe_bench.py: dropless against looped, on nvidia-h200); layouts-x2, bfdf-x2, sdp-x2,
+# ep-x2 (issue 19, on nvidia-h200-x2).
 set -uo pipefail
 COMMIT=$1
 shift
@@ -120,12 +120,27 @@ run_part() {
       done ;;
     sdp-x2)
       # llama-1b with sequence-data parallelism 2 at 128k and 256k tokens (one sequence shared
-      # by the 2 GPUs); the one-GPU 128k figure is part long's.
-      for seq in 131072 262144; do
-        python3 bench/scale_bench.py --config examples/llama3-1b.yaml --gpus 2 --micro-batch 1 \
-          --per-gpu-batch 1 --seq "$seq" --steps 5 --skip 1 --kill-at-end --timeout 200 \
-          --set model.distributed.sequence_data_parallel=2 \
-          --commit "$COMMIT" --out "$RES/sdp2_1b_$seq" 2>&1 | tail -4
+      # by the 2 GPUs), in contiguous and head-tail chunks (which is faster decides
+      # model.distributed.sequence_data_chunking's default); the one-GPU 128k figure is part
+      # long's. SDP_SEQS / SDP_CHUNKINGS pick a subset (all four runs may pass 10 minutes:
+      # then split them over two calls, e.g. SDP_SEQS=262144).
+      for seq in ${SDP_SEQS:-131072 262144}; do
+        for chunking in ${SDP_CHUNKINGS:-contiguous head_tail}; do
+          python3 bench/scale_bench.py --config examples/llama3-1b.yaml --gpus 2 --micro-batch 1 \
+            --per-gpu-batch 1 --seq "$seq" --steps 5 --skip 1 --kill-at-end --timeout 200 \
+            --set model.distributed.sequence_data_parallel=2 \
+            "model.distributed.sequence_data_chunking=$chunking" \
+            --commit "$COMMIT" --out "$RES/sdp2_1b_${seq}_$chunking" 2>&1 | tail -4
+        done
+      done ;;
+    ep-x2)
+      # The Mixtral geometry cut to EP_LAYERS layers (default 4), micro-batch 2 × 4096, 4
+      # sequences per GPU, ZeRO-1: expert parallelism 2 against data parallelism alone.
+      for layout in "dp2:model.distributed.expert_parallel=1" "ep2:model.distributed.expert_parallel=2"; do
+        python3 bench/scale_bench.py --config examples/mixtral-8x7b.yaml --gpus 2 --micro-batch 2 \
+          --per-gpu-batch 4 --steps 6 --kill-at-end --timeout 170 --zero-stage 1 \
+          --set model.base_model.transformer.num_layers="${EP_LAYERS:-4}" ${layout#*:} \
+          --commit "$COMMIT" --out "$RES/ep_mixtral_${layout%%:*}" 2>&1 | tail -4
       done ;;
     long)
       # llama-1b at 16k-128k and llama-3b at 32k-64k tokens in one sequence against HF +

@@ -33,7 +33,16 @@ from bench_common import (
 )
 
 T = "model.base_model.transformer."
-RECIPES = ("none", "tensorwise", "rowwise")
+RECIPES = {
+    "none": ("model.distributed.fp8_linear=none",),
+    "tensorwise": ("model.distributed.fp8_linear=tensorwise",),
+    "delayed": (
+        "model.distributed.fp8_linear=tensorwise",
+        "model.distributed.fp8_scaling=delayed",
+    ),
+    "rowwise": ("model.distributed.fp8_linear=rowwise",),
+}
+"""Each recipe's overrides; "delayed": tensorwise with delayed scaling."""
 SUCCESSOR_PROBABILITIES = np.array([0.5, 0.25, 0.15, 0.1])
 BOUND = 0.005
 """The issue's target: each recipe's final loss within 0.5% of bf16's."""
@@ -57,7 +66,7 @@ def overrides(args: argparse.Namespace, experiment: Path, dataset: Path, recipe:
         T + f"num_layers={args.layers}",
         "model.base_model.vocab_size=8192",
         "model.distributed.training_dtype=bfloat16",
-        f"model.distributed.fp8_linear={recipe}",
+        *RECIPES[recipe],
         f"run.experiment_dir={experiment}",
         f"data.path=[{dataset}]",
         f"batch.sequence_length={args.seq}",

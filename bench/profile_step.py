@@ -62,7 +62,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     for _ in range(args.warmup):
         trainer.train_step(next(batches))
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with torch_profile(activities=activities) as prof:
+    with torch_profile(activities=activities, record_shapes=args.ops > 0) as prof:
         for _ in range(args.steps):
             trainer.train_step(next(batches))
         if cuda:
@@ -77,6 +77,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
         kernels[event.key]["calls"] += event.count / args.steps
         kernels[event.key]["ms"] += time_us / 1e3 / args.steps
     total = sum(k["ms"] for k in kernels.values()) or 1.0
+    ops = _operators(prof, args, cuda) if args.ops else []
     groups: dict[str, float] = defaultdict(float)
     for name, stats in kernels.items():
         groups[group_of(name)] += stats["ms"]
@@ -95,7 +96,43 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
             {"name": name, "group": group_of(name), **stats, "share": stats["ms"] / total}
             for name, stats in top
         ],
+        "operators": ops,
     }
+
+
+# The operators whose device time the matmuls' shapes explain: (op, input shapes) rows.
+_OPERATORS = re.compile(r"^aten::(mm|addmm|_scaled_mm|bmm)$")
+
+
+def _operators(prof: Any, args: argparse.Namespace, cuda: bool) -> list[dict[str, Any]]:
+    """The matmul operators by input shapes: calls and device ms per step (the kernels they
+    launched), so each product's time can be set against its FLOPs."""
+    rows = []
+    for event in prof.key_averages(group_by_input_shape=True):
+        if not _OPERATORS.match(event.key):
+            continue
+        time_us = event.device_time_total if cuda else event.cpu_time_total
+        shapes = [list(s) for s in event.input_shapes if s]
+        flops = _matmul_flops(event.key, shapes)
+        ms = time_us / 1e3 / args.steps
+        calls = event.count / args.steps
+        rows.append({
+            "op": event.key, "shapes": shapes, "calls": calls, "ms": ms,
+            "tflops": flops * calls / ms / 1e9 if flops and ms > 0 else None,
+        })  # fmt: skip
+    return sorted(rows, key=lambda r: -r["ms"])[: args.ops]
+
+
+def _matmul_flops(op: str, shapes: list[list[int]]) -> float | None:
+    """2·M·N·K of one call, from its operands' shapes."""
+    mats = [s for s in shapes if len(s) == 2]
+    if op == "aten::addmm" and len(mats) >= 3:
+        (m, k), (_, n) = mats[1], mats[2]
+    elif len(mats) >= 2:
+        (m, k), (_, n) = mats[0], mats[1]
+    else:
+        return None
+    return 2.0 * m * n * k
 
 
 def table(report: dict[str, Any]) -> str:
@@ -106,7 +143,17 @@ def table(report: dict[str, Any]) -> str:
     rows += [
         [k["name"][:90], f"{k['ms']:.2f}", f"{100 * k['share']:.1f}"] for k in report["kernels"]
     ]
-    return markdown_table(["group / kernel", "ms per step", "% of step"], rows)
+    text = markdown_table(["group / kernel", "ms per step", "% of step"], rows)
+    if report["operators"]:
+        op_rows = [
+            [o["op"], " ".join("x".join(map(str, s)) for s in o["shapes"]), f"{o['calls']:.0f}",
+             f"{o['ms']:.2f}", "" if o["tflops"] is None else f"{o['tflops']:.0f}"]
+            for o in report["operators"]
+        ]  # fmt: skip
+        text += "\n\n" + markdown_table(
+            ["operator", "input shapes", "calls", "ms per step", "TFLOP/s"], op_rows
+        )
+    return text
 
 
 def main() -> None:
@@ -117,6 +164,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--top", type=int, default=30, help="kernels listed")
+    parser.add_argument("--ops", type=int, default=0, help="matmul operators listed by shape")
     parser.add_argument("--trace", action="store_true")
     parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="more overrides")
     parser.add_argument("--tiny", action="store_true")

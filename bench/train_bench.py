@@ -263,13 +263,17 @@ def run_fastllm(spec: dict[str, Any]) -> dict[str, Any]:
         "flops_per_token": flops_per_token(config.model.base_model, config.batch.sequence_length),
         "precision": "bf16 compute, fp32 master weights, gradients and Adam moments"
         # getattr: a baseline commit's config may predate the key (its wheels run this script).
-        + _fp8_note(getattr(config.model.distributed, "fp8_linear", "none")),
+        + _fp8_note(config.model.distributed),
         **timing,
     }
 
 
-def _fp8_note(recipe: str) -> str:
-    return "" if recipe == "none" else f"; {recipe} FP8 linear layers in the blocks"
+def _fp8_note(distributed: Any) -> str:
+    recipe = getattr(distributed, "fp8_linear", "none")
+    if recipe == "none":
+        return ""
+    delayed = getattr(distributed, "fp8_scaling", "current") == "delayed"
+    return f"; {recipe}{' (delayed scaling)' if delayed else ''} FP8 linear layers in the blocks"
 
 
 class AttentionSpy:

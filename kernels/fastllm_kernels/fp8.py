@@ -8,6 +8,11 @@ transposed (`columns`). Scales are powers of two: dequantizing is exact and the 
 is the same whether x is divided by the scale or multiplied by its inverse (torchao's rowwise
 recipe rounds them so too).
 
+Tensorwise scaling is current (the scale from the tensor's own amax, one pass to find it and
+one to cast) or delayed (`DelayedScale`: the scale from the largest amax of the last steps, as
+Transformer Engine's delayed scaling; one pass that casts, saturating what now exceeds the
+range, and records the tensor's amax for the steps to come).
+
 Triton: a row that fits in registers is quantized in one pass (read 2 bytes, write 1 per
 element); anything else takes two tiled passes, the first reducing the amaxes with atomics,
 the second writing every layout asked for from one read.
@@ -37,6 +42,14 @@ class Fp8Tensor(NamedTuple):
     """fp32, (rows, 1) per row or () for the whole tensor: data * scale ≈ the values."""
 
 
+class DelayedScale(NamedTuple):
+    history: Tensor | None
+    """fp32 (length,): earlier steps' amaxes; the scale comes from their max. None before the
+    first step ended: that quantization scales currently, and records."""
+    record: Tensor | None
+    """fp32 (): this tensor's amax is maxed into it (None: not recorded)."""
+
+
 class Quantized(NamedTuple):
     rows: Fp8Tensor | None
     """x itself, (R, C)."""
@@ -54,23 +67,32 @@ def quantize(
     rows: bool = True,
     columns: bool = False,
     amax: Tensor | None = None,
+    delayed: DelayedScale | None = None,
 ) -> Quantized:
     """x (2-D, unit column stride) in fp8 `dtype`: as `rows` and/or transposed as `columns`,
-    scaled per row / column, or by one scale (`tensorwise`, from `amax` when given)."""
+    scaled per row / column, or by one scale (`tensorwise`: from `amax` when given, from the
+    history of `delayed` when it has one)."""
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"quantize takes 2-D rows with unit column stride, got {x.shape}")
     if not (rows or columns):
         raise ValueError("quantize: ask for rows, columns or both")
     if dtype not in FP8_MAX:
         raise ValueError(f"not an FP8 dtype: {dtype}")
+    if delayed is not None and not tensorwise:
+        raise ValueError("delayed scaling is tensorwise")
     # Not under the interpreter: its conversion to fp8 does not round to nearest even (ties
     # go away from zero, some e5m2 values land a binade off), and the CPU tests need the
     # recipes' true rounding. The Triton kernels are tested on the GPU.
     if use_triton(x) and x.is_cuda:
-        return _quantize_triton(x, dtype, tensorwise, rows, columns, amax)
-    return quantize_reference(
-        x, dtype, tensorwise=tensorwise, rows=rows, columns=columns, amax=amax
-    )
+        quantized = _quantize_triton(x, dtype, tensorwise, rows, columns, amax, delayed)
+    else:
+        quantized = quantize_reference(
+            x, dtype, tensorwise=tensorwise, rows=rows, columns=columns, amax=amax,
+            delayed=delayed,
+        )  # fmt: skip
+    if delayed is not None and delayed.history is None and delayed.record is not None:
+        torch.maximum(delayed.record, quantized.amax, out=delayed.record)
+    return quantized
 
 
 def quantize_reference(
@@ -81,9 +103,18 @@ def quantize_reference(
     rows: bool = True,
     columns: bool = False,
     amax: Tensor | None = None,
+    delayed: DelayedScale | None = None,
 ) -> Quantized:
     fp8_max = FP8_MAX[dtype]
     x32 = x.float()
+    if delayed is not None and delayed.history is not None:
+        multiplier = _multiplier_reference(delayed.history.amax(), fp8_max)
+        data = (x32 * multiplier).clamp(-fp8_max, fp8_max).to(dtype)
+        if delayed.record is not None:
+            torch.maximum(delayed.record, x32.abs().amax(), out=delayed.record)
+        row_part = Fp8Tensor(data, 1.0 / multiplier) if rows else None
+        column_part = Fp8Tensor(data.t().contiguous(), 1.0 / multiplier) if columns else None
+        return Quantized(row_part, column_part, None)
     if tensorwise:
         amax = x32.abs().amax() if amax is None else amax.float().reshape(())
         multiplier = _multiplier_reference(amax, fp8_max)
@@ -124,6 +155,7 @@ def _quantize_triton(
     rows: bool,
     columns: bool,
     amax: Tensor | None,
+    delayed: DelayedScale | None,
 ) -> Quantized:
     n_rows, n_cols = x.shape
     fp8_max = FP8_MAX[dtype]
@@ -145,7 +177,11 @@ def _quantize_triton(
         )  # fmt: skip
         return Quantized(Fp8Tensor(q, row_scale), None, None)
     grid = (triton.cdiv(n_rows, _TILE_ROWS), triton.cdiv(n_cols, _TILE_COLS))
-    if tensorwise:
+    history = None if delayed is None else delayed.history
+    record = None if history is None else delayed.record
+    if history is not None:
+        row_amax = col_amax = history
+    elif tensorwise:
         if amax is None:
             amax = torch.zeros((), dtype=torch.float32, device=device)
             _amax_kernel[grid](
@@ -160,16 +196,19 @@ def _quantize_triton(
             x, x.stride(0), n_rows, n_cols, row_amax, col_amax,
             ROWS=rows, COLS=columns, TENSOR=False, BM=_TILE_ROWS, BK=_TILE_COLS,
         )  # fmt: skip
+    n_amax = 1 if history is None else history.numel()
     _cast_kernel[grid](
-        x, x.stride(0), n_rows, n_cols, row_amax, col_amax,
+        x, x.stride(0), n_rows, n_cols, row_amax, col_amax, n_amax,
+        record if record is not None else row_scale,
         q if q is not None else x, row_scale, qt if qt is not None else x, col_scale,
-        ROWS=rows, COLS=columns, TENSOR=tensorwise, FP8_MAX=fp8_max,
+        ROWS=rows, COLS=columns, TENSOR=tensorwise, RECORD=record is not None,
+        AMAX_BLOCK=triton.next_power_of_2(n_amax), FP8_MAX=fp8_max,
         BM=_TILE_ROWS, BK=_TILE_COLS,
     )  # fmt: skip
     return Quantized(
         Fp8Tensor(q, row_scale) if q is not None else None,
         Fp8Tensor(qt, col_scale) if qt is not None else None,
-        amax if tensorwise else None,
+        amax if tensorwise and history is None else None,
     )
 
 
@@ -178,6 +217,15 @@ def power_of_two_multiplier(amax, FP8_MAX: tl.constexpr):
     """As _multiplier_reference; IEEE division, so the exponent is the reference's exactly."""
     ratio = tl.math.div_rn(tl.full(amax.shape, FP8_MAX, tl.float32), tl.maximum(amax, 1e-12))
     return (ratio.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def tensor_multiplier(amax_ptr, n_amax, AMAX_BLOCK: tl.constexpr, FP8_MAX: tl.constexpr):
+    """The multiplier of one tensor scale: from its amax (n_amax 1) or from the max of an
+    amax history (delayed scaling)."""
+    offsets = tl.arange(0, AMAX_BLOCK)
+    amax = tl.max(tl.load(amax_ptr + offsets, mask=offsets < n_amax, other=0.0), axis=0)
+    return power_of_two_multiplier(amax, FP8_MAX)
 
 
 @triton.jit
@@ -218,13 +266,15 @@ def _amax_kernel(
 
 @triton.jit
 def _cast_kernel(
-    x_ptr, x_row_stride, n_rows, n_cols, row_amax_ptr, col_amax_ptr,
+    x_ptr, x_row_stride, n_rows, n_cols, row_amax_ptr, col_amax_ptr, n_amax, record_ptr,
     q_ptr, row_scale_ptr, qt_ptr, col_scale_ptr,
-    ROWS: tl.constexpr, COLS: tl.constexpr, TENSOR: tl.constexpr, FP8_MAX: tl.constexpr,
-    BM: tl.constexpr, BK: tl.constexpr,
+    ROWS: tl.constexpr, COLS: tl.constexpr, TENSOR: tl.constexpr, RECORD: tl.constexpr,
+    AMAX_BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
     """The tile in fp8: row-major into q (ROWS) and transposed into qt (COLS), each with its
-    scales (the first tile of a row / column writes them)."""
+    scales (the first tile of a row / column writes them). TENSOR: one scale, from the max of
+    the n_amax values at row_amax_ptr; values past the range saturate (delayed scaling), and
+    RECORD maxes the tile's amax into record_ptr."""
     pid_m, pid_k = tl.program_id(0), tl.program_id(1)
     rows = pid_m * BM + tl.arange(0, BM)
     cols = pid_k * BK + tl.arange(0, BK)
@@ -233,11 +283,15 @@ def _cast_kernel(
     offsets = rows[:, None].to(tl.int64) * x_row_stride + cols[None, :]
     x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     if TENSOR:
-        multiplier = power_of_two_multiplier(tl.load(row_amax_ptr), FP8_MAX)
+        multiplier = tensor_multiplier(row_amax_ptr, n_amax, AMAX_BLOCK, FP8_MAX)
         row_multiplier = tl.full((BM,), 1.0, tl.float32) * multiplier
         col_multiplier = tl.full((BK,), 1.0, tl.float32) * multiplier
         if pid_m == 0 and pid_k == 0:
             tl.store(row_scale_ptr, tl.math.div_rn(1.0, multiplier))
+        if RECORD:
+            tl.atomic_max(record_ptr, tl.max(tl.max(tl.abs(x), axis=1), axis=0))
+        # A no-op under current scaling (|x| * multiplier <= FP8_MAX exactly).
+        x = tl.minimum(tl.maximum(x, -FP8_MAX / multiplier), FP8_MAX / multiplier)
     if ROWS:
         if not TENSOR:
             row_amax = tl.load(row_amax_ptr + rows, mask=row_mask, other=1.0)

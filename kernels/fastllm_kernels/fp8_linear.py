@@ -8,11 +8,14 @@ A training engine opts a weight in by setting `weight.fp8 = Fp8Weight(recipe)`; 
 - rowwise: one scale per row of each operand along the contracted dimension, everything in
   e4m3 (torchao's rowwise; `_scaled_mm` takes rowwise scales only for e4m3 operands).
 
-Scaling is current: each tensor's scale comes from its own amax, so there is no state to
-checkpoint. Products come out in the compute dtype; the forward product accumulates in the
-faster mode of the fp8 tensor cores, the two gradient products in full precision (torchao's
-choice). On CPU the products multiply the dequantized fp32 operands: the same rounding of the
-operands as on the GPU, so the CPU tests cover the recipes' logic.
+Scaling is current (each tensor's scale from its own amax) or, tensorwise, delayed for the
+inputs and the output gradients (`AmaxHistories`; the weights keep current scaling: they are
+quantized once per step anyway). The forward product and the input gradient come out in the
+compute dtype, the weight gradient in fp32 straight into the engine's gradient buffer when the
+weight has a gradient sink (linear.py); the forward product accumulates in the faster mode of
+the fp8 tensor cores, the two gradient products in full precision (torchao's choice). On CPU
+the products multiply the dequantized fp32 operands: the same rounding of the operands as on
+the GPU, so the CPU tests cover the recipes' logic.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch
 from torch import Tensor
 
 from fastllm_kernels._dispatch import as_rows
-from fastllm_kernels.fp8 import Fp8Tensor, Quantized, quantize
+from fastllm_kernels.fp8 import DelayedScale, Fp8Tensor, quantize
 
 
 class Fp8Recipe(NamedTuple):
@@ -42,51 +45,118 @@ _ALIGNMENT = 16
 """`_scaled_mm` wants every dimension of its operands a multiple of 16."""
 
 
+INPUT, GRADIENT = 0, 1
+"""The two delayed-scaled tensors of a layer: its input and its output gradient."""
+
+
+class AmaxHistories:
+    """Delayed scaling state of `layers` linear layers: for each layer's input and output
+    gradient, the amaxes of the last `length` steps (newest first) and the amax so far of the
+    step in progress. `roll` after each optimizer step. Until the first roll the layers scale
+    currently (and record): there is no history yet. Part of a checkpoint (`state`)."""
+
+    def __init__(self, layers: int, length: int, device: torch.device) -> None:
+        if length < 1:
+            raise ValueError(f"an amax history holds at least one step, got {length}")
+        self.history = torch.zeros(layers, 2, length, device=device)
+        self.current = torch.zeros(layers, 2, device=device)
+        self.primed = False
+
+    def scale(self, layer: int, tensor: int, record: bool = True) -> DelayedScale:
+        return DelayedScale(
+            self.history[layer, tensor] if self.primed else None,
+            self.current[layer, tensor] if record else None,
+        )
+
+    @torch.no_grad()
+    def roll(self) -> None:
+        """The step's amaxes become the newest entries of the history."""
+        self.history.copy_(torch.cat([self.current[..., None], self.history[..., :-1]], dim=-1))
+        self.current.zero_()
+        self.primed = True
+
+    def state(self) -> dict[str, Tensor]:
+        return {"history": self.history, "current": self.current}
+
+    @torch.no_grad()
+    def load_state(self, state: dict[str, Tensor]) -> None:
+        self.history.copy_(state["history"])
+        self.current.copy_(state["current"])
+        self.primed = bool(self.history.any())
+
+
 class Fp8Weight:
     """How a linear layer's weight computes in FP8 (set as `weight.fp8`).
 
     Its row-quantized copy, the forward product's operand, is made at the first use after the
-    weight changed and kept: once per optimizer step, not once per micro-batch. A change is
-    seen through the weight's version counter, which in-place torch ops bump; whatever writes
-    the weight behind autograd's back (a fused optimizer kernel) must bump it too
+    weight changed: once per optimizer step, not once per micro-batch. With `keep_copy` (a step
+    of several micro-batches) it is kept until the weight changes, a byte per parameter;
+    without, it is dropped after the product and only its scale is kept. A change is seen
+    through the weight's version counter, which in-place torch ops bump; whatever writes the
+    weight behind autograd's back (a fused optimizer kernel) must bump it too
     (`torch.autograd.graph.increment_version`). The transposed copy that the input gradient
-    needs is made in each backward pass and dropped after it: kept too, it would hold another
-    byte per parameter for the whole step (5% more memory for llama-1b)."""
+    needs is made in each backward pass and dropped after it. `delayed`: the layer's entry of
+    the model's amax histories (tensorwise only)."""
 
-    def __init__(self, recipe: str) -> None:
+    def __init__(
+        self,
+        recipe: str,
+        keep_copy: bool = True,
+        delayed: tuple[AmaxHistories, int] | None = None,
+    ) -> None:
         if recipe not in RECIPES:
             raise ValueError(f"unknown FP8 recipe {recipe!r}; expected one of {tuple(RECIPES)}")
-        self.name, self.recipe = recipe, RECIPES[recipe]
+        self.name, self.recipe, self.keep_copy = recipe, RECIPES[recipe], keep_copy
+        if delayed is not None and not self.recipe.tensorwise:
+            raise ValueError(f"delayed scaling is tensorwise, not {recipe}")
+        self.delayed = delayed
         self._key: tuple[int, int] | None = None
-        self._rows: Quantized | None = None
+        self._rows: Fp8Tensor | None = None
+        self._amax: Tensor | None = None
 
-    def rows(self, weight: Tensor) -> Quantized:
-        """The weight (out, in) in e4m3, scaled per row or for the tensor (its amax kept)."""
+    def rows(self, weight: Tensor) -> Fp8Tensor:
+        """The weight (out, in) in e4m3, scaled per row or for the tensor."""
         key = (weight.data_ptr(), weight._version)
-        if self._rows is None or key != self._key:
-            self._rows = quantize(weight.detach(), E4M3, tensorwise=self.recipe.tensorwise)
-            self._key = key
-        return self._rows
+        if self._rows is not None and key == self._key:
+            return self._rows
+        quantized = quantize(weight.detach(), E4M3, tensorwise=self.recipe.tensorwise)
+        self._key, self._amax = key, quantized.amax
+        rows = _part(quantized.rows)
+        self._rows = rows if self.keep_copy else None
+        return rows
 
     def columns(self, weight: Tensor) -> Fp8Tensor:
-        """The weight transposed (in, out) in e4m3, scaled per column or for the tensor."""
-        amax = self.rows(weight).amax  # tensorwise: the same scale as the rows'
+        """The weight transposed (in, out) in e4m3, scaled per column or for the tensor (with
+        the rows' scale)."""
+        same = self._key == (weight.data_ptr(), weight._version)
         quantized = quantize(
             weight.detach(), E4M3, tensorwise=self.recipe.tensorwise, rows=False, columns=True,
-            amax=amax,
+            amax=self._amax if same else None,
         )  # fmt: skip
         return _part(quantized.columns)
 
+    def scale(self, tensor: int, record: bool = True) -> DelayedScale | None:
+        """How the layer's input (INPUT) or output gradient (GRADIENT) is scaled: None for
+        current scaling."""
+        if self.delayed is None:
+            return None
+        histories, layer = self.delayed
+        return histories.scale(layer, tensor, record)
 
-def scaled_matmul(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype, fast: bool) -> Tensor:
-    """a (M, K) @ b (N, K)ᵀ with their scales, in `out_dtype`: `torch._scaled_mm` on CUDA (b's
-    transpose is the column-major operand it takes), the dequantized fp32 product elsewhere.
-    `fast`: the tensor cores' faster, less precise accumulation."""
+
+def scaled_matmul(
+    a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype, fast: bool, out: Tensor | None = None
+) -> Tensor:
+    """a (M, K) @ b (N, K)ᵀ with their scales, in `out_dtype` (into `out` when given):
+    `torch._scaled_mm` on CUDA (b's transpose is the column-major operand it takes), the
+    dequantized fp32 product elsewhere. `fast`: the tensor cores' faster, less precise
+    accumulation."""
     (m, k), (n, k_b) = a.data.shape, b.data.shape
     if k != k_b:
         raise ValueError(f"scaled_matmul: shapes {tuple(a.data.shape)} and {tuple(b.data.shape)}")
     if not a.data.is_cuda:
-        return ((a.data.float() * a.scale) @ (b.data.float() * b.scale).t()).to(out_dtype)
+        product = ((a.data.float() * a.scale) @ (b.data.float() * b.scale).t()).to(out_dtype)
+        return product if out is None else out.copy_(product)
     if m % _ALIGNMENT or n % _ALIGNMENT or k % _ALIGNMENT:
         raise ValueError(
             f"FP8 products need every dimension a multiple of {_ALIGNMENT}: got "
@@ -99,6 +169,7 @@ def scaled_matmul(a: Fp8Tensor, b: Fp8Tensor, out_dtype: torch.dtype, fast: bool
         scale_b=b.scale.t(),
         out_dtype=out_dtype,
         use_fast_accum=fast,
+        **({} if out is None else {"out": out}),
     )
 
 
@@ -110,9 +181,9 @@ def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, fp8: Fp8Weight) -
 def forward_product(
     rows: Tensor, weight: Tensor, bias: Tensor | None, fp8: Fp8Weight
 ) -> tuple[Tensor, Tensor | None]:
-    """rows @ weightᵀ + bias in the rows' dtype, and (tensorwise) the rows' amax, which the
-    weight gradient's quantization of the same rows reuses."""
-    x = quantize(rows, E4M3, tensorwise=fp8.recipe.tensorwise)
+    """rows @ weightᵀ + bias in the rows' dtype, and (tensorwise, current scaling) the rows'
+    amax, which the weight gradient's quantization of the same rows reuses."""
+    x = quantize(rows, E4M3, tensorwise=fp8.recipe.tensorwise, delayed=fp8.scale(INPUT))
     return product_of_rows(_part(x.rows), weight, bias, fp8, rows.dtype), x.amax
 
 
@@ -120,20 +191,23 @@ def product_of_rows(
     x: Fp8Tensor, weight: Tensor, bias: Tensor | None, fp8: Fp8Weight, dtype: torch.dtype
 ) -> Tensor:
     """The forward product of rows already in fp8."""
-    out = scaled_matmul(x, _part(fp8.rows(weight).rows), dtype, fast=True)
+    out = scaled_matmul(x, fp8.rows(weight), dtype, fast=True)
     return out if bias is None else out.add_(bias)
 
 
 def backward_products(
     grad_rows: Tensor,
-    input_rows: Tensor | None,
+    input_rows: Tensor | Fp8Tensor | None,
     input_amax: Tensor | None,
     weight: Tensor,
     fp8: Fp8Weight,
     need_input: bool,
 ) -> tuple[Tensor | None, Tensor | None]:
     """The input gradient (when `need_input`) and the weight gradient (when `input_rows`, the
-    forward product's input, recomputed or kept, is given) from the output gradient rows."""
+    forward product's input, recomputed or kept, is given, or its columns already in fp8;
+    None once handed to the weight's gradient sink) from the output gradient rows. The input
+    rows are scaled as in the forward product: from `input_amax`, or from the same amax
+    history."""
     need_weight = input_rows is not None
     if not (need_input or need_weight):
         return None, None
@@ -144,17 +218,51 @@ def backward_products(
         tensorwise=tensorwise,
         rows=need_input,
         columns=need_weight,
+        delayed=fp8.scale(GRADIENT),
     )
     d_input = d_weight = None
     if need_input:
         w = fp8.columns(weight)
         d_input = scaled_matmul(_part(grad.rows), w, grad_rows.dtype, fast=False)
-    if input_rows is not None:
+    if isinstance(input_rows, Fp8Tensor):
+        d_weight = _weight_gradient(weight, _part(grad.columns), input_rows)
+    elif input_rows is not None:
+        delayed = fp8.scale(INPUT, record=False) if input_amax is None else None
         x = quantize(
-            input_rows, E4M3, tensorwise=tensorwise, rows=False, columns=True, amax=input_amax
-        )
-        d_weight = scaled_matmul(_part(grad.columns), _part(x.columns), weight.dtype, fast=False)
+            input_rows, E4M3, tensorwise=tensorwise, rows=False, columns=True, amax=input_amax,
+            delayed=delayed,
+        )  # fmt: skip
+        d_weight = _weight_gradient(weight, _part(grad.columns), _part(x.columns))
     return d_input, d_weight
+
+
+def input_scale_source(fp8: Fp8Weight, input_amax: Tensor | None) -> Tensor | None:
+    """What the backward pass scales a tensorwise layer's input columns from, as in its forward
+    product: the input's amax (current scaling) or the amax history (delayed); None: rowwise."""
+    if not fp8.recipe.tensorwise:
+        return None
+    if input_amax is not None:
+        return input_amax
+    delayed = fp8.scale(INPUT, record=False)
+    assert delayed is not None and delayed.history is not None
+    return delayed.history
+
+
+def _weight_gradient(weight: Tensor, grad: Fp8Tensor, x: Fp8Tensor) -> Tensor | None:
+    """gradᵀ x (both transposed already): into the weight's gradient sink in fp32 (no copy of
+    it in the compute dtype), else returned in the weight's dtype."""
+    sink = getattr(weight, "gradient_sink", None)
+    if sink is None:
+        return scaled_matmul(grad, x, weight.dtype, fast=False)
+
+    def product(out: Tensor, accumulate: bool) -> None:
+        if accumulate:
+            out.add_(scaled_matmul(grad, x, torch.float32, fast=False))
+        else:
+            scaled_matmul(grad, x, torch.float32, fast=False, out=out)
+
+    sink(product)
+    return None
 
 
 def _part(t: Fp8Tensor | None) -> Fp8Tensor:

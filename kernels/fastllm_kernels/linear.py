@@ -1,8 +1,9 @@
 """Linear layers whose weight gradient can go straight into an fp32 accumulator.
 
 A training engine that keeps fp32 gradient buffers may give a weight a `gradient_sink`:
-`sink(a, b)` adds the product a @ b to that weight's gradient in the engine's buffer (typically
-with `matmul_into_fp32_`). The weight's autograd gradient is then None: the product never
+`sink(product)` has `product(out, accumulate)` write (or add) the weight's gradient into its
+fp32 view of the engine's buffer (a bf16 product through `matmul_into_fp32_`, an FP8 one
+through `torch._scaled_mm`). The weight's autograd gradient is then None: the product never
 exists in the compute dtype and no separate pass adds it to the buffer (Megatron-LM's gradient
 accumulation fusion). Without a sink, or while torch.compile traces, these are plain linear
 layers.
@@ -18,8 +19,10 @@ from torch import Tensor
 
 from fastllm_kernels.fp8_linear import Fp8Weight, fp8_linear
 
-GradientSink = Callable[[Tensor, Tensor], None]
-"""sink(a, b): add a @ b, computed in fp32, to the weight's gradient."""
+GradientProduct = Callable[[Tensor, bool], None]
+"""product(out, accumulate): the weight's gradient, computed in fp32, written into out (fp32)
+or, `accumulate`, added to it."""
+GradientSink = Callable[[GradientProduct], None]
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -39,7 +42,8 @@ def weight_gradient(weight: Tensor, grad_rows: Tensor, input_rows: Tensor) -> Te
     sink: GradientSink | None = getattr(weight, "gradient_sink", None)
     if sink is None or torch.compiler.is_compiling():
         return grad_rows.T @ input_rows
-    sink(grad_rows.T, input_rows)
+    a = grad_rows.T
+    sink(lambda out, accumulate: matmul_into_fp32_(out, a, input_rows, accumulate))
     return None
 
 

@@ -37,6 +37,16 @@ FP8 = ("model.distributed.fp8_linear=rowwise", "model.distributed.training_dtype
         ),
         ((*FP8, "training.compile=true"), "training.compile", "fp8_linear=rowwise"),
         (
+            (*FP8, "model.distributed.fp8_scaling=delayed"),
+            "model.distributed.fp8_scaling",
+            "needs fp8_linear=tensorwise, got fp8_linear=rowwise",
+        ),
+        (
+            ("model.distributed.fp8_amax_history_length=0",),
+            "model.distributed.fp8_amax_history_length",
+            "must be positive",
+        ),
+        (
             ("model.distributed.fp8_linear=blockwise",),
             "model.distributed.fp8_linear",
             "expected one of none, tensorwise, rowwise",

@@ -14,6 +14,7 @@ from fastllm.engine.pipeline.schedule import (
     build_programs,
     check_deadlock_free,
     rank_orders,
+    timeline,
 )
 
 
@@ -52,21 +53,30 @@ def test_depth_first_is_one_forward_one_backward() -> None:
     ]
 
 
+@pytest.mark.parametrize("pieces", [1, 3])
 @pytest.mark.parametrize("order", ["breadth_first", "depth_first"])
 @pytest.mark.parametrize(("stages", "pipeline"), [(2, 2), (4, 2), (6, 3), (3, 1)])
 def test_programs_transfer_every_activation_once_and_cannot_deadlock(
-    order: str, stages: int, pipeline: int
+    order: str, stages: int, pipeline: int, pieces: int
 ) -> None:
-    layout = Layout(stages, pipeline, breadth_first=4, depth_first=2, order=order)
+    layout = Layout(stages, pipeline, breadth_first=4, depth_first=2, order=order, pieces=pieces)
     programs = build_programs(layout, zero_stage=3, gather_weights=True)
     sends = [(p.rank, op.peer, op.step) for p in programs for op in p.ops if op.kind == "send"]
     receives = [(op.peer, p.rank, op.step) for p in programs for op in p.ops if op.kind == "recv"]
     assert sorted(sends) == sorted(receives)
     crossings = sum(1 for s in range(stages - 1) if s % pipeline != (s + 1) % pipeline)
-    assert len(sends) == 2 * crossings * layout.micro_batches  # activations and gradients
+    units = layout.micro_batches * pieces
+    assert len(sends) == 2 * crossings * units  # activations and gradients
     for program in programs:
         steps = program.computes()
-        assert len(steps) == len(set(steps)) == 2 * len(layout.stages_of(program.rank)) * 8
+        assert len(steps) == len(set(steps)) == 2 * len(layout.stages_of(program.rank)) * units
+        # A stage's pieces of a micro-batch: forward first to last, backward last to first.
+        for stage in layout.stages_of(program.rank):
+            for m in range(layout.micro_batches):
+                mine = [s for s in steps if s.stage == stage and s.micro_batch == m]
+                order_of = [(s.forward, s.piece) for s in mine]
+                forwards = [(True, p) for p in range(pieces)]
+                assert order_of == forwards + [(False, p) for p in reversed(range(pieces))]
         gathered: set[int] = set()
         for op in program.ops:  # ZeRO-3: every computation finds its stage gathered
             if op.kind == "gather":
@@ -92,6 +102,16 @@ def test_breadth_first_gathers_and_reduces_once_per_stage_and_group() -> None:
             assert count > 4 and reduces > 2
     zero1 = build_programs(Layout(4, 2, 4, 2, "depth_first"), zero_stage=1)[0]
     assert sum(op.reduce for op in zero1.ops) == 2  # each stage once per step
+
+
+def test_an_order_running_a_piece_backward_before_the_next_piece_is_refused() -> None:
+    # The next piece's backward pass adds to the gradients of this piece's keys and values.
+    layout = Layout(1, 1, breadth_first=1, depth_first=1, pieces=2)
+    forwards = [Step(0, 0, True, 0), Step(0, 0, True, 1)]
+    costs = [1.0], [2.0]
+    timeline(layout, [[*forwards, Step(0, 0, False, 1), Step(0, 0, False, 0)]], *costs)
+    with pytest.raises(ScheduleError, match=r"wait on each other: B0\.0"):
+        timeline(layout, [[*forwards, Step(0, 0, False, 0), Step(0, 0, False, 1)]], *costs)
 
 
 def test_a_program_whose_transfers_cross_is_refused() -> None:

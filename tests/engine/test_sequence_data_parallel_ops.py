@@ -1,9 +1,11 @@
-"""Sequence-data parallelism on two Gloo processes against the whole sequence in one: the
-positions and document ids each rank's layers see are the slices of the whole sequence's, and
-the chunks' losses and gradients, weighted by their tokens and summed, are the whole
-sequence's."""
+"""Sequence-data parallelism on two Gloo processes against the whole sequence in one, with
+contiguous and head-tail chunks: the positions and document ids each rank's layers see are
+the slices of the whole sequence's, and the chunks' losses and gradients, weighted by their
+tokens and summed, are the whole sequence's."""
 
 from __future__ import annotations
+
+import pytest
 
 from tests.torchrun import torchrun_script
 
@@ -41,7 +43,7 @@ class Spy:
         )
 
 
-def check(rank: int) -> None:
+def check(rank: int, chunking: str) -> None:
     config = build(BaseModelConfig, {
         "vocab_size": 64, "tie_word_embeddings": False,
         "transformer": {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4,
@@ -51,13 +53,14 @@ def check(rank: int) -> None:
     whole = GPTModel(config)
     for parameter in whole.parameters():
         parameter.data = torch.randn(parameter.shape, generator=generator) * 0.3
-    sdp = SequenceDataParallel(2, rank, dist.group.WORLD)
+    sdp = SequenceDataParallel(2, rank, dist.group.WORLD, chunking)
     ours = GPTModel(config, sdp=sdp)
     ours.load_state_dict(whole.state_dict())
     input_ids = torch.randint(0, 64, (2, 16), generator=generator)
     labels = torch.randint(0, 64, (2, 16), generator=generator)
     labels[0, 9:12] = -100
-    # Documents that cross the chunks' border (at 8) and one that starts on it.
+    # Documents that cross the chunks' borders (at 8; head-tail: 4, 8, 12) and one that
+    # starts on one.
     documents = torch.tensor([[0] * 5 + [1] * 6 + [2] * 5, [0] * 8 + [1] * 8])
     for document_ids in (None, documents):
         expected = whole.loss(input_ids, labels, document_ids=document_ids)
@@ -71,18 +74,25 @@ def check(rank: int) -> None:
             )
         finally:
             spy.restore()
-        mine = slice(8 * rank, 8 * rank + 8)
+        # This rank's positions, and where each of its chunks' attention calls ends its keys.
+        if chunking == "contiguous":
+            mine, ends = torch.arange(8 * rank, 8 * rank + 8), [8 * (rank + 1)]
+        else:  # chunks rank and 3 - rank of four
+            head, tail = 4 * rank, 4 * (3 - rank)
+            mine = torch.cat([torch.arange(head, head + 4), torch.arange(tail, tail + 4)])
+            ends = [head + 4, tail + 4]
+        assert torch.equal(sdp.chunk(input_ids), input_ids[:, mine])
         if document_ids is None:
-            expected_positions = torch.arange(16)[mine]
+            expected_positions = mine
         else:
             expected_positions = positions_in_documents(document_ids)[:, mine]
-        assert len(spy.positions) == 1 and len(spy.documents) == 2
+        assert len(spy.positions) == 1 and len(spy.documents) == 2 * len(ends)
         assert torch.equal(spy.positions[0], expected_positions), spy.positions
-        for seen in spy.documents:
+        for seen, end in zip(spy.documents, ends * 2):
             if document_ids is None:
                 assert seen is None
             else:
-                assert torch.equal(seen, document_ids[:, : 8 * (rank + 1)])
+                assert torch.equal(seen, document_ids[:, :end])
         # Each chunk's mean loss, weighted by its share of the trained tokens, summed.
         share = (sdp.chunk(labels) != -100).sum() / (labels != -100).sum()
         grads = torch.autograd.grad(loss * share, list(ours.parameters()))
@@ -97,12 +107,18 @@ def check(rank: int) -> None:
             torch.testing.assert_close(grad, expected_grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
-check(distributed.rank)
+for chunking in ("contiguous", "head_tail"):
+    check(distributed.rank, chunking)
 dist.barrier()
 dist.destroy_process_group()
 """
 
 
-def test_chunks_see_slices_of_the_whole_sequence_and_sum_to_its_loss_and_gradients() -> None:
+def test_chunks_see_slices_of_the_whole_sequence_and_sum_to_its_loss_and_gradients(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The kernels' torch references: the kernels are tested in tests/kernels, and the
+    # interpreter would make this a minute.
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     result = torchrun_script(2, SCRIPT)
     assert result.returncode == 0, result.stderr

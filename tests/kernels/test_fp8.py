@@ -5,9 +5,16 @@ import torch
 import torch.nn.functional as F
 
 from fastllm_kernels.activation import gated_activation_reference, gated_linear
-from fastllm_kernels.fp8 import FP8_MAX, dequantize, quantize, quantize_reference
+from fastllm_kernels.fp8 import (
+    FP8_MAX,
+    DelayedScale,
+    _quantize_triton,
+    dequantize,
+    quantize,
+    quantize_reference,
+)
 from fastllm_kernels.fp8_fused import fp8_gated_linear, fp8_norm_linear
-from fastllm_kernels.fp8_linear import Fp8Weight, fp8_linear
+from fastllm_kernels.fp8_linear import GRADIENT, INPUT, AmaxHistories, Fp8Weight, fp8_linear
 from fastllm_kernels.linear import linear
 from fastllm_kernels.norm import rms_norm_reference
 from fastllm_kernels.norm_linear import norm_linear
@@ -16,7 +23,7 @@ from tests.kernels.conftest import cuda, triton_on_cpu
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 MANTISSA_BITS = {E4M3: 3, E5M2: 2}
 RECIPES = ("tensorwise", "rowwise")
-BOUNDS = {"tensorwise": (0.05, 0.1), "rowwise": (0.05, 0.05)}
+BOUNDS = {"tensorwise": (0.05, 0.1), "rowwise": (0.05, 0.05), "delayed": (0.05, 0.1)}
 """‖fp8 − fp32‖ / ‖fp32‖ of the output and of the gradients, on N(0, 1) data: e4m3 operands
 round to 2⁻⁴ relative, e5m2 gradients (tensorwise) to 2⁻³."""
 
@@ -27,11 +34,21 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     ).item()
 
 
-def _fp8_weight(out: int, inputs: int, recipe: str, device: str = "cpu") -> torch.nn.Parameter:
+def _fp8_weight(
+    out: int, inputs: int, recipe: str, device: str = "cpu", keep_copy: bool = True
+) -> torch.nn.Parameter:
+    """A weight computing in FP8; recipe "delayed": tensorwise with a primed amax history of
+    its own (amaxes around those of N(0, 1) data, one of them off by a binade)."""
     weight = torch.nn.Parameter(
         (torch.randn(out, inputs, device=device) / inputs**0.5).to(torch.bfloat16)
     )
-    weight.fp8 = Fp8Weight(recipe)
+    delayed = None
+    if recipe == "delayed":
+        histories = AmaxHistories(1, 3, torch.device(device))
+        histories.history.copy_(torch.tensor([[3.0, 5.0, 2.5], [2.0, 9.0, 4.0]]))
+        histories.primed = True
+        delayed = (histories, 0)
+    weight.fp8 = Fp8Weight("tensorwise" if recipe == "delayed" else recipe, keep_copy, delayed)
     return weight
 
 
@@ -62,7 +79,7 @@ def test_quantization_rounds_to_nearest_under_a_power_of_two_scale(dtype, tensor
         assert q.amax == x.float().abs().amax()
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", (*RECIPES, "delayed"))
 def test_fp8_linear_stays_within_the_recipe_bound_of_fp32(recipe) -> None:
     weight = _fp8_weight(48, 64, recipe)
     x = torch.randn(2, 16, 64).to(torch.bfloat16).requires_grad_()
@@ -91,6 +108,92 @@ def test_rowwise_scaling_keeps_rows_that_one_tensor_scale_flushes() -> None:
     assert errors["rowwise"] < 0.05 < errors["tensorwise"]
 
 
+@pytest.mark.parametrize("primed", [True, False])
+def test_delayed_scaling_scales_by_the_history_saturates_and_records(primed) -> None:
+    x = torch.tensor([[0.5, -3.0, 20.0, 1.0], [7.0, -40.0, 0.25, 2.0]]).to(torch.bfloat16)
+    history = torch.tensor([1.0, 9.0, 4.0])  # max 9: multiplier 32 (9 * 32 <= 448 < 9 * 64)
+    record = torch.tensor(2.0)
+    scale = DelayedScale(history if primed else None, record)
+    q = quantize(x, E4M3, tensorwise=True, rows=True, columns=True, delayed=scale)
+    assert record.item() == 40.0, "the tensor's amax maxed into the record"
+    if primed:
+        assert q.rows.scale.item() == 1 / 32 and q.amax is None
+        # 40 and 20 exceed 448 / 32 = 14: they saturate instead of turning into NaN.
+        expected = torch.tensor([[0.5, -3.0, 14.0, 1.0], [7.0, -14.0, 0.25, 2.0]])
+        assert torch.equal(dequantize(q.rows), expected)
+        assert torch.equal(dequantize(q.columns), expected.t())
+    else:  # no history yet: current scaling
+        current = quantize_reference(x, E4M3, tensorwise=True, rows=True, columns=True)
+        assert torch.equal(q.rows.data.float(), current.rows.data.float())
+        assert torch.equal(q.rows.scale, current.rows.scale)
+
+
+@triton_on_cpu
+def test_the_delayed_cast_kernel_scales_saturates_and_records() -> None:
+    """The Triton cast under the interpreter, whose fp8 conversion lands some values a binade
+    off (the GPU test compares bits)."""
+    x = (torch.randn(70, 150) * 4).to(torch.bfloat16)
+    x[3, 7] = 200.0  # past the history's range
+    history, record = torch.tensor([3.0, 10.0]), torch.tensor(0.0)
+    q = _quantize_triton(x, E4M3, True, True, True, None, DelayedScale(history, record))
+    assert record.item() == 200.0
+    assert q.rows.scale.item() == 1 / 32 and q.columns.scale.item() == 1 / 32
+    expected = x.float().clamp(-14.0, 14.0)
+    values = dequantize(q.rows)
+    assert values[3, 7] == 14.0
+    assert torch.all((values - expected).abs() <= expected.abs() / 2 + 2**-9 / 32)
+    assert torch.equal(q.columns.data.float(), q.rows.data.float().t())
+
+
+def test_amax_histories_roll_the_step_amaxes_in_newest_first() -> None:
+    histories = AmaxHistories(2, 3, torch.device("cpu"))
+    assert histories.scale(1, INPUT).history is None, "no history before the first step"
+    for step in (1.0, 2.0, 3.0, 4.0):
+        histories.current.fill_(step)
+        histories.roll()
+    assert histories.history[1, INPUT].tolist() == [4.0, 3.0, 2.0]
+    assert not histories.current.any()
+    scale = histories.scale(1, INPUT, record=False)
+    assert scale.record is None and scale.history.data_ptr() == histories.history[1, 0].data_ptr()
+    restored = AmaxHistories(2, 3, torch.device("cpu"))
+    restored.load_state(histories.state())
+    assert restored.primed and torch.equal(restored.history, histories.history)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_the_weight_gradient_goes_to_the_sink_in_fp32(recipe) -> None:
+    weight = _fp8_weight(32, 48, recipe)
+    x = torch.randn(64, 48).to(torch.bfloat16)
+    grad = torch.randn(64, 32).to(torch.bfloat16)
+    plain = weight.detach().clone().requires_grad_()
+    plain.fp8 = Fp8Weight(recipe)
+    linear(x, plain).backward(grad)
+    buffer = torch.full((32, 48), 7.0)
+    writes = []
+
+    def sink(product) -> None:
+        product(buffer, bool(writes))  # the first write overwrites, later ones add
+        writes.append(buffer.clone())
+
+    weight.gradient_sink = sink
+    linear(x, weight).backward(grad)
+    assert weight.grad is None
+    assert torch.allclose(writes[0], plain.grad.float(), rtol=1e-2, atol=1e-3)
+    linear(x, weight).backward(grad)
+    assert torch.allclose(writes[1], 2 * writes[0], rtol=1e-6)
+
+
+def test_without_keep_copy_only_the_weight_scale_outlives_the_product() -> None:
+    weight = _fp8_weight(16, 32, "tensorwise", keep_copy=False)
+    first = weight.fp8.rows(weight)
+    again = weight.fp8.rows(weight)
+    assert again is not first and torch.equal(again.data.float(), first.data.float())
+    both = quantize_reference(weight.detach(), E4M3, tensorwise=True, columns=True)
+    columns = weight.fp8.columns(weight)
+    assert torch.equal(columns.data.float(), both.columns.data.float())
+    assert torch.equal(columns.scale, first.scale)
+
+
 def test_the_weight_is_quantized_once_until_it_changes() -> None:
     weight = _fp8_weight(16, 32, "rowwise")
     first = weight.fp8.rows(weight)
@@ -98,7 +201,7 @@ def test_the_weight_is_quantized_once_until_it_changes() -> None:
     with torch.no_grad():
         weight.mul_(2)  # an in-place op bumps the version
     second = weight.fp8.rows(weight)
-    assert torch.equal(second.rows.scale, 2 * first.rows.scale)
+    assert torch.equal(second.scale, 2 * first.scale)
     torch.autograd.graph.increment_version(weight)  # what a fused optimizer kernel does
     assert weight.fp8.rows(weight) is not second
 
@@ -165,12 +268,34 @@ def _check_fused(recipe: str, device: str, output_bound: float, gradient_bound: 
 
 
 @triton_on_cpu
-@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("recipe", (*RECIPES, "delayed"))
 def test_fused_fp8_projections_run_their_kernels(recipe) -> None:
-    """The interpreter's conversion to fp8, which the rowwise norm and activation kernels use
-    here, rounds coarser than the GPU's (ties away from zero, some values a binade off): a
-    looser output bound here (0.075 measured), the recipe's on the GPU."""
+    """The interpreter's conversion to fp8, which the rowwise and delayed norm and activation
+    kernels use here, rounds coarser than the GPU's (ties away from zero, some values a binade
+    off): a looser output bound here (0.075 measured), the recipe's on the GPU."""
     _check_fused(recipe, "cpu", 0.12, 0.1)
+
+
+@triton_on_cpu
+def test_delayed_fused_producers_record_the_amaxes_of_their_outputs_and_gradients() -> None:
+    x = (3 * torch.randn(64, 64)).to(torch.bfloat16).requires_grad_()
+    norm_weight = (1 + 0.1 * torch.randn(64)).to(torch.bfloat16)
+    h = torch.randn(64, 128).to(torch.bfloat16).requires_grad_()
+    cases = [
+        (lambda w: fp8_norm_linear(x, norm_weight, None, 1e-5, True, w, None, w.fp8),
+         rms_norm_reference(x.detach(), norm_weight, 1e-5)),
+        (lambda w: fp8_gated_linear(h, w, None, "silu", w.fp8),
+         gated_activation_reference(*h.detach().chunk(2, -1), "silu")),
+    ]  # fmt: skip
+    for fused, produced in cases:
+        weight = _fp8_weight(32, 64, "delayed")
+        histories, _ = weight.fp8.delayed
+        out = fused(weight)
+        grad = 5 * torch.randn_like(out)
+        out.backward(grad)
+        recorded = histories.current[0].tolist()
+        assert recorded[INPUT] == pytest.approx(produced.float().abs().amax().item(), rel=1e-2)
+        assert recorded[GRADIENT] == grad.float().abs().amax().item()
 
 
 @pytest.mark.gpu
@@ -190,6 +315,19 @@ def test_triton_quantization_matches_the_reference_bit_for_bit(shape, dtype) -> 
                 if a is not None:
                     assert torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8))
                     assert torch.equal(a.scale, b.scale)
+    # Delayed: a history below the amax, so that the largest values saturate.
+    history = torch.tensor([0.1, 0.4], device="cuda") * x.float().abs().amax()
+    records = [torch.zeros((), device="cuda") for _ in range(2)]
+    ours = quantize(
+        x, dtype, tensorwise=True, columns=True, delayed=DelayedScale(history, records[0])
+    )
+    theirs = quantize_reference(
+        x, dtype, tensorwise=True, columns=True, delayed=DelayedScale(history, records[1])
+    )
+    assert torch.equal(records[0], records[1])
+    for a, b in ((ours.rows, theirs.rows), (ours.columns, theirs.columns)):
+        assert torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8))
+        assert torch.equal(a.scale, b.scale)
 
 
 @pytest.mark.gpu
@@ -215,6 +353,26 @@ def test_scaled_mm_products_match_the_cpu_emulation(recipe) -> None:
 @pytest.mark.gpu
 @cuda
 @pytest.mark.parametrize("recipe", RECIPES)
+def test_scaled_mm_writes_and_adds_the_weight_gradient_into_the_fp32_sink(recipe) -> None:
+    weight = _fp8_weight(256, 512, recipe, "cuda")
+    buffer = torch.full((256, 512), float("nan"), device="cuda")
+    calls = []
+    weight.gradient_sink = lambda product: (product(buffer, bool(calls)), calls.append(1))
+    x = torch.randn(128, 512, device="cuda").to(torch.bfloat16)
+    grad = torch.randn(128, 256, device="cuda").to(torch.bfloat16)
+    linear(x, weight).backward(grad)
+    first = buffer.clone()
+    cpu_weight = torch.nn.Parameter(weight.detach().cpu())
+    cpu_weight.fp8 = Fp8Weight(recipe)
+    linear(x.cpu(), cpu_weight).backward(grad.cpu())
+    assert _relative(first.cpu(), cpu_weight.grad) < 1e-2
+    linear(x, weight).backward(grad)
+    assert torch.allclose(buffer, 2 * first, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("recipe", (*RECIPES, "delayed"))
 def test_fused_fp8_projections_stay_within_the_recipe_bound_on_gpu(recipe) -> None:
     output_bound, gradient_bound = BOUNDS[recipe]
     _check_fused(recipe, "cuda", output_bound, gradient_bound)

@@ -13,7 +13,7 @@ def _with_sink(weight: torch.Tensor) -> torch.Tensor:
     """A leaf copy of weight whose sink accumulates into `weight.main` (fp32)."""
     leaf = weight.detach().clone().requires_grad_()
     leaf.main = torch.zeros(weight.shape)
-    leaf.gradient_sink = lambda a, b: matmul_into_fp32_(leaf.main, a, b, accumulate=True)
+    leaf.gradient_sink = lambda product: product(leaf.main, True)
     return leaf
 
 

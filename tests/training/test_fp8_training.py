@@ -19,7 +19,15 @@ from tests.training.test_data_parallel import assert_ranks_match_one_process, mo
 from tests.training.test_training_options import GATED, trainer
 
 BF16 = ("model.distributed.training_dtype=bfloat16", *GATED)
-RECIPES = ("tensorwise", "rowwise")
+RECIPES = {
+    "tensorwise": ("model.distributed.fp8_linear=tensorwise",),
+    "rowwise": ("model.distributed.fp8_linear=rowwise",),
+    "delayed": (
+        "model.distributed.fp8_linear=tensorwise",
+        "model.distributed.fp8_scaling=delayed",
+        "model.distributed.fp8_amax_history_length=2",
+    ),
+}
 
 
 def _losses(run, steps: int) -> list[float]:
@@ -32,7 +40,7 @@ def test_fp8_recipes_train_close_to_bf16_but_not_identically(
 ) -> None:
     options = ("training.train_iters=3", *BF16)
     bf16 = _losses(trainer(dataset, tmp_path / "bf16", *options), 3)
-    run = trainer(dataset, tmp_path / recipe, *options, f"model.distributed.fp8_linear={recipe}")
+    run = trainer(dataset, tmp_path / recipe, *options, *RECIPES[recipe])
     fp8 = _losses(run, 3)
     assert fp8 != bf16, "the linear layers computed in FP8"
     assert fp8 == pytest.approx(bf16, rel=2e-2)
@@ -54,13 +62,15 @@ def test_fp8_weights_are_requantized_after_each_optimizer_step(
     run.optimizer_step()
     again = weight.fp8.rows(weight)
     expected = quantize(weight.detach(), E4M3, tensorwise=False, rows=True)
-    assert not torch.equal(again.rows.data.float(), first.rows.data.float())
-    assert torch.equal(again.rows.data.float(), expected.rows.data.float())
+    assert not torch.equal(again.data.float(), first.data.float())
+    assert torch.equal(again.data.float(), expected.rows.data.float())
 
 
-def test_an_fp8_run_resumes_bit_for_bit(dataset: Path, tmp_path: Path) -> None:
-    """Current scaling keeps no scale state: a restored run requantizes the restored weights."""
-    options = ("training.train_iters=4", *BF16, "model.distributed.fp8_linear=tensorwise")
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_an_fp8_run_resumes_bit_for_bit(dataset: Path, tmp_path: Path, recipe: str) -> None:
+    """Current scaling keeps no scale state: a restored run requantizes the restored weights.
+    Delayed scaling restores the amax histories (after 2 steps, both entries are set)."""
+    options = ("training.train_iters=4", *BF16, *RECIPES[recipe])
     straight = _losses(trainer(dataset, tmp_path / "straight", *options), 4)
     first = trainer(dataset, tmp_path / "first", *options)
     assert _losses(first, 2) == straight[:2]
@@ -69,7 +79,26 @@ def test_an_fp8_run_resumes_bit_for_bit(dataset: Path, tmp_path: Path) -> None:
     first.wait_for_checkpoints()
     resumed = trainer(dataset, tmp_path / "second", *options)
     resumed.load_checkpoint(checkpoint)
+    if recipe == "delayed":
+        saved, restored = first.fp8_histories, resumed.fp8_histories
+        assert torch.all(saved.history > 0) and restored.primed
+        assert torch.equal(restored.history, saved.history)
+        assert torch.equal(restored.current, saved.current)
     assert _losses(resumed, 2) == straight[2:]
+
+
+def test_delayed_scaling_rolls_each_steps_amaxes_into_the_history(
+    dataset: Path, tmp_path: Path
+) -> None:
+    run = trainer(dataset, tmp_path, "training.train_iters=3", *BF16, *RECIPES["delayed"])
+    histories = run.fp8_histories
+    micro_batches = iter(run.data_loader())
+    run.train_step(next(micro_batches))
+    first = histories.history[:, :, 0].clone()
+    assert torch.all(first > 0) and not histories.current.any()
+    run.train_step(next(micro_batches))
+    assert torch.equal(histories.history[:, :, 1], first)
+    assert not torch.equal(histories.history[:, :, 0], first)
 
 
 def test_fp8_refuses_float32_compute(dataset: Path, tmp_path: Path) -> None:

@@ -1,6 +1,8 @@
 """Micro-sequences (`schedule.micro_batch_splits`) against whole sequences: the same losses and
 accumulated gradients (1e-5 relative), with and without document-masked attention, in one
-process and on two tensor ranks with sequence-tensor parallelism."""
+process, run by the pipeline runner (breadth-first micro-batches, both orders) and on two
+tensor ranks with sequence-tensor parallelism. (With pipeline parallelism:
+tests/training/test_pipeline_parallel.py.)"""
 
 from __future__ import annotations
 
@@ -32,14 +34,52 @@ def test_four_pieces_give_the_whole_sequences_loss_and_gradients(
             masked |= whole._attention_documents(batch) is not None
             expected, got = whole.forward_backward(batch), pieces.forward_backward(batch)
             assert got.item() == pytest.approx(expected.item(), rel=1e-5)
-        for ours, theirs in zip(pieces.flat.grads, whole.flat.grads, strict=True):
-            error = torch.linalg.vector_norm(ours - theirs)
-            assert error <= 1e-5 * torch.linalg.vector_norm(theirs) + 1e-7, float(error)
+        assert_same_gradients(pieces.flat.grads, whole.flat.grads)
         whole.flat.zero_grad()
         pieces.flat.zero_grad()
         if masked or not documents:
             break
     assert masked == documents
+
+
+def assert_same_gradients(ours: list[torch.Tensor], theirs: list[torch.Tensor]) -> None:
+    for mine, reference in zip(ours, theirs, strict=True):
+        error = torch.linalg.vector_norm(mine - reference)
+        assert error <= 1e-5 * torch.linalg.vector_norm(reference) + 1e-7, float(error)
+
+
+@pytest.mark.parametrize("order", ["breadth_first", "depth_first"])
+def test_pieces_as_units_of_the_pipeline_schedule_give_the_whole_sequences_gradients(
+    dataset: Path, tmp_path: Path, order: str
+) -> None:
+    """Two breadth-first micro-batches of four pieces, each piece a unit of the runner's
+    schedule, its backward pass its own, against the micro-batches run whole in turn."""
+    whole = trainer(dataset, tmp_path / "whole", DOCUMENTS)
+    pieces = trainer(
+        dataset,
+        tmp_path / "pieces",
+        DOCUMENTS,
+        SPLITS_4,
+        "schedule.breadth_first_micro_batches=2",
+        f"schedule.order={order}",
+    )
+    assert pieces.pipeline is not None and pieces.layout.pieces == 4
+    masked = False
+    for micro_batches in itertools.islice(whole.data_loader(), 10):  # until a packed sample
+        masked = any(whole._attention_documents(batch) is not None for batch in micro_batches)
+        if masked:
+            break
+    assert masked
+    shares = whole.token_shares(micro_batches)
+    expected = sum(
+        share * whole.forward_backward(batch, share)
+        for batch, share in zip(micro_batches, shares, strict=True)
+    )
+    inputs = [pieces._pieces(batch) for batch in micro_batches]
+    weights = pieces._piece_shares(micro_batches, shares)
+    got = pieces.pipeline.run(inputs, weights, 1.0, pieces._context)
+    assert got.item() == pytest.approx(float(expected), rel=1e-5)
+    assert_same_gradients(pieces.flat.grads, whole.flat.grads)
 
 
 TENSOR_SCRIPT = """
@@ -90,13 +130,9 @@ def test_micro_sequences_with_tensor_and_sequence_parallelism_give_the_same_grad
     ("overrides", "key", "words"),
     [
         (("schedule.micro_batch_splits=5",), "batch.sequence_length", "micro_batch_splits"),
-        (
-            (SPLITS_4, "schedule.breadth_first_micro_batches=2"),
-            "schedule.micro_batch_splits",
-            "breadth",
-        ),
+        ((SPLITS_4, "model.multi_stage.recompute=full"), "schedule.micro_batch_splits", "full"),
     ],
-    ids=["pieces-divide-the-sequence", "not-with-breadth-first"],
+    ids=["pieces-divide-the-sequence", "not-with-full-recomputation"],
 )
 def test_micro_sequences_config_errors_name_the_keys(
     dataset: Path, tmp_path: Path, overrides: tuple[str, ...], key: str, words: str

@@ -1,8 +1,9 @@
 """Pipeline parallelism under torchrun (Gloo, fp32) against the single-process run of the same
 global batch and accumulation: losses (validation included) and final weights within 1e-5
-relative over 10 steps, with looped and plain placements, breadth- and depth-first orders, a
-tied head on another rank than its embedding, data parallelism at every ZeRO stage, tensor
-parallelism, and checkpoints that move between pipeline sizes."""
+relative over 10 steps, with looped and plain placements, breadth- and depth-first orders,
+sequences in pieces (micro-sequences), a tied head on another rank than its embedding, data
+parallelism at every ZeRO stage, tensor parallelism, and checkpoints that move between
+pipeline sizes."""
 
 from __future__ import annotations
 
@@ -43,6 +44,10 @@ PP2 = {
         "model.multi_stage.layers_per_stage=2",
         "schedule.order=depth_first",
     ),
+    # The looped placement with each sequence in four pieces, each a unit of the schedule
+    # (validation too); the breadth-first test of tests/training/test_micro_sequences.py adds
+    # document masking and the depth-first order.
+    "looped-breadth-first-four-pieces": ("schedule.micro_batch_splits=4",),
 }
 
 

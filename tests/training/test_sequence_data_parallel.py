@@ -1,7 +1,7 @@
 """Sequence-data parallelism under torchrun (Gloo, fp32) against the single-process run of the
 same global batch, with and without document-masked attention: alone, with more data ranks
-than one group, and with tensor and sequence-tensor parallelism; losses and final weights
-within 1e-5 relative over 6 steps."""
+than one group, and with tensor and sequence-tensor parallelism, in contiguous and head-tail
+chunks; losses and final weights within 1e-5 relative over 6 steps."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ COMMON = (
 DOCUMENTS = ("batch.cross_document_attention=false",)
 SDP_2 = ("model.distributed.sequence_data_parallel=2",)
 TP_2 = ("model.distributed.tensor_parallel=2", "model.distributed.sequence_tensor_parallel=true")
+HEAD_TAIL = ("model.distributed.sequence_data_chunking=head_tail",)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,8 @@ REFERENCES = {"across": (), "within": DOCUMENTS}
 LAYOUTS = {
     "dp4-sdp2-zero2": (4, "across", ("model.multi_stage.zero_stage=2",)),  # two groups of two
     "sdp2-documents": (2, "within", ()),
-    "tp2-sdp2-documents": (4, "within", TP_2),
+    "sdp2-head-tail": (2, "across", HEAD_TAIL),
+    "tp2-sdp2-head-tail-documents": (4, "within", (*TP_2, *HEAD_TAIL)),
     "tp2-sdp2-zero3": (4, "across", (*TP_2, "model.multi_stage.zero_stage=3")),
 }
 
@@ -81,8 +83,15 @@ def test_sequence_data_parallel_matches_one_process(
         (4, (*SDP_2, *TP_2, "batch.sequence_length=50"), "batch.sequence_length"),
         (1, ("model.distributed.sequence_data_parallel=4",), "sequence_data_parallel"),
         (4, (*SDP_2, "batch.batch_size=3"), "batch.batch_size"),
+        (2, (*SDP_2, *HEAD_TAIL, "batch.sequence_length=50"), "batch.sequence_length"),
     ],
-    ids=["length-by-sdp", "length-by-sdp-and-tensor", "sdp-by-data", "batch-by-groups"],
+    ids=[
+        "length-by-sdp",
+        "length-by-sdp-and-tensor",
+        "sdp-by-data",
+        "batch-by-groups",
+        "length-by-head-tail-chunks",
+    ],
 )
 def test_sequence_data_parallel_config_errors_name_the_keys(
     dataset: Path, monkeypatch: pytest.MonkeyPatch, world_size: int, overrides: tuple, key: str

@@ -11,7 +11,12 @@ stage and kind (`master`, and in checkpoints `exp_avg`, `exp_avg_sq`, plus the R
 pipeline sizes, the config and the training counters. A reader rebuilds any parameter whole
 (merging data shards, then tensor slices), so a checkpoint loads with any tensor, data and
 pipeline size and ZeRO stage (the stages, `model.multi_stage.layers_per_stage`, are the
-writer's: the reader finds each parameter's pieces by its layout)."""
+writer's: the reader finds each parameter's pieces by its layout).
+
+With expert parallelism (`expert_parallel` E) the experts' parameters have a layout of their
+own (`expert_parameters`: each expert rank's share, sharded over the data ranks holding the
+same experts, data rank = expert rank + E × expert-data rank), saved as `KIND.experts.stage_S`;
+a parameter whole is its E shares concatenated along the first dimension."""
 
 from __future__ import annotations
 
@@ -38,8 +43,8 @@ def rank_file(rank: int) -> str:
     return f"rank_{rank:05d}.safetensors"
 
 
-def stage_key(kind: str, stage: int) -> str:
-    return f"{kind}.stage_{stage:05d}"
+def stage_key(kind: str, stage: int, experts: bool = False) -> str:
+    return f"{kind}.experts.stage_{stage:05d}" if experts else f"{kind}.stage_{stage:05d}"
 
 
 @dataclass
@@ -62,6 +67,11 @@ class ShardedState:
     of them)."""
     pipeline_size: int = 1
     pipeline_rank: int = 0
+    expert_size: int = 1
+    expert_rank: int = 0
+    experts: ShardedState | None = None
+    """With expert parallelism: the experts' parameters (this rank's share), laid out and
+    sharded over the data ranks holding the same experts."""
 
     @property
     def rank(self) -> int:
@@ -71,6 +81,17 @@ class ShardedState:
 
     def layout(self) -> Any:
         return _native.Layout(self.specs, alignment=self.alignment, data_size=self.data_size)
+
+    def parts(self) -> list[tuple[ShardedState, bool]]:
+        """(part, holds experts) of this state and its experts'."""
+        return [(self, False)] + ([] if self.experts is None else [(self.experts, True)])
+
+    def tensors(self) -> Iterator[tuple[str, Tensor]]:
+        """Every shard with the key it is saved under."""
+        for part, experts in self.parts():
+            for stage, kinds in part.shards.items():
+                for kind, tensor in kinds.items():
+                    yield stage_key(kind, stage, experts), tensor
 
 
 @dataclass
@@ -88,15 +109,20 @@ class Snapshot:
 
     def manifest(self) -> dict[str, Any]:
         state = self.state
+        parts = [part for part, _ in state.parts()]
+        experts = [] if state.experts is None else state.experts.specs
         return {
             "format": "distributed",
             "kind": self.kind,
             **self.counters,
             "parameters": [list(spec) for spec in state.specs],
-            "shapes": {name: list(shape) for name, shape in state.shapes.items()},
+            "expert_parameters": [list(spec) for spec in experts],
+            "expert_parallel": state.expert_size,
+            "shapes": {name: list(shape) for part in parts for name, shape in part.shapes.items()},
             "splits": {
                 name: None if split is None else split.to_builtins()
-                for name, split in state.splits.items()
+                for part in parts
+                for name, split in part.splits.items()
             },
             "alignment": state.alignment,
             "tensor_parallel": state.tensor_size,
@@ -136,6 +162,18 @@ class SavedCheckpoint:
             self.parameters, alignment=m["alignment"], data_size=self.data_size
         )
         self.index = {p[0]: i for i, p in enumerate(self.parameters)}
+        self.expert_size = m.get("expert_parallel", 1)
+        self.expert_parameters = [tuple(p) for p in m.get("expert_parameters", [])]
+        self.expert_layout = (
+            _native.Layout(
+                self.expert_parameters,
+                alignment=m["alignment"],
+                data_size=self.data_size // self.expert_size,
+            )
+            if self.expert_parameters
+            else None
+        )
+        self.expert_index = {p[0]: i for i, p in enumerate(self.expert_parameters)}
         self._handles: dict[int, Any] = {}
 
     @property
@@ -147,83 +185,130 @@ class SavedCheckpoint:
 
     def same_layout(self, state: ShardedState) -> bool:
         """Written by ranks laid out as `state`'s are: its RNG streams apply."""
-        saved = (self.tensor_size, self.data_size, self.pipeline_size)
-        return saved == (state.tensor_size, state.data_size, state.pipeline_size)
+        saved = (self.tensor_size, self.data_size, self.pipeline_size, self.expert_size)
+        return saved == (
+            state.tensor_size,
+            state.data_size,
+            state.pipeline_size,
+            state.expert_size,
+        )
 
     def _handle(self, rank: int) -> Any:
         if rank not in self._handles:
             self._handles[rank] = safe_open(self.directory / rank_file(rank), "pt")
         return self._handles[rank]
 
-    def _piece(self, rank: int, kind: str, stage: int, start: int, end: int) -> Tensor:
-        return self._handle(rank).get_slice(stage_key(kind, stage))[start:end]
+    def _piece(self, rank: int, key: str, start: int, end: int) -> Tensor:
+        return self._handle(rank).get_slice(key)[start:end]
 
     def rank_tensor(self, rank: int, key: str) -> Tensor | None:
         """A tensor of rank `rank`'s file outside the flat state (RNG states), if present."""
         handle = self._handle(rank)
         return handle.get_tensor(key) if key in handle.keys() else None  # noqa: SIM118
 
-    def _pieces(self, name: str) -> Iterator[tuple[int, int, int, int, int, int]]:
+    def _pieces(
+        self, name: str, expert_rank: int | None
+    ) -> Iterator[tuple[int, int, int, int, int, int]]:
         """(data rank, stage, parameter start, parameter end, shard start, shard end) of
-        every saved piece of parameter `name` on one tensor rank."""
-        index = self.index[name]
-        stage, _, _ = self.layout.parameter(index)
-        for data_rank in range(self.data_size):
-            for i, p0, p1, s0, s1 in self.layout.shard_parameters(stage, data_rank):
+        every saved piece of parameter `name` on one tensor rank (of an expert parameter, on
+        expert rank `expert_rank`)."""
+        experts = expert_rank is not None
+        layout = self.expert_layout if experts else self.layout
+        index = (self.expert_index if experts else self.index)[name]
+        stage, _, _ = layout.parameter(index)
+        for shard_rank in range(layout.data_size):
+            data_rank = expert_rank + self.expert_size * shard_rank if experts else shard_rank
+            for i, p0, p1, s0, s1 in layout.shard_parameters(stage, shard_rank):
                 if i == index:
                     yield data_rank, stage, p0, p1, s0, s1
 
-    def tensor_slice(self, name: str, kind: str, tensor_rank: int) -> Tensor:
-        """Parameter `name` as tensor rank `tensor_rank` held it (flat, fp32)."""
-        numel = self.parameters[self.index[name]][1]
+    def _numel(self, name: str) -> int:
+        if name in self.expert_index:
+            return self.expert_parameters[self.expert_index[name]][1]
+        return self.parameters[self.index[name]][1]
+
+    def tensor_slice(
+        self, name: str, kind: str, tensor_rank: int, expert_rank: int | None = None
+    ) -> Tensor:
+        """Parameter `name` as tensor rank `tensor_rank` (and for an expert parameter, expert
+        rank `expert_rank`) held it (flat, fp32)."""
+        numel = self._numel(name)
         flat = torch.empty(numel, dtype=torch.float32)
-        self._copy_pieces(name, kind, tensor_rank, 0, numel, flat)
+        self._copy_pieces(name, kind, tensor_rank, expert_rank, 0, numel, flat)
         return flat
 
     def whole(self, name: str, kind: str = "master") -> Tensor:
-        """Parameter `name` whole, its tensor slices merged."""
+        """Parameter `name` whole, its tensor slices merged (and expert shares
+        concatenated)."""
         shape = self.shapes[name]
         split = self.splits.get(name)
-        slices = [
-            self.tensor_slice(name, kind, t).view(shape)
-            for t in range(self.tensor_size if split is not None else 1)
-        ]
-        return slices[0] if len(slices) == 1 else split.merge(slices)  # type: ignore[union-attr]
+        shares = []
+        experts = name in self.expert_index
+        for expert_rank in range(self.expert_size) if experts else [None]:
+            slices = [
+                self.tensor_slice(name, kind, t, expert_rank).view(shape)
+                for t in range(self.tensor_size if split is not None else 1)
+            ]
+            shares.append(slices[0] if len(slices) == 1 else split.merge(slices))  # type: ignore[union-attr]
+        return shares[0] if len(shares) == 1 else torch.cat(shares)
 
     def full_tensors(self, kind: str = "master") -> Iterator[tuple[str, Tensor]]:
-        for name, *_ in self.parameters:
+        for name, *_ in self.parameters + self.expert_parameters:
             yield name, self.whole(name, kind)
 
     def restore(self, state: ShardedState, kinds: tuple[str, ...]) -> None:
         """Fill `state`'s shards from this checkpoint, whatever layout wrote it."""
-        names = [spec[0] for spec in state.specs]
-        if set(self.index) != set(names):
+        names = {spec[0] for part, _ in state.parts() for spec in part.specs}
+        if set(self.index) | set(self.expert_index) != names:
             raise ConfigError(str(self.directory), "holds the parameters of another model")
-        layout = state.layout()
+        for part, experts in state.parts():
+            self._restore_part(state, part, experts, kinds)
+
+    def _restore_part(
+        self, state: ShardedState, part: ShardedState, experts: bool, kinds: tuple[str, ...]
+    ) -> None:
+        names = [spec[0] for spec in part.specs]
+        layout = part.layout()
         same_slices = self.tensor_size == state.tensor_size
-        for stage, shard in state.shards.items():
-            for index, p0, p1, s0, _ in layout.shard_parameters(stage, state.data_rank):
+        if experts:  # saved as this rank's share of the experts
+            same_slices = same_slices and self.expert_size == state.expert_size
+        for stage, shard in part.shards.items():
+            for index, p0, p1, s0, _ in layout.shard_parameters(stage, part.data_rank):
                 name = names[index]
+                same = same_slices and (name in self.expert_index) == experts
                 for kind in kinds:
                     target = shard[kind][s0 : s0 + p1 - p0]
-                    if same_slices:
-                        self._copy_pieces(name, kind, state.tensor_rank, p0, p1, target)
+                    if same:
+                        expert_rank = state.expert_rank if experts else None
+                        self._copy_pieces(
+                            name, kind, state.tensor_rank, expert_rank, p0, p1, target
+                        )
                         continue
                     whole = self.whole(name, kind)
-                    split = state.splits[name]
+                    if experts:
+                        whole = whole.chunk(state.expert_size)[state.expert_rank]
+                    split = part.splits[name]
                     if split is not None and state.tensor_size > 1:
                         whole = split.local(whole, state.tensor_rank, state.tensor_size)
                     target.copy_(whole.reshape(-1)[p0:p1])
 
     def _copy_pieces(
-        self, name: str, kind: str, tensor_rank: int, p0: int, p1: int, target: Tensor
+        self,
+        name: str,
+        kind: str,
+        tensor_rank: int,
+        expert_rank: int | None,
+        p0: int,
+        p1: int,
+        target: Tensor,
     ) -> None:
-        """Elements [p0, p1) of the parameter's slice on `tensor_rank`, from the saved data
-        shards that overlap them."""
-        for data_rank, stage, q0, q1, t0, _ in self._pieces(name):
+        """Elements [p0, p1) of the parameter's slice on `tensor_rank` (and `expert_rank`),
+        from the saved data shards that overlap them."""
+        for data_rank, stage, q0, q1, t0, _ in self._pieces(name, expert_rank):
             start, end = max(p0, q0), min(p1, q1)
             if start < end:
                 pipeline_rank = stage % self.pipeline_size
                 rank = tensor_rank + self.tensor_size * (data_rank + self.data_size * pipeline_rank)
-                values = self._piece(rank, kind, stage, t0 + start - q0, t0 + end - q0)
+                key = stage_key(kind, stage, expert_rank is not None)
+                values = self._piece(rank, key, t0 + start - q0, t0 + end - q0)
                 target[start - p0 : end - p0].copy_(values)

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from fastllm import _native
-from fastllm.checkpoint.distributed import Snapshot, rank_file, stage_key
+from fastllm.checkpoint.distributed import Snapshot, rank_file
 from fastllm.checkpoint.errors import CheckpointWriteError
 from fastllm.config import ConfigError
 
@@ -90,11 +90,7 @@ class CheckpointSaver:
         if self._writer is None:
             self._writer = _native.CheckpointWriter()
         pin = self.device.type == "cuda"
-        tensors = [
-            (stage_key(kind, stage), _staged(tensor, pin))
-            for stage, kinds in snapshot.state.shards.items()
-            for kind, tensor in kinds.items()
-        ]
+        tensors = [(key, _staged(tensor, pin)) for key, tensor in snapshot.state.tensors()]
         tensors += [(name, _staged(t, pin)) for name, t in snapshot.extra.items()]
         if pin:
             torch.cuda.synchronize()

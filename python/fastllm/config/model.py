@@ -254,10 +254,21 @@ class DistributedConfig(Section):
     runs on pipeline rank s mod pipeline_parallel, so more stages than ranks loops over them.
     The order of the micro-batches through the stages is `schedule`'s."""
     sequence_data_parallel: int = 1
-    """Consecutive ranks of the data group that share each sequence, each computing one
-    contiguous chunk of it (attention all-gathers the keys and values of the earlier chunks);
-    it must divide the data-parallel size. ZeRO and the gradient sum still span the whole
-    data group."""
+    """Consecutive ranks of the data group that share each sequence, each computing a part of
+    it (`sequence_data_chunking`; attention all-gathers the keys and values of the earlier
+    chunks); it must divide the data-parallel size. ZeRO and the gradient sum still span the
+    whole data group."""
+    sequence_data_chunking: Literal["contiguous", "head_tail"] = "contiguous"
+    """How the sequence-data ranks share a sequence: contiguous (rank r of S computes chunk r
+    of S) or head_tail (chunks r and 2S-1-r of 2S: with causal attention every rank then
+    attends to as many keys, where with contiguous chunks the last rank does S times the
+    first's attention work; the sequence length must be divisible by 2S)."""
+    expert_parallel: int = 1
+    """Consecutive ranks of the data group that split each mixture's experts among them
+    (rank r of E holds experts r·N/E to (r+1)·N/E - 1) and send each other the tokens routed
+    to them (all-to-all); it must divide the data-parallel size and
+    model.base_model.transformer.num_experts. The expert parameters get buffers of their own,
+    which ZeRO shards over the data ranks holding the same experts."""
     fp8_linear: Literal["none", "tensorwise", "rowwise"] = "none"
     """FP8 compute of the blocks' linear layers (attention q/k/v and output, dense MLP; the
     embedding, the head and mixture-of-experts layers stay bf16; the fp32 master weights and
@@ -265,12 +276,29 @@ class DistributedConfig(Section):
     rowwise: one scale per row of each operand, all in e4m3. Needs bfloat16 training and a
     GPU with FP8 tensor cores (compute capability 8.9 or more); on CPU the FP8 rounding is
     emulated."""
+    fp8_scaling: Literal["current", "delayed"] = "current"
+    """How tensorwise FP8 scales the layers' inputs and output gradients. current: each
+    tensor by its own amax (a pass to find it before the cast). delayed: by the largest amax
+    of the last `fp8_amax_history_length` steps (Transformer Engine's delayed scaling), so
+    the kernel that produces a tensor (the norm, the gated activation) writes it in FP8 and
+    records its amax in the same pass; values past the range saturate. The weights keep
+    current scaling. The histories are part of the checkpoint. rowwise scales currently."""
+    fp8_amax_history_length: int = 16
+    """Steps of amaxes that delayed scaling takes the max of (Transformer Engine's
+    amax_history_len)."""
 
     def validate(self) -> None:
         check_non_negative(self.seed, "seed")
         check_positive(self.tensor_parallel, "tensor_parallel")
         check_positive(self.sequence_data_parallel, "sequence_data_parallel")
         check_positive(self.pipeline_parallel, "pipeline_parallel")
+        check_positive(self.expert_parallel, "expert_parallel")
+        check_positive(self.fp8_amax_history_length, "fp8_amax_history_length")
+        if self.fp8_scaling == "delayed" and self.fp8_linear != "tensorwise":
+            raise ConfigError(
+                "fp8_scaling",
+                f"delayed scaling needs fp8_linear=tensorwise, got fp8_linear={self.fp8_linear}",
+            )
 
     def data_parallel(self, world_size: int) -> int:
         """The data-parallel size of `world_size` ranks, or a config error naming the keys."""
@@ -288,6 +316,12 @@ class DistributedConfig(Section):
                 f"({self.sequence_data_parallel}) must divide the data-parallel size "
                 f"({data_size}: {world_size} ranks over model.distributed.tensor_parallel × "
                 "pipeline_parallel)",
+            )
+        if data_size % self.expert_parallel:
+            raise ConfigError(
+                "model.distributed.expert_parallel",
+                f"({self.expert_parallel}) must divide the data-parallel size ({data_size}: "
+                f"{world_size} ranks over model.distributed.tensor_parallel × pipeline_parallel)",
             )
         return data_size
 
@@ -336,6 +370,7 @@ class ModelConfig(Section):
 
     def validate(self) -> None:
         self._validate_fp8()
+        self._validate_expert_parallel()
         pipeline = self.distributed.pipeline_parallel
         stages = self.multi_stage.num_stages(self.base_model.transformer.num_layers)
         if pipeline > stages:
@@ -368,6 +403,25 @@ class ModelConfig(Section):
                 raise ConfigError(
                     key, f"({tensor}) must divide {field} ({value}): each rank holds a slice"
                 )
+
+    def _validate_expert_parallel(self) -> None:
+        distributed, key = self.distributed, "distributed.expert_parallel"
+        experts, size = self.base_model.transformer.num_experts, distributed.expert_parallel
+        if size == 1:
+            return
+        if experts % size:
+            raise ConfigError(
+                key,
+                f"({size}) must divide model.base_model.transformer.num_experts ({experts}): "
+                "each rank holds an equal share of the experts",
+            )
+        if distributed.tensor_parallel > 1:
+            raise ConfigError(
+                key,
+                "expert parallelism with model.distributed.tensor_parallel > 1 is not "
+                f"implemented yet (expert_parallel={size}, "
+                f"tensor_parallel={distributed.tensor_parallel})",
+            )
 
     def _validate_fp8(self) -> None:
         distributed, key = self.distributed, "distributed.fp8_linear"

@@ -4,8 +4,8 @@ A step runs `depth_first_micro_batches` groups one after the other; within a gro
 `breadth_first_micro_batches` micro-batches go through each pipeline stage back to back, so
 ZeRO-2/3 gather a stage's weights and reduce its gradients once per group, not once per
 micro-batch. The global batch is micro_batch_size × data-parallel size × breadth-first ×
-depth-first micro-batches. Without pipelining, `micro_batch_splits` cuts each micro-batch's
-sequences into pieces run one after another."""
+depth-first micro-batches. `micro_batch_splits` cuts each micro-batch's sequences into pieces
+run one after another (with the pipeline, each piece a unit of its schedule)."""
 
 from __future__ import annotations
 
@@ -33,8 +33,10 @@ class ScheduleConfig(Section):
     stay in the autograd graph, so one backward pass over the pieces' losses gives the
     gradients of the whole sequences. Each forward pass then holds one piece's transient
     activations (logit chunks, MLP intermediates, attention workspace); the stored ones are
-    those of the whole sequences. Not yet with pipeline parallelism or breadth-first
-    micro-batches."""
+    those of the whole sequences. With pipeline parallelism or breadth-first micro-batches,
+    each piece goes through the stages as a unit of the schedule, the stage's backward passes
+    of a micro-batch's pieces last to first. Not yet with
+    model.distributed.sequence_data_parallel > 1 or model.multi_stage.recompute: full."""
 
     def validate(self) -> None:
         check_positive(self.breadth_first_micro_batches, "breadth_first_micro_batches")

@@ -85,13 +85,18 @@ class TrainerConfig(Section):
                 "with model.multi_stage.recompute: full is not supported yet (a recomputed "
                 "block would add its piece's keys and values a second time)",
             )
-        chunks = distributed.sequence_data_parallel * splits
+        head_tail = (
+            distributed.sequence_data_chunking == "head_tail"
+            and distributed.sequence_data_parallel > 1
+        )
+        chunks = distributed.sequence_data_parallel * splits * (2 if head_tail else 1)
         if distributed.sequence_parallel:
             chunks *= distributed.tensor_parallel
         if chunks > 1 and self.batch.sequence_length % chunks:
             parts = [
                 key
                 for key, used in (
+                    ("2 (model.distributed.sequence_data_chunking: head_tail)", head_tail),
                     ("model.distributed.sequence_data_parallel", distributed.sequence_data_parallel > 1),
                     ("schedule.micro_batch_splits", splits > 1),
                     ("model.distributed.tensor_parallel (with sequence_tensor_parallel)", distributed.sequence_parallel),

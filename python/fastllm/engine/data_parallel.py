@@ -19,10 +19,11 @@ def gather_weights(flat: FlatModel, wait: bool = True) -> None:
     """Every rank's updated shard of the compute weights, into every rank's full buffers (with
     ZeRO-3, gathered copies of the old weights are dropped: stages are gathered when used).
     `wait=False` leaves the stages' all-gathers in flight for their forward passes to wait on."""
-    if flat.gatherer is not None:
-        flat.gatherer.keep_only(set())
-    elif flat.refresh is not None:
-        flat.refresh.start()
-        if wait:
-            flat.refresh.wait_all()
+    for part in flat.parts:
+        if part.gatherer is not None:
+            part.gatherer.keep_only(set())
+        elif part.refresh is not None:
+            part.refresh.start()
+            if wait:
+                part.refresh.wait_all()
     flat.sync_tied_copy()

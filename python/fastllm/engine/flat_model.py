@@ -8,7 +8,9 @@ shards during the backward pass (GradientReducer); ZeRO-2 keeps only the shard o
 ZeRO-3 also only the shard of the compute weights (WeightGatherer). The layout — offsets,
 alignment, the shard each data-parallel rank owns — comes from Rust (`fastllm._native.Layout`).
 With tensor parallelism each tensor rank has its own buffers, of its slices of the parameters;
-ZeRO shards them over the data group only."""
+ZeRO shards them over the data group only. With expert parallelism the experts' parameters
+(each rank's share of them) are laid out in a second FlatModel of their own (`experts`),
+whose ZeRO shards and gradient sums span the data ranks holding the same experts."""
 
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from fastllm.engine.weight_gatherer import WeightGatherer
 from fastllm.engine.weight_refresh import WeightRefresh
 from fastllm.model import GPTModel
 from fastllm.model.parameters import full_shape, parameter_metas
+from fastllm_kernels.linear import GradientProduct
 
 ALIGNMENT = 128
 """Elements; every parameter starts at a multiple, so kernels see aligned rows."""
@@ -103,7 +106,10 @@ class FlatModel:
     Each stage lists its parameters in model order, except that with tensor parallelism the
     parameters replicated over tensor ranks come first, those whose gradients are summed over
     tensor ranks first of all: one all-reduce of a prefix of the stage's gradient, and the
-    gradient norm counts the replicated prefix on one tensor rank only."""
+    gradient norm counts the replicated prefix on one tensor rank only.
+
+    With expert parallelism this instance holds every parameter but the experts', and
+    `experts` holds those: the methods the trainer calls act on both (`parts`)."""
 
     def __init__(
         self,
@@ -115,17 +121,25 @@ class FlatModel:
         zero_stage: int = 1,
         layers_per_stage: int = 1,
         gather_in_forward: bool = True,
+        experts: bool = False,
     ) -> None:
         """`gather_in_forward`: ZeRO-3 gathers are driven by the stages' forward and backward
-        passes (false: by the pipeline runner's program)."""
+        passes (false: by the pipeline runner's program). `experts`: the instance of an
+        expert-parallel model's expert parameters (made by the other one)."""
         self.model, self.compute_dtype, self.device = model, compute_dtype, device
         self.mesh = mesh or ParallelMesh.single()
-        self.data, self.tensor, self.pipeline = self.mesh.data, self.mesh.tensor, self.mesh.pipeline
+        self.data = self.mesh.expert_data if experts else self.mesh.data
+        self.tensor, self.pipeline = self.mesh.tensor, self.mesh.pipeline
         self.shard_gradients = zero_stage >= 2 and self.data.size > 1
         self.shard_weights = zero_stage >= 3 and self.data.size > 1
         num_layers = model.config.transformer.num_layers
-        parameters = dict(model.named_parameters())
         self.metas = parameter_metas(model)
+        expert_parallel = self.mesh.expert.size > 1
+        parameters = {
+            name: parameter
+            for name, parameter in model.named_parameters()
+            if (expert_parallel and self.metas[name].expert_split) == experts
+        }
         split = self.tensor.size > 1
 
         def reduced(name: str) -> bool:
@@ -200,14 +214,60 @@ class FlatModel:
         )
         if self.refresh is not None and gather_in_forward:
             self.refresh.install_hooks(stage_modules(model, layers_per_stage))
+        self.experts = (
+            FlatModel(
+                model,
+                compute_dtype=compute_dtype,
+                device=device,
+                mesh=mesh,
+                zero_stage=zero_stage,
+                layers_per_stage=layers_per_stage,
+                gather_in_forward=gather_in_forward,
+                experts=True,
+            )
+            if expert_parallel and not experts
+            else None
+        )
+        """With expert parallelism: the experts' parameters, in buffers of their own."""
+
+    @property
+    def parts(self) -> list[FlatModel]:
+        """This instance and, with expert parallelism, the experts'."""
+        return [self] if self.experts is None else [self, self.experts]
+
+    def part_of(self, name: str) -> FlatModel:
+        """The instance that holds parameter `name`."""
+        return self.experts if self.experts is not None and name in self.experts.shapes else self
 
     def wait_for_weights(self, stage: int) -> None:
         """Block until `stage`'s full compute weights are in place (ZeRO-1/2 after a step,
         ZeRO-3 whenever it runs)."""
-        if self.refresh is not None:
-            self.refresh.wait(stage)
-        if self.gatherer is not None:
-            self.gatherer.ensure(stage)
+        for part in self.parts:
+            if part.refresh is not None:
+                part.refresh.wait(stage)
+            if part.gatherer is not None:
+                part.gatherer.ensure(stage)
+
+    def prefetch_weights(self, stage: int) -> None:
+        """ZeRO-3: start gathering `stage`'s full compute weights (the pipeline runner)."""
+        for part in self.parts:
+            if part.gatherer is not None:
+                part.gatherer.prefetch(stage)
+
+    def release_weights(self, stage: int | None = None) -> None:
+        """ZeRO-3: free `stage`'s gathered weights (every stage's with None)."""
+        for part in self.parts:
+            if part.gatherer is not None:
+                if stage is None:
+                    part.gatherer.keep_only(set())
+                else:
+                    part.gatherer.release(stage)
+
+    def arm_reduction(self, reduce: bool) -> None:
+        """Whether the coming backward pass of a pipeline step reduces its stage."""
+        for part in self.parts:
+            if part.reducer is not None:
+                part.reducer.armed = reduce
 
     def slot(self, stage: int) -> int:
         """Which of two buffers `stage` uses where consecutive stages of this rank alternate
@@ -258,7 +318,7 @@ class FlatModel:
 
     @property
     def tied(self) -> bool:
-        return any(meta.tied for meta in self.metas.values())
+        return any(self.metas[name].tied for name in self.names)
 
     @property
     def tied_here(self) -> bool:
@@ -336,11 +396,13 @@ class FlatModel:
         # gradient, to run while it is in flight (tensor_parallel.enter).
         deferred = self.model.tp.split and self.metas[self.names[index]].tensor_split is not None
 
-        def sink(a: Tensor, b: Tensor) -> None:
+        def sink(product: GradientProduct) -> None:
             if deferred:
-                self.model.tp.defer(lambda: write(lambda: self.gradients.add_product(index, a, b)))
+                self.model.tp.defer(
+                    lambda: write(lambda: self.gradients.add_product(index, product))
+                )
             else:
-                write(lambda: self.gradients.add_product(index, a, b))
+                write(lambda: self.gradients.add_product(index, product))
 
         return sink
 
@@ -364,6 +426,8 @@ class FlatModel:
         gradients over ranks while the pass runs (else after it, in `reduce_gradients`)."""
         if self.reducer is not None:
             self.reducer.arm(last_micro_batch)
+        if self.experts is not None:
+            self.experts.start_backward(last_micro_batch)
 
     def finish_backward(self) -> None:
         """After each backward pass: reduce the gradients of stages still pending and free the
@@ -375,6 +439,8 @@ class FlatModel:
             self.gradients.complete_all()
         if self.gatherer is not None:
             self.gatherer.keep_only(set())
+        if self.experts is not None:
+            self.experts.finish_backward()
 
     def finish_stage_backward(self, stage: int, reduce: bool) -> None:
         """After a pipeline step's backward pass of `stage` (begun with `reducer.armed =
@@ -385,6 +451,8 @@ class FlatModel:
             self.reducer.stage_done(stage, reduce)
         elif reduce:
             self.gradients.complete(stage)
+        if self.experts is not None:
+            self.experts.finish_stage_backward(stage, reduce)
 
     def finish_step_backward(self) -> None:
         """After the last backward pass of a pipeline step: wait for the reductions, free the
@@ -396,6 +464,8 @@ class FlatModel:
         if self.gatherer is not None:
             self.gatherer.keep_only(set())
         self._reduce_tied_gradient()
+        if self.experts is not None:
+            self.experts.finish_step_backward()
 
     @torch.no_grad()
     def _reduce_tied_gradient(self) -> None:
@@ -454,15 +524,17 @@ class FlatModel:
 
     def reduce_gradients(self) -> None:
         """Before the optimizer reads the shards: every rank's gradients summed into them."""
-        if self.reducer is not None:
-            self.reducer.ensure_reduced()
+        for part in self.parts:
+            if part.reducer is not None:
+                part.reducer.ensure_reduced()
 
     def zero_grad(self) -> None:
         """Start a new step: the next gradients overwrite the buffers and the shards."""
-        for stage in self.owned:
-            self.gradients.consumed(stage)
-        if self.reducer is not None:
-            self.reducer.new_step()
+        for part in self.parts:
+            for stage in part.owned:
+                part.gradients.consumed(stage)
+            if part.reducer is not None:
+                part.reducer.new_step()
 
     @torch.no_grad()
     def load_full_parameters(self, tensors: Iterator[tuple[str, Tensor]]) -> None:
@@ -471,33 +543,43 @@ class FlatModel:
         seen = set()
         for name, tensor in tensors:
             seen.add(name)
-            if name not in self.owned_names:
-                copy = self.tied_copy
-                if copy is not None and copy.weight is not None and name == self.names[copy.index]:
-                    copy.weight.copy_(self.local(name, tensor))
-                continue
-            index = self.names.index(name)
-            tensor = self.local(name, tensor)
-            if not self.shard_weights:
-                self.parameter_view(self.weights, index).copy_(tensor)
-            for stage_shard, (param_start, param_end, shard_start, shard_end) in self._owned(index):
-                piece = tensor.reshape(-1)[param_start:param_end].to(self.device, torch.float32)
-                stage_shard.master[shard_start:shard_end].copy_(piece)
-        missing = set(self.names) - seen
+            self.part_of(name)._load(name, self.local(name, tensor))
+        missing = {name for part in self.parts for name in part.names} - seen
         if missing:
             raise KeyError(f"no values given for parameters {sorted(missing)[:5]}")
         self.sync_weights_from_master()
 
+    def _load(self, name: str, tensor: Tensor) -> None:
+        """Set parameter `name` from this rank's slice of it."""
+        if name not in self.owned_names:
+            copy = self.tied_copy
+            if copy is not None and copy.weight is not None and name == self.names[copy.index]:
+                copy.weight.copy_(tensor)
+            return
+        index = self.names.index(name)
+        if not self.shard_weights:
+            self.parameter_view(self.weights, index).copy_(tensor)
+        for stage_shard, (param_start, param_end, shard_start, shard_end) in self._owned(index):
+            piece = tensor.reshape(-1)[param_start:param_end].to(self.device, torch.float32)
+            stage_shard.master[shard_start:shard_end].copy_(piece)
+
     def local(self, name: str, whole: Tensor) -> Tensor:
-        """This tensor rank's slice of parameter `name`'s whole tensor."""
+        """This rank's slice of parameter `name`'s whole tensor: its experts' (expert
+        parallelism), its tensor slice of them."""
+        expert = self.mesh.expert
+        if self.metas[name].expert_split and expert.size > 1:
+            whole = whole.chunk(expert.size)[expert.rank]
         split = self.metas[name].tensor_split
         if split is None or self.tensor.size == 1:
             return whole
         return split.local(whole, self.tensor.rank, self.tensor.size)
 
     def whole_shape(self, name: str) -> tuple[int, ...]:
-        shape = tuple(self.shapes[name])
-        return full_shape(shape, self.metas[name].tensor_split if self.tensor.size > 1 else None)
+        shape = tuple(self.part_of(name).shapes[name])
+        shape = full_shape(shape, self.metas[name].tensor_split if self.tensor.size > 1 else None)
+        if self.metas[name].expert_split:
+            shape = (shape[0] * self.mesh.expert.size, *shape[1:])
+        return shape
 
     def _owned(self, index: int) -> list[tuple[Shard, tuple[int, int, int, int]]]:
         """This rank's pieces of parameter `index` (of a stage it runs)."""
@@ -513,8 +595,9 @@ class FlatModel:
         """Compute weights of this rank's shards from the masters (exactly what the optimizer
         step writes), so that a restored run computes bit for bit as the original did."""
         if self.mixed_precision:
-            for shard in self.shards.values():
-                shard.weight.copy_(shard.master)
+            for part in self.parts:
+                for shard in part.shards.values():
+                    shard.weight.copy_(shard.master)
 
     def full_parameters(self) -> Iterator[tuple[str, Tensor]]:
         """Every parameter of this tensor rank in the compute dtype (views: copy each before
@@ -545,16 +628,22 @@ class FlatModel:
                 self.gatherer.release(stage)
 
     def whole_parameters(self) -> Iterator[tuple[str, Tensor]]:
-        """Every parameter whole, its tensor-parallel slices gathered: every rank of the tensor
-        group (and with ZeRO-3 of the data group) must iterate to the end."""
-        for name, tensor in self.full_parameters():
-            split = self.metas[name].tensor_split
-            if split is None or self.tensor.size == 1:
+        """Every parameter whole, its tensor-parallel slices (and expert-parallel shares)
+        gathered: every rank of the tensor and expert groups (and with ZeRO-3 of the data
+        group) must iterate to the end."""
+        expert = self.mesh.expert
+        for part in self.parts:
+            for name, tensor in part.full_parameters():
+                split = self.metas[name].tensor_split
+                if split is not None and self.tensor.size > 1:
+                    slices = [torch.empty_like(tensor) for _ in range(self.tensor.size)]
+                    dist.all_gather(slices, tensor.contiguous(), group=self.tensor.group)
+                    tensor = split.merge(slices)
+                if part is self.experts:
+                    shares = [torch.empty_like(tensor) for _ in range(expert.size)]
+                    dist.all_gather(shares, tensor.contiguous(), group=expert.group)
+                    tensor = torch.cat(shares)
                 yield name, tensor
-                continue
-            slices = [torch.empty_like(tensor) for _ in range(self.tensor.size)]
-            dist.all_gather(slices, tensor.contiguous(), group=self.tensor.group)
-            yield name, split.merge(slices)
 
 
 def _set_parameter(model: torch.nn.Module, name: str, parameter: torch.nn.Parameter) -> None:

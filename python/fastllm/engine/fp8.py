@@ -5,7 +5,8 @@ The kernels compute a linear layer in FP8 when its weight carries an `Fp8Weight`
 the dense MLPs. The embedding and the head stay bf16 (their precision matters most and the
 fused loss computes the head), as do mixture-of-experts layers (their experts are not linear
 modules). The weights' FP8 copies are refreshed once their version changes: the optimizer
-bumps it after writing the compute weights (`AdamW.step`)."""
+bumps it after writing the compute weights (`AdamW.step`). With delayed scaling the layers share
+one `AmaxHistories`, which the trainer rolls after each optimizer step and checkpoints."""
 
 from __future__ import annotations
 
@@ -14,17 +15,28 @@ import torch
 from fastllm.config import ConfigError
 from fastllm.model import GPTModel
 from fastllm.model.mlp import MLP
-from fastllm_kernels.fp8_linear import Fp8Weight
+from fastllm_kernels.fp8_linear import AmaxHistories, Fp8Weight
 
 KEY = "model.distributed.fp8_linear"
 MIN_CAPABILITY = (8, 9)
 """FP8 tensor cores: Ada (8.9) and Hopper (9.0) on."""
 
 
-def apply_fp8(model: GPTModel, recipe: str, device: torch.device) -> list[torch.nn.Linear]:
+def apply_fp8(
+    model: GPTModel,
+    recipe: str,
+    device: torch.device,
+    *,
+    keep_copies: bool,
+    delayed: bool = False,
+    history_length: int = 16,
+) -> AmaxHistories | None:
     """Mark the FP8 layers (after the flat model made the parameters views of its buffers);
-    returns them. On CPU the kernels emulate the FP8 rounding; a GPU must have FP8 tensor
-    cores.
+    returns the layers' amax histories under delayed scaling. On CPU the kernels emulate the
+    FP8 rounding; a GPU must have FP8 tensor cores. `keep_copies`: keep each weight's FP8 copy
+    for the step (a step of several forward passes per weight: micro-batches, splits, full
+    recomputation); with one, the copy lives only for its product, and FP8 takes no more
+    memory than bf16.
 
     The attention projections are narrower than the MLP's (llama-1b's q/k/v: 2048 → 3072) and
     gain less, but they gain: keeping them bf16 measured 2.3% slower on llama-1b and 2.7% on
@@ -44,6 +56,8 @@ def apply_fp8(model: GPTModel, recipe: str, device: torch.device) -> list[torch.
         layers += [block.attention.query_key_value, block.attention.dense]
         if isinstance(block.mlp, MLP):
             layers += [block.mlp.layer_1, block.mlp.layer_2]
-    for layer in layers:
-        layer.weight.fp8 = Fp8Weight(recipe)  # type: ignore[attr-defined]
-    return layers
+    histories = AmaxHistories(len(layers), history_length, device) if delayed else None
+    for index, layer in enumerate(layers):
+        entry = None if histories is None else (histories, index)
+        layer.weight.fp8 = Fp8Weight(recipe, keep_copies, entry)  # type: ignore[attr-defined]
+    return histories

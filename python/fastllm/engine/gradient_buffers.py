@@ -5,7 +5,7 @@ Nothing zero-fills them: the first gradient a parameter gets after its buffer wa
 (reduced over ranks, or read by the optimizer) overwrites its view, later ones add to it, and
 before a buffer is read whatever the pass did not write is zeroed (`complete`). Gradients come
 from autograd (`add`) or straight from a matmul (`add_product`, for the linear layers' gradient
-sinks)."""
+sinks: the product writes or adds into the view itself)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from fastllm_kernels.accumulate import accumulate_
-from fastllm_kernels.linear import matmul_into_fp32_
+from fastllm_kernels.linear import GradientProduct
 
 
 class GradientBuffers:
@@ -62,9 +62,8 @@ class GradientBuffers:
         else:
             accumulate_(self.views[index], grad)
 
-    def add_product(self, index: int, a: Tensor, b: Tensor) -> None:
-        """Adds a @ b, computed in fp32."""
-        matmul_into_fp32_(self.views[index], a, b, accumulate=not self.fresh[index])
+    def add_product(self, index: int, product: GradientProduct) -> None:
+        product(self.views[index], not self.fresh[index])
         self.fresh[index] = False
 
     def complete(self, stage: int) -> None:

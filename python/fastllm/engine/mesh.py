@@ -6,7 +6,8 @@ Ranks are ordered tensor → data → pipeline (Fast-LLM's order): global rank
 tensor group are neighbours (one node, the fastest links) and pipeline ranks are farthest
 apart. A dimension of size 1 has no group: nothing is communicated over it. Sequence-data
 parallelism adds a sub-group of the data dimension: consecutive data ranks that share each
-sequence."""
+sequence. Expert parallelism adds two: consecutive data ranks that split the experts among
+them (expert), and the data ranks that hold the same experts (expert_data, every E-th)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,12 @@ class ParallelMesh:
     sequence_data: Dimension = Dimension(1, 0, None)
     """The consecutive data ranks that load the same sequences, each computing its chunk of
     them (rank r the r-th); the data dimension still spans them for ZeRO and gradients."""
+    expert: Dimension = Dimension(1, 0, None)
+    """The consecutive data ranks that split each mixture's experts (rank r the r-th share)
+    and exchange tokens."""
+    expert_data: Dimension = Dimension(1, 0, None)
+    """The data ranks that hold the same experts (one per expert group): ZeRO shards the
+    expert parameters over them and sums their gradients."""
 
     @property
     def sample_groups(self) -> Dimension:
@@ -64,31 +71,60 @@ def build_mesh(config: DistributedConfig, world_size: int, rank: int) -> Paralle
     dimensions = [
         _dimension(sizes, coordinates, axis, world_size > 1) for axis in range(len(sizes))
     ]
-    sequence_data = _sequence_data(config.sequence_data_parallel, sizes, coordinates)
-    return ParallelMesh(world_size, rank, *dimensions, config.sequence_parallel, sequence_data)
+    sequence_data = _data_blocks(config.sequence_data_parallel, sizes, coordinates)
+    expert = _data_blocks(config.expert_parallel, sizes, coordinates)
+    expert_data = _data_strides(config.expert_parallel, sizes, coordinates)
+    return ParallelMesh(
+        world_size,
+        rank,
+        *dimensions,
+        config.sequence_parallel,
+        sequence_data,
+        expert,
+        expert_data,
+    )
 
 
-def _sequence_data(
+def _data_blocks(
     size: int, sizes: tuple[int, int, int], coordinates: tuple[int, int, int]
 ) -> Dimension:
-    """This rank's block of `size` consecutive data ranks; every rank creates every block's
-    group, in the same order."""
+    """This rank's block of `size` consecutive data ranks."""
     if size == 1:
         return Dimension(1, 0, None)
+    data_size = sizes[1]
+    blocks = [list(range(first, first + size)) for first in range(0, data_size, size)]
+    return Dimension(size, coordinates[1] % size, _data_subgroup(blocks, sizes, coordinates))
+
+
+def _data_strides(
+    stride: int, sizes: tuple[int, int, int], coordinates: tuple[int, int, int]
+) -> Dimension:
+    """The data ranks equal to this rank's modulo `stride` (one per block of `stride`); size 1
+    when stride is 1 (no expert parallelism: the mesh's expert dimensions are unused)."""
+    data_size = sizes[1]
+    size = data_size // stride
+    if stride == 1 or size == 1:
+        return Dimension(1, 0, None)
+    sets = [list(range(first, data_size, stride)) for first in range(stride)]
+    return Dimension(size, coordinates[1] // stride, _data_subgroup(sets, sizes, coordinates))
+
+
+def _data_subgroup(
+    data_sets: list[list[int]], sizes: tuple[int, int, int], coordinates: tuple[int, int, int]
+) -> dist.ProcessGroup | None:
+    """The group of this rank's set among `data_sets` (data ranks, within its tensor and
+    pipeline coordinates); every rank creates every set's group, in the same order."""
     tensor_size, data_size, pipeline_size = sizes
     mine = None
     for pipeline in range(pipeline_size):
-        for first in range(0, data_size, size):
+        for data_ranks in data_sets:
             for tensor in range(tensor_size):
-                ranks = [
-                    tensor + tensor_size * (data + data_size * pipeline)
-                    for data in range(first, first + size)
-                ]
+                ranks = [tensor + tensor_size * (d + data_size * pipeline) for d in data_ranks]
                 group = dist.new_group(ranks)
                 here = (tensor, pipeline) == (coordinates[0], coordinates[2])
-                if here and first == coordinates[1] // size * size:
+                if here and coordinates[1] in data_ranks:
                     mine = group
-    return Dimension(size, coordinates[1] % size, mine)
+    return mine
 
 
 def _dimension(

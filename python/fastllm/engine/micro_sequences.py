@@ -1,12 +1,31 @@
 """Micro-sequences: a micro-batch's sequences cut into pieces that run one after another, each
 piece's attention reading the keys and values of the pieces before it (Fast-LLM's
-`micro_batch_splits`). The keys and values stay in the autograd graph, so one backward pass
-over the pieces' losses reaches the earlier pieces through them."""
+`micro_batch_splits`). Run whole, the keys and values stay in the autograd graph
+(`KeyValueMemory`), so one backward pass over the pieces' losses reaches the earlier pieces
+through them; run stage by stage by the pipeline runner, each piece is a unit of the schedule
+and its backward pass its own (`StagedKeyValueMemory`)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+
+def cut_into_pieces(
+    input_ids: Tensor, labels: Tensor, documents: Tensor | None, splits: int
+) -> list[tuple[Tensor, Tensor, Tensor | None]]:
+    """The pieces of a micro-batch (batch, sequence): their token ids and labels, and the
+    document ids from the start of the sequences to the end of each piece (what its keys
+    cover)."""
+    length = input_ids.shape[1] // splits
+    return [
+        (
+            input_ids[:, end - length : end],
+            labels[:, end - length : end],
+            None if documents is None else documents[:, :end],
+        )
+        for end in range(length, input_ids.shape[1] + 1, length)
+    ]
 
 
 class KeyValueMemory:
@@ -27,3 +46,66 @@ class KeyValueMemory:
             k, v = torch.cat([earlier_k, k], dim=2), torch.cat([earlier_v, v], dim=2)
         self._layers[layer_index] = (k, v)
         return k, v
+
+
+class StagedKeyValueMemory:
+    """The keys and values of a micro-batch's pieces when the pieces run stage by stage
+    (pipeline runner): each stage's backward pass of a piece is its own autograd call, so a
+    later piece reads an earlier piece's keys and values as leaves cut from that piece's
+    graph; their gradients, added up over the later pieces' backward passes (which the
+    schedule runs first), are what the earlier piece's backward pass starts from at those
+    keys and values (`backward_roots`)."""
+
+    def __init__(self) -> None:
+        self._own: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
+        """(layer, piece) → the piece's keys and values, in its graph."""
+        self._leaves: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
+        """(layer, piece) → the same, as leaves the later pieces read."""
+
+    def piece(self, index: int, start: int) -> PieceCache:
+        """The model's `cache` for piece `index`, which starts at position `start`."""
+        return PieceCache(self, index, start)
+
+    def update(self, k: Tensor, v: Tensor, layer_index: int, piece: int) -> tuple[Tensor, Tensor]:
+        earlier = [self._leaves[(layer_index, p)] for p in range(piece)]
+        if torch.is_grad_enabled():
+            self._own[(layer_index, piece)] = (k, v)
+            self._leaves[(layer_index, piece)] = (
+                k.detach().requires_grad_(True),
+                v.detach().requires_grad_(True),
+            )
+        else:
+            self._leaves[(layer_index, piece)] = (k, v)
+        if not earlier:
+            return k, v
+        keys = torch.cat([*(leaf for leaf, _ in earlier), k], dim=2)
+        values = torch.cat([*(leaf for _, leaf in earlier), v], dim=2)
+        return keys, values
+
+    def backward_roots(self, layers: range, piece: int) -> tuple[list[Tensor], list[Tensor]]:
+        """The keys and values of `piece` at `layers` (one stage's) and the gradients the
+        later pieces gave them, for that stage's backward pass of the piece; forgets them."""
+        tensors, grads = [], []
+        for layer in layers:
+            own = self._own.pop((layer, piece), None)
+            leaves = self._leaves.pop((layer, piece), None)
+            if own is None or leaves is None:
+                continue
+            for tensor, leaf in zip(own, leaves, strict=True):
+                if leaf.grad is not None:
+                    tensors.append(tensor)
+                    grads.append(leaf.grad)
+        return tensors, grads
+
+
+class PieceCache:
+    """One piece's view of a `StagedKeyValueMemory`, as the model's `cache`."""
+
+    def __init__(self, memory: StagedKeyValueMemory, piece: int, start: int) -> None:
+        self.memory, self.index, self.start = memory, piece, start
+
+    def get_seq_length(self) -> int:
+        return self.start
+
+    def update(self, k: Tensor, v: Tensor, layer_index: int) -> tuple[Tensor, Tensor]:
+        return self.memory.update(k, v, layer_index, self.index)

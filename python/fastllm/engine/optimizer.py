@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from fastllm.config.training import OptimizerConfig
-from fastllm.engine.flat_model import FlatModel
+from fastllm.engine.flat_model import FlatModel, Shard
 from fastllm_kernels import adamw_step_
 
 
@@ -32,11 +32,13 @@ class AdamW:
     def grad_norm(self, grad_scale: float) -> float:
         """Over the whole model: every data rank's shards, every tensor rank's slices, every
         pipeline rank's stages, and the parameters replicated over tensor ranks once (on
-        tensor rank 0)."""
+        tensor rank 0). With expert parallelism the data group holds each expert's shards
+        once too: an expert group's ranks split the experts, the expert-data ranks their
+        shards."""
         flat = self.flat
         squares = torch.zeros((), dtype=torch.float32, device=flat.device)
         counts_replicated = flat.tensor.rank == 0
-        for shard in flat.shards.values():
+        for shard in self._shards():
             grad = shard.grad if counts_replicated else shard.grad[shard.replicated :]
             squares += torch.linalg.vector_norm(grad, dtype=torch.float32).square()
         for dimension in (flat.data, flat.tensor, flat.pipeline):
@@ -53,7 +55,7 @@ class AdamW:
         clip = self.config.gradient_norm_clipping
         clip_factor = min(1.0, clip / (norm + 1e-6)) if clip is not None else 1.0
         self.step_count += 1
-        for shard in self.flat.shards.values():
+        for shard in self._shards():
             for start, end, decay in shard.decay_runs:
                 adamw_step_(
                     shard.master[start:end],
@@ -72,6 +74,10 @@ class AdamW:
         if self.flat.mixed_precision:
             # The kernel wrote the compute weights behind autograd's back: a new version tells
             # the caches keyed by it (the FP8 weight copies) that they changed.
-            for weights in self.flat.weights:
-                torch.autograd.graph.increment_version(weights)
+            for part in self.flat.parts:
+                for weights in part.weights:
+                    torch.autograd.graph.increment_version(weights)
         return StepReport(norm, skipped=False)
+
+    def _shards(self) -> list[Shard]:
+        return [shard for part in self.flat.parts for shard in part.shards.values()]

@@ -74,7 +74,9 @@ class Attention(torch.nn.Module):
         else:
             qkv = norm.project(x, self.query_key_value.weight, self.query_key_value.bias)
             q, k, v = split_qkv_rotary(qkv, self.heads, self.kv_heads, cos, sin)
-        if cache is None:
+        if self.sdp.split:
+            out = self._attend_by_chunk(q, k, v, document_ids)
+        elif cache is None:
             out = attention(
                 q, k, v, causal=True, window_size=self.window_size, document_ids=document_ids
             )
@@ -107,6 +109,27 @@ class Attention(torch.nn.Module):
             q = apply_rotary(q.clone(), cos, sin)
         k, v = pending.finish()
         return q, k, v
+
+    def _attend_by_chunk(
+        self, q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor | None
+    ) -> Tensor:
+        """Sequence-data parallelism: the queries of each of this rank's chunks attend to the
+        keys (the causal prefix, gathered) up to that chunk's end."""
+        outs, offset = [], 0
+        for start, end in self.sdp.spans(q.shape[1]):
+            length = end - start
+            outs.append(
+                attention(
+                    q[:, offset : offset + length],
+                    k[:, :end],
+                    v[:, :end],
+                    causal=True,
+                    window_size=self.window_size,
+                    document_ids=None if document_ids is None else document_ids[:, :end],
+                )
+            )
+            offset += length
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
     def _attend_with_cache(
         self, q: Tensor, k: Tensor, v: Tensor, cache: Any, document_ids: Tensor | None

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from fastllm.config.model import LayerNormConfig, NormalizationConfig, TransformerConfig
+from fastllm.engine.expert_parallel import ExpertParallel
 from fastllm.engine.sequence_data_parallel import SequenceDataParallel
 from fastllm.engine.tensor_parallel import TensorParallel
 from fastllm.model.attention import Attention
@@ -55,13 +56,14 @@ class TransformerBlock(torch.nn.Module):
         layer_index: int,
         tp: TensorParallel,
         sdp: SequenceDataParallel | None = None,
+        ep: ExpertParallel | None = None,
     ) -> None:
         super().__init__()
         self.norm_1 = Normalization(config.normalization, config.hidden_size)
         self.attention = Attention(config, layer_index, tp, sdp)
         self.norm_2 = Normalization(config.normalization, config.hidden_size)
         self.mlp: MLP | MixtureOfExperts = (
-            MixtureOfExperts(config) if config.num_experts > 1 else MLP(config, tp)
+            MixtureOfExperts(config, ep) if config.num_experts > 1 else MLP(config, tp)
         )
 
     def forward(

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fastllm.config.model import BaseModelConfig, NoRotaryConfig
+from fastllm.engine.expert_parallel import ExpertParallel
 from fastllm.engine.sequence_data_parallel import SequenceDataParallel
 from fastllm.engine.tensor_parallel import (
     TensorParallel,
@@ -56,7 +57,8 @@ class GPTModel(torch.nn.Module):
     With `tp` of more than one rank, this rank's slice of the model: a vocab-parallel
     embedding and head, column- and row-parallel projections (see engine/tensor_parallel.py).
     With `sdp` of more than one rank, the inputs are this rank's chunk of each sequence
-    (engine/sequence_data_parallel.py). Every parameter carries a `ParameterMeta`
+    (engine/sequence_data_parallel.py). With `ep` of more than one rank, each mixture of
+    experts holds this rank's share of the experts (engine/expert_parallel.py). Every parameter carries a `ParameterMeta`
     (model/parameters.py)."""
 
     def __init__(
@@ -64,6 +66,7 @@ class GPTModel(torch.nn.Module):
         config: BaseModelConfig,
         tp: TensorParallel | None = None,
         sdp: SequenceDataParallel | None = None,
+        ep: ExpertParallel | None = None,
     ) -> None:
         super().__init__()
         transformer = config.transformer
@@ -81,7 +84,7 @@ class GPTModel(torch.nn.Module):
             tied=config.tie_word_embeddings,
         )
         self.layers = torch.nn.ModuleList(
-            TransformerBlock(transformer, i, self.tp, self.sdp)
+            TransformerBlock(transformer, i, self.tp, self.sdp, ep)
             for i in range(transformer.num_layers)
         )
         self.final_norm = Normalization(transformer.normalization, hidden)
@@ -121,15 +124,19 @@ class GPTModel(torch.nn.Module):
 
         `document_ids` (batch, seq) keeps attention inside documents of packed samples, and
         positions restart with each document unless `position_ids` are given. With
-        sequence-data parallelism `input_ids` are this rank's chunk of the sequences and
-        `document_ids` cover them up to the end of that chunk."""
+        sequence-data parallelism `input_ids` are this rank's chunks of the sequences and
+        `document_ids` cover them up to the end of the last one."""
         length = input_ids.shape[1]
         if position_ids is None:
             if document_ids is not None:
-                position_ids = positions_in_documents(document_ids)[:, -length:]
-            else:
-                start = cache.get_seq_length() if cache is not None else self.sdp.rank * length
+                positions = positions_in_documents(document_ids)
+                split = self.sdp.split
+                position_ids = self.sdp.take(positions, length) if split else positions[:, -length:]
+            elif cache is not None:
+                start = cache.get_seq_length()
                 position_ids = torch.arange(start, start + length, device=input_ids.device)
+            else:
+                position_ids = self.sdp.positions(length, input_ids.device)
         rotary = None if self.rotary is None else self.rotary(position_ids)
         return Context(rotary, document_ids, cache)
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fastllm.config.model import TransformerConfig
+from fastllm.engine.expert_parallel import ExpertParallel, exchange
 from fastllm.engine.tensor_parallel import TensorParallel, enter, leave
 from fastllm.model.parameters import TensorSplit, describe
 from fastllm_kernels.activation import gated_activation_fused, gated_linear
@@ -104,29 +105,36 @@ class MixtureOfExperts(torch.nn.Module):
 
     `forward` returns the output and the router's auxiliary losses (load balancing, z-loss),
     already weighted by their coefficients. While training, `load` sums the tokens routed to
-    each expert until `take_expert_load` reads it."""
+    each expert until `take_expert_load` reads it.
+
+    With expert parallelism (`ep` of more than one rank) this rank holds only its 1/E of the
+    experts (`layer_1` and `layer_2` list them) and computes them for the tokens the expert
+    group routes to them (engine/expert_parallel.py); routing, the shared experts and the
+    auxiliary losses stay per rank, on its own tokens."""
 
     recompute_activation = True
     """The looped path recomputes a gated activation in the backward pass rather than storing
     it (the dropless path stores it: its grouped matmul keeps its input for the weight
     gradient anyway)."""
 
-    def __init__(self, config: TransformerConfig) -> None:
+    def __init__(self, config: TransformerConfig, ep: ExpertParallel | None = None) -> None:
         super().__init__()
         assert config.ffn_hidden_size is not None and config.activation_type is not None
         self.gated, self.activation = config.gated, config.activation_type
         self.num_experts, self.top_k = config.num_experts, config.num_experts_per_token
+        self.ep = ep or ExpertParallel()
         self.renormalize, self.dropless = config.expert_renormalize, config.dropless_moe
         self.auxiliary_coefficient = config.expert_auxiliary_loss_coefficient
         self.z_loss_coefficient = config.expert_z_loss_coefficient
         hidden, ffn = config.hidden_size, config.ffn_hidden_size
         inputs = 2 if self.gated else 1
         self.router = torch.nn.Linear(hidden, self.num_experts, bias=False)
-        self.layer_1 = torch.nn.Parameter(torch.empty(self.num_experts, inputs * ffn, hidden))
-        self.layer_2 = torch.nn.Parameter(torch.empty(self.num_experts, hidden, ffn))
+        local = self.num_experts // self.ep.size
+        self.layer_1 = torch.nn.Parameter(torch.empty(local, inputs * ffn, hidden))
+        self.layer_2 = torch.nn.Parameter(torch.empty(local, hidden, ffn))
         describe(self.router, "weight", weight_decay=True)
         for name in ("layer_1", "layer_2"):
-            describe(self, name, weight_decay=True)
+            describe(self, name, weight_decay=True, expert_split=True)
         self.shared = None
         if config.num_shared_experts:
             width = config.num_shared_experts * ffn
@@ -149,7 +157,11 @@ class MixtureOfExperts(torch.nn.Module):
         if self.renormalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights.to(x.dtype)
-        if self.dropless:
+        if self.ep.split:
+            out, counts = exchange(
+                tokens, weights, experts, self.num_experts, self.ep, self._local_experts
+            )
+        elif self.dropless:
             out, counts = self._dropless(tokens, weights, experts)
         else:
             out, counts = self._looped(tokens, weights, experts)
@@ -163,8 +175,15 @@ class MixtureOfExperts(torch.nn.Module):
             out = out + shared
         return out.view_as(x), self._auxiliary_loss(logits, probabilities, counts)
 
+    def _local_experts(self, rows: Tensor, experts: Tensor) -> Tensor:
+        """This rank's experts on `rows` (rows, hidden), row i through its expert `experts[i]`
+        (expert parallelism: the rows the expert group routed here), unweighted."""
+        ones = rows.new_ones(rows.shape[0], 1)
+        run = self._dropless if self.dropless else self._looped
+        return run(rows, ones, experts[:, None])[0]
+
     def _dropless(self, tokens: Tensor, weights: Tensor, experts: Tensor) -> tuple[Tensor, Tensor]:
-        sparse = sparse_map(experts, self.num_experts)
+        sparse = sparse_map(experts, self.layer_1.shape[0])
         h = dispatch(tokens, sparse.rows, sparse.num_rows)
         h = grouped_linear(h, self.layer_1, sparse.ends)
         h = (
@@ -177,7 +196,8 @@ class MixtureOfExperts(torch.nn.Module):
 
     def _looped(self, tokens: Tensor, weights: Tensor, experts: Tensor) -> tuple[Tensor, Tensor]:
         out = torch.zeros_like(tokens)
-        for expert in range(self.num_experts):
+        num_experts = self.layer_1.shape[0]
+        for expert in range(num_experts):
             rows, slot = torch.nonzero(experts == expert, as_tuple=True)
             if rows.numel() == 0:
                 continue
@@ -191,7 +211,7 @@ class MixtureOfExperts(torch.nn.Module):
             )
             y = y * weights[rows, slot, None]
             out.index_add_(0, rows, y)
-        return out, torch.bincount(experts.flatten(), minlength=self.num_experts)
+        return out, torch.bincount(experts.flatten(), minlength=num_experts)
 
     def _auxiliary_loss(self, logits: Tensor, probabilities: Tensor, counts: Tensor) -> Tensor:
         # Switch-Transformer balance as Hugging Face computes it (per layer here):

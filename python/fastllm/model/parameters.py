@@ -61,6 +61,9 @@ class ParameterMeta:
     """Replicated, and under sequence-tensor parallelism each tensor rank's gradient covers only
     its chunk of the sequence (biases of row-parallel layers); summed over the tensor ranks
     then."""
+    expert_split: bool = False
+    """Its first dimension lists a mixture's experts; with expert parallelism each rank of
+    the expert group holds a contiguous 1/E of them, in buffers of their own."""
     tied: bool = False
     """Read by two layers of different stages (the embedding, when the head shares it)."""
     layer: int = 0

@@ -25,7 +25,17 @@ if TYPE_CHECKING:
 
 
 def sharded_state(flat: FlatModel, kinds: tuple[str, ...]) -> ShardedState:
-    """The engine's shards of `kinds`, as views."""
+    """The engine's shards of `kinds`, as views (with expert parallelism, the experts' in
+    `experts`)."""
+    state = _part_state(flat, kinds)
+    if flat.experts is not None:
+        expert = flat.mesh.expert
+        state.expert_size, state.expert_rank = expert.size, expert.rank
+        state.experts = _part_state(flat.experts, kinds)
+    return state
+
+
+def _part_state(flat: FlatModel, kinds: tuple[str, ...]) -> ShardedState:
     return ShardedState(
         specs=flat.specs,
         shapes={name: tuple(flat.shapes[name]) for name in flat.names},
@@ -51,6 +61,17 @@ def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
     return state
 
 
+FP8_PREFIX = "fp8."
+"""The amax histories of delayed FP8 scaling, per rank (each scales its own activations)."""
+
+
+def _fp8_state(trainer: Trainer) -> dict[str, torch.Tensor]:
+    histories = trainer.fp8_histories
+    if histories is None:
+        return {}
+    return {FP8_PREFIX + key: t.detach().clone() for key, t in histories.state().items()}
+
+
 def save_checkpoint(trainer: Trainer, directory: Path | None = None) -> Path:
     """Start writing a checkpoint of the full training state (default
     EXPERIMENT_DIR/checkpoint/STEP, pruned to `training.checkpoint.keep`)."""
@@ -65,7 +86,7 @@ def save_checkpoint(trainer: Trainer, directory: Path | None = None) -> Path:
             "skipped_steps": trainer.skipped_steps,
             "loss_scaler": trainer.scaler.state_dict(),
         },
-        extra=_rng_state(trainer.distributed.device),
+        extra={**_rng_state(trainer.distributed.device), **_fp8_state(trainer)},
     )
     final = directory or trainer.experiment_dir / "checkpoint" / str(trainer.step)
     keep = trainer.config.training.checkpoint.keep if directory is None else None
@@ -101,7 +122,10 @@ def load_checkpoint(trainer: Trainer, directory: Path, manifest: dict | None = N
     trainer.consumed_samples = counters["consumed_samples"]
     trainer.skipped_steps = counters["skipped_steps"]
     trainer.scaler.load_state_dict(counters["loss_scaler"])
-    if saved.same_layout(state):  # RNG streams are per rank
+    # RNG streams and amax histories are per rank: with another layout the histories start
+    # afresh (a step of current scaling, then delayed again).
+    if saved.same_layout(state):
+        _load_fp8_state(trainer, saved, state.rank)
         device = trainer.distributed.device
         cpu = saved.rank_tensor(state.rank, "rng.cpu")
         if cpu is not None:
@@ -109,6 +133,15 @@ def load_checkpoint(trainer: Trainer, directory: Path, manifest: dict | None = N
         cuda = saved.rank_tensor(state.rank, "rng.cuda")
         if device.type == "cuda" and cuda is not None:
             torch.cuda.set_rng_state(cuda, device)
+
+
+def _load_fp8_state(trainer: Trainer, saved: SavedCheckpoint, rank: int) -> None:
+    histories = trainer.fp8_histories
+    if histories is None:
+        return
+    loaded = {key: saved.rank_tensor(rank, FP8_PREFIX + key) for key in histories.state()}
+    if all(t is not None for t in loaded.values()):
+        histories.load_state(loaded)  # type: ignore[arg-type]
 
 
 def export(trainer: Trainer, directory: Path, output_format: str) -> None:

@@ -22,11 +22,12 @@ from fastllm.config import ConfigError, TrainerConfig
 from fastllm.data import Batch, DataLoader, SampleStream
 from fastllm.engine.compile import apply_compile
 from fastllm.engine.data_parallel import gather_weights
+from fastllm.engine.expert_parallel import ExpertParallel
 from fastllm.engine.flat_model import FlatModel
 from fastllm.engine.fp8 import apply_fp8
 from fastllm.engine.learning_rate import learning_rate
 from fastllm.engine.mesh import build_mesh
-from fastllm.engine.micro_sequences import KeyValueMemory
+from fastllm.engine.micro_sequences import KeyValueMemory, PieceCache, cut_into_pieces
 from fastllm.engine.optimizer import AdamW
 from fastllm.engine.pipeline.runner import MicroBatch, PipelineRunner
 from fastllm.engine.pipeline.schedule import Layout
@@ -43,6 +44,7 @@ from fastllm.training import state
 from fastllm.training.experiment_lock import ExperimentLock
 from fastllm.training.metrics import PEAK_FLOPS, MetricsLogger, flops_per_token
 from fastllm.training.profiling import StepProfiler
+from fastllm_kernels.fp8_linear import AmaxHistories
 
 
 class Trainer:
@@ -62,18 +64,19 @@ class Trainer:
         tensor = self.mesh.tensor
         tp = TensorParallel(tensor.size, tensor.rank, tensor.group, self.mesh.sequence_parallel)
         sequence_data = self.mesh.sequence_data
-        sdp = SequenceDataParallel(sequence_data.size, sequence_data.rank, sequence_data.group)
+        sdp = SequenceDataParallel(
+            sequence_data.size,
+            sequence_data.rank,
+            sequence_data.group,
+            config.model.distributed.sequence_data_chunking,
+        )
+        expert = self.mesh.expert
+        ep = ExpertParallel(expert.size, expert.rank, expert.group)
         with torch.device("meta"):
-            self.model = GPTModel(config.model.base_model, tp, sdp)
+            self.model = GPTModel(config.model.base_model, tp, sdp, ep)
         stages = config.model.multi_stage
         self.micro_batch_size, self.layout = self._step_layout()
         pipelined = self.layout.pipeline > 1 or self.layout.breadth_first > 1
-        if pipelined and config.schedule.micro_batch_splits > 1:
-            raise ConfigError(
-                "schedule.micro_batch_splits",
-                "with model.distributed.pipeline_parallel > 1 or "
-                "schedule.breadth_first_micro_batches > 1 is not supported yet",
-            )
         self.flat = FlatModel(
             self.model,
             compute_dtype=dtype,
@@ -84,8 +87,7 @@ class Trainer:
             gather_in_forward=not pipelined,
         )
         apply_recompute(self.model, stages.recompute)
-        if config.model.distributed.fp8_linear != "none":
-            apply_fp8(self.model, config.model.distributed.fp8_linear, device)
+        self.fp8_histories = self._apply_fp8(device)
         if config.training.compile:
             apply_compile(self.model)
         self.pipeline: PipelineRunner | None = None
@@ -93,6 +95,7 @@ class Trainer:
         None: each micro-batch's forward and backward pass whole, in turn."""
         if pipelined:
             sequence = config.batch.sequence_length // self.mesh.sequence_data.size
+            sequence //= config.schedule.micro_batch_splits
             sequence //= tensor.size if tp.sequence_parallel else 1
             self.pipeline = PipelineRunner(
                 self.model,
@@ -117,6 +120,23 @@ class Trainer:
         )
         self._initialize_weights()
 
+    def _apply_fp8(self, device: torch.device) -> AmaxHistories | None:
+        """FP8 linear layers, if configured; their amax histories under delayed scaling."""
+        config = self.config
+        distributed = config.model.distributed
+        if distributed.fp8_linear == "none":
+            return None
+        forwards = self.layout.depth_first * self.layout.breadth_first
+        forwards *= config.schedule.micro_batch_splits
+        return apply_fp8(
+            self.model,
+            distributed.fp8_linear,
+            device,
+            keep_copies=forwards > 1 or config.model.multi_stage.recompute == "full",
+            delayed=distributed.fp8_scaling == "delayed",
+            history_length=distributed.fp8_amax_history_length,
+        )
+
     def _step_layout(self) -> tuple[int, Layout]:
         """The micro-batch size and the shape of a step: stages, pipeline ranks, breadth- and
         depth-first micro-batches (config errors name the keys that do not fit)."""
@@ -134,7 +154,14 @@ class Trainer:
         micro = min(batch.micro_batch_size, per_rank)
         breadth, depth = config.schedule.micro_batches(per_rank, micro)
         stages = config.model.multi_stage.num_stages(config.model.base_model.transformer.num_layers)
-        layout = Layout(stages, self.mesh.pipeline.size, breadth, depth, config.schedule.order)
+        layout = Layout(
+            stages,
+            self.mesh.pipeline.size,
+            breadth,
+            depth,
+            config.schedule.order,
+            config.schedule.micro_batch_splits,
+        )
         return micro, layout
 
     @property
@@ -212,17 +239,13 @@ class Trainer:
         splits = self.config.schedule.micro_batch_splits
         if splits == 1:
             return self.model.loss(input_ids, labels, document_ids=documents)
-        memory, length = KeyValueMemory(), input_ids.shape[1] // splits
+        memory = KeyValueMemory()
         total = torch.zeros((), device=input_ids.device)
-        for end in range(length, input_ids.shape[1] + 1, length):
-            piece = slice(end - length, end)
-            loss = self.model.loss(
-                input_ids[:, piece],
-                labels[:, piece],
-                document_ids=None if documents is None else documents[:, :end],
-                cache=memory,
-            )
-            total = total + loss * (labels[:, piece] != -100).sum()
+        for ids, piece_labels, piece_documents in cut_into_pieces(
+            input_ids, labels, documents, splits
+        ):
+            loss = self.model.loss(ids, piece_labels, document_ids=piece_documents, cache=memory)
+            total = total + loss * (piece_labels != -100).sum()
         return total / (labels != -100).sum().clamp(min=1)
 
     def _on_device(self, batch: Batch) -> MicroBatch:
@@ -233,9 +256,28 @@ class Trainer:
             self._attention_documents(batch),
         )
 
-    def _context(self, micro_batch: MicroBatch):
+    def _pieces(self, batch: Batch) -> list[MicroBatch]:
+        """The micro-batch on the device, in its `schedule.micro_batch_splits` pieces."""
+        return cut_into_pieces(*self._on_device(batch), self.config.schedule.micro_batch_splits)
+
+    def _piece_shares(self, micro_batches: list[Batch], shares: list[float]) -> list[list[float]]:
+        """Each piece's share of the batch's trained tokens: its micro-batch's, split by the
+        pieces' trained tokens."""
+        splits, result = self.config.schedule.micro_batch_splits, []
+        if splits == 1:
+            return [[share] for share in shares]
+        for batch, share in zip(micro_batches, shares, strict=True):
+            trained = (self.model.sdp.chunk(batch.labels) != -100).reshape(
+                batch.labels.shape[0], splits, -1
+            )
+            counts = trained.sum(dim=(0, 2)).tolist()
+            total = sum(counts)
+            result.append([share * count / total if total else 0.0 for count in counts])
+        return result
+
+    def _context(self, micro_batch: MicroBatch, cache: PieceCache | None):
         input_ids, _, documents = micro_batch
-        return self.model.context(input_ids, document_ids=documents)
+        return self.model.context(input_ids, document_ids=documents, cache=cache)
 
     def _attention_documents(self, batch: Batch) -> torch.Tensor | None:
         """The document ids attention must keep within, on the device; None when it may cross
@@ -279,6 +321,8 @@ class Trainer:
         self.flat.reduce_gradients()
         # The micro-batches' weights already normalize the sum over data ranks (train_step).
         report = self.optimizer.step(lr, self.scaler.scale)
+        if self.fp8_histories is not None:
+            self.fp8_histories.roll()
         if not report.skipped:
             gather_weights(self.flat, wait=False)  # each stage's forward pass waits for its own
             if self.config.model.multi_stage.debug_tensor_parallel:
@@ -296,8 +340,9 @@ class Trainer:
         by its share of the batch's trained tokens."""
         shares = self.token_shares(micro_batches)
         if self.pipeline is not None:
-            inputs = [self._on_device(batch) for batch in micro_batches]
-            weighted = self.pipeline.run(inputs, shares, self.scaler.scale, self._context)
+            inputs = [self._pieces(batch) for batch in micro_batches]
+            weights = self._piece_shares(micro_batches, shares)
+            weighted = self.pipeline.run(inputs, weights, self.scaler.scale, self._context)
             loss = self._data_sum(self._pipeline_sum(weighted))
         else:
             losses = [
@@ -336,8 +381,9 @@ class Trainer:
         self.model.eval()
         try:
             if self.pipeline is not None:
-                inputs = [self._on_device(batch) for batch in micro_batches]
-                total = self._pipeline_sum(self.pipeline.evaluate(inputs, shares, self._context))
+                inputs = [self._pieces(batch) for batch in micro_batches]
+                weights = self._piece_shares(micro_batches, shares)
+                total = self._pipeline_sum(self.pipeline.evaluate(inputs, weights, self._context))
             else:
                 pairs = zip(micro_batches, shares, strict=True)
                 total = torch.stack([share * self._loss(b) for b, share in pairs]).sum()
@@ -418,7 +464,8 @@ class Trainer:
             f" ({micro} per micro-batch, {accumulated})",
         ]
         if config.model.distributed.fp8_linear != "none":
-            parts.append(f"{config.model.distributed.fp8_linear} FP8 linear layers")
+            delayed = " (delayed scaling)" if self.fp8_histories is not None else ""
+            parts.append(f"{config.model.distributed.fp8_linear}{delayed} FP8 linear layers")
         if mesh.tensor.size > 1:
             sequence = " with sequence parallelism" if mesh.sequence_parallel else ""
             parts.append(f"tensor parallel {mesh.tensor.size}{sequence}")
@@ -433,7 +480,10 @@ class Trainer:
                 f"{stages.layers_per_stage} layer(s)/stage"
             )
         if mesh.sequence_data.size > 1:
-            parts.append(f"sequence-data parallel {mesh.sequence_data.size}")
+            chunks = config.model.distributed.sequence_data_chunking.replace("_", "-")
+            parts.append(f"sequence-data parallel {mesh.sequence_data.size} ({chunks} chunks)")
+        if mesh.expert.size > 1:
+            parts.append(f"expert parallel {mesh.expert.size}")
         if config.schedule.micro_batch_splits > 1:
             parts.append(f"sequences in {config.schedule.micro_batch_splits} pieces")
         parts.append(f"{stages.recompute} recomputation")

@@ -1,11 +1,15 @@
 """Runs one rank's `Program` of a training step: its stages' forward and backward passes on
-its micro-batches, the transfers of activations and input gradients with the neighbouring
-pipeline ranks, and the ZeRO gathers and reductions the program places.
+its micro-batches (or their pieces: `schedule.micro_batch_splits`), the transfers of
+activations and input gradients with the neighbouring pipeline ranks, and the ZeRO gathers
+and reductions the program places.
 
 Each stage is an autograd graph of its own: its input is a leaf that requires a gradient,
 and its backward pass is `torch.autograd.backward` from the received output gradient (the
 last stage: from its loss, weighted by the micro-batch's share of the batch's tokens and the
 loss scale). A stage's saved activations are dropped as soon as its backward pass is done.
+A piece's attention reads the earlier pieces' keys and values from the micro-batch's
+`StagedKeyValueMemory`, and a stage's backward pass of a piece also starts from the gradients
+the later pieces gave its keys and values.
 Transfers run in the program's order: blocking receives, sends started asynchronously (one
 at a time in that order, never batched: Gloo-safe) and waited for at the end of the step."""
 
@@ -20,6 +24,7 @@ from torch import Tensor
 
 from fastllm.engine import point_to_point
 from fastllm.engine.flat_model import FlatModel, stage_positions
+from fastllm.engine.micro_sequences import PieceCache, StagedKeyValueMemory
 from fastllm.engine.pipeline.schedule import (
     Layout,
     Op,
@@ -32,8 +37,10 @@ from fastllm.engine.pipeline.schedule import (
 from fastllm.model.gpt import Context, GPTModel
 
 MicroBatch = tuple[Tensor, Tensor, Tensor | None]
-"""Token ids, labels and attention document ids (None: plain causal) of a micro-batch, on the
-device."""
+"""Token ids, labels and attention document ids (None: plain causal) of a micro-batch or of
+one piece of it (its document ids then from the start of the sequences), on the device."""
+MakeContext = Callable[[MicroBatch, PieceCache | None], Context]
+"""The context of a micro-batch (or piece, with the cache of its micro-batch's pieces)."""
 
 
 @dataclass
@@ -83,19 +90,33 @@ class PipelineRunner:
     def _global(self, pipeline_rank: int) -> int:
         return dist.get_global_rank(self.flat.pipeline.group, pipeline_rank)
 
+    def _context(
+        self,
+        pieces: Sequence[MicroBatch],
+        piece: int,
+        memory: StagedKeyValueMemory | None,
+        make_context: MakeContext,
+    ) -> Context:
+        start = piece * pieces[0][0].shape[1]
+        return make_context(pieces[piece], None if memory is None else memory.piece(piece, start))
+
     def run(
         self,
-        micro_batches: Sequence[MicroBatch],
-        weights: Sequence[float],
+        micro_batches: Sequence[Sequence[MicroBatch]],
+        weights: Sequence[Sequence[float]],
         loss_scale: float,
-        make_context: Callable[[MicroBatch], Context],
+        make_context: MakeContext,
     ) -> Tensor:
-        """Run the step's program; returns this rank's part of the weighted loss (the last
-        stage's losses and every stage's auxiliary losses, each times its micro-batch's
-        weight): summed over the pipeline ranks, the step's loss."""
+        """Run the step's program on the micro-batches, each given as its pieces (one without
+        `schedule.micro_batch_splits`), each piece with its share of the batch's trained
+        tokens; returns this rank's part of the weighted loss (the last stage's losses and
+        every stage's auxiliary losses, each times its piece's weight): summed over the
+        pipeline ranks, the step's loss."""
         flat, layout = self.flat, self.layout
         assert len(micro_batches) == layout.micro_batches
-        contexts: dict[int, Context] = {}
+        assert all(len(pieces) == layout.pieces for pieces in micro_batches)
+        memories: dict[int, StagedKeyValueMemory | None] = {}
+        contexts: dict[tuple[int, int], Context] = {}
         produced: dict[Step, Tensor] = {}
         saved: dict[Step, _Saved] = {}
         sends: list[point_to_point.Sent] = []
@@ -105,11 +126,9 @@ class PipelineRunner:
             if self.trace is not None:
                 self.trace.append(op)
             if op.kind == "gather":
-                assert flat.gatherer is not None
-                flat.gatherer.prefetch(op.stage)
+                flat.prefetch_weights(op.stage)
             elif op.kind == "release":
-                assert flat.gatherer is not None
-                flat.gatherer.release(op.stage)
+                flat.release_weights(op.stage)
             elif op.kind == "recv":
                 assert op.step is not None
                 buffer = torch.empty(
@@ -122,21 +141,27 @@ class PipelineRunner:
             else:
                 step = op.step
                 assert step is not None
-                m = step.micro_batch
+                m, p = step.micro_batch, step.piece
                 for stage in self._needs(step.stage):
                     flat.wait_for_weights(stage)
+                if m not in memories:
+                    memories[m] = StagedKeyValueMemory() if layout.pieces > 1 else None
+                memory = memories[m]
                 if step.forward:
-                    if m not in contexts:
-                        contexts[m] = make_context(micro_batches[m])
-                    scale = weights[m] * loss_scale
+                    if (m, p) not in contexts:
+                        contexts[(m, p)] = self._context(micro_batches[m], p, memory, make_context)
+                    scale = weights[m][p] * loss_scale
                     saved[step], value = self._forward(
-                        step, micro_batches[m], contexts[m], produced, scale, last
+                        step, micro_batches[m][p], contexts[(m, p)], produced, scale, last
                     )
-                    loss += weights[m] * value
+                    loss += weights[m][p] * value
                 else:
-                    self._backward(step, saved.pop(Step(step.stage, m, True)), produced, op.reduce)
-                    if step.stage == 0:
-                        contexts.pop(m, None)
+                    forward = Step(step.stage, m, True, p)
+                    self._backward(step, saved.pop(forward), produced, op.reduce, memory)
+                    if step.stage == self.layout.stages_of(flat.pipeline.rank)[0]:
+                        contexts.pop((m, p), None)
+                        if p == 0:
+                            memories.pop(m, None)
         for sent in sends:
             sent.wait()
         flat.finish_step_backward()
@@ -178,10 +203,16 @@ class PipelineRunner:
         return _Saved(leaf, out, auxiliary), value
 
     def _backward(
-        self, step: Step, saved: _Saved, produced: dict[Step, Tensor], reduce: bool
+        self,
+        step: Step,
+        saved: _Saved,
+        produced: dict[Step, Tensor],
+        reduce: bool,
+        memory: StagedKeyValueMemory | None,
     ) -> None:
         flat = self.flat
-        tensors, grads = [saved.output], [None]
+        tensors: list[Tensor] = [saved.output]
+        grads: list[Tensor | None] = [None]
         if step.stage != self.layout.num_stages - 1:
             need = dependency(step, self.layout.num_stages)
             assert need is not None
@@ -189,8 +220,13 @@ class PipelineRunner:
         if saved.auxiliary is not None:
             tensors.append(saved.auxiliary)
             grads.append(None)
-        if flat.reducer is not None:
-            flat.reducer.armed = reduce
+        if memory is not None:
+            first, last = stage_positions(step.stage, self.num_layers, self.layers_per_stage)
+            layers = range(max(first, 1) - 1, min(last, self.num_layers))
+            keys_values, their_grads = memory.backward_roots(layers, step.piece)
+            tensors += keys_values
+            grads += their_grads
+        flat.arm_reduction(reduce)
         torch.autograd.backward(tensors, grads)
         flat.finish_stage_backward(step.stage, reduce)
         if saved.input is not None:
@@ -200,38 +236,39 @@ class PipelineRunner:
     @torch.no_grad()
     def evaluate(
         self,
-        micro_batches: Sequence[MicroBatch],
-        weights: Sequence[float],
-        make_context: Callable[[MicroBatch], Context],
+        micro_batches: Sequence[Sequence[MicroBatch]],
+        weights: Sequence[Sequence[float]],
+        make_context: MakeContext,
     ) -> Tensor:
-        """Forward passes only (validation): each micro-batch through the stages in turn, its
-        activations handed on by blocking transfers in that one global order. Returns this
-        rank's part of the weighted loss, as `run` does."""
+        """Forward passes only (validation): each piece of each micro-batch through the stages
+        in turn, its activations handed on by blocking transfers in that one global order.
+        Returns this rank's part of the weighted loss, as `run` does."""
         flat, layout = self.flat, self.layout
         last = layout.num_stages - 1
         loss = torch.zeros((), dtype=torch.float32, device=flat.device)
-        for m, micro_batch in enumerate(micro_batches):
-            context = make_context(micro_batch)
-            produced: dict[Step, Tensor] = {}
-            for stage in range(layout.num_stages):
-                rank, step = layout.rank_of(stage), Step(stage, m, True)
-                previous = layout.rank_of(stage - 1) if stage else rank
-                mine = rank == flat.pipeline.rank
-                if stage and previous != rank:
-                    need = Step(stage - 1, m, True)
-                    if previous == flat.pipeline.rank:
-                        point_to_point.send(produced.pop(need), self._global(rank))
-                    elif mine:
-                        buffer = torch.empty(
-                            self.activation_shape, dtype=flat.compute_dtype, device=flat.device
-                        )
-                        produced[need] = point_to_point.recv(buffer, self._global(previous))
-                if not mine:
-                    continue
-                for needed in self._needs(stage):
-                    flat.wait_for_weights(needed)
-                _, value = self._forward(step, micro_batch, context, produced, 1.0, last)
-                loss += weights[m] * value
-                if flat.gatherer is not None:
-                    flat.gatherer.keep_only(set())
+        for m, pieces in enumerate(micro_batches):
+            memory = StagedKeyValueMemory() if layout.pieces > 1 else None
+            for p, piece in enumerate(pieces):
+                context = self._context(pieces, p, memory, make_context)
+                produced: dict[Step, Tensor] = {}
+                for stage in range(layout.num_stages):
+                    rank, step = layout.rank_of(stage), Step(stage, m, True, p)
+                    previous = layout.rank_of(stage - 1) if stage else rank
+                    mine = rank == flat.pipeline.rank
+                    if stage and previous != rank:
+                        need = Step(stage - 1, m, True, p)
+                        if previous == flat.pipeline.rank:
+                            point_to_point.send(produced.pop(need), self._global(rank))
+                        elif mine:
+                            buffer = torch.empty(
+                                self.activation_shape, dtype=flat.compute_dtype, device=flat.device
+                            )
+                            produced[need] = point_to_point.recv(buffer, self._global(previous))
+                    if not mine:
+                        continue
+                    for needed in self._needs(stage):
+                        flat.wait_for_weights(needed)
+                    _, value = self._forward(step, piece, context, produced, 1.0, last)
+                    loss += weights[m][p] * value
+                    flat.release_weights()
         return loss

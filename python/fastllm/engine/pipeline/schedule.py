@@ -1,11 +1,15 @@
 """The static schedule of one training step, built before training.
 
-A step is a list of `Step`s (the forward or backward pass of one stage on one micro-batch).
-Each pipeline rank runs the steps of its stages (stage s on rank s mod P) in an order fixed
-here, cost-independent:
+A step is a list of `Step`s (the forward or backward pass of one stage on one piece of one
+micro-batch: with `schedule.micro_batch_splits`, each micro-batch's sequences are cut into
+pieces that go through the stages one after another, a piece's attention reading the keys and
+values of the earlier pieces on the same stage, so a stage's backward passes of a micro-batch
+run in reverse piece order). Each pipeline rank runs the steps of its stages (stage s on rank
+s mod P) in an order fixed here, cost-independent:
 - breadth_first: for each depth-first group, every stage in turn runs the group's
-  micro-batches back to back, forward through the stages, then backward in reverse, so
-  ZeRO gathers and reduces each stage once per group (Lamy-Poirier 2023, arXiv 2211.05953);
+  micro-batches (their pieces in order) back to back, forward through the stages, then
+  backward in reverse (the pieces of each micro-batch last to first), so ZeRO gathers and
+  reduces each stage once per group (Lamy-Poirier 2023, arXiv 2211.05953);
 - depth_first (1F1B): each rank starts a backward as soon as one is ready and holds at most
   as many micro-batches in flight as the pipeline ranks after it (the order a greedy run with
   unit costs gives).
@@ -31,9 +35,12 @@ class Step:
     stage: int
     micro_batch: int
     forward: bool
+    piece: int = 0
+    """Which piece of the micro-batch's sequences (`schedule.micro_batch_splits`)."""
 
     def __str__(self) -> str:
-        return f"{'F' if self.forward else 'B'}{self.stage}.{self.micro_batch}"
+        piece = f":{self.piece}" if self.piece else ""
+        return f"{'F' if self.forward else 'B'}{self.stage}.{self.micro_batch}{piece}"
 
 
 @dataclass(frozen=True)
@@ -78,6 +85,8 @@ class Layout:
     breadth_first: int
     depth_first: int
     order: str = "breadth_first"
+    pieces: int = 1
+    """Pieces of each micro-batch (`schedule.micro_batch_splits`)."""
 
     def rank_of(self, stage: int) -> int:
         return stage % self.pipeline
@@ -98,11 +107,19 @@ def rank_orders(layout: Layout) -> list[list[Step]]:
     if layout.order not in ORDERS:
         raise ValueError(f"unknown schedule order {layout.order!r}: one of {ORDERS}")
     orders: list[list[Step]] = [[] for _ in range(layout.pipeline)]
+    pieces, backwards = range(layout.pieces), range(layout.pieces - 1, -1, -1)
     for depth in range(layout.depth_first):
         group = layout.group(depth)
         if layout.order == "breadth_first":
-            steps = [Step(s, m, True) for s in range(layout.num_stages) for m in group]
-            steps += [Step(s, m, False) for s in reversed(range(layout.num_stages)) for m in group]
+            steps = [
+                Step(s, m, True, p) for s in range(layout.num_stages) for m in group for p in pieces
+            ]
+            steps += [
+                Step(s, m, False, p)
+                for s in reversed(range(layout.num_stages))
+                for m in group
+                for p in backwards
+            ]
             for step in steps:
                 orders[layout.rank_of(step.stage)].append(step)
         else:
@@ -114,16 +131,20 @@ def rank_orders(layout: Layout) -> list[list[Step]]:
 def _one_forward_one_backward(layout: Layout, group: range) -> list[list[Step]]:
     """The 1F1B order of one group: a greedy run with unit costs (forward 1, backward 2) in
     which a free rank takes the ready backward of the earliest micro-batch, else the ready
-    forward of the earliest one, while it holds fewer micro-batches than its limit (its own
-    stages times the pipeline ranks from it to the last)."""
-    last = layout.num_stages - 1
+    forward of the earliest one (piece), while it holds fewer micro-batches than its limit
+    (its own stages times the pipeline ranks from it to the last; all pieces of a micro-batch
+    in flight count as one)."""
     done: dict[Step, int] = {}
     orders: list[list[Step]] = [[] for _ in range(layout.pipeline)]
     free_at = [0] * layout.pipeline
     in_flight = [set() for _ in range(layout.pipeline)]
     limits = [len(layout.stages_of(r)) * (layout.pipeline - r) for r in range(layout.pipeline)]
     pending = {
-        Step(s, m, f) for s in range(layout.num_stages) for m in group for f in (True, False)
+        Step(s, m, f, p)
+        for s in range(layout.num_stages)
+        for m in group
+        for f in (True, False)
+        for p in range(layout.pieces)
     }
     time = 0
     while pending:
@@ -133,13 +154,15 @@ def _one_forward_one_backward(layout: Layout, group: range) -> list[list[Step]]:
             ready = [
                 step
                 for step in pending
-                if layout.rank_of(step.stage) == rank and _ready(step, done, time, last)
+                if layout.rank_of(step.stage) == rank
+                and all(done.get(need, time + 1) <= time for need in inputs(step, layout))
             ]
             backwards = sorted(
-                (s for s in ready if not s.forward), key=lambda s: (s.micro_batch, -s.stage)
+                (s for s in ready if not s.forward),
+                key=lambda s: (s.micro_batch, -s.stage, -s.piece),
             )
             forwards = sorted(
-                (s for s in ready if s.forward), key=lambda s: (s.micro_batch, s.stage)
+                (s for s in ready if s.forward), key=lambda s: (s.micro_batch, s.piece, s.stage)
             )
             forwards = [
                 s
@@ -157,20 +180,10 @@ def _one_forward_one_backward(layout: Layout, group: range) -> list[list[Step]]:
             mine = layout.stages_of(rank)
             if choice.forward:
                 in_flight[rank].add(choice.micro_batch)
-            elif choice.stage == mine[0]:
+            elif choice.stage == mine[0] and choice.piece == 0:
                 in_flight[rank].discard(choice.micro_batch)
         time += 1
     return orders
-
-
-def _ready(step: Step, done: dict[Step, int], time: int, last: int) -> bool:
-    if step.forward:
-        before = Step(step.stage - 1, step.micro_batch, True) if step.stage else None
-    elif step.stage == last:
-        before = Step(step.stage, step.micro_batch, True)
-    else:
-        before = Step(step.stage + 1, step.micro_batch, False)
-    return before is None or done.get(before, time + 1) <= time
 
 
 def stages_read(stage: int, num_stages: int, tied_here: bool) -> set[int]:
@@ -183,11 +196,27 @@ def stages_read(stage: int, num_stages: int, tied_here: bool) -> set[int]:
 def dependency(step: Step, num_stages: int) -> Step | None:
     """The step whose output `step` reads from another stage (None: the batch itself, or the
     stage's own forward pass)."""
+    m, p = step.micro_batch, step.piece
     if step.forward:
-        return Step(step.stage - 1, step.micro_batch, True) if step.stage else None
+        return Step(step.stage - 1, m, True, p) if step.stage else None
     if step.stage == num_stages - 1:
         return None
-    return Step(step.stage + 1, step.micro_batch, False)
+    return Step(step.stage + 1, m, False, p)
+
+
+def inputs(step: Step, layout: Layout) -> list[Step]:
+    """Every step that must have run before `step`: its `dependency`; for a backward pass its
+    own forward pass; with pieces, the stage's previous piece (forward: whose keys and values
+    it reads) or next piece (backward: whose gradients of this piece's keys and values it
+    adds)."""
+    need = [dependency(step, layout.num_stages)]
+    m, p = step.micro_batch, step.piece
+    if step.forward:
+        need.append(Step(step.stage, m, True, p - 1) if p else None)
+    else:
+        need.append(Step(step.stage, m, True, p))
+        need.append(Step(step.stage, m, False, p + 1) if p + 1 < layout.pieces else None)
+    return [s for s in need if s is not None]
 
 
 def timeline(
@@ -208,10 +237,7 @@ def timeline(
         for rank, order in enumerate(orders):
             while position[rank] < len(order):
                 step = order[position[rank]]
-                inputs = [dependency(step, layout.num_stages)]
-                if not step.forward:
-                    inputs.append(Step(step.stage, step.micro_batch, True))
-                known = [need for need in inputs if need is not None]
+                known = inputs(step, layout)
                 if any(need not in times for need in known):
                     break
                 ready = free[rank]

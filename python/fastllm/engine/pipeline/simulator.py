@@ -36,10 +36,10 @@ LATENCY_S = 20e-6
 @dataclass(frozen=True)
 class CostModel:
     forward: list[float]
-    """Seconds of each stage's forward pass on one micro-batch."""
+    """Seconds of each stage's forward pass on one micro-batch (one piece of it)."""
     backward: list[float]
     activation_bytes: float
-    """What a stage hands the next per micro-batch (and the gradient it gets back)."""
+    """What a stage hands the next per micro-batch or piece (and the gradient it gets back)."""
     weight_bytes: list[float]
     """Each stage's compute weights on one tensor rank."""
     gradient_bytes: list[float]
@@ -113,7 +113,14 @@ def layout_for(config: TrainerConfig, world_size: int) -> Layout:
     micro = min(batch.micro_batch_size, per_rank)
     breadth, depth = config.schedule.micro_batches(per_rank, micro)
     stages = config.model.multi_stage.num_stages(config.model.base_model.transformer.num_layers)
-    return Layout(stages, distributed.pipeline_parallel, breadth, depth, config.schedule.order)
+    return Layout(
+        stages,
+        distributed.pipeline_parallel,
+        breadth,
+        depth,
+        config.schedule.order,
+        config.schedule.micro_batch_splits,
+    )
 
 
 def cost_model(
@@ -124,7 +131,9 @@ def cost_model(
     data_gbps: float = LINK_GBPS,
 ) -> CostModel:
     """Stage times from the FLOPs of their layers (torchtitan's count, split by layer) at
-    `tflops`, message sizes from the geometry."""
+    `tflops`, message sizes from the geometry; per piece of a micro-batch with
+    `schedule.micro_batch_splits` (each the same share: the later pieces' longer attention
+    is not modelled)."""
     from fastllm.training.metrics import flops_per_token
 
     base, batch, distributed = config.model.base_model, config.batch, config.model.distributed
@@ -134,7 +143,8 @@ def cost_model(
     sequence_data = distributed.sequence_data_parallel
     per_rank = batch.batch_size // (data_size // sequence_data)
     micro = min(batch.micro_batch_size or batch.batch_size, per_rank)
-    tokens = micro * batch.sequence_length // sequence_data
+    pieces = config.schedule.micro_batch_splits
+    tokens = micro * batch.sequence_length // sequence_data // pieces
     head = 6 * base.vocab_size * t.hidden_size
     block = (flops_per_token(base, batch.sequence_length) - head) / t.num_layers
     count = stages.num_stages(t.num_layers)
@@ -151,7 +161,7 @@ def cost_model(
         forward.append(flops / 3 * tokens / tensor / (tflops * 1e12))
         weights.append(parameters / tensor * compute_bytes)
     recompute = 2.0 if stages.recompute == "full" else 1.0
-    sequence = batch.sequence_length // sequence_data
+    sequence = batch.sequence_length // sequence_data // pieces
     sequence //= tensor if distributed.sequence_parallel else 1
     return CostModel(
         forward=forward,
@@ -372,10 +382,11 @@ def report(
         )
     if png is not None:
         layout = layout_for(config, world_size)
+        pieces = f" of {layout.pieces} pieces" if layout.pieces > 1 else ""
         title = (
             f"{world_size} ranks, pipeline {layout.pipeline}, ZeRO-"
-            f"{config.model.multi_stage.zero_stage}, {layout.micro_batches} micro-batches per "
-            f"rank, {config.model.base_model.transformer.num_layers} layers"
+            f"{config.model.multi_stage.zero_stage}, {layout.micro_batches} micro-batches"
+            f"{pieces} per rank, {config.model.base_model.transformer.num_layers} layers"
         )
         draw(predictions, png, title)
     return "\n".join(lines)

@@ -1,0 +1,119 @@
+"""Expert parallelism: the E ranks of an expert group (consecutive ranks of the data group)
+each hold 1/E of every mixture's experts (rank r experts r·N/E … (r+1)·N/E - 1) and compute
+them for the tokens of the whole group.
+
+Each rank routes its own tokens, sorts the (token, choice) pairs by expert, which groups them
+by the rank that holds the expert, and sends each rank its rows by all-to-all; the receiver
+runs its experts over what it got and sends the outputs back the same way, and the sender
+sums each token's k outputs scaled by its routing weights. The all-to-all's backward pass is
+the all-to-all of the gradients the other way. The row counts are exchanged first and read by
+the host, since the collectives take per-rank split sizes.
+
+An expert's weight gradient on its rank then covers every token the group routed to it, so
+summing it over the ranks that hold the same expert (the expert-data group, `mesh.expert_data`)
+gives the whole batch's: the engine keeps expert parameters in buffers of their own, sharded
+by ZeRO over that group (FlatModel.experts)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+@dataclass
+class ExpertParallel:
+    """The expert sub-group of the mesh, as the mixtures of experts use it."""
+
+    size: int = 1
+    rank: int = 0
+    group: dist.ProcessGroup | None = None
+
+    @property
+    def split(self) -> bool:
+        return self.size > 1
+
+    def local_experts(self, num_experts: int) -> range:
+        """The experts this rank holds."""
+        per_rank = num_experts // self.size
+        return range(self.rank * per_rank, (self.rank + 1) * per_rank)
+
+
+def exchange(
+    tokens: Tensor,
+    weights: Tensor,
+    experts: Tensor,
+    num_experts: int,
+    ep: ExpertParallel,
+    compute: Callable[[Tensor, Tensor], Tensor],
+) -> tuple[Tensor, Tensor]:
+    """The mixture's routed output for `tokens` (tokens, hidden), each sent to its k `experts`
+    (tokens, k; global indices) with `weights` (tokens, k), and the (experts,) count of this
+    rank's rows routed to each expert. `compute(rows, local_experts)` runs this rank's experts
+    on the rows the group sent it (`local_experts` (rows,) in 0 … N/E - 1) and returns their
+    outputs. Differentiable in tokens, weights and whatever `compute` reads."""
+    k = experts.shape[1]
+    per_rank = num_experts // ep.size
+    flat = experts.reshape(-1)
+    order = flat.argsort(stable=True)  # by expert, hence by the rank holding it
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    # received[s, e]: rows source rank s routes to this rank's expert e.
+    received = _all_to_all(counts.view(ep.size, per_rank), [1] * ep.size, None, ep.group)
+    send_splits = counts.view(ep.size, per_rank).sum(dim=1).tolist()
+    receive_splits = received.sum(dim=1).tolist()
+    rows = _AllToAll.apply(tokens[order // k], receive_splits, send_splits, ep.group)
+    # Received rows come by source rank, then by expert within each.
+    local = torch.arange(per_rank, device=flat.device).repeat(ep.size)
+    outputs = compute(rows, local.repeat_interleave(received.reshape(-1)))
+    back = _AllToAll.apply(outputs, send_splits, receive_splits, ep.group)
+    scaled = back * weights.reshape(-1)[order, None]
+    return torch.zeros_like(tokens).index_add(0, order // k, scaled), counts
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows split `input_splits` ways sent to the group's ranks, `output_splits` rows received
+    from each; backward: the gradients sent back the other way."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: Tensor,
+        output_splits: list[int],
+        input_splits: list[int],
+        group: dist.ProcessGroup | None,
+    ) -> Tensor:
+        ctx.splits, ctx.group = (output_splits, input_splits), group
+        return _all_to_all(x, output_splits, input_splits, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        output_splits, input_splits = ctx.splits
+        return _all_to_all(grad, input_splits, output_splits, ctx.group), None, None, None
+
+
+def _all_to_all(
+    x: Tensor,
+    output_splits: list[int],
+    input_splits: list[int] | None,
+    group: dist.ProcessGroup | None,
+) -> Tensor:
+    """Rows of `x` (split `input_splits` ways, or evenly) to the group's ranks. Gloo moves
+    host memory only: a CUDA tensor goes through a host copy there (ranks sharing one GPU in
+    the GPU tests)."""
+    device = x.device
+    if x.is_cuda and dist.get_backend(group) == "gloo":
+        x = x.cpu()
+    out = x.new_empty(sum(output_splits), *x.shape[1:])
+    dist.all_to_all_single(
+        out,
+        x.contiguous(),
+        output_split_sizes=output_splits,
+        input_split_sizes=input_splits,
+        group=group,
+    )
+    return out.to(device)

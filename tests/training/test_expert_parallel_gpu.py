@@ -1,0 +1,54 @@
+"""Expert parallelism on GPUs in bf16 against one process of the same global batch: on one GPU
+two ranks share it through Gloo (NCCL refuses two ranks on one device; the all-to-all goes
+through host memory there), which checks the layout on the CUDA kernels (grouped matmuls);
+on two GPUs over NCCL."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_cli import fastllm as run_cli
+from tests.torchrun import torchrun
+from tests.training.conftest import train_arguments
+from tests.training.test_expert_parallel import MOE
+from tests.training.test_train_cli import losses
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"),
+]
+
+
+OVERRIDES = (*MOE, "model.distributed.training_dtype=bfloat16", "training.train_iters=10")
+
+
+def test_two_expert_ranks_on_one_gpu_match_one_process_in_bfloat16(
+    dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FASTLLM_DISTRIBUTED_BACKEND", "gloo")
+    _assert_two_expert_ranks_match_one_process(dataset, tmp_path)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_expert_ranks_over_nccl_match_one_process_in_bfloat16(
+    dataset: Path, tmp_path: Path
+) -> None:
+    _assert_two_expert_ranks_match_one_process(dataset, tmp_path)
+
+
+def _assert_two_expert_ranks_match_one_process(dataset: Path, tmp_path: Path) -> None:
+    overrides = OVERRIDES
+    single = tmp_path / "single"
+    result = run_cli(*train_arguments(dataset, single, *overrides))
+    assert result.returncode == 0, result.stderr
+    split = tmp_path / "split"
+    layout = ("model.distributed.expert_parallel=2", "model.multi_stage.zero_stage=2")
+    result = torchrun(2, *train_arguments(dataset, split, *overrides, *layout))
+    assert result.returncode == 0, result.stderr
+    expected, got = losses(single), losses(split)
+    assert sorted(got) == sorted(expected) == list(range(1, 11))
+    for step, loss in expected.items():
+        assert got[step] == pytest.approx(loss, rel=1e-2), step
