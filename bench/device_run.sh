@@ -152,13 +152,16 @@ run_part() {
       python3 bench/sft_bench.py --parts ${SFT_PARTS:-train prepare} --cores 1 2 4 8 16 \
         --timeout 170 --commit "$COMMIT" --out "$RES/sft${TAG:+_$TAG}" 2>&1 | tail -24 ;;
     moe)
-      # The MoE kernels' GPU tests, then bench/moe_bench.py (dropless against looped, the
-      # layer against a dense MLP of the same active FLOPs).
-      timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_moe.py \
-        >"$RES/gpu_tests_moe${TAG:+_$TAG}.log" 2>&1
-      tail -3 "$RES/gpu_tests_moe${TAG:+_$TAG}.log"
-      python3 bench/moe_bench.py --timeout 150 --commit "$COMMIT" --out "$RES/moe${TAG:+_$TAG}" \
-        2>&1 | tail -20
+      # The MoE kernels' GPU tests (MOE_TESTS=0: none), then bench/moe_bench.py (dropless
+      # against looped, the layer against a dense MLP of the same active FLOPs; MOE_ARGS: more
+      # arguments, e.g. "--layer-only --geometries fine").
+      if [ "${MOE_TESTS:-1}" != 0 ]; then
+        timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_moe.py \
+          >"$RES/gpu_tests_moe${TAG:+_$TAG}.log" 2>&1
+        tail -3 "$RES/gpu_tests_moe${TAG:+_$TAG}.log"
+      fi
+      python3 bench/moe_bench.py ${MOE_ARGS:-} --timeout 150 --commit "$COMMIT" \
+        --out "$RES/moe${TAG:+_$TAG}" 2>&1 | tail -20
       rm -rf "$RES/moe${TAG:+_$TAG}"/work/{dataset,caches,exp_*} ;;
     *) echo "unknown part $1"; return 2 ;;
   esac

@@ -125,48 +125,75 @@ def run_layer(spec: dict[str, Any]) -> dict[str, Any]:
     grad = torch.randn_like(x)
     result: dict[str, Any] = {"tokens": TOKENS, "dense_ffn": dense.ffn_hidden_size}
     matmul_flops = 6 * TOKENS * t.hidden_size * (3 if t.gated else 2) * dense.ffn_hidden_size
+    traces = Path(spec["trace"]) if spec.get("trace") else None
     for name, module in modules.items():
-        seconds = fwd_bwd_seconds(module, norm, x, grad)
-        result[name] = {"median_s": seconds, "tflops": matmul_flops / seconds / 1e12}
+        seconds, host = fwd_bwd_seconds(module, norm, x, grad)
+        trace = traces / f"{spec['geometry']}_trace.json" if traces and name == "dropless" else None
+        result[name] = {
+            "median_s": seconds,
+            "host_s": host,
+            "tflops": matmul_flops / seconds / 1e12,
+            **kernel_profile(module, norm, x, grad, 25 if name == "dropless" else 8, trace),
+        }
     result["dropless_over_dense"] = result["dropless"]["median_s"] / result["dense"]["median_s"]
-    result["dropless_kernels"] = kernel_table(modules["dropless"], norm, x, grad)
     return result
 
 
-def kernel_table(module: Any, norm: Any, x: Any, grad: Any, rows: int = 15) -> list[dict[str, Any]]:
-    """The GPU kernels of one forward + backward under torch.profiler, most time first."""
+def kernel_profile(
+    module: Any, norm: Any, x: Any, grad: Any, rows: int, trace: Path | None = None
+) -> dict[str, Any]:
+    """One forward + backward under torch.profiler: its GPU kernels (count, summed time, the
+    `rows` longest) and the host's synchronizing runtime calls; the Chrome trace to `trace`."""
     import torch
 
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profiler:
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profiler:
         out, auxiliary = module(x, norm)
-        ((out * grad).sum() + auxiliary).backward()
+        loss = (out * grad).sum()
+        (loss if auxiliary is None else loss + auxiliary).backward()
         torch.cuda.synchronize()
     module.zero_grad(set_to_none=True)
-    events = sorted(profiler.key_averages(), key=lambda e: e.self_device_time_total, reverse=True)
-    return [
-        {"kernel": e.key[:120], "calls": e.count, "ms": e.self_device_time_total / 1e3}
-        for e in events[:rows]
-    ]
+    if trace:
+        profiler.export_chrome_trace(str(trace))
+    events = profiler.key_averages()
+    kernels = [e for e in events if e.self_device_time_total > 0 and e.device_type.name != "CPU"]
+    kernels.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    syncs = [e for e in events if "Synchronize" in e.key or "Memcpy" in e.key]
+    return {
+        "kernel_launches": sum(e.count for e in kernels),
+        "kernel_ms": sum(e.self_device_time_total for e in kernels) / 1e3,
+        "kernels": [
+            {"kernel": e.key[:120], "calls": e.count, "ms": e.self_device_time_total / 1e3}
+            for e in kernels[:rows]
+        ],
+        "host_syncs": {e.key: e.count for e in syncs},
+    }
 
 
-def fwd_bwd_seconds(module: Any, norm: Any, x: Any, grad: Any, repeats: int = 10) -> float:
-    """Median over `repeats` (after 3 untimed) of one forward + backward, CUDA events."""
+def fwd_bwd_seconds(
+    module: Any, norm: Any, x: Any, grad: Any, repeats: int = 10
+) -> tuple[float, float]:
+    """Medians over `repeats` (after 3 untimed) of one forward + backward: its GPU time (CUDA
+    events) and the host's time to launch it (both about equal: the host is the bottleneck)."""
     import torch
 
-    times = []
+    times, hosts = [], []
     for i in range(repeats + 3):
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        began = time.perf_counter()
         start.record()
         out, auxiliary = module(x, norm)
         loss = (out * grad).sum()
         (loss if auxiliary is None else loss + auxiliary).backward()
         end.record()
+        launched = time.perf_counter() - began
         torch.cuda.synchronize()
         if i >= 3:
             times.append(start.elapsed_time(end) / 1e3)
+            hosts.append(launched)
     module.zero_grad(set_to_none=True)
-    return sorted(times)[len(times) // 2]
+    return sorted(times)[len(times) // 2], sorted(hosts)[len(hosts) // 2]
 
 
 def child(spec_path: Path) -> None:
@@ -193,6 +220,12 @@ def main() -> None:
     parser.add_argument("--plot", type=Path, metavar="RESULT.json", help="only tabulate and plot")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=150, help="seconds per run")
+    parser.add_argument("--geometries", nargs="+", default=list(GEOMETRIES), choices=GEOMETRIES)
+    parser.add_argument("--layer-only", action="store_true", help="no training runs")
+    parser.add_argument(
+        "--paths", nargs="+", default=["dropless", "looped"], choices=["dropless", "looped"]
+    )
+    parser.add_argument("--traces", action="store_true", help="Chrome traces of the layers")
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -211,18 +244,19 @@ def main() -> None:
     )  # fmt: skip
     layers = {"mixtral": args.mixtral_layers, "fine": args.fine_layers}
     runs = []
-    for geometry in GEOMETRIES:
+    for geometry in args.geometries:
         spec = {
             "model": geometry,
             "system": "layer",
             "geometry": geometry,
             "result": str(work / f"{geometry}_layer.json"),
+            "trace": str(out) if args.traces else None,
         }
         runs.append(spawn(spec, work, logs, args, Path(__file__)))
         print(geometry, "layer", runs[-1].get("status"), runs[-1].get("dropless_over_dense"))
-        for accumulate in args.accumulate:
-            for dropless in ("true", "false"):
-                path = "dropless" if dropless == "true" else "looped"
+        for accumulate in [] if args.layer_only else args.accumulate:
+            for path in args.paths:
+                dropless = "true" if path == "dropless" else "false"
                 name = f"{path}-x{accumulate}"
                 spec = {
                     "model": geometry, "system": name, "geometry": geometry,
@@ -261,6 +295,14 @@ def plot(report: dict[str, Any], path: Path) -> bool:
     return True
 
 
+def layer_cell(timing: dict[str, Any]) -> str:
+    """GPU time, and where profiled the host's launch time and the kernels launched."""
+    cell = f"{timing['median_s'] * 1e3:.2f} ms"
+    if "host_s" in timing:
+        cell += f" (host {timing['host_s'] * 1e3:.2f} ms, {timing['kernel_launches']} kernels)"
+    return cell
+
+
 def table(report: dict[str, Any]) -> str:
     runs, rows = report["runs"], []
     train = {(r["model"], r["system"]): r for r in runs if r["system"] != "layer"}
@@ -270,8 +312,8 @@ def table(report: dict[str, Any]) -> str:
         elif r["system"] == "layer":
             rows.append([
                 r["model"], "layer fwd+bwd",
-                f"dropless {r['dropless']['median_s'] * 1e3:.1f} ms, looped {r['looped']['median_s'] * 1e3:.1f} ms, "
-                f"dense MLP (ffn {r['dense_ffn']}) {r['dense']['median_s'] * 1e3:.1f} ms",
+                ", ".join(f"{name} {layer_cell(r[name])}" for name in ("dropless", "looped"))
+                + f", dense MLP (ffn {r['dense_ffn']}) {layer_cell(r['dense'])}",
                 f"{r['dropless_over_dense']:.2f}× dense", "", "",
             ])  # fmt: skip
         else:

@@ -16,10 +16,6 @@ MOE = (
     [
         (("model.distributed.expert_parallel=2",), "must divide model.base_model.transformer"),
         ((*MOE, "model.distributed.expert_parallel=3"), "num_experts (4)"),
-        (
-            (*MOE, "model.distributed.expert_parallel=2", "model.distributed.tensor_parallel=2"),
-            "model.distributed.tensor_parallel > 1",
-        ),
         ((*MOE, "model.distributed.expert_parallel=0"), "must be positive"),
     ],
 )

@@ -11,7 +11,10 @@ from fastllm_kernels.moe import (
     dispatch_reference,
     grouped_linear,
     grouped_linear_reference,
+    route,
+    route_reference,
     sparse_map,
+    sparse_map_reference,
 )
 from tests.kernels.conftest import assert_close, cuda, triton_on_cpu
 
@@ -47,11 +50,13 @@ def top_k(tokens: int, num_experts: int, k: int, skew: float = 0.0) -> torch.Ten
         (50, 16, 8, 4, 0.0),
         (29, 128, 4, 16, 0.0),
         (40, 8, 2, 8, 0.5),
+        (11, 6, 2, 4, 0.0),
     ],
 )
-def test_sparse_map_matches_numpy(tokens, num_experts, k, block, skew) -> None:
+@pytest.mark.parametrize("kernel", [sparse_map, sparse_map_reference], ids=["op", "reference"])
+def test_sparse_map_matches_numpy(kernel, tokens, num_experts, k, block, skew) -> None:
     experts = top_k(tokens, num_experts, k, skew)
-    sparse = sparse_map(experts, num_experts, block)
+    sparse = kernel(experts, num_experts, block)
     rows, ends = sparse_map_numpy(experts.numpy(), num_experts, block)
     np.testing.assert_array_equal(sparse.rows.numpy(), rows)
     np.testing.assert_array_equal(sparse.ends.numpy(), ends)
@@ -59,15 +64,57 @@ def test_sparse_map_matches_numpy(tokens, num_experts, k, block, skew) -> None:
         sparse.counts.numpy(), np.bincount(experts.numpy().ravel(), minlength=num_experts)
     )
     assert sparse.num_rows == tokens * k + num_experts * block >= ends[-1]
+    entries = np.full(sparse.num_rows, -1)
+    entries[rows.ravel()] = np.arange(tokens * k)
+    np.testing.assert_array_equal(sparse.entries.numpy(), entries)
     if skew:
         assert (sparse.counts == 0).any(), "the skewed case should leave an expert without tokens"
+
+
+@triton_on_cpu
+@pytest.mark.parametrize(
+    ("tokens", "num_experts", "k", "renormalize"),
+    [
+        (37, 8, 2, True),
+        (50, 16, 8, False),
+        (29, 128, 4, True),
+        (5, 6, 1, False),
+        (70, 4, 4, True),
+        (23, 8, 3, True),
+    ],
+)
+def test_route_matches_its_reference(tokens, num_experts, k, renormalize, poisoned_empty) -> None:
+    logits = (torch.randn(tokens, num_experts) * 2).requires_grad_()
+    grad_weights = torch.randn(tokens, k)
+    results = []
+    for kernel in (route, route_reference):
+        routing = kernel(logits, k, renormalize, torch.float32, 0.1, 0.01)
+        loss = (routing.weights * grad_weights).sum() + 3.0 * routing.auxiliary
+        results.append((routing, torch.autograd.grad(loss, logits)[0]))
+    (ours, grad), (theirs, expected_grad) = results
+    assert torch.equal(ours.experts, theirs.experts) and torch.equal(ours.counts, theirs.counts)
+    for name in ("rows", "entries", "ends", "counts"):  # the sparse map made in passing
+        assert torch.equal(getattr(ours.sparse, name), getattr(theirs.sparse, name)), name
+    assert ours.sparse.num_rows == theirs.sparse.num_rows
+    assert_close(ours.weights, theirs.weights)
+    assert_close(ours.auxiliary, theirs.auxiliary)
+    assert_close(grad, expected_grad, atol=1e-5)
+    # The auxiliary loss alone, and the weights alone.
+    for pick in (lambda r: r.auxiliary, lambda r: r.weights.sum()):
+        grads = [
+            torch.autograd.grad(
+                pick(kernel(logits, k, renormalize, torch.float32, 0.1, 0.01)), logits
+            )[0]
+            for kernel in (route, route_reference)
+        ]
+        assert_close(grads[0], grads[1], atol=1e-5)
 
 
 @triton_on_cpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("tokens", "hidden", "num_experts", "k"),
-    [(13, 40, 8, 2), (6, 24, 8, 8), (9, 7, 4, 1), (5, 33, 16, 3)],
+    [(13, 40, 8, 2), (6, 24, 8, 8), (9, 7, 4, 1), (5, 33, 16, 3), (3, 1100, 8, 8)],
 )
 def test_dispatch_and_combine_match_their_references(
     dtype, tokens, hidden, num_experts, k, poisoned_empty
@@ -80,15 +127,15 @@ def test_dispatch_and_combine_match_their_references(
     grad_sparse = torch.randn(sparse.num_rows, hidden).to(dtype)
     grad_dense = torch.randn(tokens, hidden).to(dtype)
 
-    out = dispatch(x, sparse.rows, sparse.num_rows)
-    expected = dispatch_reference(x, sparse.rows, sparse.num_rows)
+    out = dispatch(x, sparse)
+    expected = dispatch_reference(x, sparse)
     assert_close(out, expected)
     (d_x,) = torch.autograd.grad(out, x, grad_sparse)
     (expected_d_x,) = torch.autograd.grad(expected, x, grad_sparse)
     assert_close(d_x, expected_d_x)
 
-    out = combine(y, sparse.rows, weights)
-    expected = combine_reference(y.float(), sparse.rows, weights.float())
+    out = combine(y, sparse, weights)
+    expected = combine_reference(y.float(), sparse, weights.float())
     assert_close(out, expected.to(dtype))
     grads = torch.autograd.grad(out, (y, weights), grad_dense)
     expected_grads = torch.autograd.grad(expected, (y, weights), grad_dense.float())
@@ -111,9 +158,7 @@ def test_grouped_linear_reference_multiplies_each_range_by_its_expert() -> None:
 def test_grouped_mm_matches_the_reference_on_gpu(num_experts, skew) -> None:
     experts = top_k(2048, num_experts, 2, skew).cuda()
     sparse = sparse_map(experts, num_experts)
-    x = dispatch(
-        torch.randn(2048, 256, device="cuda", dtype=torch.bfloat16), sparse.rows, sparse.num_rows
-    )
+    x = dispatch(torch.randn(2048, 256, device="cuda", dtype=torch.bfloat16), sparse)
     x.requires_grad_()
     weight = (torch.randn(num_experts, 384, 256, device="cuda") / 16).bfloat16().requires_grad_()
     grad = torch.randn(sparse.num_rows, 384, device="cuda", dtype=torch.bfloat16)
@@ -126,3 +171,40 @@ def test_grouped_mm_matches_the_reference_on_gpu(num_experts, skew) -> None:
     expected_grads = torch.autograd.grad(expected[:used], (x, weight), grad[:used].float())
     assert_close(grads[0][:used], expected_grads[0][:used].bfloat16(), atol=1e-2)
     assert_close(grads[1], expected_grads[1].bfloat16(), atol=1e-2)
+
+
+@cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize(("num_experts", "k"), [(64, 8), (8, 2), (128, 4)])
+def test_routing_sparse_map_and_permutations_match_their_references_on_gpu(num_experts, k) -> None:
+    tokens, hidden = 8192, 512
+    # Distinct logits per token, exact in bf16: no top-k tie for the two to break differently.
+    ranks = torch.rand(tokens, num_experts, device="cuda").argsort(dim=-1)
+    logits = ((ranks - num_experts / 2) / 8).bfloat16().requires_grad_()
+    grad_weights = torch.randn(tokens, k, device="cuda", dtype=torch.bfloat16)
+    routings, grads = [], []
+    for kernel in (route, route_reference):
+        routing = kernel(logits, k, True, torch.bfloat16, 0.01, 0.001)
+        loss = (routing.weights.float() * grad_weights.float()).sum() + 100.0 * routing.auxiliary
+        grads.append(torch.autograd.grad(loss, logits)[0])
+        routings.append(routing)
+    ours, theirs = routings
+    assert torch.equal(ours.experts, theirs.experts) and torch.equal(ours.counts, theirs.counts)
+    assert_close(ours.weights, theirs.weights)
+    assert_close(ours.auxiliary, theirs.auxiliary)
+    assert_close(grads[0], grads[1], atol=1e-2)
+    expected = sparse_map_reference(ours.experts, num_experts, 16)
+    for sparse in (sparse_map(ours.experts, num_experts, 16), ours.sparse):
+        for name in ("rows", "entries", "ends", "counts"):
+            assert torch.equal(getattr(sparse, name), getattr(expected, name)), name
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(dispatch(x, sparse), dispatch_reference(x, sparse))
+    y = torch.randn(sparse.num_rows, hidden, device="cuda", dtype=torch.bfloat16)
+    y.requires_grad_()
+    weights = ours.weights.detach().requires_grad_()
+    grad = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    outs = [f(y, sparse, weights) for f in (combine, combine_reference)]
+    assert_close(outs[0], outs[1], atol=2e-2)
+    grads = [torch.autograd.grad(out, (y, weights), grad) for out in outs]
+    for actual, reference in zip(*grads, strict=True):
+        assert_close(actual, reference, atol=5e-2)

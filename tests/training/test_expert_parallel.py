@@ -52,8 +52,20 @@ def launched(
             4,
             (*MOE, "model.multi_stage.zero_stage=3", EP_2, "training.train_iters=3"),
         ),
+        # 2 tensor ranks of 2 data ranks each: tensor rank t exchanges tokens with tensor
+        # rank t of the other data rank and computes its half of each expert's ffn.
+        "tp2-ep2-sequence-parallel": Layout(
+            4,
+            (
+                *MOE,
+                "model.distributed.tensor_parallel=2",
+                "model.distributed.sequence_tensor_parallel=true",
+                EP_2,
+                six,
+            ),
+        ),
         # 2 pipeline ranks of 2 data ranks each, the data ranks of a stage splitting its
-        # experts; the export holds every stage's experts whole.
+        # experts.
         "pp2-ep2": Layout(
             4,
             (
@@ -122,9 +134,13 @@ def test_dp4_ep2_zero3_matches_one_process_and_resumes_without_expert_parallelis
     _assert_matches(resumed.succeeded(), reference, range(4, 7))
 
 
-def test_pp2_ep2_matches_one_process(reference: Path, launched: dict[str, Launched]) -> None:
-    assert "expert parallel 2" in launched["pp2-ep2"].result.stdout
-    _assert_matches(launched["pp2-ep2"].succeeded(), reference, range(1, 7))
+@pytest.mark.parametrize("name", ["pp2-ep2", "tp2-ep2-sequence-parallel"])
+def test_ep2_with_model_parallelism_matches_one_process(
+    reference: Path, launched: dict[str, Launched], name: str
+) -> None:
+    # The export holds every expert whole, its tensor slices merged.
+    assert "expert parallel 2" in launched[name].result.stdout
+    _assert_matches(launched[name].succeeded(), reference, range(1, 7))
 
 
 def test_a_one_process_checkpoint_resumes_with_expert_parallelism_on_the_looped_experts(

@@ -79,6 +79,10 @@ def launched(
         "one-process-resumed-on-tp2": Layout(
             2, (*llama, *TENSOR_2), references["llama"] / "checkpoint" / "5"
         ),
+        "tp2-moe-dropless-sequence-parallel": Layout(2, (*MOE, *SEQUENCE, *TENSOR_2)),
+        "tp2-moe-looped": Layout(
+            2, (*MOE, "model.base_model.transformer.dropless_moe=false", *TENSOR_2)
+        ),
     }
     return launch(dataset, root, layouts)
 
@@ -219,3 +223,64 @@ def test_a_checkpoint_of_one_process_resumes_on_two_tensor_ranks(
     resumed = launched["one-process-resumed-on-tp2"]
     assert "resumed from" in resumed.result.stdout
     assert_same_run(references["llama"], resumed.succeeded(), first_step=6)
+
+
+MOE_STEPS = 4
+MOE = (  # Qwen2-MoE-style: routed experts (each gets every token: rounding cannot flip a
+    # choice), a gated shared expert, z-loss; 4 steps, exported whole at the last
+    "model.base_model.transformer.normalization.type=rms_norm",
+    "model.base_model.transformer.gated=true",
+    "model.base_model.transformer.activation_type=silu",
+    "model.base_model.transformer.add_linear_biases=only_attn_qkv",
+    "model.base_model.transformer.num_experts=4",
+    "model.base_model.transformer.num_experts_per_token=4",
+    "model.base_model.transformer.num_shared_experts=1",
+    "model.base_model.transformer.shared_expert_gate=true",
+    "model.base_model.transformer.expert_z_loss_coefficient=0.01",
+    f"training.train_iters={MOE_STEPS}",
+    f"training.export.interval={MOE_STEPS}",
+    "training.export.format=distributed",
+    "batch.batch_size=8",
+    "model.multi_stage.debug_tensor_parallel=true",
+)
+
+
+def metric(experiment: Path, key: str) -> dict[int, float]:
+    records = [json.loads(line) for line in (experiment / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r[key] for r in records if key in r}
+
+
+@pytest.fixture(scope="module")
+def moe_reference(one_process: Callable[..., Path]) -> Path:
+    """The single-process run of the mixture of experts (dropless)."""
+    return one_process(*MOE)
+
+
+@pytest.mark.parametrize("path", ["dropless-sequence-parallel", "looped"])
+def test_mixture_of_experts_on_two_tensor_ranks_matches_one_process(
+    tmp_path: Path, moe_reference: Path, launched: dict[str, Launched], path: str
+) -> None:
+    """Each expert's ffn and the shared expert's split over the ranks, the router replicated:
+    losses (router losses counted once), expert loads and weights, against the dropless run
+    of one process (the looped path computes the same up to rounding); with sequence
+    parallelism also the Qwen2-MoE export."""
+    runs = {"one": moe_reference, "tp2": launched[f"tp2-moe-{path}"].succeeded()}
+    for key in ("loss", "expert_tokens_max", "expert_tokens_mean"):
+        expected, got = metric(runs["one"], key), metric(runs["tp2"], key)
+        assert sorted(got) == list(range(1, MOE_STEPS + 1)), key
+        for step in got:
+            assert got[step] == pytest.approx(expected[step], rel=1e-5), (key, step)
+    weights = {name: final_weights(run, MOE_STEPS) for name, run in runs.items()}
+    assert_close_weights(weights["tp2"], weights["one"])
+    if path != "dropless-sequence-parallel":
+        return
+    converted = {}
+    for name, experiment in runs.items():
+        converted[name] = tmp_path / f"hf_{name}"
+        result = run_cli(
+            "convert", "input.format=distributed", f"input.path={experiment / 'export' / str(MOE_STEPS)}",
+            "output.format=qwen2_moe", f"output.path={converted[name]}",
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+    ours, theirs = (load_file(converted[n] / "model.safetensors") for n in ("tp2", "one"))
+    assert_close_weights(ours, theirs)

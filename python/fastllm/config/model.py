@@ -385,13 +385,6 @@ class ModelConfig(Section):
             return
         t = self.base_model.transformer
         key = "distributed.tensor_parallel"
-        if t.num_experts > 1:
-            raise ConfigError(
-                key,
-                f"tensor parallelism of mixture-of-experts models is not implemented yet "
-                f"(model.base_model.transformer.num_experts={t.num_experts}, tensor_parallel="
-                f"{tensor})",
-            )
         assert t.ffn_hidden_size is not None
         for field, value in (
             ("model.base_model.transformer.num_attention_heads", t.num_attention_heads),
@@ -414,13 +407,6 @@ class ModelConfig(Section):
                 key,
                 f"({size}) must divide model.base_model.transformer.num_experts ({experts}): "
                 "each rank holds an equal share of the experts",
-            )
-        if distributed.tensor_parallel > 1:
-            raise ConfigError(
-                key,
-                "expert parallelism with model.distributed.tensor_parallel > 1 is not "
-                f"implemented yet (expert_parallel={size}, "
-                f"tensor_parallel={distributed.tensor_parallel})",
             )
 
     def _validate_fp8(self) -> None:

@@ -50,12 +50,12 @@ def exchange(
     num_experts: int,
     ep: ExpertParallel,
     compute: Callable[[Tensor, Tensor], Tensor],
-) -> tuple[Tensor, Tensor]:
+) -> Tensor:
     """The mixture's routed output for `tokens` (tokens, hidden), each sent to its k `experts`
-    (tokens, k; global indices) with `weights` (tokens, k), and the (experts,) count of this
-    rank's rows routed to each expert. `compute(rows, local_experts)` runs this rank's experts
-    on the rows the group sent it (`local_experts` (rows,) in 0 … N/E - 1) and returns their
-    outputs. Differentiable in tokens, weights and whatever `compute` reads."""
+    (tokens, k; global indices) with `weights` (tokens, k). `compute(rows, local_experts)` runs
+    this rank's experts on the rows the group sent it (`local_experts` (rows,) in
+    0 … N/E - 1) and returns their outputs. Differentiable in tokens, weights and whatever
+    `compute` reads."""
     k = experts.shape[1]
     per_rank = num_experts // ep.size
     flat = experts.reshape(-1)
@@ -72,7 +72,7 @@ def exchange(
     outputs = compute(rows, local.repeat_interleave(received.reshape(-1)))
     back = _AllToAll.apply(outputs, send_splits, receive_splits, ep.group)
     scaled = back * weights.reshape(-1)[order, None]
-    return torch.zeros_like(tokens).index_add(0, order // k, scaled), counts
+    return torch.zeros_like(tokens).index_add(0, order // k, scaled)
 
 
 class _AllToAll(torch.autograd.Function):

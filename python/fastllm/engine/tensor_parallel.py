@@ -65,6 +65,25 @@ def leave(x: Tensor, tp: TensorParallel, bias: Tensor | None = None) -> Tensor:
     return out if bias is None else out + bias
 
 
+def counted_once(x: Tensor, tp: TensorParallel) -> Tensor:
+    """x, a value every tensor rank computes whole from the same inputs (a router's auxiliary
+    loss), whose gradient flows into parameters and inputs that are summed over the tensor
+    ranks: identity forward, the gradient divided by the tensor size, so the sum counts it
+    once."""
+    return _CountedOnce.apply(x, tp.size) if tp.split else x
+
+
+class _CountedOnce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, size: int) -> Tensor:
+        ctx.size = size
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad / ctx.size, None
+
+
 class _Enter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, tp: TensorParallel) -> Tensor:

@@ -63,7 +63,7 @@ class TransformerBlock(torch.nn.Module):
         self.attention = Attention(config, layer_index, tp, sdp)
         self.norm_2 = Normalization(config.normalization, config.hidden_size)
         self.mlp: MLP | MixtureOfExperts = (
-            MixtureOfExperts(config, ep) if config.num_experts > 1 else MLP(config, tp)
+            MixtureOfExperts(config, tp, ep) if config.num_experts > 1 else MLP(config, tp)
         )
 
     def forward(

@@ -13,11 +13,11 @@ from torch import Tensor
 
 from fastllm.config.model import TransformerConfig
 from fastllm.engine.expert_parallel import ExpertParallel, exchange
-from fastllm.engine.tensor_parallel import TensorParallel, enter, leave
+from fastllm.engine.tensor_parallel import TensorParallel, counted_once, enter, leave
 from fastllm.model.parameters import TensorSplit, describe
 from fastllm_kernels.activation import gated_activation_fused, gated_linear
 from fastllm_kernels.linear import linear
-from fastllm_kernels.moe import combine, dispatch, grouped_linear, sparse_map
+from fastllm_kernels.moe import SparseMap, combine, dispatch, grouped_linear, route, sparse_map
 
 if TYPE_CHECKING:
     from fastllm.model.block import Normalization
@@ -59,20 +59,23 @@ class MLP(torch.nn.Module):
 
     def forward(self, x: Tensor, norm: Normalization) -> tuple[Tensor, None]:
         """The MLP of norm(x) (the block's residual stream, normalized by the first projection)."""
-        x = enter(x, self.tp)
+        out = self.partial(enter(x, self.tp), norm)
+        if not self.tp.split:
+            return out, None
+        return leave(out, self.tp, self.layer_2.bias), None
+
+    def partial(self, x: Tensor, norm: Normalization) -> Tensor:
+        """This tensor rank's part of the MLP of norm(x), x already through `enter` (whole);
+        the second layer's bias added only when not split (`leave` adds it after the sum)."""
         h = norm.project(x, self.layer_1.weight, self.layer_1.bias)
-        split = self.tp.split
-        out = _project(
+        return _project(
             h,
             self.layer_2.weight,
-            None if split else self.layer_2.bias,
+            None if self.tp.split else self.layer_2.bias,
             self.gated,
             self.activation,
             self.recompute_activation,
         )
-        if not split:
-            return out, None
-        return leave(out, self.tp, self.layer_2.bias), None
 
 
 def _project(
@@ -98,6 +101,13 @@ class MixtureOfExperts(torch.nn.Module):
     the experts' outputs; plus, with `num_shared_experts`, an MLP every token goes through
     (Qwen2-MoE, DeepSeek), its output gated per token with `shared_expert_gate`.
 
+    With tensor parallelism every expert's ffn (and the shared MLP's) is split as the dense
+    MLP's is, layer_1 column-parallel and layer_2 row-parallel, while the router and the shared
+    gate are replicated: `enter` gives every tensor rank the same whole tokens (gathering the
+    sequence under sequence parallelism), so all route alike, and one `leave` sums the routed
+    and shared parts. Each rank's routing-weight gradient is then its part of the whole, so
+    the router's and the shared gate's gradients are summed over the tensor ranks.
+
     Dropless (`dropless_moe`): the routed tokens are permuted into a sparse layout of contiguous
     per-expert rows, both projections are grouped matmuls over it, and the outputs are permuted
     back scaled by the routing weights (kernels/fastllm_kernels/moe.py). Otherwise a loop over
@@ -109,82 +119,95 @@ class MixtureOfExperts(torch.nn.Module):
 
     With expert parallelism (`ep` of more than one rank) this rank holds only its 1/E of the
     experts (`layer_1` and `layer_2` list them) and computes them for the tokens the expert
-    group routes to them (engine/expert_parallel.py); routing, the shared experts and the
-    auxiliary losses stay per rank, on its own tokens."""
+    group routes to them (engine/expert_parallel.py; with tensor parallelism too, each tensor
+    rank exchanging with its peers of the other data ranks); routing, the shared experts and
+    the auxiliary losses stay per rank, on its own tokens."""
 
     recompute_activation = True
     """The looped path recomputes a gated activation in the backward pass rather than storing
     it (the dropless path stores it: its grouped matmul keeps its input for the weight
     gradient anyway)."""
 
-    def __init__(self, config: TransformerConfig, ep: ExpertParallel | None = None) -> None:
+    def __init__(
+        self,
+        config: TransformerConfig,
+        tp: TensorParallel | None = None,
+        ep: ExpertParallel | None = None,
+    ) -> None:
         super().__init__()
         assert config.ffn_hidden_size is not None and config.activation_type is not None
+        self.tp = tp = tp if tp is not None else TensorParallel()
         self.gated, self.activation = config.gated, config.activation_type
         self.num_experts, self.top_k = config.num_experts, config.num_experts_per_token
-        self.ep = ep or ExpertParallel()
         self.renormalize, self.dropless = config.expert_renormalize, config.dropless_moe
         self.auxiliary_coefficient = config.expert_auxiliary_loss_coefficient
         self.z_loss_coefficient = config.expert_z_loss_coefficient
         hidden, ffn = config.hidden_size, config.ffn_hidden_size
         inputs = 2 if self.gated else 1
+        local = ffn // tp.size
         self.router = torch.nn.Linear(hidden, self.num_experts, bias=False)
-        local = self.num_experts // self.ep.size
-        self.layer_1 = torch.nn.Parameter(torch.empty(local, inputs * ffn, hidden))
-        self.layer_2 = torch.nn.Parameter(torch.empty(local, hidden, ffn))
-        describe(self.router, "weight", weight_decay=True)
-        for name in ("layer_1", "layer_2"):
-            describe(self, name, weight_decay=True, expert_split=True)
+        self.ep = ep or ExpertParallel()
+        held = self.num_experts // self.ep.size
+        self.layer_1 = torch.nn.Parameter(torch.empty(held, inputs * local, hidden))
+        self.layer_2 = torch.nn.Parameter(torch.empty(held, hidden, local))
+        describe(self.router, "weight", weight_decay=True, tensor_partial=True)
+        split_1 = TensorSplit(1, (ffn,) * inputs)  # matching gate and up rows of every expert
+        describe(self, "layer_1", weight_decay=True, tensor_split=split_1, expert_split=True)
+        split_2 = TensorSplit(2, (ffn,))
+        describe(self, "layer_2", weight_decay=True, tensor_split=split_2, expert_split=True)
         self.shared = None
         if config.num_shared_experts:
             width = config.num_shared_experts * ffn
             shared = msgspec.structs.replace(config, ffn_hidden_size=width, num_experts=1)
-            self.shared = MLP(shared, TensorParallel())
+            self.shared = MLP(shared, tp)
         self.shared_gate = (
             torch.nn.Linear(hidden, 1, bias=False) if config.shared_expert_gate else None
         )
         if self.shared_gate is not None:
-            describe(self.shared_gate, "weight", weight_decay=True)
+            describe(self.shared_gate, "weight", weight_decay=True, tensor_partial=True)
         self.load: Tensor | None = None
 
     def forward(self, x: Tensor, norm: Normalization) -> tuple[Tensor, Tensor]:
         """The mixture of norm(x), the block's residual stream."""
+        x = enter(x, self.tp)
         normed = norm(x)
         tokens = normed.reshape(-1, normed.shape[-1])
-        logits = self.router(tokens).float()
-        probabilities = logits.softmax(dim=-1)
-        weights, experts = probabilities.topk(self.top_k, dim=-1)
-        if self.renormalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(x.dtype)
+        weights, experts, counts, auxiliary, sparse = route(
+            self.router(tokens),
+            self.top_k,
+            self.renormalize,
+            x.dtype,
+            self.auxiliary_coefficient,
+            self.z_loss_coefficient,
+        )
         if self.ep.split:
-            out, counts = exchange(
-                tokens, weights, experts, self.num_experts, self.ep, self._local_experts
-            )
+            out = exchange(tokens, weights, experts, self.num_experts, self.ep, self._held)
         elif self.dropless:
-            out, counts = self._dropless(tokens, weights, experts)
+            out = self._dropless(tokens, weights, sparse)
         else:
-            out, counts = self._looped(tokens, weights, experts)
+            out = self._looped(tokens, weights, experts)
         # Not while a backward pass recomputes the forward (selective or full recomputation).
         if self.training and torch._C._current_graph_task_id() == -1:
             self.load = counts if self.load is None else self.load + counts
         if self.shared is not None:
-            shared = self.shared(x, norm)[0].reshape_as(out)
+            shared = self.shared.partial(x, norm).reshape_as(out)
             if self.shared_gate is not None:
                 shared = shared * torch.sigmoid(self.shared_gate(tokens))
             out = out + shared
-        return out.view_as(x), self._auxiliary_loss(logits, probabilities, counts)
+        if not self.tp.split:
+            return out.view_as(x), auxiliary
+        return leave(out.view_as(x), self.tp), counted_once(auxiliary, self.tp)
 
-    def _local_experts(self, rows: Tensor, experts: Tensor) -> Tensor:
+    def _held(self, rows: Tensor, experts: Tensor) -> Tensor:
         """This rank's experts on `rows` (rows, hidden), row i through its expert `experts[i]`
         (expert parallelism: the rows the expert group routed here), unweighted."""
         ones = rows.new_ones(rows.shape[0], 1)
-        run = self._dropless if self.dropless else self._looped
-        return run(rows, ones, experts[:, None])[0]
+        if self.dropless:
+            return self._dropless(rows, ones, sparse_map(experts[:, None], self.layer_1.shape[0]))
+        return self._looped(rows, ones, experts[:, None])
 
-    def _dropless(self, tokens: Tensor, weights: Tensor, experts: Tensor) -> tuple[Tensor, Tensor]:
-        sparse = sparse_map(experts, self.layer_1.shape[0])
-        h = dispatch(tokens, sparse.rows, sparse.num_rows)
+    def _dropless(self, tokens: Tensor, weights: Tensor, sparse: SparseMap) -> Tensor:
+        h = dispatch(tokens, sparse)
         h = grouped_linear(h, self.layer_1, sparse.ends)
         h = (
             gated_activation_fused(h, self.activation)
@@ -192,12 +215,11 @@ class MixtureOfExperts(torch.nn.Module):
             else _ACTIVATIONS[self.activation](h)
         )
         y = grouped_linear(h, self.layer_2, sparse.ends)
-        return combine(y, sparse.rows, weights), sparse.counts
+        return combine(y, sparse, weights)
 
-    def _looped(self, tokens: Tensor, weights: Tensor, experts: Tensor) -> tuple[Tensor, Tensor]:
+    def _looped(self, tokens: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
         out = torch.zeros_like(tokens)
-        num_experts = self.layer_1.shape[0]
-        for expert in range(num_experts):
+        for expert in range(self.layer_1.shape[0]):  # the experts this rank holds
             rows, slot = torch.nonzero(experts == expert, as_tuple=True)
             if rows.numel() == 0:
                 continue
@@ -211,17 +233,7 @@ class MixtureOfExperts(torch.nn.Module):
             )
             y = y * weights[rows, slot, None]
             out.index_add_(0, rows, y)
-        return out, torch.bincount(experts.flatten(), minlength=num_experts)
-
-    def _auxiliary_loss(self, logits: Tensor, probabilities: Tensor, counts: Tensor) -> Tensor:
-        # Switch-Transformer balance as Hugging Face computes it (per layer here):
-        # E * sum_e (tokens routed to e, summed over the k slots, / tokens) * (mean prob of e).
-        routed = counts.float() / logits.shape[0]
-        balance = self.num_experts * (routed * probabilities.mean(dim=0)).sum()
-        loss = self.auxiliary_coefficient * balance
-        if self.z_loss_coefficient:
-            loss = loss + self.z_loss_coefficient * torch.logsumexp(logits, dim=-1).square().mean()
-        return loss
+        return out
 
 
 def take_expert_load(model: torch.nn.Module) -> Tensor | None:
