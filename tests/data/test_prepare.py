@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -286,6 +287,19 @@ def test_failed_run_leaves_no_output_and_no_partial_directory(
     assert leftovers(output) == []
 
 
+@contextlib.contextmanager
+def interruptible_children() -> Iterator[None]:
+    """Children started inside get SIGINT's default action, as a terminal's foreground job
+    has. A suite started in the background of a non-interactive shell (`make test &`, CI
+    scripts) ignores SIGINT, as POSIX has such jobs do; children inherit that, Python leaves
+    an ignored SIGINT ignored, and a Ctrl-C sent to `prepare` then does nothing."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # reset at exec
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def test_interrupted_run_exits_130_without_a_traceback_leaving_no_output_nor_partial(
     corpus: list[str], tokenizer: TrainedTokenizer, tmp_path: Path
 ) -> None:
@@ -300,13 +314,14 @@ def test_interrupted_run_exits_130_without_a_traceback_leaving_no_output_nor_par
         f"tokenizer.path={tokenizer.path}",
         f"output.path={output}",
     ]
-    process = subprocess.Popen(
-        [sys.executable, "-m", "fastllm.cli", "prepare", *arguments, "workers=1"],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    with interruptible_children():
+        process = subprocess.Popen(
+            [sys.executable, "-m", "fastllm.cli", "prepare", *arguments, "workers=1"],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
     deadline = time.monotonic() + 60
     try:
         while True:  # open the pipe once prepare opened its end

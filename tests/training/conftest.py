@@ -1,13 +1,29 @@
-"""A small real dataset (Python standard library sources, a trained tokenizer), made once."""
+"""What the training tests share: a small real dataset (Python standard library sources, a
+trained tokenizer), made once, the tiny model's command line, and its one-process runs.
+
+A parallel layout is tested against the one-process run of the same global batch:
+- `one_process(*overrides)` (session fixture) gives that run's experiment directory, trained
+  once per session for each distinct `overrides` (in this process: no interpreter start-up),
+  whichever module asks first; treat it as read-only (copy a checkpoint out to resume it).
+  Leave the layout keys (ZeRO stage, parallel sizes) out of `overrides`: one process runs the
+  same whatever they are, so layouts that differ only there share their reference.
+- `launch(dataset, root, {name: Layout(ranks, overrides, resumes)})` trains a module's layouts
+  with one torchrun launch per number of ranks (`tests.torchrun.torchrun_runs`: the ranks
+  start Python and import torch once for all runs, which is most of a small run's cost); a
+  module fixture holds the `Launched` runs, and each test checks its own."""
 
 from __future__ import annotations
 
+import shutil
 import sysconfig
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tests.test_cli import fastllm
+from tests.data.conftest import CliResult, run_cli
+from tests.torchrun import torchrun_runs
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
@@ -23,12 +39,12 @@ def without_triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
 def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("data")
     sources = [str(STDLIB / "json"), str(STDLIB / "email")]
-    result = fastllm(
+    result = run_cli(
         "tokenizer", "train", f"input.path={sources}", "input.extensions=[.py]",
         f"output={root / 'tokenizer'}", "vocab_size=512",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    result = fastllm(
+    result = run_cli(
         "prepare", f"input.path={sources}", "input.extensions=[.py]",
         f"tokenizer.path={root / 'tokenizer'}", f"output.path={root / 'dataset'}",
     )  # fmt: skip
@@ -49,3 +65,63 @@ def train_arguments(dataset: Path, experiment: Path, *overrides: str) -> list[st
         "optimizer.learning_rate.warmup_iterations=2", "optimizer.learning_rate.decay_iterations=8",
         *overrides,
     ]  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def one_process(dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """`one_process(*overrides)`: the experiment directory of the one-process run of
+    `train_arguments(dataset, ·, *overrides)`, trained at the first call with these overrides."""
+    root = tmp_path_factory.mktemp("one_process")
+    runs: dict[tuple[str, ...], Path] = {}
+
+    def run(*overrides: str) -> Path:
+        if overrides not in runs:
+            experiment = root / str(len(runs))
+            with pytest.MonkeyPatch.context() as patch:  # also when asked by a module fixture
+                patch.delenv("TRITON_INTERPRET", raising=False)
+                result = run_cli(*train_arguments(dataset, experiment, *overrides))
+            assert result.returncode == 0, result.stderr
+            runs[overrides] = experiment
+        return runs[overrides]
+
+    return run
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A run of `train_arguments(dataset, ·, *overrides)` on `ranks` ranks; `resumes` is a
+    checkpoint directory copied into the run's before it starts, if it exists (one a run with
+    more ranks wrote, or a one-process run)."""
+
+    ranks: int
+    overrides: tuple[str, ...]
+    resumes: Path | None = None
+
+
+@dataclass
+class Launched:
+    experiment: Path
+    result: CliResult
+
+    def succeeded(self) -> Path:
+        assert self.result.returncode == 0, self.result.stderr
+        return self.experiment
+
+
+def launch(dataset: Path, root: Path, layouts: dict[str, Layout]) -> dict[str, Launched]:
+    """Every layout trained into root/NAME, in one torchrun launch per number of ranks, most
+    ranks first. Each test then checks its own (a module fixture holds the result)."""
+    results = {}
+    for ranks in sorted({layout.ranks for layout in layouts.values()}, reverse=True):
+        runs = {}
+        for name, layout in layouts.items():
+            if layout.ranks != ranks:
+                continue
+            if layout.resumes is not None and layout.resumes.is_dir():  # else its test fails
+                shutil.copytree(layout.resumes, root / name / "checkpoint" / layout.resumes.name)
+            runs[name] = train_arguments(dataset, root / name, *layout.overrides)
+        with pytest.MonkeyPatch.context() as patch:  # a module fixture: before the autouse one
+            patch.delenv("TRITON_INTERPRET", raising=False)
+            launched = torchrun_runs(ranks, runs, root / f"launch-{ranks}")
+        results |= {name: Launched(root / name, result) for name, result in launched.items()}
+    return results

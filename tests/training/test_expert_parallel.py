@@ -6,15 +6,13 @@ checkpoints moving between expert-parallel and plain layouts both ways."""
 from __future__ import annotations
 
 import json
-import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.test_cli import fastllm as run_cli
-from tests.torchrun import torchrun
-from tests.training.conftest import train_arguments
+from tests.training.conftest import Launched, Layout, launch
 from tests.training.test_data_parallel import final_weights
 from tests.training.test_train_cli import losses
 
@@ -34,19 +32,75 @@ MOE = (
     "training.export.interval=6",
     "training.export.format=distributed",
 )
+EP_2 = "model.distributed.expert_parallel=2"
 
 
 @pytest.fixture(scope="module")
-def reference(dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def reference(one_process: Callable[..., Path]) -> Path:
     """The single process: 6 steps, checkpoint at 3, distributed export at 6."""
-    experiment = tmp_path_factory.mktemp("expert_parallel") / "single"
-    result = run_cli(*train_arguments(dataset, experiment, *MOE, "training.train_iters=6"))
-    assert result.returncode == 0, result.stderr
-    return experiment
+    return one_process(*MOE, "training.train_iters=6")
 
 
-def _assert_matches(experiment: Path, reference: Path, steps: range) -> None:
+@pytest.fixture(scope="module")
+def launched(
+    dataset: Path, reference: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Launched]:
+    """The layouts of this module, in one torchrun launch per number of ranks."""
+    root = tmp_path_factory.mktemp("layouts")
+    six = "training.train_iters=6"
+    layouts = {
+        # 2 expert groups of 2 ranks: each expert's buffer is sharded over, and its gradient
+        # summed across, the 2 ranks holding it.
+        "dp4-ep2-zero3": Layout(
+            4,
+            (*MOE, "model.multi_stage.zero_stage=3", EP_2, "training.train_iters=3"),
+        ),
+        # 2 tensor ranks of 2 data ranks each: tensor rank t exchanges tokens with tensor
+        # rank t of the other data rank and computes its half of each expert's ffn.
+        "tp2-ep2-sequence-parallel": Layout(
+            4,
+            (
+                *MOE,
+                "model.distributed.tensor_parallel=2",
+                "model.distributed.sequence_tensor_parallel=true",
+                EP_2,
+                six,
+            ),
+        ),
+        # 2 pipeline ranks of 2 data ranks each, the data ranks of a stage splitting its
+        # experts.
+        "pp2-ep2": Layout(
+            4,
+            (
+                *MOE,
+                "model.distributed.pipeline_parallel=2",
+                EP_2,
+                "schedule.breadth_first_micro_batches=2",
+                six,
+            ),
+        ),
+        # Whole experts on two ranks, each expert-parallel share read back from its shards.
+        "dp4-ep2-zero3-resumed-on-dp2": Layout(
+            2, (*MOE, six), root / "dp4-ep2-zero3" / "checkpoint" / "3"
+        ),
+        "one-process-resumed-on-ep2-looped": Layout(
+            2,
+            (
+                *MOE,
+                EP_2,
+                "model.multi_stage.zero_stage=2",
+                "model.base_model.transformer.dropless_moe=false",
+                six,
+            ),
+            reference / "checkpoint" / "3",
+        ),
+    }
+    return launch(dataset, root, layouts)
+
+
+def _assert_matches(experiment: Path, reference: Path, steps: range, weights: bool = True) -> None:
     expected, got = losses(reference), losses(experiment)
+    assert sorted(got) == list(steps)
     for step in steps:
         assert got[step] == pytest.approx(expected[step], rel=1e-5), step
     load = {
@@ -54,6 +108,8 @@ def _assert_matches(experiment: Path, reference: Path, steps: range) -> None:
     }
     for record in _records(experiment):
         assert (record["expert_tokens_max"], record["expert_tokens_mean"]) == load[record["step"]]
+    if not weights:
+        return
     ours, theirs = final_weights(experiment, 6), final_weights(reference, 6)
     for name, tensor in theirs.items():
         torch.testing.assert_close(ours[name], tensor, rtol=1e-5, atol=1e-5, msg=name)
@@ -65,64 +121,34 @@ def _records(experiment: Path) -> list[dict]:
 
 
 def test_dp4_ep2_zero3_matches_one_process_and_resumes_without_expert_parallelism(
-    dataset: Path, reference: Path, tmp_path: Path
+    reference: Path, launched: dict[str, Launched]
 ) -> None:
-    # 2 expert groups of 2 ranks: each expert's buffer is sharded over, and its gradient summed
-    # across, the 2 ranks holding it.
-    experiment = tmp_path / "ep"
-    zero3 = ("model.multi_stage.zero_stage=3", "model.distributed.expert_parallel=2")
-    arguments = train_arguments(dataset, experiment, *MOE, *zero3, "training.train_iters=3")
-    result = torchrun(4, *arguments)
-    assert result.returncode == 0, result.stderr
-    assert "expert parallel 2" in result.stdout
+    run = launched["dp4-ep2-zero3"]
+    experiment = run.succeeded()
+    assert "expert parallel 2" in run.result.stdout
     manifest = json.loads((experiment / "checkpoint" / "3" / "manifest.json").read_text())
     assert manifest["expert_parallel"] == 2
     assert {p[0] for p in manifest["expert_parameters"]} == {
         f"layers.{i}.mlp.layer_{j}" for i in range(2) for j in (1, 2)
     }
-    # Whole experts on two ranks, each expert-parallel share read back from its shards.
-    result = torchrun(2, *train_arguments(dataset, experiment, *MOE, "training.train_iters=6"))
-    assert result.returncode == 0, result.stderr
-    assert "resumed from" in result.stdout
-    _assert_matches(experiment, reference, range(1, 7))
+    _assert_matches(experiment, reference, range(1, 4), weights=False)
+    resumed = launched["dp4-ep2-zero3-resumed-on-dp2"]
+    assert "resumed from" in resumed.result.stdout
+    _assert_matches(resumed.succeeded(), reference, range(4, 7))
 
 
-@pytest.mark.parametrize(
-    "layout",
-    [
-        # 2 pipeline ranks of 2 data ranks each, the data ranks of a stage splitting its experts.
-        ("model.distributed.pipeline_parallel=2", "schedule.breadth_first_micro_batches=2"),
-        # 2 tensor ranks of 2 data ranks each: tensor rank t exchanges tokens with tensor rank t
-        # of the other data rank and computes its half of each expert's ffn.
-        ("model.distributed.tensor_parallel=2", "model.distributed.sequence_tensor_parallel=true"),
-    ],
-    ids=["pp2-ep2", "tp2-ep2-sequence-parallel"],
-)
+@pytest.mark.parametrize("name", ["pp2-ep2", "tp2-ep2-sequence-parallel"])
 def test_ep2_with_model_parallelism_matches_one_process(
-    dataset: Path, reference: Path, tmp_path: Path, layout: tuple[str, ...]
+    reference: Path, launched: dict[str, Launched], name: str
 ) -> None:
     # The export holds every expert whole, its tensor slices merged.
-    experiment = tmp_path / "ep"
-    layout = (*layout, "model.distributed.expert_parallel=2", "training.train_iters=6")
-    result = torchrun(4, *train_arguments(dataset, experiment, *MOE, *layout))
-    assert result.returncode == 0, result.stderr
-    assert "expert parallel 2" in result.stdout
-    _assert_matches(experiment, reference, range(1, 7))
+    assert "expert parallel 2" in launched[name].result.stdout
+    _assert_matches(launched[name].succeeded(), reference, range(1, 7))
 
 
 def test_a_one_process_checkpoint_resumes_with_expert_parallelism_on_the_looped_experts(
-    dataset: Path, reference: Path, tmp_path: Path
+    reference: Path, launched: dict[str, Launched]
 ) -> None:
-    experiment = tmp_path / "ep"
-    (experiment / "checkpoint").mkdir(parents=True)
-    shutil.copytree(reference / "checkpoint" / "3", experiment / "checkpoint" / "3")
-    overrides = (
-        "model.distributed.expert_parallel=2",
-        "model.multi_stage.zero_stage=2",
-        "model.base_model.transformer.dropless_moe=false",
-        "training.train_iters=6",
-    )
-    result = torchrun(2, *train_arguments(dataset, experiment, *MOE, *overrides))
-    assert result.returncode == 0, result.stderr
-    assert "resumed from" in result.stdout
-    _assert_matches(experiment, reference, range(4, 7))
+    resumed = launched["one-process-resumed-on-ep2-looped"]
+    assert "resumed from" in resumed.result.stdout
+    _assert_matches(resumed.succeeded(), reference, range(4, 7))

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import shutil
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.test_cli import fastllm as run_cli
-from tests.torchrun import torchrun, torchrun_script
-from tests.training.conftest import train_arguments
+from tests.data.conftest import run_cli
+from tests.torchrun import torchrun_script
+from tests.training.conftest import Launched, Layout, launch, train_arguments
 from tests.training.test_tensor_parallel import assert_same_run
 
 COMMON = (
@@ -29,6 +30,25 @@ COMMON = (
     "batch.batch_size=8",
 )
 PIPELINE_2 = ("model.distributed.pipeline_parallel=2", "schedule.breadth_first_micro_batches=4")
+TENSOR_2 = (  # the 3-D layout leaves out the debug check
+    "model.distributed.tensor_parallel=2",
+    "model.distributed.sequence_tensor_parallel=true",
+    "model.multi_stage.debug_tensor_parallel=true",
+)
+PP2 = {
+    # Four stages looped over two ranks; the head (stage 3, rank 1) is tied to the embedding
+    # (stage 0, rank 0).
+    "looped-breadth-first-tied-head": (),
+    # Two layers per stage, one stage per rank, in 1F1B order.
+    "two-layers-per-stage-depth-first": (
+        "model.multi_stage.layers_per_stage=2",
+        "schedule.order=depth_first",
+    ),
+    # The looped placement with each sequence in four pieces, each a unit of the schedule
+    # (validation too); the breadth-first test of tests/training/test_micro_sequences.py adds
+    # document masking and the depth-first order.
+    "looped-breadth-first-four-pieces": ("schedule.micro_batch_splits=4",),
+}
 
 
 def arguments(dataset: Path, run: Path, *overrides: str) -> list[str]:
@@ -36,14 +56,34 @@ def arguments(dataset: Path, run: Path, *overrides: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def reference(dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def reference(dataset: Path, one_process: Callable[..., Path]) -> Path:
     """The single-process run (4 micro-batches of 2 accumulated, tied head)."""
-    run = tmp_path_factory.mktemp("reference") / "run"
-    with pytest.MonkeyPatch.context() as patch:  # set up before the autouse fixture runs
-        patch.delenv("TRITON_INTERPRET", raising=False)
-        result = run_cli(*arguments(dataset, run))
-    assert result.returncode == 0, result.stderr
-    return run
+    return one_process(f"data.validation_path=[{dataset}]", *COMMON)
+
+
+@pytest.fixture(scope="module")
+def launched(
+    dataset: Path, reference: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Launched]:
+    """The layouts of this module, in one torchrun launch per number of ranks."""
+    pipeline = (f"data.validation_path=[{dataset}]", *COMMON, *PIPELINE_2)
+    two_per_data_rank = "schedule.breadth_first_micro_batches=2"  # 2 × 2 per data rank
+    layouts = {
+        **{
+            f"pp2xdp2-zero{stage}": Layout(
+                4, (*pipeline, two_per_data_rank, f"model.multi_stage.zero_stage={stage}")
+            )
+            for stage in (1, 2, 3)
+        },
+        "pp2xtp2": Layout(4, (*pipeline, *TENSOR_2)),
+        "pp2xtp2xdp2-zero3": Layout(
+            8, (*pipeline, *TENSOR_2[:2], "model.multi_stage.zero_stage=3", two_per_data_rank)
+        ),
+        **{f"pp2-{name}": Layout(2, (*pipeline, *overrides)) for name, overrides in PP2.items()},
+        # The one process's step-5 checkpoint resumed on two pipeline ranks.
+        "one-process-resumed-on-pp2": Layout(2, pipeline, reference / "checkpoint" / "5"),
+    }
+    return launch(dataset, tmp_path_factory.mktemp("layouts"), layouts)
 
 
 def assert_same_validation(reference: Path, run: Path) -> None:
@@ -59,76 +99,43 @@ def assert_same_validation(reference: Path, run: Path) -> None:
         assert value == pytest.approx(expected[step], rel=1e-5), step
 
 
-@pytest.mark.parametrize(
-    "overrides",
-    [
-        # Four stages looped over two ranks; the head (stage 3, rank 1) is tied to the
-        # embedding (stage 0, rank 0).
-        (),
-        # Two layers per stage, one stage per rank, in 1F1B order.
-        ("model.multi_stage.layers_per_stage=2", "schedule.order=depth_first"),
-        # The looped placement with each sequence in four pieces, each a unit of the schedule
-        # (validation too); the breadth-first test of tests/training/test_micro_sequences.py
-        # adds document masking and the depth-first order.
-        ("schedule.micro_batch_splits=4",),
-    ],
-    ids=[
-        "looped-breadth-first-tied-head",
-        "two-layers-per-stage-depth-first",
-        "looped-breadth-first-four-pieces",
-    ],
-)
+@pytest.mark.parametrize("name", PP2)
 def test_two_pipeline_ranks_match_one_process(
-    dataset: Path, tmp_path: Path, reference: Path, overrides: tuple
+    dataset: Path, tmp_path: Path, reference: Path, launched: dict[str, Launched], name: str
 ) -> None:
-    run = tmp_path / "pp2"
-    result = torchrun(2, *arguments(dataset, run, *PIPELINE_2, *overrides))
-    assert result.returncode == 0, result.stderr
-    assert "pipeline parallel 2" in result.stdout
+    run = launched[f"pp2-{name}"].succeeded()
+    assert "pipeline parallel 2" in launched[f"pp2-{name}"].result.stdout
     assert_same_run(reference, run)
     assert_same_validation(reference, run)
-    if overrides:
+    if name != "looped-breadth-first-tied-head":
         return
     # Its step-5 checkpoint resumes on one process, and the one process's on two pipeline
     # ranks, with the uninterrupted run's losses.
-    for source, target, ranks in ((run, "on_one", 1), (reference, "on_two", 2)):
-        resumed = tmp_path / target
-        (resumed / "checkpoint").mkdir(parents=True)
-        shutil.copytree(source / "checkpoint" / "5", resumed / "checkpoint" / "5")
-        extra = PIPELINE_2 if ranks == 2 else ()
-        args = arguments(dataset, resumed, *extra)
-        result = torchrun(2, *args) if ranks == 2 else run_cli(*args)
-        assert result.returncode == 0, result.stderr
-        assert "resumed from" in result.stdout
-        assert_same_run(reference, resumed, first_step=6)
+    on_one = tmp_path / "on_one"
+    shutil.copytree(run / "checkpoint" / "5", on_one / "checkpoint" / "5")
+    result = run_cli(*arguments(dataset, on_one))
+    assert result.returncode == 0, result.stderr
+    on_two = launched["one-process-resumed-on-pp2"]
+    for resumed in (result, on_two.result):
+        assert "resumed from" in resumed.stdout
+    assert_same_run(reference, on_one, first_step=6)
+    assert_same_run(reference, on_two.succeeded(), first_step=6)
 
 
 @pytest.mark.parametrize("zero_stage", [1, 2, 3])
 def test_pipeline_and_data_parallel_match_one_process(
-    dataset: Path, tmp_path: Path, reference: Path, zero_stage: int
+    reference: Path, launched: dict[str, Launched], zero_stage: int
 ) -> None:
-    run = tmp_path / "pp2xdp2"
-    zero = f"model.multi_stage.zero_stage={zero_stage}"
-    batches = "schedule.breadth_first_micro_batches=2"  # 2 × 2 per data rank
-    result = torchrun(4, *arguments(dataset, run, *PIPELINE_2, batches, zero))
-    assert result.returncode == 0, result.stderr
-    assert f"data parallel 2, ZeRO-{zero_stage}" in result.stdout
-    assert_same_run(reference, run)
+    run = launched[f"pp2xdp2-zero{zero_stage}"]
+    assert f"data parallel 2, ZeRO-{zero_stage}" in run.result.stdout
+    assert_same_run(reference, run.succeeded())
 
 
 def test_pipeline_and_tensor_parallel_match_one_process(
-    dataset: Path, tmp_path: Path, reference: Path
+    reference: Path, launched: dict[str, Launched]
 ) -> None:
-    run = tmp_path / "pp2xtp2"
-    tensor = (
-        "model.distributed.tensor_parallel=2",
-        "model.distributed.sequence_tensor_parallel=true",
-        "model.multi_stage.debug_tensor_parallel=true",
-    )
-    result = torchrun(4, *arguments(dataset, run, *PIPELINE_2, *tensor))
-    assert result.returncode == 0, result.stderr
-    assert "tensor parallel 2" in result.stdout
-    assert_same_run(reference, run)
+    assert "tensor parallel 2" in launched["pp2xtp2"].result.stdout
+    assert_same_run(reference, launched["pp2xtp2"].succeeded())
 
 
 def test_each_rank_runs_its_program_as_the_schedule_has_it(dataset: Path, tmp_path: Path) -> None:
@@ -162,16 +169,11 @@ def test_each_rank_runs_its_program_as_the_schedule_has_it(dataset: Path, tmp_pa
 
 
 def test_pipeline_tensor_and_data_parallel_at_zero3_match_one_process(
-    dataset: Path, tmp_path: Path, reference: Path
+    reference: Path, launched: dict[str, Launched]
 ) -> None:
-    run = tmp_path / "pp2xtp2xdp2"
-    layout = (
-        "model.distributed.tensor_parallel=2",
-        "model.distributed.sequence_tensor_parallel=true",
-        "model.multi_stage.zero_stage=3",
-        "schedule.breadth_first_micro_batches=2",
+    run = launched["pp2xtp2xdp2-zero3"]
+    assert (
+        "pipeline parallel 2 (4 stages, breadth-first), data parallel 2, ZeRO-3"
+        in run.result.stdout
     )
-    result = torchrun(8, *arguments(dataset, run, *PIPELINE_2, *layout))
-    assert result.returncode == 0, result.stderr
-    assert "pipeline parallel 2 (4 stages, breadth-first), data parallel 2, ZeRO-3" in result.stdout
-    assert_same_run(reference, run)
+    assert_same_run(reference, run.succeeded())

@@ -5,6 +5,7 @@ chunks; losses and final weights within 1e-5 relative over 6 steps."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -12,9 +13,7 @@ import pytest
 from fastllm.config import ConfigError, TrainerConfig, load_config
 from fastllm.training.setup import check_inputs
 from tests.conftest import ROOT
-from tests.test_cli import fastllm as run_cli
-from tests.torchrun import torchrun
-from tests.training.conftest import train_arguments
+from tests.training.conftest import Launched, Layout, launch
 from tests.training.test_data_parallel import final_weights
 from tests.training.test_tensor_parallel import assert_close_weights
 from tests.training.test_train_cli import losses
@@ -33,56 +32,43 @@ HEAD_TAIL = ("model.distributed.sequence_data_chunking=head_tail",)
 
 
 @pytest.fixture(scope="module")
-def references(dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def references(one_process: Callable[..., Path]) -> dict[str, Path]:
     """Single-process runs of the tiny StarCoder2-style model (biases on the q/k/v
     projection, grouped-query attention, a sliding window), attention across and within
     documents."""
-    root = tmp_path_factory.mktemp("references")
-    runs = {}
-    with pytest.MonkeyPatch.context() as patch:  # set up before the autouse fixture runs
-        patch.delenv("TRITON_INTERPRET", raising=False)
-        for name, overrides in (("across", ()), ("within", DOCUMENTS)):
-            runs[name] = root / name
-            result = run_cli(*train_arguments(dataset, runs[name], *COMMON, *overrides))
-            assert result.returncode == 0, result.stderr
+    runs = {name: one_process(*COMMON, *overrides) for name, overrides in REFERENCES.items()}
     # The samples do hold several documents: masking them changes the run.
     assert losses(runs["across"]) != losses(runs["within"])
     return runs
 
 
-@pytest.mark.parametrize(
-    ("ranks", "documents", "overrides"),
-    [
-        (4, False, ("model.multi_stage.zero_stage=2",)),  # two groups of two data ranks
-        (2, True, ()),
-        (2, False, HEAD_TAIL),
-        (4, True, (*TP_2, *HEAD_TAIL)),
-        (4, False, (*TP_2, "model.multi_stage.zero_stage=3")),
-    ],
-    ids=[
-        "dp4-sdp2-zero2",
-        "sdp2-documents",
-        "sdp2-head-tail",
-        "tp2-sdp2-head-tail-documents",
-        "tp2-sdp2-zero3",
-    ],
-)
+REFERENCES = {"across": (), "within": DOCUMENTS}
+# name: (ranks, reference, layout)
+LAYOUTS = {
+    "dp4-sdp2-zero2": (4, "across", ("model.multi_stage.zero_stage=2",)),  # two groups of two
+    "sdp2-documents": (2, "within", ()),
+    "sdp2-head-tail": (2, "across", HEAD_TAIL),
+    "tp2-sdp2-head-tail-documents": (4, "within", (*TP_2, *HEAD_TAIL)),
+    "tp2-sdp2-zero3": (4, "across", (*TP_2, "model.multi_stage.zero_stage=3")),
+}
+
+
+@pytest.fixture(scope="module")
+def launched(dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Launched]:
+    """The layouts of LAYOUTS, in one torchrun launch per number of ranks."""
+    layouts = {
+        name: Layout(ranks, (*COMMON, *SDP_2, *REFERENCES[reference], *layout))
+        for name, (ranks, reference, layout) in LAYOUTS.items()
+    }
+    return launch(dataset, tmp_path_factory.mktemp("layouts"), layouts)
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
 def test_sequence_data_parallel_matches_one_process(
-    dataset: Path,
-    tmp_path: Path,
-    references: dict[str, Path],
-    ranks: int,
-    documents: bool,
-    overrides: tuple[str, ...],
+    references: dict[str, Path], launched: dict[str, Launched], name: str
 ) -> None:
-    run = tmp_path / "sdp"
-    arguments = train_arguments(
-        dataset, run, *COMMON, *SDP_2, *(DOCUMENTS if documents else ()), *overrides
-    )
-    result = torchrun(ranks, *arguments)
-    assert result.returncode == 0, result.stderr
-    assert "sequence-data parallel 2" in result.stdout
-    reference = references["within" if documents else "across"]
+    assert "sequence-data parallel 2" in launched[name].result.stdout
+    run, reference = launched[name].succeeded(), references[LAYOUTS[name][1]]
     expected, got = losses(reference), losses(run)
     assert sorted(got) == list(range(1, STEPS + 1))
     for step in got:

@@ -12,8 +12,8 @@ import transformers
 
 from tests.conftest import ROOT
 from tests.data.chat_fixtures import CONVERSATIONS, write_chat_jsonl, write_tokenizer
+from tests.data.conftest import run_cli
 from tests.model.hf_models import save_hf_model
-from tests.test_cli import fastllm
 
 # The run is shrunk to the tiny model: 4 steps, short packed sequences, fp32 on the CPU.
 TINY_RUN = [
@@ -55,9 +55,9 @@ def test_the_readme_fine_tuning_walk_through_runs(tmp_path: Path) -> None:
         f"run.experiment_dir={tmp_path / 'exp'}", *TINY_RUN,
     ]  # fmt: skip
     for command in (prepare, train, convert):
-        result = fastllm(*command)
+        result = run_cli(*command)
         assert result.returncode == 0, f"fastllm {shlex.join(command)}\n{result.stderr}"
-    result = fastllm(*generate, "--device", "cpu", "--max-new-tokens", "6")
+    result = run_cli(*generate, "--device", "cpu", "--max-new-tokens", "6")
     assert result.returncode == 0, result.stderr
 
     # transformers, given the converted model, answers the same.

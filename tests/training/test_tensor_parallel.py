@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -19,9 +20,8 @@ from fastllm.engine.mesh import Dimension, ParallelMesh
 from fastllm.engine.tensor_parallel import TensorParallel
 from fastllm.model import GPTModel
 from fastllm.training.state import sharded_state
-from tests.test_cli import fastllm as run_cli
-from tests.torchrun import torchrun
-from tests.training.conftest import train_arguments
+from tests.data.conftest import run_cli
+from tests.training.conftest import Launched, Layout, launch, train_arguments
 from tests.training.test_data_parallel import final_weights
 from tests.training.test_train_cli import losses
 
@@ -46,19 +46,45 @@ TENSOR_2 = ("model.distributed.tensor_parallel=2",)
 SEQUENCE = ("model.distributed.sequence_tensor_parallel=true",)
 
 
+MODELS = {"starcoder2": (), "llama": LLAMA}
+
+
 @pytest.fixture(scope="module")
-def references(dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def references(one_process: Callable[..., Path]) -> dict[str, Path]:
     """Single-process runs of the StarCoder2-style tiny model (LayerNorm, biases, tied head)
     and of a Llama-style one."""
-    root = tmp_path_factory.mktemp("references")
-    runs = {}
-    with pytest.MonkeyPatch.context() as patch:  # set up before the autouse fixture runs
-        patch.delenv("TRITON_INTERPRET", raising=False)
-        for name, overrides in (("starcoder2", ()), ("llama", LLAMA)):
-            runs[name] = root / name
-            result = run_cli(*train_arguments(dataset, runs[name], *COMMON, *overrides))
-            assert result.returncode == 0, result.stderr
-    return runs
+    return {name: one_process(*COMMON, *overrides) for name, overrides in MODELS.items()}
+
+
+@pytest.fixture(scope="module")
+def launched(
+    dataset: Path, references: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Launched]:
+    """The layouts of this module, in one torchrun launch per number of ranks."""
+    root = tmp_path_factory.mktemp("layouts")
+    starcoder2, llama = (*COMMON, *MODELS["starcoder2"]), (*COMMON, *MODELS["llama"])
+    zero = "model.multi_stage.zero_stage="
+    layouts = {
+        "tp2xdp2-zero1": Layout(4, (*starcoder2, *TENSOR_2, f"{zero}1", *SEQUENCE)),
+        "tp2xdp2-zero2": Layout(
+            4, (*starcoder2, *TENSOR_2, f"{zero}2", "training.export.format=starcoder2")
+        ),
+        "tp2xdp2-zero3": Layout(4, (*starcoder2, *TENSOR_2, f"{zero}3", *SEQUENCE)),
+        "tp2-starcoder2": Layout(2, (*starcoder2, *TENSOR_2, *SEQUENCE)),
+        "tp2-llama": Layout(2, (*llama, *TENSOR_2, "model.multi_stage.recompute=full")),
+        # Step-5 checkpoints resumed in another layout, raising train_iters from 5 to 10.
+        "tp2xdp2-zero3-resumed-on-dp2": Layout(
+            2, starcoder2, root / "tp2xdp2-zero3" / "checkpoint" / "5"
+        ),
+        "one-process-resumed-on-tp2": Layout(
+            2, (*llama, *TENSOR_2), references["llama"] / "checkpoint" / "5"
+        ),
+        "tp2-moe-dropless-sequence-parallel": Layout(2, (*MOE, *SEQUENCE, *TENSOR_2)),
+        "tp2-moe-looped": Layout(
+            2, (*MOE, "model.base_model.transformer.dropless_moe=false", *TENSOR_2)
+        ),
+    }
+    return launch(dataset, root, layouts)
 
 
 def assert_same_run(reference: Path, run: Path, first_step: int = 1, weights: bool = True) -> None:
@@ -83,26 +109,22 @@ def assert_close_weights(ours: dict[str, torch.Tensor], theirs: dict[str, torch.
 
 
 @pytest.mark.parametrize(
-    ("model", "overrides"),
+    "model",
     [
         # Tied head, LayerNorm, biases of row-parallel layers, as many key/value heads as
-        # tensor ranks (grouped-query attention).
-        ("starcoder2", SEQUENCE),
+        # tensor ranks (grouped-query attention), sequence parallelism.
+        "starcoder2",
         # Untied head, gated MLP; blocks recomputed whole (their collectives run again in the
         # backward pass).
-        ("llama", ("model.multi_stage.recompute=full",)),
+        "llama",
     ],
     ids=["starcoder2-gqa-sequence-parallel", "llama-untied-full-recompute"],
 )
 def test_two_tensor_ranks_match_one_process(
-    dataset: Path, tmp_path: Path, references: dict[str, Path], model: str, overrides: tuple
+    tmp_path: Path, references: dict[str, Path], launched: dict[str, Launched], model: str
 ) -> None:
-    run = tmp_path / "tp2"
-    model_overrides = LLAMA if model == "llama" else ()
-    arguments = train_arguments(dataset, run, *COMMON, *model_overrides, *TENSOR_2, *overrides)
-    result = torchrun(2, *arguments)
-    assert result.returncode == 0, result.stderr
-    assert "tensor parallel 2" in result.stdout
+    run = launched[f"tp2-{model}"].succeeded()
+    assert "tensor parallel 2" in launched[f"tp2-{model}"].result.stdout
     assert_same_run(references[model], run)
     manifest = json.loads((run / "export" / "10" / "manifest.json").read_text())
     assert (manifest["tensor_parallel"], manifest["data_parallel"]) == (2, 1)
@@ -155,17 +177,18 @@ def assert_restores_exactly_on_four_tensor_ranks(checkpoint: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("zero_stage", "overrides"),
-    [(1, SEQUENCE), (2, ("training.export.format=starcoder2",)), (3, SEQUENCE)],
+    "zero_stage",
+    [1, 2, 3],
     ids=["zero1-sequence-parallel", "zero2-hf-export", "zero3-sequence-parallel"],
 )
 def test_tensor_and_data_parallel_match_one_process_and_resume_elsewhere(
-    dataset: Path, tmp_path: Path, references: dict[str, Path], zero_stage: int, overrides: tuple
+    dataset: Path,
+    tmp_path: Path,
+    references: dict[str, Path],
+    launched: dict[str, Launched],
+    zero_stage: int,
 ) -> None:
-    run = tmp_path / "tp2xdp2"
-    zero = f"model.multi_stage.zero_stage={zero_stage}"
-    result = torchrun(4, *train_arguments(dataset, run, *COMMON, *TENSOR_2, zero, *overrides))
-    assert result.returncode == 0, result.stderr
+    run = launched[f"tp2xdp2-zero{zero_stage}"].succeeded()
     hf_export = zero_stage == 2  # gathered whole from the tensor slices by the run itself
     assert_same_run(references["starcoder2"], run, weights=not hf_export)
     if hf_export:
@@ -183,27 +206,23 @@ def test_tensor_and_data_parallel_match_one_process_and_resume_elsewhere(
         return
     # Its step-5 checkpoint resumes on two data ranks without tensor parallelism and on one
     # process, raising train_iters from 5 to 10, with the uninterrupted run's losses.
-    for ranks in (2, 1):
-        resumed = tmp_path / f"resumed_on_{ranks}"
-        (resumed / "checkpoint").mkdir(parents=True)
-        shutil.copytree(run / "checkpoint" / "5", resumed / "checkpoint" / "5")
-        arguments = train_arguments(dataset, resumed, *COMMON)
-        result = torchrun(2, *arguments) if ranks == 2 else run_cli(*arguments)
-        assert result.returncode == 0, result.stderr
-        assert "resumed from" in result.stdout
-        assert_same_run(references["starcoder2"], resumed, first_step=6)
+    on_one = tmp_path / "resumed_on_1"
+    shutil.copytree(run / "checkpoint" / "5", on_one / "checkpoint" / "5")
+    result = run_cli(*train_arguments(dataset, on_one, *COMMON))
+    assert result.returncode == 0, result.stderr
+    for resumed in (launched["tp2xdp2-zero3-resumed-on-dp2"].result, result):
+        assert "resumed from" in resumed.stdout
+    assert_same_run(references["starcoder2"], on_one, first_step=6)
+    on_two = launched["tp2xdp2-zero3-resumed-on-dp2"].succeeded()
+    assert_same_run(references["starcoder2"], on_two, first_step=6)
 
 
 def test_a_checkpoint_of_one_process_resumes_on_two_tensor_ranks(
-    dataset: Path, tmp_path: Path, references: dict[str, Path]
+    references: dict[str, Path], launched: dict[str, Launched]
 ) -> None:
-    resumed = tmp_path / "resumed"
-    (resumed / "checkpoint").mkdir(parents=True)
-    shutil.copytree(references["llama"] / "checkpoint" / "5", resumed / "checkpoint" / "5")
-    result = torchrun(2, *train_arguments(dataset, resumed, *COMMON, *LLAMA, *TENSOR_2))
-    assert result.returncode == 0, result.stderr
-    assert "resumed from" in result.stdout
-    assert_same_run(references["llama"], resumed, first_step=6)
+    resumed = launched["one-process-resumed-on-tp2"]
+    assert "resumed from" in resumed.result.stdout
+    assert_same_run(references["llama"], resumed.succeeded(), first_step=6)
 
 
 MOE_STEPS = 4
@@ -232,31 +251,20 @@ def metric(experiment: Path, key: str) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def moe_reference(dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def moe_reference(one_process: Callable[..., Path]) -> Path:
     """The single-process run of the mixture of experts (dropless)."""
-    run = tmp_path_factory.mktemp("moe_reference") / "one"
-    with pytest.MonkeyPatch.context() as patch:  # set up before the autouse fixture runs
-        patch.delenv("TRITON_INTERPRET", raising=False)
-        result = run_cli(*train_arguments(dataset, run, *MOE))
-    assert result.returncode == 0, result.stderr
-    return run
+    return one_process(*MOE)
 
 
-@pytest.mark.parametrize(
-    "overrides",
-    [SEQUENCE, ("model.base_model.transformer.dropless_moe=false",)],
-    ids=["dropless-sequence-parallel", "looped"],
-)
+@pytest.mark.parametrize("path", ["dropless-sequence-parallel", "looped"])
 def test_mixture_of_experts_on_two_tensor_ranks_matches_one_process(
-    dataset: Path, tmp_path: Path, moe_reference: Path, overrides: tuple
+    tmp_path: Path, moe_reference: Path, launched: dict[str, Launched], path: str
 ) -> None:
     """Each expert's ffn and the shared expert's split over the ranks, the router replicated:
     losses (router losses counted once), expert loads and weights, against the dropless run
     of one process (the looped path computes the same up to rounding); with sequence
     parallelism also the Qwen2-MoE export."""
-    runs = {"one": moe_reference, "tp2": tmp_path / "tp2"}
-    result = torchrun(2, *train_arguments(dataset, runs["tp2"], *MOE, *overrides, *TENSOR_2))
-    assert result.returncode == 0, result.stderr
+    runs = {"one": moe_reference, "tp2": launched[f"tp2-moe-{path}"].succeeded()}
     for key in ("loss", "expert_tokens_max", "expert_tokens_mean"):
         expected, got = metric(runs["one"], key), metric(runs["tp2"], key)
         assert sorted(got) == list(range(1, MOE_STEPS + 1)), key
@@ -264,7 +272,7 @@ def test_mixture_of_experts_on_two_tensor_ranks_matches_one_process(
             assert got[step] == pytest.approx(expected[step], rel=1e-5), (key, step)
     weights = {name: final_weights(run, MOE_STEPS) for name, run in runs.items()}
     assert_close_weights(weights["tp2"], weights["one"])
-    if overrides != SEQUENCE:
+    if path != "dropless-sequence-parallel":
         return
     converted = {}
     for name, experiment in runs.items():

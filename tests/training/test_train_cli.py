@@ -1,4 +1,6 @@
-"""`fastllm train` through the command line on real data: resume, preemption, exports."""
+"""`fastllm train` through the command line on real data: resume, preemption, exports. The runs
+go through `fastllm.cli.main` in this process (`in_process`) unless the test is about the
+process itself (a signal, a warning on stderr) or about a separate script."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import transformers
 
 import fastllm
 from tests.conftest import ROOT
+from tests.data.conftest import run_cli as in_process
 from tests.test_cli import fastllm as run_cli
 from tests.training.conftest import train_arguments
 
@@ -29,13 +32,13 @@ def test_resume_reproduces_the_uninterrupted_losses_bit_for_bit(
     dataset: Path, tmp_path: Path
 ) -> None:
     straight = tmp_path / "straight"
-    result = run_cli(*train_arguments(dataset, straight, "training.train_iters=8"))
+    result = in_process(*train_arguments(dataset, straight, "training.train_iters=8"))
     assert result.returncode == 0, result.stderr
     interrupted = tmp_path / "interrupted"
-    result = run_cli(*train_arguments(dataset, interrupted, "training.train_iters=4"))
+    result = in_process(*train_arguments(dataset, interrupted, "training.train_iters=4"))
     assert result.returncode == 0, result.stderr
     assert (interrupted / "checkpoint" / "4" / "manifest.json").is_file()
-    result = run_cli(*train_arguments(dataset, interrupted, "training.train_iters=8"))
+    result = in_process(*train_arguments(dataset, interrupted, "training.train_iters=8"))
     assert result.returncode == 0, result.stderr
     assert "resumed from" in result.stdout
     expected = losses(straight)
@@ -76,7 +79,7 @@ def test_a_corrupt_newest_checkpoint_is_skipped_with_a_warning(
     args = train_arguments(
         dataset, experiment, "training.train_iters=4", "training.checkpoint.interval=2"
     )
-    assert run_cli(*args).returncode == 0
+    assert in_process(*args).returncode == 0
     newest = experiment / "checkpoint" / "4"
     data = next(newest.glob("rank_*.safetensors"))
     raw = bytearray(data.read_bytes())
@@ -97,7 +100,7 @@ def test_export_converts_to_hugging_face_and_matches_load_model(
     dataset: Path, tmp_path: Path
 ) -> None:
     experiment = tmp_path / "run"
-    result = run_cli(
+    result = in_process(
         *train_arguments(
             dataset,
             experiment,
@@ -110,7 +113,7 @@ def test_export_converts_to_hugging_face_and_matches_load_model(
     export = experiment / "export" / "3"
     assert (export / "manifest.json").is_file()
     hf = tmp_path / "hf"
-    result = run_cli(
+    result = in_process(
         "convert",
         "gpt",
         "input.format=distributed",
@@ -128,11 +131,13 @@ def test_export_converts_to_hugging_face_and_matches_load_model(
 
 def test_bad_config_is_rejected_before_any_work(dataset: Path, tmp_path: Path) -> None:
     experiment = tmp_path / "run"
-    result = run_cli(*train_arguments(tmp_path / "missing", experiment, "training.train_iters=2"))
+    result = in_process(
+        *train_arguments(tmp_path / "missing", experiment, "training.train_iters=2")
+    )
     assert result.returncode == 2
     assert "data.path[0]" in result.stderr and "no such dataset" in result.stderr
     assert not experiment.exists()
-    result = run_cli(*train_arguments(dataset, experiment, "optimizer.learning_rate.base=-1"))
+    result = in_process(*train_arguments(dataset, experiment, "optimizer.learning_rate.base=-1"))
     assert result.returncode == 2
     assert "optimizer.learning_rate.base: must be non-negative" in result.stderr
     assert not experiment.exists()
@@ -143,7 +148,7 @@ def test_a_dataset_with_more_tokens_than_the_model_is_refused(
 ) -> None:
     experiment = tmp_path / "run"
     arguments = train_arguments(dataset, experiment, "model.base_model.vocab_size=256")
-    result = run_cli(*arguments)
+    result = in_process(*arguments)
     assert result.returncode != 0
     assert "data.path[0]" in result.stderr and "vocab_size is 256" in result.stderr
     assert "512-token tokenizer" in result.stderr
@@ -173,7 +178,7 @@ def test_the_final_checkpoint_can_be_left_out(dataset: Path, tmp_path: Path) -> 
     arguments = train_arguments(
         dataset, experiment, "training.train_iters=2", "training.checkpoint.at_end=false"
     )
-    result = run_cli(*arguments)
+    result = in_process(*arguments)
     assert result.returncode == 0, result.stderr
     assert sorted(losses(experiment)) == [1, 2]
     assert not list((experiment / "checkpoint").glob("[0-9]*"))
@@ -187,7 +192,7 @@ def test_profile_writes_a_trace_and_a_table_of_the_chosen_steps(
         dataset, experiment, "training.train_iters=4",
         "training.profile.step=2", "training.profile.steps=2",
     )  # fmt: skip
-    result = run_cli(*arguments)
+    result = in_process(*arguments)
     assert result.returncode == 0, result.stderr
     trace = json.loads((experiment / "profile" / "rank_0.json").read_text())
     names = {event.get("name", "") for event in trace["traceEvents"]}

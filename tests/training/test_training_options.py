@@ -14,6 +14,7 @@ from fastllm.config import TrainerConfig, build, load_raw
 from fastllm.data import Batch
 from fastllm.training import Trainer
 from fastllm.training.setup import with_pretrained_architecture
+from tests.data.conftest import run_cli as in_process
 from tests.model.hf_models import save_hf_model
 from tests.test_cli import fastllm as run_cli
 from tests.training.conftest import train_arguments
@@ -114,7 +115,7 @@ def test_validation_loss_is_logged_at_its_interval(dataset: Path, tmp_path: Path
         dataset, experiment, "training.train_iters=4", "training.validation.interval=2",
         "training.validation.iterations=2", f"data.validation_path=[{dataset}]",
     )  # fmt: skip
-    result = run_cli(*arguments)
+    result = in_process(*arguments)
     assert result.returncode == 0, result.stderr
     records = [json.loads(line) for line in (experiment / "metrics.jsonl").read_text().splitlines()]
     validated = {
