@@ -47,28 +47,26 @@ def exchange(
     tokens: Tensor,
     weights: Tensor,
     experts: Tensor,
-    num_experts: int,
+    counts: Tensor,
     ep: ExpertParallel,
     compute: Callable[[Tensor, Tensor], Tensor],
 ) -> Tensor:
     """The mixture's routed output for `tokens` (tokens, hidden), each sent to its k `experts`
-    (tokens, k; global indices) with `weights` (tokens, k). `compute(rows, local_experts)` runs
+    (tokens, k; global indices) with `weights` (tokens, k); `counts` (experts,): the rows this
+    rank routes to each expert (the router's). `compute(rows, local_experts)` runs
     this rank's experts on the rows the group sent it (`local_experts` (rows,) in
     0 … N/E - 1) and returns their outputs. Differentiable in tokens, weights and whatever
     `compute` reads."""
     k = experts.shape[1]
-    per_rank = num_experts // ep.size
-    flat = experts.reshape(-1)
-    order = flat.argsort(stable=True)  # by expert, hence by the rank holding it
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    per_rank = counts.numel() // ep.size
+    order = experts.reshape(-1).argsort(stable=True)  # by expert, hence by the rank holding it
     # received[s, e]: rows source rank s routes to this rank's expert e.
     received = _all_to_all(counts.view(ep.size, per_rank), [1] * ep.size, None, ep.group)
-    send_splits = counts.view(ep.size, per_rank).sum(dim=1).tolist()
-    receive_splits = received.sum(dim=1).tolist()
+    splits = torch.stack([counts.view(ep.size, per_rank).sum(dim=1), received.sum(dim=1)])
+    send_splits, receive_splits = splits.tolist()  # one wait for the host
     rows = _AllToAll.apply(tokens[order // k], receive_splits, send_splits, ep.group)
     # Received rows come by source rank, then by expert within each.
-    local = torch.arange(per_rank, device=flat.device).repeat(ep.size)
+    local = torch.arange(per_rank, device=counts.device).repeat(ep.size)
     outputs = compute(rows, local.repeat_interleave(received.reshape(-1)))
     back = _AllToAll.apply(outputs, send_splits, receive_splits, ep.group)
     scaled = back * weights.reshape(-1)[order, None]

@@ -181,7 +181,7 @@ class MixtureOfExperts(torch.nn.Module):
             self.z_loss_coefficient,
         )
         if self.ep.split:
-            out = exchange(tokens, weights, experts, self.num_experts, self.ep, self._held)
+            out = exchange(tokens, weights, experts, counts, self.ep, self._held)
         elif self.dropless:
             out = self._dropless(tokens, weights, sparse)
         else:
