@@ -14,7 +14,7 @@ from tests.test_cli import fastllm as run_cli
 from tests.torchrun import torchrun
 from tests.training.conftest import train_arguments
 from tests.training.test_expert_parallel import MOE
-from tests.training.test_train_cli import losses
+from tests.training.test_train_cli import assert_same_losses
 
 pytestmark = [
     pytest.mark.gpu,
@@ -48,7 +48,4 @@ def _assert_two_expert_ranks_match_one_process(dataset: Path, tmp_path: Path) ->
     layout = ("model.distributed.expert_parallel=2", "model.multi_stage.zero_stage=2")
     result = torchrun(2, *train_arguments(dataset, split, *overrides, *layout))
     assert result.returncode == 0, result.stderr
-    expected, got = losses(single), losses(split)
-    assert sorted(got) == sorted(expected) == list(range(1, 11))
-    for step, loss in expected.items():
-        assert got[step] == pytest.approx(loss, rel=1e-2), step
+    assert_same_losses(single, split, 10, rel=1e-2)

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 import transformers
 
@@ -26,6 +27,14 @@ from tests.training.conftest import train_arguments
 def losses(experiment: Path) -> dict[int, float]:
     records = [json.loads(line) for line in (experiment / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def assert_same_losses(reference: Path, experiment: Path, steps: int, rel: float) -> None:
+    """Both runs logged the losses of steps 1 … `steps`, equal within `rel`."""
+    expected, got = losses(reference), losses(experiment)
+    assert sorted(got) == sorted(expected) == list(range(1, steps + 1))
+    for step, loss in expected.items():
+        assert got[step] == pytest.approx(loss, rel=rel), step
 
 
 def test_resume_reproduces_the_uninterrupted_losses_bit_for_bit(
