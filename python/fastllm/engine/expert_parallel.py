@@ -60,17 +60,18 @@ def exchange(
     k = experts.shape[1]
     per_rank = counts.numel() // ep.size
     order = experts.reshape(-1).argsort(stable=True)  # by expert, hence by the rank holding it
+    sources = order // k  # the token of each sorted row
     # received[s, e]: rows source rank s routes to this rank's expert e.
     received = _all_to_all(counts.view(ep.size, per_rank), [1] * ep.size, None, ep.group)
     splits = torch.stack([counts.view(ep.size, per_rank).sum(dim=1), received.sum(dim=1)])
     send_splits, receive_splits = splits.tolist()  # one wait for the host
-    rows = _AllToAll.apply(tokens[order // k], receive_splits, send_splits, ep.group)
+    rows = _AllToAll.apply(tokens[sources], receive_splits, send_splits, ep.group)
     # Received rows come by source rank, then by expert within each.
     local = torch.arange(per_rank, device=counts.device).repeat(ep.size)
     outputs = compute(rows, local.repeat_interleave(received.reshape(-1)))
     back = _AllToAll.apply(outputs, send_splits, receive_splits, ep.group)
     scaled = back * weights.reshape(-1)[order, None]
-    return torch.zeros_like(tokens).index_add(0, order // k, scaled)
+    return torch.zeros_like(tokens).index_add(0, sources, scaled)
 
 
 class _AllToAll(torch.autograd.Function):
