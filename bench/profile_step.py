@@ -5,13 +5,18 @@ config, data and code path) under torch.profiler, its kernels grouped by what th
     python bench/profile_step.py --model 1b --tiny --device cpu --out /tmp/profile   # smoke
 
 Writes OUT/profile.json (per group and per kernel: calls, total ms per step, share of the step)
-and OUT/profile.md; with --trace, a Chrome trace too (large)."""
+and OUT/profile.md; with --trace, a Chrome trace too (large). With --timeline, the wall time of
+unprofiled steps and where the GPU sits idle (bench/step_timeline.py): once from a trace of
+CUDA activity alone (the idle time without the profiler's host overhead), once with the host's
+operators (which of them the GPU waited for), to OUT/timeline_cuda.md and timeline_host.md."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import tempfile
+import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -69,6 +74,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
             torch.cuda.synchronize()
     if args.trace:
         prof.export_chrome_trace(str(args.out / "trace.json"))
+    timing = _timeline(trainer, batches, args) if args.timeline and cuda else {}
     kernels: dict[str, dict[str, float]] = defaultdict(lambda: {"calls": 0, "ms": 0.0})
     for event in prof.key_averages():
         time_us = event.device_time_total if cuda else event.self_cpu_time_total
@@ -97,7 +103,39 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
             for name, stats in top
         ],
         "operators": ops,
+        **timing,
     }
+
+
+def _timeline(trainer: Any, batches: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """Unprofiled steps' wall time, then the idle analysis of two profiled windows."""
+    import torch
+    from step_timeline import table as timeline_table
+    from step_timeline import timeline
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    for _ in range(args.steps):
+        trainer.train_step(next(batches))
+    torch.cuda.synchronize()
+    result: dict[str, Any] = {"wall_ms_per_step": (time.perf_counter() - began) * 1e3 / args.steps}
+    for name, activities in (
+        ("cuda", [ProfilerActivity.CUDA]),
+        ("host", [ProfilerActivity.CPU, ProfilerActivity.CUDA]),
+    ):
+        with torch_profile(activities=activities) as prof:
+            for _ in range(args.steps):
+                trainer.train_step(next(batches))
+            torch.cuda.synchronize()
+        trace = Path(tempfile.mkdtemp(prefix="fastllm-trace-")) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        report = timeline(json.loads(trace.read_text()))
+        trace.unlink()
+        (args.out / f"timeline_{name}.md").write_text(timeline_table(report, args.steps) + "\n")
+        result[f"timeline_{name}"] = report
+    return result
 
 
 # The operators whose device time the matmuls' shapes explain: (op, input shapes) rows.
@@ -166,6 +204,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=30, help="kernels listed")
     parser.add_argument("--ops", type=int, default=0, help="matmul operators listed by shape")
     parser.add_argument("--trace", action="store_true")
+    parser.add_argument("--timeline", action="store_true", help="wall time and GPU idle gaps")
     parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="more overrides")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--device", choices=["auto", "cpu"], default="auto")
@@ -184,6 +223,12 @@ def main() -> None:
     text = table(report)
     (args.out / "profile.md").write_text(text + "\n")
     print(f"{report['ms_per_step']:.1f} ms per step ({report['timed']})\n\n{text}")
+    for name in ("cuda", "host"):
+        if f"timeline_{name}" in report:
+            print(
+                f"\nwall {report['wall_ms_per_step']:.1f} ms per step unprofiled; timeline ({name}):"
+            )
+            print((args.out / f"timeline_{name}.md").read_text()[:6000])
 
 
 if __name__ == "__main__":
