@@ -60,8 +60,12 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
         seed=0,
     )
     args.accumulate = 1
+    timed_steps = args.steps
+    if args.timeline:  # three more windows of `steps` steps: unprofiled, CUDA alone, host + CUDA
+        args.steps *= 4
     overrides = [*run_overrides(args.model, args, work / "exp", Path(dataset["path"])), *args.set]
     trainer = Trainer(load_trainer_config(args.model, overrides))
+    args.steps = timed_steps
     cuda = trainer.distributed.device.type == "cuda"
     batches = iter(trainer.data_loader())
     for _ in range(args.warmup):
