@@ -225,14 +225,14 @@ def backward_products(
         w = fp8.columns(weight)
         d_input = scaled_matmul(_part(grad.rows), w, grad_rows.dtype, fast=False)
     if isinstance(input_rows, Fp8Tensor):
-        d_weight = _weight_gradient(weight, _part(grad.columns), input_rows)
+        d_weight = weight_gradient(weight, _part(grad.columns), input_rows)
     elif input_rows is not None:
         delayed = fp8.scale(INPUT, record=False) if input_amax is None else None
         x = quantize(
             input_rows, E4M3, tensorwise=tensorwise, rows=False, columns=True, amax=input_amax,
             delayed=delayed,
         )  # fmt: skip
-        d_weight = _weight_gradient(weight, _part(grad.columns), _part(x.columns))
+        d_weight = weight_gradient(weight, _part(grad.columns), _part(x.columns))
     return d_input, d_weight
 
 
@@ -248,7 +248,7 @@ def input_scale_source(fp8: Fp8Weight, input_amax: Tensor | None) -> Tensor | No
     return delayed.history
 
 
-def _weight_gradient(weight: Tensor, grad: Fp8Tensor, x: Fp8Tensor) -> Tensor | None:
+def weight_gradient(weight: Tensor, grad: Fp8Tensor, x: Fp8Tensor) -> Tensor | None:
     """gradᵀ x (both transposed already): into the weight's gradient sink in fp32 (no copy of
     it in the compute dtype), else returned in the weight's dtype."""
     sink = getattr(weight, "gradient_sink", None)

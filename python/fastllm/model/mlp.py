@@ -16,6 +16,7 @@ from fastllm.engine.expert_parallel import ExpertParallel, exchange
 from fastllm.engine.tensor_parallel import TensorParallel, counted_once, enter, leave
 from fastllm.model.parameters import TensorSplit, describe
 from fastllm_kernels.activation import gated_activation_fused, gated_linear
+from fastllm_kernels.fp8_mlp import fp8_gated_mlp, fused_mlp_applies
 from fastllm_kernels.linear import linear
 from fastllm_kernels.moe import SparseMap, combine, dispatch, grouped_linear, route, sparse_map
 
@@ -67,6 +68,11 @@ class MLP(torch.nn.Module):
     def partial(self, x: Tensor, norm: Normalization) -> Tensor:
         """This tensor rank's part of the MLP of norm(x), x already through `enter` (whole);
         the second layer's bias added only when not split (`leave` adds it after the sum)."""
+        up, down = self.layer_1.weight, self.layer_2.weight
+        if self._fused_fp8(x, norm):
+            rms = norm.bias is None
+            return fp8_gated_mlp(x, norm.weight, norm.bias, norm.epsilon, rms, up, down,
+                                 self.activation)  # fmt: skip
         h = norm.project(x, self.layer_1.weight, self.layer_1.bias)
         return _project(
             h,
@@ -75,6 +81,15 @@ class MLP(torch.nn.Module):
             self.gated,
             self.activation,
             self.recompute_activation,
+        )
+
+    def _fused_fp8(self, x: Tensor, norm: Normalization) -> bool:
+        """Whether the whole MLP runs as one FP8 function (kernels/fastllm_kernels/fp8_mlp.py):
+        gated, recomputing the norm and the activation, no biases, not split."""
+        plain = self.layer_1.bias is None and self.layer_2.bias is None and not self.tp.split
+        recomputed = self.gated and self.recompute_activation and norm.recompute
+        return (
+            plain and recomputed and fused_mlp_applies(x, self.layer_1.weight, self.layer_2.weight)
         )
 
 
