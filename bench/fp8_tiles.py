@@ -1,8 +1,9 @@
-"""The FP8 cast kernel's tile shape on the GPU: `fastllm_kernels.fp8._cast_kernel` under
-tensorwise delayed scaling (one pass: read bf16, write the layouts asked for) at llama-3b's
-shapes, for each tile (rows × columns, warps), in GB/s of bytes moved.
+"""The FP8 kernels' tile shapes on the GPU, at llama-3b's shapes, for each tile (rows × columns,
+warps), in GB/s of bytes moved: `fastllm_kernels.fp8._cast_kernel` under tensorwise delayed
+scaling (one pass: read bf16, write the layouts asked for), and the fused MLP's gated backward
+(`fp8_mlp._gated_backward_quantize_kernel`, which the GPU autotunes over the same tiles).
 
-    python bench/fp8_cast_tiles.py --out bench/results/h200-HASH/fp8_cast_tiles.json
+    python bench/fp8_tiles.py --out bench/results/h200-HASH/fp8_tiles.json
 """
 
 from __future__ import annotations
@@ -68,16 +69,55 @@ def sweep() -> list[dict]:
     return results
 
 
+def gated_sweep(n_rows: int = 8192, d: int = 8192) -> list[dict]:
+    import torch
+    import triton
+
+    from fastllm_kernels.fp8 import FP8_MAX
+    from fastllm_kernels.fp8_mlp import TILES, _gated_backward_quantize_kernel
+
+    e5m2, e4m3 = torch.float8_e5m2, torch.float8_e4m3fn
+    h = torch.randn(n_rows, 2 * d, device="cuda", dtype=torch.bfloat16)
+    da = torch.randn(n_rows, d, device="cuda", dtype=torch.bfloat16)
+    dh = torch.empty(n_rows, 2 * d, device="cuda", dtype=e5m2)
+    dh_t = torch.empty(2 * d, n_rows, device="cuda", dtype=e5m2)
+    a_t = torch.empty(d, n_rows, device="cuda", dtype=e4m3)
+    history, scales = torch.full((16,), 4.0, device="cuda"), torch.empty(3, device="cuda")
+    moved = n_rows * d * (2 * 2 + 2 + 2 * 2 + 1)
+    results, reference = [], None
+    for config in TILES:
+        bm, bk = config.kwargs["BM"], config.kwargs["BK"]
+        launch = functools.partial(
+            _gated_backward_quantize_kernel[(triton.cdiv(n_rows, bm), triton.cdiv(d, bk))],
+            h, h.stride(0), da, da.stride(0), n_rows, d, dh, dh_t, scales[0], history, 16,
+            scales[2], a_t, scales[1], history, 16, ACTIVATION="silu", RECORD=True,
+            GRADIENT_AMAX_BLOCK=16, ACTIVATED_AMAX_BLOCK=16, GRADIENT_MAX=FP8_MAX[e5m2],
+            ACTIVATED_MAX=FP8_MAX[e4m3], BM=bm, BK=bk, num_warps=config.num_warps,
+        )  # fmt: skip
+        for t in (dh, dh_t, a_t):
+            t.zero_()
+        launch()
+        out = tuple(t.float().sum().item() for t in (dh, dh_t, a_t))
+        reference = reference or out
+        ms = triton.testing.do_bench(launch, warmup=10, rep=50)
+        results.append({
+            "shape": f"gated backward {n_rows}x{d}", "tile": f"{bm}x{bk} w{config.num_warps}",
+            "ms": ms, "gb_s": moved / ms / 1e6, "same_output": out == reference,
+        })  # fmt: skip
+        print(results[-1], flush=True)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--commit")
     args = parser.parse_args()
-    results = sweep()
+    results = gated_sweep() + sweep()
     report = {**commit_info(args.commit), "machine": machine_info(), "results": results}
     write_json(args.out, report)
     rows = [
-        [r["shape"], r["tile"], f"{r['ms']:.3f}", f"{r['gb_s']:.0f}", r["same_output"]]
+        [r["shape"], r["tile"], f"{r['ms']:.3f}", f"{r['gb_s']:.0f}", str(r["same_output"])]
         for r in results
     ]
     table = markdown_table(["shape", "tile", "ms", "GB/s", "same output"], rows)
