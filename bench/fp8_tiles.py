@@ -112,8 +112,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--commit")
+    parser.add_argument(
+        "--kernels", nargs="+", choices=("gated", "cast"), default=["gated", "cast"]
+    )
     args = parser.parse_args()
-    results = gated_sweep() + sweep()
+    results = (gated_sweep() if "gated" in args.kernels else []) + (
+        sweep() if "cast" in args.kernels else []
+    )
     report = {**commit_info(args.commit), "machine": machine_info(), "results": results}
     write_json(args.out, report)
     rows = [

@@ -64,6 +64,11 @@ class Run:
     warmup: int = 1
     steps: int = 2
 
+    @property
+    def label(self) -> str:
+        """MODEL:SEQ:SYSTEM, with :documents for the packed-documents run (--only)."""
+        return f"{self.model}:{self.seq}:{self.system}" + (":documents" if self.documents else "")
+
 
 # In order of importance, so that a deadline drops the least needed. The ladders start where
 # the activations could fit: llama-1b stores ~0.8 MiB per token at `elementwise` over 23 GiB of
@@ -440,10 +445,18 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--work", type=Path)
     parser.add_argument("--plot", type=Path, nargs="+", metavar="RESULT.json")
+    parser.add_argument(
+        "--only", nargs="+", metavar="RUN",
+        help="only these runs of the plan (MODEL:SEQ:SYSTEM[:documents]) and, if listed, "
+        "'attention'; e.g. 1b:32768:hf 1b:32768:fastllm",
+    )  # fmt: skip
     parser.add_argument("--attention-child", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if not (args.attention_child or args.plot) and args.out is None:
         parser.error("--out is required")
+    labels = {run.label for run in PLAN} | {"attention"}
+    if unknown := set(args.only or ()) - labels:
+        parser.error(f"--only: no such run {sorted(unknown)}; the plan has {sorted(labels)}")
     return args
 
 
@@ -462,9 +475,11 @@ def main() -> None:
     (args.out / "logs").mkdir(parents=True, exist_ok=True)
     datasets = write_datasets(args, work)
     result = args.out / "long_context.json"
-    attention = attention_part(args, work)
+    plan = [run for run in PLAN if not args.only or run.label in args.only]
+    wanted = not args.only or "attention" in args.only
+    attention = attention_part(args, work) if wanted else {"status": "not run (--only)"}
     runs: list[dict[str, Any]] = []
-    for run in PLAN:
+    for run in plan:
         for level in run.ladder if run.system != "hf" else ("—",):
             if time.monotonic() - args.started > args.deadline:
                 runs.append({"model": run.model, "seq": run.seq, "system": run.system,
