@@ -8,14 +8,15 @@ A training engine opts a weight in by setting `weight.fp8 = Fp8Weight(recipe)`; 
 - rowwise: one scale per row of each operand along the contracted dimension, everything in
   e4m3 (torchao's rowwise; `_scaled_mm` takes rowwise scales only for e4m3 operands).
 
-Scaling is current (each tensor's scale from its own amax) or, tensorwise, delayed for the
-inputs and the output gradients (`AmaxHistories`; the weights keep current scaling: they are
-quantized once per step anyway). The forward product and the input gradient come out in the
-compute dtype, the weight gradient in fp32 straight into the engine's gradient buffer when the
-weight has a gradient sink (linear.py); the forward product accumulates in the faster mode of
-the fp8 tensor cores, the two gradient products in full precision (torchao's choice). On CPU
-the products multiply the dequantized fp32 operands: the same rounding of the operands as on
-the GPU, so the CPU tests cover the recipes' logic.
+Scaling is current (each tensor's scale from its own amax) or, tensorwise, delayed
+(`AmaxHistories`: the inputs, the output gradients and the weights, as Transformer Engine's
+delayed recipe; a weight's quantization is then one pass over it, not two). The forward
+product and the input gradient come out in the compute dtype, the weight gradient in fp32
+straight into the engine's gradient buffer when the weight has a gradient sink (linear.py);
+the forward product accumulates in the faster mode of the fp8 tensor cores, the two gradient
+products in full precision (torchao's choice). On CPU the products multiply the dequantized
+fp32 operands: the same rounding of the operands as on the GPU, so the CPU tests cover the
+recipes' logic.
 """
 
 from __future__ import annotations
@@ -45,44 +46,68 @@ _ALIGNMENT = 16
 """`_scaled_mm` wants every dimension of its operands a multiple of 16."""
 
 
-INPUT, GRADIENT = 0, 1
-"""The two delayed-scaled tensors of a layer: its input and its output gradient."""
+INPUT, GRADIENT, WEIGHT = 0, 1, 2
+"""The delayed-scaled tensors of a layer: its input, its output gradient and its weight."""
+KINDS = 3
+_KINDS_BEFORE_WEIGHT = 2
+"""Checkpoints written before the weights were delayed-scaled hold INPUT and GRADIENT only."""
 
 
 class AmaxHistories:
-    """Delayed scaling state of `layers` linear layers: for each layer's input and output
-    gradient, the amaxes of the last `length` steps (newest first) and the amax so far of the
-    step in progress. `roll` after each optimizer step. Until the first roll the layers scale
-    currently (and record): there is no history yet. Part of a checkpoint (`state`)."""
+    """Delayed scaling state of `layers` linear layers: for each layer's input, output gradient
+    and weight, the amaxes of the last `length` steps (newest first) and the amax so far of the
+    step in progress. `roll` after each optimizer step. Until a kind's first roll its tensors
+    scale currently (and record): there is no history yet. Part of a checkpoint (`state`)."""
 
     def __init__(self, layers: int, length: int, device: torch.device) -> None:
         if length < 1:
             raise ValueError(f"an amax history holds at least one step, got {length}")
-        self.history = torch.zeros(layers, 2, length, device=device)
-        self.current = torch.zeros(layers, 2, device=device)
-        self.primed = False
+        self.history = torch.zeros(layers, KINDS, length, device=device)
+        self.current = torch.zeros(layers, KINDS, device=device)
+        self.primed = [False] * KINDS
+        """Per kind: whether its history holds a step."""
 
     def scale(self, layer: int, tensor: int, record: bool = True) -> DelayedScale:
         return DelayedScale(
-            self.history[layer, tensor] if self.primed else None,
+            self.history[layer, tensor] if self.primed[tensor] else None,
             self.current[layer, tensor] if record else None,
         )
 
     @torch.no_grad()
     def roll(self) -> None:
-        """The step's amaxes become the newest entries of the history."""
+        """The step's amaxes become the newest entries of the history. A weight that no pass of
+        the step quantized (a skipped optimizer step left it unchanged, its copy kept) keeps
+        its newest amax, still its amax."""
+        weight = self.current[:, WEIGHT]
+        weight.copy_(torch.where(weight > 0, weight, self.history[:, WEIGHT, 0]))
         self.history.copy_(torch.cat([self.current[..., None], self.history[..., :-1]], dim=-1))
         self.current.zero_()
-        self.primed = True
+        self.primed = [True] * KINDS
 
     def state(self) -> dict[str, Tensor]:
         return {"history": self.history, "current": self.current}
 
     @torch.no_grad()
     def load_state(self, state: dict[str, Tensor]) -> None:
-        self.history.copy_(state["history"])
-        self.current.copy_(state["current"])
-        self.primed = bool(self.history.any())
+        """Restore `state`; one without the weights' kind (an older checkpoint) leaves their
+        histories empty: the weights scale currently until the next roll. A shape of other
+        layers or another history length: ValueError naming the entry."""
+        layers, _, length = self.history.shape
+        history, current = state["history"], state["current"]
+        kinds = history.shape[1] if history.dim() == 3 else 0
+        expected = {"history": (layers, kinds, length), "current": (layers, kinds)}
+        for key, shape in expected.items():
+            if kinds not in (KINDS, _KINDS_BEFORE_WEIGHT) or tuple(state[key].shape) != shape:
+                raise ValueError(
+                    f"{key} has shape {tuple(state[key].shape)}; expected {layers} FP8 layers "
+                    f"by {KINDS} kinds (or {_KINDS_BEFORE_WEIGHT}, before the weights')"
+                    + (f" by {length} steps" if key == "history" else "")
+                )
+        self.history.zero_()
+        self.current.zero_()
+        self.history[:, :kinds].copy_(history)
+        self.current[:, :kinds].copy_(current)
+        self.primed = self.history.any(dim=2).any(dim=0).tolist()
 
 
 class Fp8Weight:
@@ -95,8 +120,9 @@ class Fp8Weight:
     through the weight's version counter, which in-place torch ops bump; whatever writes the
     weight behind autograd's back (a fused optimizer kernel) must bump it too
     (`torch.autograd.graph.increment_version`). The transposed copy that the input gradient
-    needs is made in each backward pass and dropped after it. `delayed`: the layer's entry of
-    the model's amax histories (tensorwise only)."""
+    needs is made in each backward pass and dropped after it, with the rows' scale. `delayed`:
+    the layer's entry of the model's amax histories (tensorwise only); the weight's scale then
+    comes from its WEIGHT history, the quantization of the rows recording its amax."""
 
     def __init__(
         self,
@@ -119,25 +145,29 @@ class Fp8Weight:
         key = (weight.data_ptr(), weight._version)
         if self._rows is not None and key == self._key:
             return self._rows
-        quantized = quantize(weight.detach(), E4M3, tensorwise=self.recipe.tensorwise)
-        self._key, self._amax = key, quantized.amax
+        quantized = quantize(
+            weight.detach(), E4M3, tensorwise=self.recipe.tensorwise, delayed=self.scale(WEIGHT)
+        )
+        self._key, self._amax = key, quantized.amax  # None when scaled from the history
         rows = _part(quantized.rows)
         self._rows = rows if self.keep_copy else None
         return rows
 
     def columns(self, weight: Tensor) -> Fp8Tensor:
         """The weight transposed (in, out) in e4m3, scaled per column or for the tensor (with
-        the rows' scale)."""
+        the rows' scale: from their amax, or from the same history)."""
         same = self._key == (weight.data_ptr(), weight._version)
+        amax = self._amax if same else None
+        delayed = self.scale(WEIGHT, record=False) if amax is None else None
         quantized = quantize(
             weight.detach(), E4M3, tensorwise=self.recipe.tensorwise, rows=False, columns=True,
-            amax=self._amax if same else None,
+            amax=amax, delayed=delayed,
         )  # fmt: skip
         return _part(quantized.columns)
 
     def scale(self, tensor: int, record: bool = True) -> DelayedScale | None:
-        """How the layer's input (INPUT) or output gradient (GRADIENT) is scaled: None for
-        current scaling."""
+        """How the layer's input (INPUT), output gradient (GRADIENT) or weight (WEIGHT) is
+        scaled: None for current scaling."""
         if self.delayed is None:
             return None
         histories, layer = self.delayed

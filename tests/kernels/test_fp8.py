@@ -14,7 +14,14 @@ from fastllm_kernels.fp8 import (
     quantize_reference,
 )
 from fastllm_kernels.fp8_fused import fp8_gated_linear, fp8_norm_linear
-from fastllm_kernels.fp8_linear import GRADIENT, INPUT, AmaxHistories, Fp8Weight, fp8_linear
+from fastllm_kernels.fp8_linear import (
+    GRADIENT,
+    INPUT,
+    WEIGHT,
+    AmaxHistories,
+    Fp8Weight,
+    fp8_linear,
+)
 from fastllm_kernels.linear import linear
 from fastllm_kernels.norm import rms_norm_reference
 from fastllm_kernels.norm_linear import norm_linear
@@ -37,16 +44,17 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 def _fp8_weight(
     out: int, inputs: int, recipe: str, device: str = "cpu", keep_copy: bool = True
 ) -> torch.nn.Parameter:
-    """A weight computing in FP8; recipe "delayed": tensorwise with a primed amax history of
-    its own (amaxes around those of N(0, 1) data, one of them off by a binade)."""
+    """A weight computing in FP8; recipe "delayed": tensorwise with primed amax histories of
+    its own (input and gradient amaxes around those of N(0, 1) data, the weight's around its
+    own, one of each off by a binade)."""
     weight = torch.nn.Parameter(
         (torch.randn(out, inputs, device=device) / inputs**0.5).to(torch.bfloat16)
     )
     delayed = None
     if recipe == "delayed":
         histories = AmaxHistories(1, 3, torch.device(device))
-        histories.history.copy_(torch.tensor([[3.0, 5.0, 2.5], [2.0, 9.0, 4.0]]))
-        histories.primed = True
+        histories.history.copy_(torch.tensor([[3.0, 5.0, 2.5], [2.0, 9.0, 4.0], [0.3, 0.5, 0.2]]))
+        histories.primed = [True, True, True]
         delayed = (histories, 0)
     weight.fp8 = Fp8Weight("tensorwise" if recipe == "delayed" else recipe, keep_copy, delayed)
     return weight
@@ -157,7 +165,56 @@ def test_amax_histories_roll_the_step_amaxes_in_newest_first() -> None:
     assert scale.record is None and scale.history.data_ptr() == histories.history[1, 0].data_ptr()
     restored = AmaxHistories(2, 3, torch.device("cpu"))
     restored.load_state(histories.state())
-    assert restored.primed and torch.equal(restored.history, histories.history)
+    assert all(restored.primed) and torch.equal(restored.history, histories.history)
+
+
+def test_histories_from_before_the_weights_kind_load_with_the_weights_unprimed() -> None:
+    histories = AmaxHistories(2, 3, torch.device("cpu"))
+    old = {"history": torch.rand(2, 2, 3) + 1, "current": torch.rand(2, 2)}
+    histories.load_state(old)
+    assert histories.primed == [True, True, False]
+    assert torch.equal(histories.history[:, :WEIGHT], old["history"])
+    assert torch.equal(histories.current[:, :WEIGHT], old["current"])
+    assert not histories.history[:, WEIGHT].any() and not histories.current[:, WEIGHT].any()
+    assert histories.scale(1, WEIGHT).history is None, "the weights scale currently"
+    # Another history length (one step would broadcast), layer count or kind count is refused.
+    for shape in [(2, 3, 1), (2, 2, 4), (3, 3, 3), (2, 4, 3), (2, 3)]:
+        with pytest.raises(ValueError, match=r"^history has shape"):
+            histories.load_state({"history": torch.ones(shape), "current": torch.ones(shape[:2])})
+    with pytest.raises(ValueError, match=r"^current has shape \(2, 2\)"):
+        histories.load_state({"history": torch.ones(2, 3, 3), "current": torch.ones(2, 2)})
+
+
+@pytest.mark.parametrize("keep_copy", [True, False])
+def test_delayed_weights_scale_from_their_history_saturate_and_record(keep_copy) -> None:
+    values = torch.tensor([[0.5, -3.0, 20.0, 1.0], [7.0, -40.0, 0.25, 2.0]])
+    weight = torch.nn.Parameter(values.to(torch.bfloat16))
+    histories = AmaxHistories(2, 2, torch.device("cpu"))
+    weight.fp8 = Fp8Weight("tensorwise", keep_copy, (histories, 1))
+    # The first step has no history yet: current scaling, rows and columns, and recorded.
+    current = quantize_reference(values, E4M3, tensorwise=True, columns=True)
+    rows, columns = weight.fp8.rows(weight), weight.fp8.columns(weight)
+    for ours, theirs in ((rows, current.rows), (columns, current.columns)):
+        assert torch.equal(ours.data.float(), theirs.data.float())
+        assert torch.equal(ours.scale, theirs.scale)
+    assert histories.current[1].tolist() == [0.0, 0.0, 40.0]
+    histories.roll()
+    assert histories.history[1, WEIGHT].tolist() == [40.0, 0.0]
+    histories.history[1, WEIGHT] = torch.tensor([1.0, 9.0])  # max 9: multiplier 32
+    torch.autograd.graph.increment_version(weight)  # the optimizer step
+    rows, columns = weight.fp8.rows(weight), weight.fp8.columns(weight)
+    assert rows.scale.item() == columns.scale.item() == 1 / 32
+    # 40 and 20 exceed 448 / 32 = 14: they saturate.
+    expected = torch.tensor([[0.5, -3.0, 14.0, 1.0], [7.0, -14.0, 0.25, 2.0]])
+    assert torch.equal(dequantize(rows), expected)
+    assert torch.equal(dequantize(columns), expected.t())
+    assert histories.current[1].tolist() == [0.0, 0.0, 40.0] and not histories.current[0].any()
+    histories.roll()
+    assert histories.history[1, WEIGHT].tolist() == [40.0, 1.0]
+    # A skipped optimizer step leaves the weight as it was (its copy kept, or made again).
+    weight.fp8.rows(weight)
+    histories.roll()
+    assert histories.history[1, WEIGHT].tolist() == [40.0, 40.0]
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -315,19 +372,27 @@ def test_triton_quantization_matches_the_reference_bit_for_bit(shape, dtype) -> 
                 if a is not None:
                     assert torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8))
                     assert torch.equal(a.scale, b.scale)
-    # Delayed: a history below the amax, so that the largest values saturate.
+    # Delayed: a history below the amax, so that the largest values saturate. Both layouts
+    # (an activation), the rows recording (a weight's forward copy), the columns alone (its
+    # backward copy).
     history = torch.tensor([0.1, 0.4], device="cuda") * x.float().abs().amax()
-    records = [torch.zeros((), device="cuda") for _ in range(2)]
-    ours = quantize(
-        x, dtype, tensorwise=True, columns=True, delayed=DelayedScale(history, records[0])
-    )
-    theirs = quantize_reference(
-        x, dtype, tensorwise=True, columns=True, delayed=DelayedScale(history, records[1])
-    )
-    assert torch.equal(records[0], records[1])
-    for a, b in ((ours.rows, theirs.rows), (ours.columns, theirs.columns)):
-        assert torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8))
-        assert torch.equal(a.scale, b.scale)
+    for rows, columns, record in ((True, True, True), (True, False, True), (False, True, False)):
+        records = [torch.zeros((), device="cuda") if record else None for _ in range(2)]
+        ours = quantize(
+            x, dtype, tensorwise=True, rows=rows, columns=columns,
+            delayed=DelayedScale(history, records[0]),
+        )  # fmt: skip
+        theirs = quantize_reference(
+            x, dtype, tensorwise=True, rows=rows, columns=columns,
+            delayed=DelayedScale(history, records[1]),
+        )  # fmt: skip
+        if record:
+            assert torch.equal(records[0], records[1])
+        for a, b in ((ours.rows, theirs.rows), (ours.columns, theirs.columns)):
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8))
+                assert torch.equal(a.scale, b.scale)
 
 
 @pytest.mark.gpu

@@ -12,7 +12,7 @@ import torch
 
 from fastllm.config import ConfigError
 from fastllm_kernels.fp8 import quantize
-from fastllm_kernels.fp8_linear import E4M3
+from fastllm_kernels.fp8_linear import E4M3, WEIGHT, AmaxHistories
 from tests.torchrun import torchrun
 from tests.training.conftest import train_arguments
 from tests.training.test_data_parallel import assert_ranks_match_one_process, model, zero
@@ -81,10 +81,43 @@ def test_an_fp8_run_resumes_bit_for_bit(dataset: Path, tmp_path: Path, recipe: s
     resumed.load_checkpoint(checkpoint)
     if recipe == "delayed":
         saved, restored = first.fp8_histories, resumed.fp8_histories
-        assert torch.all(saved.history > 0) and restored.primed
+        assert torch.all(saved.history > 0) and all(restored.primed)
         assert torch.equal(restored.history, saved.history)
         assert torch.equal(restored.current, saved.current)
     assert _losses(resumed, 2) == straight[2:]
+
+
+def test_delayed_scaling_resumes_histories_from_before_the_weights_and_refuses_other_lengths(
+    dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint of the input and gradient histories alone (written before the weights were
+    delayed-scaled) resumes: the weights scale currently for a step, then from their history.
+    One of another history length is refused, naming its entry."""
+    options = ("training.train_iters=3", *BF16, *RECIPES["delayed"])
+    first = trainer(dataset, tmp_path / "first", *options)
+    _losses(first, 1)
+    first.wait_for_checkpoints()
+    with monkeypatch.context() as patch:
+        patch.setattr(
+            AmaxHistories,
+            "state",
+            lambda self: {"history": self.history[:, :WEIGHT], "current": self.current[:, :WEIGHT]},
+        )
+        checkpoint = first.save_checkpoint()
+        first.wait_for_checkpoints()
+    resumed = trainer(dataset, tmp_path / "second", *options)
+    resumed.load_checkpoint(checkpoint)
+    histories = resumed.fp8_histories
+    assert histories.primed == [True, True, False]
+    assert torch.equal(histories.history[:, :WEIGHT], first.fp8_histories.history[:, :WEIGHT])
+    assert not histories.history[:, WEIGHT].any()
+    _losses(resumed, 1)
+    assert all(histories.primed) and torch.all(histories.history[:, WEIGHT, 0] > 0)
+    longer = trainer(
+        dataset, tmp_path / "third", *options, "model.distributed.fp8_amax_history_length=3"
+    )
+    with pytest.raises(ConfigError, match=r"fp8\.history has shape .* by 3 steps"):
+        longer.load_checkpoint(checkpoint)
 
 
 def test_delayed_scaling_rolls_each_steps_amaxes_into_the_history(

@@ -277,12 +277,12 @@ class DistributedConfig(Section):
     GPU with FP8 tensor cores (compute capability 8.9 or more); on CPU the FP8 rounding is
     emulated."""
     fp8_scaling: Literal["current", "delayed"] = "current"
-    """How tensorwise FP8 scales the layers' inputs and output gradients. current: each
-    tensor by its own amax (a pass to find it before the cast). delayed: by the largest amax
-    of the last `fp8_amax_history_length` steps (Transformer Engine's delayed scaling), so
-    the kernel that produces a tensor (the norm, the gated activation) writes it in FP8 and
-    records its amax in the same pass; values past the range saturate. The weights keep
-    current scaling. The histories are part of the checkpoint. rowwise scales currently."""
+    """How tensorwise FP8 scales the layers' inputs, output gradients and weights. current:
+    each tensor by its own amax (a pass to find it before the cast). delayed: by the largest
+    amax of the last `fp8_amax_history_length` steps (Transformer Engine's delayed scaling),
+    so the kernel that produces a tensor (the norm, the gated activation) writes it in FP8
+    and records its amax in the same pass, and a weight is quantized in one pass; values past
+    the range saturate. The histories are part of the checkpoint. rowwise scales currently."""
     fp8_amax_history_length: int = 16
     """Steps of amaxes that delayed scaling takes the max of (Transformer Engine's
     amax_history_len)."""

@@ -6,7 +6,8 @@ the dense MLPs. The embedding and the head stay bf16 (their precision matters mo
 fused loss computes the head), as do mixture-of-experts layers (their experts are not linear
 modules). The weights' FP8 copies are refreshed once their version changes: the optimizer
 bumps it after writing the compute weights (`AdamW.step`). With delayed scaling the layers share
-one `AmaxHistories`, which the trainer rolls after each optimizer step and checkpoints."""
+one `AmaxHistories` (of their inputs, output gradients and weights), which the trainer rolls
+after each optimizer step and checkpoints."""
 
 from __future__ import annotations
 

@@ -16,6 +16,7 @@ from fastllm.checkpoint.distributed import STATE_KINDS, SavedCheckpoint, Sharded
 from fastllm.checkpoint.errors import CheckpointWriteError
 from fastllm.checkpoint.formats import ModelSource, copy_tokenizer_files, write_model
 from fastllm.checkpoint.saver import PARTIAL_SUFFIX, latest
+from fastllm.config import ConfigError
 from fastllm.config.resume_changes import resume_warning
 from fastllm.engine.data_parallel import gather_weights
 from fastllm.engine.flat_model import ALIGNMENT, FlatModel
@@ -141,7 +142,14 @@ def _load_fp8_state(trainer: Trainer, saved: SavedCheckpoint, rank: int) -> None
         return
     loaded = {key: saved.rank_tensor(rank, FP8_PREFIX + key) for key in histories.state()}
     if all(t is not None for t in loaded.values()):
-        histories.load_state(loaded)  # type: ignore[arg-type]
+        try:
+            histories.load_state(loaded)  # type: ignore[arg-type]
+        except ValueError as error:
+            raise ConfigError(
+                str(saved.directory),
+                f"{FP8_PREFIX}{error}: written with another model or "
+                "model.distributed.fp8_amax_history_length",
+            ) from None
 
 
 def export(trainer: Trainer, directory: Path, output_format: str) -> None:
