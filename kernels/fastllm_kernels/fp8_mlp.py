@@ -125,13 +125,7 @@ class _Fp8GatedMlpFunction(torch.autograd.Function):
         return dx, d_norm_weight, d_norm_bias, None, None, d_up, d_down, None, None, None
 
 
-TILES = [
-    triton.Config({"BM": bm, "BK": bk}, num_warps=warps)
-    for bm, bk, warps in ((64, 128, 8), (64, 128, 4), (128, 64, 4), (128, 64, 8), (128, 128, 8),
-                          (32, 128, 4), (64, 64, 4), (128, 32, 4), (256, 32, 8))
-]  # fmt: skip
-"""Tiles (tokens × columns) the GPU picks from by timing them once per shape: the kernel's
-three transposed stores make it sensitive to them. The interpreter takes the first."""
+_TILE_ROWS, _TILE_COLS, _WARPS = 64, 128, 8
 
 
 def gated_backward_quantized(
@@ -158,15 +152,8 @@ def gated_backward_quantized(
     dh_scale = torch.empty((), dtype=torch.float32, device=device)
     activated_scale_out = torch.empty((), dtype=torch.float32, device=device)
     record = gradient_scale.record
-    if h.is_cuda:
-        kernel, tile = _gated_backward_quantize_tuned, {}
-    else:
-        kernel, tile = _gated_backward_quantize_kernel, {**TILES[0].kwargs, "num_warps": 4}
-
-    def grid(meta: dict) -> tuple[int, int]:
-        return (triton.cdiv(n_rows, meta["BM"]), triton.cdiv(d, meta["BK"]))
-
-    kernel[grid](
+    grid = (triton.cdiv(n_rows, _TILE_ROWS), triton.cdiv(d, _TILE_COLS))
+    _gated_backward_quantize_kernel[grid](
         h, h.stride(0), d_activated, d_activated.stride(0), n_rows, d,
         dh, dh_t, dh_scale, gradient_scale.history, gradient_scale.history.numel(),
         record if record is not None else dh_scale,
@@ -174,7 +161,8 @@ def gated_backward_quantized(
         ACTIVATION=activation, RECORD=record is not None,
         GRADIENT_AMAX_BLOCK=triton.next_power_of_2(gradient_scale.history.numel()),
         ACTIVATED_AMAX_BLOCK=triton.next_power_of_2(activated_scale.history.numel()),
-        GRADIENT_MAX=FP8_MAX[gradient_dtype], ACTIVATED_MAX=FP8_MAX[E4M3], **tile,
+        GRADIENT_MAX=FP8_MAX[gradient_dtype], ACTIVATED_MAX=FP8_MAX[E4M3],
+        BM=_TILE_ROWS, BK=_TILE_COLS, num_warps=_WARPS,
     )  # fmt: skip
     return (
         Fp8Tensor(dh, dh_scale),
@@ -244,8 +232,3 @@ def _gated_backward_quantize_kernel(
     if pid_m == 0 and pid_k == 0:
         tl.store(dh_scale_ptr, tl.math.div_rn(1.0, multiplier))
         tl.store(a_scale_ptr, tl.math.div_rn(1.0, a_multiplier))
-
-
-_gated_backward_quantize_tuned = triton.autotune(TILES, key=["n_rows", "d"])(
-    _gated_backward_quantize_kernel
-)
