@@ -8,6 +8,9 @@
 #   nvidia-h200:    bash bench/device_run.sh HASH train-3b
 #   nvidia-h200-x8: bash bench/device_run.sh HASH scale-x8
 #   nvidia-h200:    bash bench/device_run.sh HASH sft
+#   nvidia-h200:    bash bench/device_run.sh HASH fp8   (issue 18: GPU tests, tiles, speed matrix)
+#   nvidia-h200:    LONG_ONLY="1b:16384:hf 1b:16384:fastllm 1b:32768:hf 1b:32768:fastllm" \
+#                   bash bench/device_run.sh HASH long   (issue 16: the same-call HF baselines)
 #   nvidia-h200-x2: bash bench/device_run.sh HASH layouts-x2 bfdf-x2 sdp-x2 ep-x2   (issue 19)
 #   nvidia-h200-x2: TESTS='nccl or expert' bash bench/device_run.sh HASH tests   (issue 19: NCCL layouts)
 #   nvidia-h200-x4: bash bench/device_run.sh HASH layouts-x4   (issue 19)
@@ -22,7 +25,8 @@
 # ZeRO-2 and 3 on 2 GPUs), profile-8b (one profiled llama-8b step on 2 GPUs), scale-x2 |
 # scale-x8 (Mistral-7B scaling), long (llama-1b/3b at 16k-128k tokens per sequence against HF),
 # sft (llama-1b fine-tuning on packed, masked conversations against HF + compile on the same
-# batches; chat prepare against apply_chat_template in a pool), moe (MoE GPU tests, then
+# batches; chat prepare against apply_chat_template in a pool), fp8 (FP8 GPU tests, tile sweep,
+# bf16 and each recipe on llama-3b and llama-1b), moe (MoE GPU tests, then
 # bench/moe_bench.py: dropless against looped, on nvidia-h200); layouts-x2, bfdf-x2, sdp-x2,
 # ep-x2 (issue 19, on nvidia-h200-x2); layouts-x4 (issue 19, on nvidia-h200-x4).
 set -uo pipefail
@@ -166,11 +170,30 @@ run_part() {
           --set model.base_model.transformer.num_layers="${EP_LAYERS:-4}" ${layout#*:} \
           --commit "$COMMIT" --out "$RES/ep_mixtral_${layout%%:*}" 2>&1 | tail -4
       done ;;
+    fp8)
+      # Issue 18: the FP8 GPU tests, the fused gated backward's tile sweep, then llama-3b and
+      # llama-1b in bf16 and each recipe (FP8_MODELS, FP8_RECIPES to narrow), 20 timed steps.
+      timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_fp8.py \
+        tests/kernels/test_fp8_mlp.py tests/model/test_mlp_fp8.py >"$RES/gpu_tests_fp8.log" 2>&1
+      tail -n 3 "$RES/gpu_tests_fp8.log"
+      timeout 100 python3 bench/fp8_tiles.py --kernels gated --commit "$COMMIT" \
+        --out "$RES/fp8_tiles.json" 2>&1 | tail -12
+      local -A recipes=([none]="" [delayed]="model.distributed.fp8_linear=tensorwise model.distributed.fp8_scaling=delayed"
+        [tensorwise]="model.distributed.fp8_linear=tensorwise" [rowwise]="model.distributed.fp8_linear=rowwise")
+      for model in ${FP8_MODELS:-3b 1b}; do
+        for recipe in ${FP8_RECIPES:-none delayed tensorwise rowwise}; do
+          python3 bench/train_bench.py --models "$model" --systems fastllm --steps 20 --timeout 150 \
+            ${recipes[$recipe]:+--set ${recipes[$recipe]}} --commit "$COMMIT" \
+            --out "$RES/train_${model}_$recipe" 2>&1 | grep "| $model |"
+        done
+      done ;;
     long)
       # llama-1b at 16k-128k and llama-3b at 32k-64k tokens in one sequence against HF +
       # compile, and attention alone at those lengths; LONG_S: seconds for all its runs.
+      # LONG_ONLY: a subset of its plan (e.g. "1b:16384:hf 1b:16384:fastllm 1b:32768:hf
+      # 1b:32768:fastllm", the HF baselines of issue 16 in one call).
       python3 bench/long_context_bench.py --deadline "${LONG_S:-330}" --commit "$COMMIT" \
-        --out "$RES/long_context${TAG:+_$TAG}" 2>&1 | tail -40 ;;
+        ${LONG_ONLY:+--only $LONG_ONLY} --out "$RES/long_context${TAG:+_$TAG}" 2>&1 | tail -40 ;;
     sft)
       # SFT_PARTS: train and/or prepare (both by default).
       python3 bench/sft_bench.py --parts ${SFT_PARTS:-train prepare} --cores 1 2 4 8 16 \
