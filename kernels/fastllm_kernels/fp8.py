@@ -108,7 +108,7 @@ def quantize_reference(
     fp8_max = FP8_MAX[dtype]
     x32 = x.float()
     if delayed is not None and delayed.history is not None:
-        multiplier = _multiplier_reference(delayed.history.amax(), fp8_max)
+        multiplier = multiplier_reference(delayed.history.amax(), fp8_max)
         data = (x32 * multiplier).clamp(-fp8_max, fp8_max).to(dtype)
         if delayed.record is not None:
             torch.maximum(delayed.record, x32.abs().amax(), out=delayed.record)
@@ -117,7 +117,7 @@ def quantize_reference(
         return Quantized(row_part, column_part, None)
     if tensorwise:
         amax = x32.abs().amax() if amax is None else amax.float().reshape(())
-        multiplier = _multiplier_reference(amax, fp8_max)
+        multiplier = multiplier_reference(amax, fp8_max)
         scale = 1.0 / multiplier
         data = (x32 * multiplier).to(dtype)
         row_part = Fp8Tensor(data, scale) if rows else None
@@ -125,10 +125,10 @@ def quantize_reference(
         return Quantized(row_part, column_part, amax)
     row_part = column_part = None
     if rows:
-        multiplier = _multiplier_reference(x32.abs().amax(1, keepdim=True), fp8_max)
+        multiplier = multiplier_reference(x32.abs().amax(1, keepdim=True), fp8_max)
         row_part = Fp8Tensor((x32 * multiplier).to(dtype), 1.0 / multiplier)
     if columns:
-        multiplier = _multiplier_reference(x32.abs().amax(0, keepdim=True), fp8_max)
+        multiplier = multiplier_reference(x32.abs().amax(0, keepdim=True), fp8_max)
         data = (x32 * multiplier).to(dtype).t().contiguous()
         column_part = Fp8Tensor(data, (1.0 / multiplier).t().contiguous())
     return Quantized(row_part, column_part, None)
@@ -139,7 +139,7 @@ def dequantize(t: Fp8Tensor) -> Tensor:
     return t.data.float() * t.scale
 
 
-def _multiplier_reference(amax: Tensor, fp8_max: float) -> Tensor:
+def multiplier_reference(amax: Tensor, fp8_max: float) -> Tensor:
     """The largest power of two m with amax * m <= fp8_max (the exponent bits of the ratio)."""
     ratio = fp8_max / amax.clamp(min=_AMAX_FLOOR)
     return (ratio.view(torch.int32) & 0x7F800000).view(torch.float32)
@@ -214,7 +214,7 @@ def _quantize_triton(
 
 @triton.jit
 def power_of_two_multiplier(amax, FP8_MAX: tl.constexpr):
-    """As _multiplier_reference; IEEE division, so the exponent is the reference's exactly."""
+    """As multiplier_reference; IEEE division, so the exponent is the reference's exactly."""
     ratio = tl.math.div_rn(tl.full(amax.shape, FP8_MAX, tl.float32), tl.maximum(amax, 1e-12))
     return (ratio.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
 

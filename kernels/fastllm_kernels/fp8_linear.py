@@ -136,12 +136,20 @@ class Fp8Weight:
         if delayed is not None and not self.recipe.tensorwise:
             raise ValueError(f"delayed scaling is tensorwise, not {recipe}")
         self.delayed = delayed
+        self.gathered: Fp8Tensor | None = None
+        """ZeRO-3: the weight's rows as gathered in FP8 with its stage (fastllm's
+        engine/fp8_gather.py), used instead of quantizing the weight, whose bf16 copy is then
+        not gathered."""
+        self.gathered_columns: Fp8Tensor | None = None
+        """ZeRO-3, rowwise: the column-scaled gathered values, (out, in), their scale (in, 1)."""
         self._key: tuple[int, int] | None = None
         self._rows: Fp8Tensor | None = None
         self._amax: Tensor | None = None
 
     def rows(self, weight: Tensor) -> Fp8Tensor:
         """The weight (out, in) in e4m3, scaled per row or for the tensor."""
+        if self.gathered is not None:
+            return self.gathered
         key = (weight.data_ptr(), weight._version)
         if self._rows is not None and key == self._key:
             return self._rows
@@ -156,6 +164,10 @@ class Fp8Weight:
     def columns(self, weight: Tensor) -> Fp8Tensor:
         """The weight transposed (in, out) in e4m3, scaled per column or for the tensor (with
         the rows' scale: from their amax, or from the same history)."""
+        if self.gathered is not None:
+            image = self.gathered if self.recipe.tensorwise else self.gathered_columns
+            assert image is not None
+            return Fp8Tensor(image.data.t().contiguous(), image.scale)
         same = self._key == (weight.data_ptr(), weight._version)
         amax = self._amax if same else None
         delayed = self.scale(WEIGHT, record=False) if amax is None else None

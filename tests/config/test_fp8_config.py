@@ -30,11 +30,6 @@ FP8 = ("model.distributed.fp8_linear=rowwise", "model.distributed.training_dtype
             "model.distributed.fp8_linear",
             "model.distributed.sequence_data_parallel > 1",
         ),
-        (
-            (*FP8, "model.multi_stage.zero_stage=3"),
-            "model.distributed.fp8_linear",
-            "model.multi_stage.zero_stage=3",
-        ),
         ((*FP8, "training.compile=true"), "training.compile", "fp8_linear=rowwise"),
         (
             (*FP8, "model.distributed.fp8_scaling=delayed"),
@@ -65,3 +60,5 @@ def test_unsupported_fp8_combinations_are_refused_naming_the_keys(
 def test_fp8_with_bf16_validates() -> None:
     config = load_config(TrainerConfig, overrides=list(FP8))
     assert config.model.distributed.fp8_linear == "rowwise"
+    config = load_config(TrainerConfig, overrides=[*FP8, "model.multi_stage.zero_stage=3"])
+    assert config.model.multi_stage.zero_stage == 3

@@ -11,6 +11,7 @@ from fastllm.engine.flat_model import FlatModel
 from fastllm.engine.mesh import build_mesh
 from fastllm.engine.process_group import setup_distributed
 from fastllm.model import GPTModel, initialize
+from tests.engine.shards import assert_shard_gradients_double
 from tests.engine.test_flat_training import tiny_config
 
 distributed = setup_distributed()
@@ -29,9 +30,9 @@ assert all(b.untyped_storage().nbytes() == 0 for b in gatherer.buffers)
 
 most = 0
 prefetch = gatherer.prefetch
-def counting_prefetch(stage):
+def counting_prefetch(stage, whole=False):
     global most
-    prefetch(stage)
+    prefetch(stage, whole)
     most = max(most, len(gatherer.gathered))
 gatherer.prefetch = counting_prefetch
 
@@ -42,15 +43,8 @@ flat.finish_backward()
 reference.loss(tokens, labels).backward()
 
 assert all(b.untyped_storage().nbytes() == 0 for b in gatherer.buffers), "weights left gathered"
-for stage, shard in flat.shards.items():
-    start, end = flat.layout.shard_range(stage, distributed.rank)
-    full = torch.zeros(flat.layout.stage_size(stage))
-    for index, name in enumerate(flat.names):
-        s, offset, numel = flat.layout.parameter(index)
-        if s == stage:
-            full[offset : offset + numel] = dict(reference.named_parameters())[name].grad.reshape(-1)
-    # Each rank's summed gradient is twice the reference: both ranks ran the same batch.
-    torch.testing.assert_close(shard.grad, 2 * full[start:end], rtol=1e-5, atol=1e-6)
+grads = {name: p.grad for name, p in reference.named_parameters()}
+assert_shard_gradients_double(flat, grads, distributed.rank, rtol=1e-5, atol=1e-6)
 # 4 stages (the embedding with the first block, the final norm and the tied head with the
 # last): never more than 3 at once (running stage 2 with stage 3 and the embedding ahead).
 assert most == 3, most

@@ -13,8 +13,7 @@ import torch
 from fastllm.config import ConfigError
 from fastllm_kernels.fp8 import quantize
 from fastllm_kernels.fp8_linear import E4M3, WEIGHT, AmaxHistories
-from tests.torchrun import torchrun
-from tests.training.conftest import train_arguments
+from tests.training.conftest import Launched, Layout, launch
 from tests.training.test_data_parallel import assert_ranks_match_one_process, model, zero
 from tests.training.test_training_options import GATED, trainer
 
@@ -153,13 +152,31 @@ def test_fp8_marks_the_block_projections_and_leaves_embedding_and_head_bf16(
     assert marked == expected
 
 
-def test_fp8_on_two_zero2_ranks_matches_one_process(
-    dataset: Path, tmp_path: Path, one_process: Callable[..., Path]
+DATA_PARALLEL = {  # name: (the one-process reference, the layout on two ranks)
+    # The weight gradients reach the sharded buffers through autograd (not a gradient sink),
+    # and each rank requantizes its weights after the all-gather of the new shards.
+    "zero2-rowwise": (("model.distributed.fp8_linear=rowwise",), zero(2)),
+    # Each rank quantizes its shard with the whole weights' scales; the stages are gathered
+    # in FP8 (engine/fp8_gather.py), rowwise also column-scaled for the input gradient.
+    "zero3-rowwise": (("model.distributed.fp8_linear=rowwise",), zero(3)),
+    "zero3-delayed": (RECIPES["delayed"], zero(3)),
+}
+
+
+@pytest.fixture(scope="module")
+def data_parallel(dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Launched]:
+    root = tmp_path_factory.mktemp("fp8_layouts")
+    layouts = {
+        name: Layout(2, (*model("bfloat16", *GATED, *recipe), layout))
+        for name, (recipe, layout) in DATA_PARALLEL.items()
+    }
+    return launch(dataset, root, layouts)
+
+
+@pytest.mark.parametrize("name", DATA_PARALLEL)
+def test_fp8_on_two_ranks_matches_one_process(
+    data_parallel: dict[str, Launched], one_process: Callable[..., Path], name: str
 ) -> None:
-    """The weight gradients reach the sharded buffers through autograd (not a gradient sink),
-    and each rank requantizes its weights after the all-gather of the new shards."""
-    reference = model("bfloat16", *GATED, "model.distributed.fp8_linear=rowwise")
-    run = tmp_path / "double"
-    result = torchrun(2, *train_arguments(dataset, run, *reference, zero(2)))
-    assert result.returncode == 0, result.stderr
+    reference = model("bfloat16", *GATED, *DATA_PARALLEL[name][0])
+    run = data_parallel[name].succeeded()
     assert_ranks_match_one_process(run, one_process(*reference), 2, "bfloat16")

@@ -427,9 +427,3 @@ class ModelConfig(Section):
                     f"FP8 with model.distributed.{name} > 1 is not implemented yet "
                     f"(fp8_linear={recipe}, {name}={getattr(distributed, name)})",
                 )
-        if self.multi_stage.zero_stage == 3:
-            raise ConfigError(
-                key,
-                f"FP8 with ZeRO-3 is not implemented yet (fp8_linear={recipe}, "
-                "model.multi_stage.zero_stage=3): each rank would keep every layer's FP8 weights",
-            )

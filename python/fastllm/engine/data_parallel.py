@@ -21,7 +21,7 @@ def gather_weights(flat: FlatModel, wait: bool = True) -> None:
     `wait=False` leaves the stages' all-gathers in flight for their forward passes to wait on."""
     for part in flat.parts:
         if part.gatherer is not None:
-            part.gatherer.keep_only(set())
+            part.gatherer.weights_changed()
         elif part.refresh is not None:
             part.refresh.start()
             if wait:

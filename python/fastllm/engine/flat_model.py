@@ -598,6 +598,9 @@ class FlatModel:
             for part in self.parts:
                 for shard in part.shards.values():
                     shard.weight.copy_(shard.master)
+        for part in self.parts:
+            if part.gatherer is not None:
+                part.gatherer.weights_changed()
 
     def full_parameters(self) -> Iterator[tuple[str, Tensor]]:
         """Every parameter of this tensor rank in the compute dtype (views: copy each before
@@ -608,7 +611,7 @@ class FlatModel:
         for stage in range(self.layout.num_stages):
             owned = stage in self.owned
             if self.gatherer is not None and owned:
-                self.gatherer.ensure(stage)
+                self.gatherer.ensure(stage, whole=True)
             for index in self.stage_parameters[stage]:
                 name = self.names[index]
                 if self.pipeline.size == 1:

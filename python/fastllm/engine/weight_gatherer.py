@@ -6,7 +6,9 @@ when the previous stage starts, in the backward pass when the next one starts it
 and the buffer's storage is freed once the stage is done. The parameters stay views of those
 buffers throughout, so the tensors autograd saved in the forward pass read the weights
 gathered again for the backward pass. The collectives are asynchronous (on NCCL's own stream
-on GPUs) and every rank runs the same stages in the same order, so they match."""
+on GPUs) and every rank runs the same stages in the same order, so they match. A stage with FP8
+linear layers is gathered as FP8 images of its weights (engine/fp8_gather.py) unless it is
+needed whole in bf16."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from fastllm.engine.fp8_gather import Fp8Gather
 from fastllm.engine.pipeline.schedule import stages_read
 
 if TYPE_CHECKING:
@@ -35,8 +38,12 @@ class WeightGatherer:
         self.nbytes = [b.numel() * b.element_size() for b in self.buffers]
         self.gathered: set[int] = set()
         """Stages whose buffer holds (or is receiving) the full weights."""
-        self.pending: dict[int, Any] = {}
-        """Stages whose all-gather is still in flight."""
+        self.pending: dict[int, list[Any]] = {}
+        """Stages whose all-gathers are still in flight."""
+        self.in_fp8: set[int] = set()
+        """Gathered stages whose FP8 weights came as FP8 images (their bf16 values absent)."""
+        self.fp8: Fp8Gather | None = None
+        """Made at the first gather (the FP8 layers are marked after the flat model is made)."""
         self.last = flat.layout.num_stages - 1
 
     def install_hooks(self, modules: list[list[torch.nn.Module]]) -> None:
@@ -49,29 +56,56 @@ class WeightGatherer:
         """Stages whose weights running `stage` reads."""
         return stages_read(stage, self.last + 1, self.flat.tied_here)
 
-    def prefetch(self, stage: int) -> None:
+    def weights_changed(self) -> None:
+        """The shards were written (an optimizer step, a restore): drop the gathered stages,
+        requantize the FP8 images before the next gather."""
+        self.keep_only(set())
+        if self.fp8 is not None:
+            self.fp8.stale = True
+
+    def prefetch(self, stage: int, whole: bool = False) -> None:
+        """Start gathering `stage`; `whole`: every weight in bf16, FP8 layers' too."""
         if stage in self.gathered:
-            return
+            if not (whole and stage in self.in_fp8):
+                return
+            self.release(stage)
+        if self.fp8 is None:
+            self.fp8 = Fp8Gather(self.flat)
         buffer = self.buffers[stage]
         buffer.untyped_storage().resize_(self.nbytes[stage])
-        self.pending[stage] = dist.all_gather_into_tensor(
-            buffer, self.flat.shards[stage].weight, group=self.flat.data.group, async_op=True
-        )
+        if stage in self.fp8.stages and not whole:
+            self.pending[stage] = self.fp8.gather(stage)
+            self.in_fp8.add(stage)
+        else:
+            shard = self.flat.shards[stage].weight
+            group = self.flat.data.group
+            self.pending[stage] = [
+                dist.all_gather_into_tensor(buffer, shard, group=group, async_op=True)
+            ]
         self.gathered.add(stage)
 
-    def ensure(self, stage: int) -> None:
-        """Block until `stage`'s full weights are in its buffer."""
-        self.prefetch(stage)
-        work = self.pending.pop(stage, None)
-        if work is not None:
+    def ensure(self, stage: int, whole: bool = False) -> None:
+        """Block until `stage`'s full weights are in its buffer (`whole`: in bf16, FP8 layers'
+        too; otherwise those may come as FP8 images)."""
+        self.prefetch(stage, whole)
+        works = self.pending.pop(stage, None)
+        if works is None:
+            return
+        for work in works:
             work.wait()
+        if stage in self.in_fp8:
+            assert self.fp8 is not None
+            self.fp8.finish(stage, self.buffers[stage])
 
     def release(self, stage: int) -> None:
         if stage not in self.gathered:
             return
-        work = self.pending.pop(stage, None)
-        if work is not None:  # never free memory a collective still writes
+        for work in self.pending.pop(stage, []):  # never free memory a collective still writes
             work.wait()
+        if stage in self.in_fp8:
+            assert self.fp8 is not None
+            self.fp8.release(stage)
+            self.in_fp8.discard(stage)
         self.buffers[stage].untyped_storage().resize_(0)
         self.gathered.discard(stage)
 
