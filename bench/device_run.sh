@@ -174,7 +174,8 @@ run_part() {
       # Issue 18: the FP8 GPU tests, the fused gated backward's tile sweep, then llama-3b and
       # llama-1b in bf16 and each recipe (FP8_MODELS, FP8_RECIPES to narrow), 20 timed steps.
       timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_fp8.py \
-        tests/kernels/test_fp8_mlp.py tests/model/test_mlp_fp8.py >"$RES/gpu_tests_fp8.log" 2>&1
+        tests/kernels/test_fp8_mlp.py tests/model/test_mlp_fp8.py tests/training/test_fp8_zero3_gpu.py \
+        >"$RES/gpu_tests_fp8.log" 2>&1
       tail -n 3 "$RES/gpu_tests_fp8.log"
       timeout 100 python3 bench/fp8_tiles.py --kernels gated --commit "$COMMIT" \
         --out "$RES/fp8_tiles.json" 2>&1 | tail -12
