@@ -43,7 +43,8 @@ class WeightGatherer:
         self.in_fp8: set[int] = set()
         """Gathered stages whose FP8 weights came as FP8 images (their bf16 values absent)."""
         self.fp8: Fp8Gather | None = None
-        """Made at the first gather (the FP8 layers are marked after the flat model is made)."""
+        """Made at the first gather for a forward or backward pass (the FP8 layers are marked
+        after the flat model is made)."""
         self.last = flat.layout.num_stages - 1
 
     def install_hooks(self, modules: list[list[torch.nn.Module]]) -> None:
@@ -69,11 +70,11 @@ class WeightGatherer:
             if not (whole and stage in self.in_fp8):
                 return
             self.release(stage)
-        if self.fp8 is None:
+        if self.fp8 is None and not whole:
             self.fp8 = Fp8Gather(self.flat)
         buffer = self.buffers[stage]
         buffer.untyped_storage().resize_(self.nbytes[stage])
-        if stage in self.fp8.stages and not whole:
+        if self.fp8 is not None and stage in self.fp8.stages and not whole:
             self.pending[stage] = self.fp8.gather(stage)
             self.in_fp8.add(stage)
         else:
