@@ -142,12 +142,12 @@ class Fp8Gather:
                 if weight.fp8.recipe.tensorwise:
                     torch.maximum(amax[at], values.max(), out=amax[at])
                     continue
-                rows, columns = _coordinates(p0, p1, weight.shape[1], values.device)
                 out = weight.shape[0]
-                amax[at : at + out].scatter_reduce_(0, rows, values, "amax")
-                amax[at + out : at + out + weight.shape[1]].scatter_reduce_(
-                    0, columns, values, "amax"
-                )
+                for o, r, c, n_rows, n_cols in _blocks(p0, p1, weight.shape[1]):
+                    block = values[o : o + n_rows * n_cols].view(n_rows, n_cols)
+                    rows, columns = amax[at + r : at + r + n_rows], amax[at + out + c :][:n_cols]
+                    torch.maximum(rows, block.amax(1), out=rows)
+                    torch.maximum(columns, block.amax(0), out=columns)
         if self.flat.data.size > 1:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.flat.data.group)
         for stage, plan in self.stages.items():
@@ -159,10 +159,13 @@ class Fp8Gather:
                 if weight.fp8.recipe.tensorwise:
                     _cast(x * row_m, saturate, plan.rows[s0:s1])
                     continue
-                rows, columns = _coordinates(p0, p1, weight.shape[1], x.device)
-                _cast(x * row_m[rows], False, plan.rows[s0:s1])
                 assert plan.columns is not None and column_m is not None
-                _cast(x * column_m[columns], False, plan.columns[s0:s1])
+                for o, r, c, n_rows, n_cols in _blocks(p0, p1, weight.shape[1]):
+                    block = x[o : o + n_rows * n_cols].view(n_rows, n_cols)
+                    at = slice(s0 + o, s0 + o + n_rows * n_cols)
+                    _cast((block * row_m[r : r + n_rows, None]).view(-1), False, plan.rows[at])
+                    scaled = block * column_m[None, c : c + n_cols]
+                    _cast(scaled.view(-1), False, plan.columns[at])
 
     def _multipliers(self, weight: _Weight, amax: Tensor) -> tuple[Tensor, Tensor | None, bool]:
         """The rows' (or tensor's) and the columns' multipliers, and whether values past the
@@ -241,10 +244,22 @@ def _view(image: Tensor, weight: _Weight) -> Tensor:
     return image[weight.offset : weight.offset + numel].view(E4M3).view(weight.shape)
 
 
-def _coordinates(p0: int, p1: int, inputs: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """Row and column of each element p0 … p1 - 1 of a row-major (out, inputs) weight."""
-    positions = torch.arange(p0, p1, device=device)
-    return positions // inputs, positions % inputs
+def _blocks(p0: int, p1: int, inputs: int) -> list[tuple[int, int, int, int, int]]:
+    """Elements p0 … p1 - 1 of a row-major (out, inputs) weight as rectangles: (offset from
+    p0, first row, first column, rows, columns): a partial first row, the whole rows, a
+    partial last row (each there only when not empty)."""
+    blocks, position = [], p0
+    while position < p1:
+        row, column = divmod(position, inputs)
+        if column or p1 - position < inputs:  # a partial row
+            length = min(inputs - column, p1 - position)
+            blocks.append((position - p0, row, column, 1, length))
+        else:
+            rows = (p1 - position) // inputs
+            blocks.append((position - p0, row, 0, rows, inputs))
+            length = rows * inputs
+        position += length
+    return blocks
 
 
 def _cast(scaled: Tensor, saturate: bool, out: Tensor) -> None:
