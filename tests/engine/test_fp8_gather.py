@@ -6,6 +6,8 @@ the whole weights' amaxes, and exports still gather the weights whole in bf16.""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.torchrun import torchrun_script
 
 SCRIPT = """
@@ -89,6 +91,11 @@ for recipe in ("tensorwise", "rowwise", "delayed"):
 """
 
 
-def test_zero3_gathers_fp8_weights_as_their_whole_quantization() -> None:
+def test_zero3_gathers_fp8_weights_as_their_whole_quantization(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The kernels' torch references: the gathers are what is tested, and the interpreter
+    # would make the processes' steps several times slower.
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     result = torchrun_script(2, SCRIPT)
     assert result.returncode == 0, result.stderr
