@@ -10,11 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_cli import fastllm as run_cli
-from tests.torchrun import torchrun
-from tests.training.conftest import train_arguments
 from tests.training.test_expert_parallel import MOE
-from tests.training.test_train_cli import assert_same_losses
+from tests.training.test_train_cli import assert_two_ranks_match_one_process
 
 pytestmark = [
     pytest.mark.gpu,
@@ -22,30 +19,19 @@ pytestmark = [
 ]
 
 
-OVERRIDES = (*MOE, "model.distributed.training_dtype=bfloat16", "training.train_iters=10")
+OVERRIDES = (*MOE, "model.distributed.training_dtype=bfloat16")
+LAYOUT = ("model.distributed.expert_parallel=2", "model.multi_stage.zero_stage=2")
 
 
 def test_two_expert_ranks_on_one_gpu_match_one_process_in_bfloat16(
     dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("FASTLLM_DISTRIBUTED_BACKEND", "gloo")
-    _assert_two_expert_ranks_match_one_process(dataset, tmp_path)
+    assert_two_ranks_match_one_process(dataset, tmp_path, OVERRIDES, LAYOUT)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_two_expert_ranks_over_nccl_match_one_process_in_bfloat16(
     dataset: Path, tmp_path: Path
 ) -> None:
-    _assert_two_expert_ranks_match_one_process(dataset, tmp_path)
-
-
-def _assert_two_expert_ranks_match_one_process(dataset: Path, tmp_path: Path) -> None:
-    overrides = OVERRIDES
-    single = tmp_path / "single"
-    result = run_cli(*train_arguments(dataset, single, *overrides))
-    assert result.returncode == 0, result.stderr
-    split = tmp_path / "split"
-    layout = ("model.distributed.expert_parallel=2", "model.multi_stage.zero_stage=2")
-    result = torchrun(2, *train_arguments(dataset, split, *overrides, *layout))
-    assert result.returncode == 0, result.stderr
-    assert_same_losses(single, split, 10, rel=1e-2)
+    assert_two_ranks_match_one_process(dataset, tmp_path, OVERRIDES, LAYOUT)

@@ -10,29 +10,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_cli import fastllm as run_cli
-from tests.torchrun import torchrun
-from tests.training.conftest import train_arguments
 from tests.training.test_layouts_nccl_gpu import FP8_DELAYED
-from tests.training.test_train_cli import assert_same_losses
+from tests.training.test_train_cli import assert_two_ranks_match_one_process
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"),
 ]
 
-OVERRIDES = (*FP8_DELAYED, "model.distributed.training_dtype=bfloat16", "training.train_iters=10")
+OVERRIDES = (*FP8_DELAYED, "model.distributed.training_dtype=bfloat16")
 
 
 def test_fp8_zero3_on_two_ranks_of_one_gpu_matches_one_process(
     dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("FASTLLM_DISTRIBUTED_BACKEND", "gloo")
-    single = tmp_path / "single"
-    result = run_cli(*train_arguments(dataset, single, *OVERRIDES))
-    assert result.returncode == 0, result.stderr
-    split = tmp_path / "split"
-    layout = ("model.multi_stage.zero_stage=3",)
-    result = torchrun(2, *train_arguments(dataset, split, *OVERRIDES, *layout))
-    assert result.returncode == 0, result.stderr
-    assert_same_losses(single, split, 10, rel=1e-2)
+    assert_two_ranks_match_one_process(
+        dataset, tmp_path, OVERRIDES, ("model.multi_stage.zero_stage=3",)
+    )

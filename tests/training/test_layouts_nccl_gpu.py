@@ -10,11 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_cli import fastllm as run_cli
-from tests.torchrun import torchrun
-from tests.training.conftest import train_arguments
 from tests.training.test_expert_parallel import MOE_MODEL
-from tests.training.test_train_cli import assert_same_losses
+from tests.training.test_train_cli import assert_two_ranks_match_one_process
 from tests.training.test_training_options import GATED
 
 pytestmark = [
@@ -32,7 +29,6 @@ BASE = (
     "model.distributed.training_dtype=bfloat16",
     "model.base_model.transformer.num_layers=4",
     "batch.batch_size=8",
-    "training.train_iters=10",
 )
 
 
@@ -63,10 +59,4 @@ BASE = (
 def test_two_gpus_over_nccl_match_one_gpu_in_bfloat16(
     dataset: Path, tmp_path: Path, model: tuple[str, ...], layout: tuple[str, ...]
 ) -> None:
-    single = tmp_path / "single"
-    result = run_cli(*train_arguments(dataset, single, *BASE, *model))
-    assert result.returncode == 0, result.stderr
-    split = tmp_path / "split"
-    result = torchrun(2, *train_arguments(dataset, split, *BASE, *model, *layout))
-    assert result.returncode == 0, result.stderr
-    assert_same_losses(single, split, 10, rel=1e-2)
+    assert_two_ranks_match_one_process(dataset, tmp_path, (*BASE, *model), layout)

@@ -21,6 +21,7 @@ import fastllm
 from tests.conftest import ROOT
 from tests.data.conftest import run_cli as in_process
 from tests.test_cli import fastllm as run_cli
+from tests.torchrun import torchrun
 from tests.training.conftest import train_arguments
 
 
@@ -35,6 +36,19 @@ def assert_same_losses(reference: Path, experiment: Path, steps: int, rel: float
     assert sorted(got) == sorted(expected) == list(range(1, steps + 1))
     for step, loss in expected.items():
         assert got[step] == pytest.approx(loss, rel=rel), step
+
+
+def assert_two_ranks_match_one_process(
+    dataset: Path, tmp_path: Path, overrides: tuple[str, ...], layout: tuple[str, ...]
+) -> None:
+    """Ten steps of `overrides` in one process and on two ranks with `layout` on top: the same
+    losses within 1e-2 (bf16). The GPU layout tests' comparison."""
+    runs = {"single": (), "split": layout}
+    for name, extra in runs.items():
+        arguments = train_arguments(dataset, tmp_path / name, *overrides, "training.train_iters=10")
+        result = torchrun(2, *arguments, *extra) if extra else run_cli(*arguments)
+        assert result.returncode == 0, result.stderr
+    assert_same_losses(tmp_path / "single", tmp_path / "split", 10, rel=1e-2)
 
 
 def test_resume_reproduces_the_uninterrupted_losses_bit_for_bit(
