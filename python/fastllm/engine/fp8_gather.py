@@ -38,8 +38,6 @@ class _Weight:
     vector: one (tensorwise), or its rows' then its columns' (rowwise)."""
 
     fp8: Fp8Weight
-    offset: int
-    """In the stage buffer."""
     shape: tuple[int, int]
     amax_offset: int
     scale: Tensor | None = None
@@ -93,9 +91,8 @@ class Fp8Gather:
             fp8 = getattr(parameter, "fp8", None)
             if fp8 is None:
                 continue
-            _, offset, _ = flat.layout.parameter(index)
             out, inputs = parameter.shape
-            weights[index] = _Weight(fp8, offset, (out, inputs), self.amax_size)
+            weights[index] = _Weight(fp8, (out, inputs), self.amax_size)
             self.amax_size += weights[index].amaxes
         if not weights:
             return None
@@ -225,23 +222,19 @@ class Fp8Gather:
             base = rank * plan.packed_size
             for start, length, cursor in runs:
                 buffer[start : start + length] = packed[base + cursor : base + cursor + length]
-        for weight in plan.weights.values():
+        for index, weight in plan.weights.items():
             assert weight.scale is not None
-            weight.fp8.gathered = Fp8Tensor(_view(rows, weight), weight.scale)
+            view = self.flat._view(rows.view(E4M3), index)
+            weight.fp8.gathered = Fp8Tensor(view, weight.scale)
             if columns is not None:
                 assert weight.column_scale is not None
-                weight.fp8.gathered_columns = Fp8Tensor(_view(columns, weight), weight.column_scale)
+                view = self.flat._view(columns.view(E4M3), index)
+                weight.fp8.gathered_columns = Fp8Tensor(view, weight.column_scale)
 
     def release(self, stage: int) -> None:
         self.images.pop(stage, None)
         for weight in self.stages[stage].weights.values():
             weight.fp8.gathered = weight.fp8.gathered_columns = None
-
-
-def _view(image: Tensor, weight: _Weight) -> Tensor:
-    """The weight's (out, in) e4m3 values in a gathered stage image."""
-    numel = weight.shape[0] * weight.shape[1]
-    return image[weight.offset : weight.offset + numel].view(E4M3).view(weight.shape)
 
 
 def _blocks(p0: int, p1: int, inputs: int) -> list[tuple[int, int, int, int, int]]:
