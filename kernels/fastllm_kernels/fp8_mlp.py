@@ -125,10 +125,11 @@ class _Fp8GatedMlpFunction(torch.autograd.Function):
         return dx, d_norm_weight, d_norm_bias, None, None, d_up, d_down, None, None, None
 
 
-_TILE_ROWS, _TILE_COLS, _WARPS = 32, 128, 4
-"""The fastest of nine tiles on the H200 at llama-3b's shape (bench/fp8_tiles.py, h200-ba22eb9:
-0.340 ms against 0.383 for 64 x 128 with 8 warps); all of them near 2 TB/s, held by the three
-transposed stores."""
+_TILE_ROWS, _TILE_COLS, _WARPS = 32, 64, 4
+"""The fastest of 25 tiles on the H200 at llama-3b's shape (bench/fp8_tiles.py, h200-3ffe8e1:
+0.267 ms against 0.341 for 32 x 128, the best of the nine swept before, and 0.351 for
+64 x 128): the kernel computes as much as it moves, and 16 values a thread keep more tiles in
+flight than 32."""
 
 
 def gated_backward_quantized(
