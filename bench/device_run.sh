@@ -9,6 +9,8 @@
 #   nvidia-h200-x8: bash bench/device_run.sh HASH scale-x8
 #   nvidia-h200:    bash bench/device_run.sh HASH sft
 #   nvidia-h200:    bash bench/device_run.sh HASH fp8   (issue 18: GPU tests, tiles, speed matrix)
+#   nvidia-h200:    FP8_TILES= FP8_MODELS=3b FP8_RECIPES="none delayed" FP8_ROUNDS=3 \
+#                   bash bench/device_run.sh HASH fp8-parity fp8   (issue 18: loss, repeated pairs)
 #   nvidia-h200:    LONG_ONLY="1b:16384:hf 1b:16384:fastllm 1b:32768:hf 1b:32768:fastllm" \
 #                   bash bench/device_run.sh HASH long   (issue 16: the same-call HF baselines)
 #   nvidia-h200-x2: bash bench/device_run.sh HASH layouts-x2 bfdf-x2 sdp-x2 ep-x2   (issue 19)
@@ -26,8 +28,9 @@
 # scale-x8 (Mistral-7B scaling), long (llama-1b/3b at 16k-128k tokens per sequence against HF),
 # sft (llama-1b fine-tuning on packed, masked conversations against HF + compile on the same
 # batches; chat prepare against apply_chat_template in a pool), fp8 (FP8 GPU tests, tile sweep,
-# bf16 and each recipe on llama-3b and llama-1b), moe (MoE GPU tests, then
-# bench/moe_bench.py: dropless against looped, on nvidia-h200); layouts-x2, bfdf-x2, sdp-x2,
+# bf16 and each recipe on llama-3b and llama-1b), fp8-parity (500 steps of each recipe against
+# bf16), moe (MoE GPU tests, then bench/moe_bench.py: dropless against looped, on
+# nvidia-h200); layouts-x2, bfdf-x2, sdp-x2,
 # ep-x2 (issue 19, on nvidia-h200-x2); layouts-x4 (issue 19, on nvidia-h200-x4).
 set -uo pipefail
 COMMIT=$1
@@ -171,23 +174,36 @@ run_part() {
           --commit "$COMMIT" --out "$RES/ep_mixtral_${layout%%:*}" 2>&1 | tail -4
       done ;;
     fp8)
-      # Issue 18: the FP8 GPU tests, the fused gated backward's tile sweep, then llama-3b and
-      # llama-1b in bf16 and each recipe (FP8_MODELS, FP8_RECIPES to narrow), 20 timed steps.
+      # Issue 18: the FP8 GPU tests, the fused gated backward's tile sweep (FP8_TILES: the
+      # kernels to sweep, default gated; empty: none), then llama-3b and llama-1b in bf16 and
+      # each recipe (FP8_MODELS, FP8_RECIPES to narrow), 20 timed steps; FP8_ROUNDS rounds of
+      # that matrix, one after the other (results under train_MODEL_RECIPE_ROUND).
       timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_fp8.py \
         tests/kernels/test_fp8_mlp.py tests/model/test_mlp_fp8.py tests/training/test_fp8_zero3_gpu.py \
         >"$RES/gpu_tests_fp8.log" 2>&1
       tail -n 3 "$RES/gpu_tests_fp8.log"
-      timeout 100 python3 bench/fp8_tiles.py --kernels gated --commit "$COMMIT" \
-        --out "$RES/fp8_tiles.json" 2>&1 | tail -12
+      if [ -n "${FP8_TILES-gated}" ]; then
+        timeout 150 python3 bench/fp8_tiles.py --kernels ${FP8_TILES-gated} --commit "$COMMIT" \
+          --out "$RES/fp8_tiles.json" 2>&1 | tail -12
+      fi
       local -A recipes=([none]="" [delayed]="model.distributed.fp8_linear=tensorwise model.distributed.fp8_scaling=delayed"
         [tensorwise]="model.distributed.fp8_linear=tensorwise" [rowwise]="model.distributed.fp8_linear=rowwise")
-      for model in ${FP8_MODELS:-3b 1b}; do
-        for recipe in ${FP8_RECIPES:-none delayed tensorwise rowwise}; do
-          python3 bench/train_bench.py --models "$model" --systems fastllm --steps 20 --timeout 150 \
-            ${recipes[$recipe]:+--set ${recipes[$recipe]}} --commit "$COMMIT" \
-            --out "$RES/train_${model}_$recipe" 2>&1 | grep "| $model |"
+      local rounds=${FP8_ROUNDS:-1}
+      for round in $(seq "$rounds"); do
+        for model in ${FP8_MODELS:-3b 1b}; do
+          for recipe in ${FP8_RECIPES:-none delayed tensorwise rowwise}; do
+            python3 bench/train_bench.py --models "$model" --systems fastllm --steps 20 --timeout 150 \
+              ${recipes[$recipe]:+--set ${recipes[$recipe]}} --commit "$COMMIT" \
+              --out "$RES/train_${model}_$recipe$([ "$rounds" = 1 ] || echo "_$round")" 2>&1 \
+              | grep "| $model |" | sed "s/^/$recipe /"
+          done
         done
       done ;;
+    fp8-parity)
+      # Issue 18: the FP8 recipes' loss against bf16, PARITY_STEPS (500) steps of llama-1b's
+      # blocks x 6 from one initialization and batch order, with the chart.
+      timeout 280 python3 bench/fp8_loss_parity.py --steps "${PARITY_STEPS:-500}" --layers 6 \
+        --commit "$COMMIT" --out "$RES/fp8_loss_parity" 2>&1 | tail -12 ;;
     long)
       # llama-1b at 16k-128k and llama-3b at 32k-64k tokens in one sequence against HF +
       # compile, and attention alone at those lengths; LONG_S: seconds for all its runs.
