@@ -14,6 +14,7 @@ whose ZeRO shards and gradient sums span the data ranks holding the same experts
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -378,48 +379,47 @@ class FlatModel:
         )
 
     def _accumulate_hook(self, index: int):
-        write = self._gradient_writer(index)
+        # A tensor's hooks are held from C++, out of the garbage collector's sight: a strong
+        # reference to this model from one would keep every buffer alive after its owner (a
+        # Trainer) is dropped. So the hook holds the model weakly.
+        flat, stage = weakref.ref(self), self.layout.parameter(index)[0]
 
         def hook(parameter: Tensor) -> None:
             # Gradients land in the fp32 buffer (accumulated over micro-batches), never in .grad.
-            grad = parameter.grad
-            if grad is None:  # the gradient went to the parameter's sink
+            grad, model = parameter.grad, flat()
+            if grad is None or model is None:  # it went to the parameter's sink, or no model
                 return
-            write(lambda: self.gradients.add(index, grad))
+            model._write_gradient(stage, lambda: model.gradients.add(index, grad))
             parameter.grad = None
 
         return hook
 
     def _gradient_sink(self, index: int):
-        write = self._gradient_writer(index)
+        stage = self.layout.parameter(index)[0]
         # A column-parallel weight's gradient waits for the collective of the layer's input
         # gradient, to run while it is in flight (tensor_parallel.enter).
         deferred = self.model.tp.split and self.metas[self.names[index]].tensor_split is not None
 
         def sink(product: GradientProduct) -> None:
+            def write() -> None:
+                self._write_gradient(stage, lambda: self.gradients.add_product(index, product))
+
             if deferred:
-                self.model.tp.defer(
-                    lambda: write(lambda: self.gradients.add_product(index, product))
-                )
+                self.model.tp.defer(write)
             else:
-                write(lambda: self.gradients.add_product(index, product))
+                write()
 
         return sink
 
-    def _gradient_writer(self, index: int):
-        """`writer(add)`: `add()` puts this backward pass's gradient of the parameter into its
-        buffer; with data parallelism, the reducer frees the buffer first and reduces it once
-        the stage is done."""
-        stage = self.layout.parameter(index)[0]
-
-        def writer(add) -> None:
-            if self.reducer is not None:
-                self.reducer.before_accumulate(stage)
-            add()
-            if self.reducer is not None:
-                self.reducer.parameter_done(stage)
-
-        return writer
+    def _write_gradient(self, stage: int, add: Callable[[], None]) -> None:
+        """`add()` puts this backward pass's gradient of a parameter of `stage` into its buffer;
+        with data parallelism, the reducer frees the buffer first and reduces it once the stage
+        is done."""
+        if self.reducer is not None:
+            self.reducer.before_accumulate(stage)
+        add()
+        if self.reducer is not None:
+            self.reducer.parameter_done(stage)
 
     def start_backward(self, last_micro_batch: bool) -> None:
         """Before a backward pass: whether it is the step's last, in which ZeRO-1 sums the
