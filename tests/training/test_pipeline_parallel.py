@@ -16,7 +16,7 @@ import pytest
 
 from tests.data.conftest import run_cli
 from tests.torchrun import torchrun_script
-from tests.training.conftest import Launched, Layout, launch, train_arguments
+from tests.training.conftest import Launched, Layout, train_arguments
 from tests.training.test_tensor_parallel import assert_same_run
 
 COMMON = (
@@ -61,14 +61,12 @@ def reference(dataset: Path, one_process: Callable[..., Path]) -> Path:
     return one_process(f"data.validation_path=[{dataset}]", *COMMON)
 
 
-@pytest.fixture(scope="module")
-def launched(
-    dataset: Path, reference: Path, tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, Launched]:
-    """The layouts of this module, in one torchrun launch per number of ranks."""
+def layouts(dataset: Path, one_process: Callable[..., Path], root: Path) -> dict[str, Layout]:
+    """The layouts of this module (trained for the fixture `launched`, see conftest.py)."""
+    reference = one_process(f"data.validation_path=[{dataset}]", *COMMON)
     pipeline = (f"data.validation_path=[{dataset}]", *COMMON, *PIPELINE_2)
     two_per_data_rank = "schedule.breadth_first_micro_batches=2"  # 2 × 2 per data rank
-    layouts = {
+    return {
         **{
             f"pp2xdp2-zero{stage}": Layout(
                 4, (*pipeline, two_per_data_rank, f"model.multi_stage.zero_stage={stage}")
@@ -83,7 +81,6 @@ def launched(
         # The one process's step-5 checkpoint resumed on two pipeline ranks.
         "one-process-resumed-on-pp2": Layout(2, pipeline, reference / "checkpoint" / "5"),
     }
-    return launch(dataset, tmp_path_factory.mktemp("layouts"), layouts)
 
 
 def assert_same_validation(reference: Path, run: Path) -> None:
