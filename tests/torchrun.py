@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 
 from tests.conftest import ROOT
@@ -31,10 +31,12 @@ def torchrun_script(processes: int, script: str) -> subprocess.CompletedProcess[
 
 
 def torchrun_runs(
-    processes: int, runs: Mapping[str, Sequence[str]], directory: Path, timeout: float = 600
+    processes: int, runs: Mapping[str, list[str] | str], directory: Path, timeout: float = 600
 ) -> dict[str, CliResult]:
-    """`fastllm ARGUMENTS` for each named argument list, in order, on `processes` ranks of one
-    launch; each result has the exit code, stdout and stderr of its run over all ranks. A launch
+    """`fastllm ARGUMENTS` for each named argument list (or the Python source of each named
+    string, which joins the run's process group through `setup_distributed`), in order, on
+    `processes` ranks of one launch; each result has the exit code, stdout and stderr of its
+    run over all ranks. A launch
     stops at the first run that fails on a rank (as a launch of that run alone would), and the
     runs after it are launched again: a failure costs one more start-up, not the later runs'
     results. A run that a launch left unfinished without a failing rank gets exit code -1."""
@@ -66,7 +68,7 @@ def torchrun_runs(
 
 
 def _launch(
-    processes: int, runs: Mapping[str, Sequence[str]], directory: Path, timeout: float
+    processes: int, runs: Mapping[str, list[str] | str], directory: Path, timeout: float
 ) -> subprocess.CompletedProcess[str]:
     spec = directory / "runs.json"
     spec.write_text(json.dumps({"directory": str(directory), "runs": dict(runs)}))
