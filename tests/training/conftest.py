@@ -8,7 +8,7 @@ A parallel layout is tested against the one-process run of the same global batch
   Leave the layout keys (ZeRO stage, parallel sizes) out of `overrides`: one process runs the
   same whatever they are, so layouts that differ only there share their reference.
 - A module that defines `layouts(dataset, one_process, root) -> {name: Layout(ranks,
-  overrides, resumes)}` (its runs' experiment directories are root/NAME) gets them trained
+  overrides, resumes) | Script(ranks, source)}` (their directories are root/NAME) gets them run
   through the fixture `launched` (its `Launched` runs by name; each test checks its own). The
   layouts of all such modules of the session are trained together, in one torchrun launch
   per number of ranks (`tests.torchrun.torchrun_runs`: the ranks start Python and import
@@ -100,6 +100,15 @@ class Layout:
     resumes: Path | None = None
 
 
+@dataclass(frozen=True)
+class Script:
+    """Python source run on `ranks` ranks of a launch (`setup_distributed` there joins the
+    run's process group); its directory (root/NAME, as a layout's) exists when it starts."""
+
+    ranks: int
+    source: str
+
+
 @dataclass
 class Launched:
     experiment: Path
@@ -142,14 +151,21 @@ def launched(
     return launches[request.module.__name__]
 
 
-def launch(dataset: Path, root: Path, layouts: Mapping[str, Layout]) -> dict[str, Launched]:
-    """Every layout trained into root/NAME (NAME a relative path), in one torchrun launch per
-    number of ranks, most ranks first (a run may resume a checkpoint of a run with more)."""
+def launch(
+    dataset: Path, root: Path, layouts: Mapping[str, Layout | Script]
+) -> dict[str, Launched]:
+    """Every layout trained into root/NAME (NAME a relative path) and every script run, in one
+    torchrun launch per number of ranks, most ranks first (a run may resume a checkpoint of a
+    run with more)."""
     results = {}
     for ranks in sorted({layout.ranks for layout in layouts.values()}, reverse=True):
-        runs = {}
+        runs: dict[str, list[str] | str] = {}
         for name, layout in layouts.items():
             if layout.ranks != ranks:
+                continue
+            if isinstance(layout, Script):
+                (root / name).mkdir(parents=True)
+                runs[name] = layout.source
                 continue
             if layout.resumes is not None and layout.resumes.is_dir():  # else its test fails
                 shutil.copytree(layout.resumes, root / name / "checkpoint" / layout.resumes.name)
