@@ -176,7 +176,7 @@ def launch(
                 ranks,
                 {name.replace("/", "."): arguments for name, arguments in runs.items()},
                 root / f"launch-{ranks}",
-                timeout=300 + 60 * len(runs),
+                timeout=300 + 20 * len(runs),  # runs take seconds, start-up tens
             )
         results |= {name: Launched(root / name, launched[name.replace("/", ".")]) for name in runs}
     return results
