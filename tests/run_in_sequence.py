@@ -1,5 +1,7 @@
-"""`python -m tests.run_in_sequence RUNS.json` on each rank of a torchrun launch: the `fastllm`
-command lines of RUNS.json one after the other in this process. Each run gets a process group of
+"""`python -m tests.run_in_sequence RUNS.json` on each rank of a torchrun launch: the runs of
+RUNS.json one after the other in this process, each a `fastllm` command line (a list of
+arguments) or a Python script (a string; `setup_distributed` there joins the run's group, and
+an exception fails the run with its traceback in stderr). Each run gets a process group of
 its own, which the run leaves as a launch of it alone would: the group is created here, with
 keys of its own in the launch's store (a group created again under the same keys could read
 the previous group's addresses there). Per run and rank it writes NAME.rankR.stdout, .stderr
@@ -37,18 +39,23 @@ def run_in_sequence(spec: Path) -> int:
         # A warning shows in each run, as in a process of its own (not once per location).
         with _output_to(directory / f"{name}.rank{rank}"), warnings.catch_warnings():
             try:
-                code = main(arguments)
+                code = main(arguments) if isinstance(arguments, list) else _script(name, arguments)
             except SystemExit as exit_:
                 code = exit_.code if isinstance(exit_.code, int) else 2
             except BaseException:  # a bug: its traceback goes to the run's stderr
                 traceback.print_exc()
                 code = 1
-        if code == 0 and dist.is_initialized():  # a command that left its group (not train)
+        if code == 0 and dist.is_initialized():  # a run that left its group (not train)
             dist.barrier()
             dist.destroy_process_group()
         (directory / f"{name}.rank{rank}.code").write_text(str(code))
         if code != 0:
             return code
+    return 0
+
+
+def _script(name: str, source: str) -> int:
+    exec(compile(source, f"<{name}>", "exec"), {"__name__": "__main__"})
     return 0
 
 

@@ -6,11 +6,10 @@ the whole weights' amaxes, and exports still gather the weights whole in bf16.""
 
 from __future__ import annotations
 
-import pytest
+from tests.data.conftest import CliResult
 
-from tests.torchrun import torchrun_script
-
-SCRIPT = """
+# Run by the fixture two_ranks (tests/engine/conftest.py).
+TWO_RANKS = """
 import copy
 import torch
 from fastllm.engine.flat_model import FlatModel
@@ -91,11 +90,5 @@ for recipe in ("tensorwise", "rowwise", "delayed"):
 """
 
 
-def test_zero3_gathers_fp8_weights_as_their_whole_quantization(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # The kernels' torch references: the gathers are what is tested, and the interpreter
-    # would make the processes' steps several times slower.
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    result = torchrun_script(2, SCRIPT)
-    assert result.returncode == 0, result.stderr
+def test_zero3_gathers_fp8_weights_as_their_whole_quantization(two_ranks: CliResult) -> None:
+    assert two_ranks.returncode == 0, two_ranks.stderr

@@ -5,11 +5,10 @@ tokens and summed, are the whole sequence's."""
 
 from __future__ import annotations
 
-import pytest
+from tests.data.conftest import CliResult
 
-from tests.torchrun import torchrun_script
-
-SCRIPT = """
+# Run by the fixture two_ranks (tests/engine/conftest.py).
+TWO_RANKS = """
 import torch
 import torch.distributed as dist
 import fastllm.model.attention as attention_module
@@ -115,10 +114,6 @@ dist.destroy_process_group()
 
 
 def test_chunks_see_slices_of_the_whole_sequence_and_sum_to_its_loss_and_gradients(
-    monkeypatch: pytest.MonkeyPatch,
+    two_ranks: CliResult,
 ) -> None:
-    # The kernels' torch references: the kernels are tested in tests/kernels, and the
-    # interpreter would make this a minute.
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    result = torchrun_script(2, SCRIPT)
-    assert result.returncode == 0, result.stderr
+    assert two_ranks.returncode == 0, two_ranks.stderr

@@ -3,9 +3,10 @@ embedding and `cross_entropy` on the whole vocabulary: values and gradients."""
 
 from __future__ import annotations
 
-from tests.torchrun import torchrun_script
+from tests.data.conftest import CliResult
 
-SCRIPT = """
+# Run by the fixture two_ranks (tests/engine/conftest.py).
+TWO_RANKS = """
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -57,6 +58,7 @@ dist.destroy_process_group()
 """
 
 
-def test_vocab_parallel_embedding_and_cross_entropy_match_torch_on_the_whole_vocabulary() -> None:
-    result = torchrun_script(2, SCRIPT)
-    assert result.returncode == 0, result.stderr
+def test_vocab_parallel_embedding_and_cross_entropy_match_torch_on_the_whole_vocabulary(
+    two_ranks: CliResult,
+) -> None:
+    assert two_ranks.returncode == 0, two_ranks.stderr

@@ -3,11 +3,10 @@ than a stage, the next and (for a tied head) the embedding are ever gathered at 
 
 from __future__ import annotations
 
-import pytest
+from tests.data.conftest import CliResult
 
-from tests.torchrun import torchrun_script
-
-SCRIPT = """
+# Run by the fixture two_ranks (tests/engine/conftest.py).
+TWO_RANKS = """
 import torch
 from fastllm.engine.flat_model import FlatModel
 from fastllm.engine.mesh import build_mesh
@@ -53,9 +52,5 @@ assert most == 3, most
 """
 
 
-def test_zero3_gathers_stages_just_in_time_with_exact_gradients(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the gathers are tested, not kernels
-    result = torchrun_script(2, SCRIPT)
-    assert result.returncode == 0, result.stderr
+def test_zero3_gathers_stages_just_in_time_with_exact_gradients(two_ranks: CliResult) -> None:
+    assert two_ranks.returncode == 0, two_ranks.stderr

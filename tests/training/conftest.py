@@ -7,16 +7,18 @@ A parallel layout is tested against the one-process run of the same global batch
   whichever module asks first; treat it as read-only (copy a checkpoint out to resume it).
   Leave the layout keys (ZeRO stage, parallel sizes) out of `overrides`: one process runs the
   same whatever they are, so layouts that differ only there share their reference.
-- `launch(dataset, root, {name: Layout(ranks, overrides, resumes)})` trains a module's layouts
-  with one torchrun launch per number of ranks (`tests.torchrun.torchrun_runs`: the ranks
-  start Python and import torch once for all runs, which is most of a small run's cost); a
-  module fixture holds the `Launched` runs, and each test checks its own."""
+- A module that defines `layouts(dataset, one_process, root) -> {name: Layout(ranks,
+  overrides, resumes) | Script(ranks, source)}` (their directories are root/NAME) gets them run
+  through the fixture `launched` (its `Launched` runs by name; each test checks its own). The
+  layouts of all such modules of the session are trained together, in one torchrun launch
+  per number of ranks (`tests.torchrun.torchrun_runs`: the ranks start Python and import
+  torch once for all runs, which is most of a small run's cost)."""
 
 from __future__ import annotations
 
 import shutil
 import sysconfig
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,6 +100,15 @@ class Layout:
     resumes: Path | None = None
 
 
+@dataclass(frozen=True)
+class Script:
+    """Python source run on `ranks` ranks of a launch (`setup_distributed` there joins the
+    run's process group); its directory (root/NAME, as a layout's) exists when it starts."""
+
+    ranks: int
+    source: str
+
+
 @dataclass
 class Launched:
     experiment: Path
@@ -108,20 +119,64 @@ class Launched:
         return self.experiment
 
 
-def launch(dataset: Path, root: Path, layouts: dict[str, Layout]) -> dict[str, Launched]:
-    """Every layout trained into root/NAME, in one torchrun launch per number of ranks, most
-    ranks first. Each test then checks its own (a module fixture holds the result)."""
+@pytest.fixture(scope="session")
+def launches(
+    request: pytest.FixtureRequest,
+    dataset: Path,
+    one_process: Callable[..., Path],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, dict[str, Launched]]:
+    """The `layouts` of every module with tests in this session, by module name, trained in
+    one torchrun launch per number of ranks."""
+    root = tmp_path_factory.mktemp("layouts")
+    modules = {getattr(item, "module", None) for item in request.session.items}
+    named = {m.__name__: m for m in modules if m is not None and hasattr(m, "layouts")}
+    layouts = {
+        module: named[module].layouts(dataset, one_process, root / module)
+        for module in sorted(named)
+    }
+    launched = launch(
+        dataset,
+        root,
+        {f"{m}/{name}": layout for m, ls in layouts.items() for name, layout in ls.items()},
+    )
+    return {m: {name: launched[f"{m}/{name}"] for name in ls} for m, ls in layouts.items()}
+
+
+@pytest.fixture(scope="module")
+def launched(
+    request: pytest.FixtureRequest, launches: dict[str, dict[str, Launched]]
+) -> dict[str, Launched]:
+    """This module's `layouts`, trained."""
+    return launches[request.module.__name__]
+
+
+def launch(
+    dataset: Path, root: Path, layouts: Mapping[str, Layout | Script]
+) -> dict[str, Launched]:
+    """Every layout trained into root/NAME (NAME a relative path) and every script run, in one
+    torchrun launch per number of ranks, most ranks first (a run may resume a checkpoint of a
+    run with more)."""
     results = {}
     for ranks in sorted({layout.ranks for layout in layouts.values()}, reverse=True):
-        runs = {}
+        runs: dict[str, list[str] | str] = {}
         for name, layout in layouts.items():
             if layout.ranks != ranks:
+                continue
+            if isinstance(layout, Script):
+                (root / name).mkdir(parents=True)
+                runs[name] = layout.source
                 continue
             if layout.resumes is not None and layout.resumes.is_dir():  # else its test fails
                 shutil.copytree(layout.resumes, root / name / "checkpoint" / layout.resumes.name)
             runs[name] = train_arguments(dataset, root / name, *layout.overrides)
-        with pytest.MonkeyPatch.context() as patch:  # a module fixture: before the autouse one
+        with pytest.MonkeyPatch.context() as patch:  # a session fixture: before the autouse one
             patch.delenv("TRITON_INTERPRET", raising=False)
-            launched = torchrun_runs(ranks, runs, root / f"launch-{ranks}")
-        results |= {name: Launched(root / name, result) for name, result in launched.items()}
+            launched = torchrun_runs(
+                ranks,
+                {name.replace("/", "."): arguments for name, arguments in runs.items()},
+                root / f"launch-{ranks}",
+                timeout=300 + 20 * len(runs),  # runs take seconds, start-up tens
+            )
+        results |= {name: Launched(root / name, launched[name.replace("/", ".")]) for name in runs}
     return results

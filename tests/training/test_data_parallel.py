@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.training.conftest import Launched, Layout, launch
+from tests.training.conftest import Launched, Layout
 from tests.training.test_train_cli import losses
 
 
@@ -88,17 +88,15 @@ LAYOUTS: dict[str, tuple[int, tuple[str, ...], tuple[str, ...]]] = {
 }
 
 
-@pytest.fixture(scope="module")
-def launched(dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Launched]:
-    """Every layout of LAYOUTS trained, in one torchrun launch per number of ranks."""
-    root = tmp_path_factory.mktemp("layouts")
+def layouts(dataset: Path, one_process: Callable[..., Path], root: Path) -> dict[str, Layout]:
+    """Every layout of LAYOUTS (trained for the fixture `launched`, see conftest.py)."""
     layouts = {
         name: Layout(ranks, (*reference, *layout, *validated(dataset, name)))
         for name, (ranks, reference, layout) in LAYOUTS.items()
     }
     checkpoint = root / "zero3-three-steps" / "checkpoint" / "3"
     layouts["resumed-on-two"] = replace(layouts["resumed-on-two"], resumes=checkpoint)
-    return launch(dataset, root, layouts)
+    return layouts
 
 
 def validated(dataset: Path, name: str) -> tuple[str, ...]:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.training.conftest import Launched, Layout, launch
+from tests.training.conftest import Launched, Layout
 from tests.training.test_data_parallel import final_weights
 from tests.training.test_train_cli import losses
 
@@ -41,14 +41,11 @@ def reference(one_process: Callable[..., Path]) -> Path:
     return one_process(*MOE, "training.train_iters=6")
 
 
-@pytest.fixture(scope="module")
-def launched(
-    dataset: Path, reference: Path, tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, Launched]:
-    """The layouts of this module, in one torchrun launch per number of ranks."""
-    root = tmp_path_factory.mktemp("layouts")
+def layouts(dataset: Path, one_process: Callable[..., Path], root: Path) -> dict[str, Layout]:
+    """The layouts of this module (trained for the fixture `launched`, see conftest.py)."""
+    reference = one_process(*MOE, "training.train_iters=6")
     six = "training.train_iters=6"
-    layouts = {
+    return {
         # 2 expert groups of 2 ranks: each expert's buffer is sharded over, and its gradient
         # summed across, the 2 ranks holding it.
         "dp4-ep2-zero3": Layout(
@@ -95,7 +92,6 @@ def launched(
             reference / "checkpoint" / "3",
         ),
     }
-    return launch(dataset, root, layouts)
 
 
 def _assert_matches(experiment: Path, reference: Path, steps: range, weights: bool = True) -> None:

@@ -13,7 +13,7 @@ import torch
 from fastllm.config import ConfigError
 from fastllm_kernels.fp8 import quantize
 from fastllm_kernels.fp8_linear import E4M3, WEIGHT, AmaxHistories
-from tests.training.conftest import Launched, Layout, launch
+from tests.training.conftest import Launched, Layout
 from tests.training.test_data_parallel import assert_ranks_match_one_process, model, zero
 from tests.training.test_training_options import GATED, trainer
 
@@ -163,20 +163,18 @@ DATA_PARALLEL = {  # name: (the one-process reference, the layout on two ranks)
 }
 
 
-@pytest.fixture(scope="module")
-def data_parallel(dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Launched]:
-    root = tmp_path_factory.mktemp("fp8_layouts")
-    layouts = {
+def layouts(dataset: Path, one_process: Callable[..., Path], root: Path) -> dict[str, Layout]:
+    """The layouts of DATA_PARALLEL (trained for the fixture `launched`, see conftest.py)."""
+    return {
         name: Layout(2, (*model("bfloat16", *GATED, *recipe), layout))
         for name, (recipe, layout) in DATA_PARALLEL.items()
     }
-    return launch(dataset, root, layouts)
 
 
 @pytest.mark.parametrize("name", DATA_PARALLEL)
 def test_fp8_on_two_ranks_matches_one_process(
-    data_parallel: dict[str, Launched], one_process: Callable[..., Path], name: str
+    launched: dict[str, Launched], one_process: Callable[..., Path], name: str
 ) -> None:
     reference = model("bfloat16", *GATED, *DATA_PARALLEL[name][0])
-    run = data_parallel[name].succeeded()
+    run = launched[name].succeeded()
     assert_ranks_match_one_process(run, one_process(*reference), 2, "bfloat16")

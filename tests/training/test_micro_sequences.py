@@ -7,13 +7,14 @@ tests/training/test_pipeline_parallel.py.)"""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
 from fastllm.config import ConfigError
-from tests.torchrun import torchrun_script
+from tests.training.conftest import Launched, Script
 from tests.training.test_training_options import trainer
 
 SPLITS_4 = "schedule.micro_batch_splits=4"
@@ -84,6 +85,7 @@ def test_pieces_as_units_of_the_pipeline_schedule_give_the_whole_sequences_gradi
 
 TENSOR_SCRIPT = """
 import itertools
+from collections.abc import Callable
 from pathlib import Path
 import torch
 import torch.distributed as dist
@@ -117,12 +119,17 @@ dist.destroy_process_group()
 """
 
 
+def layouts(dataset: Path, one_process: Callable[..., Path], root: Path) -> dict[str, Script]:
+    """TENSOR_SCRIPT (run for the fixture `launched`, see conftest.py)."""
+    script = TENSOR_SCRIPT.replace("DATASET", repr(str(dataset)))
+    return {"tensor": Script(2, script.replace("EXPERIMENTS", repr(str(root / "tensor"))))}
+
+
 def test_micro_sequences_with_tensor_and_sequence_parallelism_give_the_same_gradients(
-    dataset: Path, tmp_path: Path
+    launched: dict[str, Launched],
 ) -> None:
     """On two tensor ranks, whose sequence-parallel chunks of a piece are 6 tokens."""
-    script = TENSOR_SCRIPT.replace("DATASET", repr(str(dataset)))
-    result = torchrun_script(2, script.replace("EXPERIMENTS", repr(str(tmp_path))))
+    result = launched["tensor"].result
     assert result.returncode == 0, result.stderr
 
 

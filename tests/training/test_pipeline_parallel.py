@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.data.conftest import run_cli
-from tests.torchrun import torchrun_script
-from tests.training.conftest import Launched, Layout, launch, train_arguments
+from tests.training.conftest import Launched, Layout, Script, train_arguments
 from tests.training.test_tensor_parallel import assert_same_run
 
 COMMON = (
@@ -61,14 +60,14 @@ def reference(dataset: Path, one_process: Callable[..., Path]) -> Path:
     return one_process(f"data.validation_path=[{dataset}]", *COMMON)
 
 
-@pytest.fixture(scope="module")
-def launched(
-    dataset: Path, reference: Path, tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, Launched]:
-    """The layouts of this module, in one torchrun launch per number of ranks."""
+def layouts(
+    dataset: Path, one_process: Callable[..., Path], root: Path
+) -> dict[str, Layout | Script]:
+    """The layouts of this module (trained for the fixture `launched`, see conftest.py)."""
+    reference = one_process(f"data.validation_path=[{dataset}]", *COMMON)
     pipeline = (f"data.validation_path=[{dataset}]", *COMMON, *PIPELINE_2)
     two_per_data_rank = "schedule.breadth_first_micro_batches=2"  # 2 × 2 per data rank
-    layouts = {
+    return {
         **{
             f"pp2xdp2-zero{stage}": Layout(
                 4, (*pipeline, two_per_data_rank, f"model.multi_stage.zero_stage={stage}")
@@ -82,8 +81,8 @@ def launched(
         **{f"pp2-{name}": Layout(2, (*pipeline, *overrides)) for name, overrides in PP2.items()},
         # The one process's step-5 checkpoint resumed on two pipeline ranks.
         "one-process-resumed-on-pp2": Layout(2, pipeline, reference / "checkpoint" / "5"),
+        "runner-trace": runner_trace(dataset, root / "runner-trace"),
     }
-    return launch(dataset, tmp_path_factory.mktemp("layouts"), layouts)
 
 
 def assert_same_validation(reference: Path, run: Path) -> None:
@@ -138,17 +137,18 @@ def test_pipeline_and_tensor_parallel_match_one_process(
     assert_same_run(reference, launched["pp2xtp2"].succeeded())
 
 
-def test_each_rank_runs_its_program_as_the_schedule_has_it(dataset: Path, tmp_path: Path) -> None:
-    """The runner executes exactly the ops of the program the simulator times (ZeRO-3 over
-    two data ranks: gathers and releases included)."""
-    script = textwrap.dedent(
+def runner_trace(dataset: Path, directory: Path) -> Script:
+    """Each rank's trace of one step's ops, against the program the simulator times for it
+    (ZeRO-3 over two data ranks: gathers and releases included); a rank that matches leaves
+    rank_R.ok in `directory`."""
+    source = textwrap.dedent(
         f"""
         import json, sys
         from pathlib import Path
         from fastllm.config import TrainerConfig, load_config
         from fastllm.engine.pipeline.simulator import programs_for
         from fastllm.training.trainer import Trainer
-        overrides = {arguments(dataset, tmp_path / "run", *PIPELINE_2)[3:]!r} + [
+        overrides = {arguments(dataset, directory / "run", *PIPELINE_2)[3:]!r} + [
             "model.multi_stage.zero_stage=3", "schedule.breadth_first_micro_batches=2",
         ]
         config = load_config(TrainerConfig, ["examples/tiny.yaml"], overrides)
@@ -160,12 +160,20 @@ def test_each_rank_runs_its_program_as_the_schedule_has_it(dataset: Path, tmp_pa
         expected = programs_for(config, world_size=4)[rank].ops
         assert [str(op) for op in trainer.pipeline.trace] == [str(op) for op in expected]
         assert any(op.kind == "gather" for op in expected)
-        Path({str(tmp_path)!r}, f"rank_{{trainer.distributed.rank}}.ok").touch()
+        Path({str(directory)!r}, f"rank_{{trainer.distributed.rank}}.ok").touch()
         """
     )
-    result = torchrun_script(4, script)
-    assert result.returncode == 0, result.stderr
-    assert sorted(p.name for p in tmp_path.glob("*.ok")) == [f"rank_{r}.ok" for r in range(4)]
+    return Script(4, source)
+
+
+def test_each_rank_runs_its_program_as_the_schedule_has_it(
+    launched: dict[str, Launched],
+) -> None:
+    """The runner executes exactly the ops of the program the simulator times."""
+    run = launched["runner-trace"]
+    assert run.result.returncode == 0, run.result.stderr
+    ok = sorted(p.name for p in run.experiment.glob("*.ok"))
+    assert ok == [f"rank_{r}.ok" for r in range(4)]
 
 
 def test_pipeline_tensor_and_data_parallel_at_zero3_match_one_process(

@@ -13,7 +13,7 @@ import pytest
 from fastllm.config import ConfigError, TrainerConfig, load_config
 from fastllm.training.setup import check_inputs
 from tests.conftest import ROOT
-from tests.training.conftest import Launched, Layout, launch
+from tests.training.conftest import Launched, Layout
 from tests.training.test_data_parallel import final_weights
 from tests.training.test_tensor_parallel import assert_close_weights
 from tests.training.test_train_cli import losses
@@ -53,14 +53,12 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def launched(dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Launched]:
-    """The layouts of LAYOUTS, in one torchrun launch per number of ranks."""
-    layouts = {
+def layouts(dataset: Path, one_process: Callable[..., Path], root: Path) -> dict[str, Layout]:
+    """The layouts of LAYOUTS (trained for the fixture `launched`, see conftest.py)."""
+    return {
         name: Layout(ranks, (*COMMON, *SDP_2, *REFERENCES[reference], *layout))
         for name, (ranks, reference, layout) in LAYOUTS.items()
     }
-    return launch(dataset, tmp_path_factory.mktemp("layouts"), layouts)
 
 
 @pytest.mark.parametrize("name", LAYOUTS)

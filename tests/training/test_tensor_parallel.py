@@ -21,7 +21,7 @@ from fastllm.engine.tensor_parallel import TensorParallel
 from fastllm.model import GPTModel
 from fastllm.training.state import sharded_state
 from tests.data.conftest import run_cli
-from tests.training.conftest import Launched, Layout, launch, train_arguments
+from tests.training.conftest import Launched, Layout, train_arguments
 from tests.training.test_data_parallel import final_weights
 from tests.training.test_train_cli import losses
 
@@ -56,15 +56,12 @@ def references(one_process: Callable[..., Path]) -> dict[str, Path]:
     return {name: one_process(*COMMON, *overrides) for name, overrides in MODELS.items()}
 
 
-@pytest.fixture(scope="module")
-def launched(
-    dataset: Path, references: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, Launched]:
-    """The layouts of this module, in one torchrun launch per number of ranks."""
-    root = tmp_path_factory.mktemp("layouts")
+def layouts(dataset: Path, one_process: Callable[..., Path], root: Path) -> dict[str, Layout]:
+    """The layouts of this module (trained for the fixture `launched`, see conftest.py)."""
+    llama_reference = one_process(*COMMON, *MODELS["llama"])
     starcoder2, llama = (*COMMON, *MODELS["starcoder2"]), (*COMMON, *MODELS["llama"])
     zero = "model.multi_stage.zero_stage="
-    layouts = {
+    return {
         "tp2xdp2-zero1": Layout(4, (*starcoder2, *TENSOR_2, f"{zero}1", *SEQUENCE)),
         "tp2xdp2-zero2": Layout(
             4, (*starcoder2, *TENSOR_2, f"{zero}2", "training.export.format=starcoder2")
@@ -77,14 +74,13 @@ def launched(
             2, starcoder2, root / "tp2xdp2-zero3" / "checkpoint" / "5"
         ),
         "one-process-resumed-on-tp2": Layout(
-            2, (*llama, *TENSOR_2), references["llama"] / "checkpoint" / "5"
+            2, (*llama, *TENSOR_2), llama_reference / "checkpoint" / "5"
         ),
         "tp2-moe-dropless-sequence-parallel": Layout(2, (*MOE, *SEQUENCE, *TENSOR_2)),
         "tp2-moe-looped": Layout(
             2, (*MOE, "model.base_model.transformer.dropless_moe=false", *TENSOR_2)
         ),
     }
-    return launch(dataset, root, layouts)
 
 
 def assert_same_run(reference: Path, run: Path, first_step: int = 1, weights: bool = True) -> None:

@@ -59,7 +59,10 @@ def test_recomputation_gives_the_same_losses_and_gradients(
         # The fused kernels (norm_linear, gated_linear) against the stored path: they run
         # only on Triton (here its interpreter); their references are the stored path itself.
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-    options = ("training.train_iters=2", "batch.micro_batch_size=1", *model)
+    # One block on sequences of 16 tokens: the interpreter's cost grows with the kernels
+    # launched and their rows.
+    options = ("training.train_iters=2", "batch.micro_batch_size=1", "batch.sequence_length=16")
+    options += ("model.base_model.transformer.num_layers=1", *model)
     plain = trainer(dataset, tmp_path / "a", *options, "model.multi_stage.recompute=none")
     recomputed = trainer(dataset, tmp_path / "b", *options, f"model.multi_stage.recompute={level}")
     (batch,) = next(iter(plain.data_loader()))[:1]
