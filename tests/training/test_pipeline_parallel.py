@@ -143,7 +143,6 @@ def runner_trace(dataset: Path, directory: Path) -> Script:
     rank_R.ok in `directory`."""
     source = textwrap.dedent(
         f"""
-        import json, sys
         from pathlib import Path
         from fastllm.config import TrainerConfig, load_config
         from fastllm.engine.pipeline.simulator import programs_for
