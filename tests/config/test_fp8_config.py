@@ -21,11 +21,6 @@ FP8 = ("model.distributed.fp8_linear=rowwise", "model.distributed.training_dtype
             "model.distributed.tensor_parallel > 1",
         ),
         (
-            (*FP8, "model.distributed.pipeline_parallel=2"),
-            "model.distributed.fp8_linear",
-            "model.distributed.pipeline_parallel > 1",
-        ),
-        (
             (*FP8, "model.distributed.sequence_data_parallel=2"),
             "model.distributed.fp8_linear",
             "model.distributed.sequence_data_parallel > 1",
@@ -62,3 +57,5 @@ def test_fp8_with_bf16_validates() -> None:
     assert config.model.distributed.fp8_linear == "rowwise"
     config = load_config(TrainerConfig, overrides=[*FP8, "model.multi_stage.zero_stage=3"])
     assert config.model.multi_stage.zero_stage == 3
+    config = load_config(TrainerConfig, overrides=[*FP8, "model.distributed.pipeline_parallel=2"])
+    assert config.model.distributed.pipeline_parallel == 2

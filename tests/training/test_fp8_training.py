@@ -9,8 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 
+from fastllm.checkpoint.distributed import rank_file
 from fastllm.config import ConfigError
+from fastllm.training.state import FP8_PREFIX
 from fastllm_kernels.fp8 import quantize
 from fastllm_kernels.fp8_linear import E4M3, WEIGHT, AmaxHistories
 from tests.training.conftest import Launched, Layout
@@ -163,11 +166,36 @@ DATA_PARALLEL = {  # name: (the one-process reference, the layout on two ranks)
 }
 
 
+PIPELINE = {  # name: (ranks, the one-process reference, the layout on top of it)
+    # Each rank's FP8 layers are its stage's; the histories, per rank, are its layers'.
+    "pp2-delayed": (
+        2,
+        (*RECIPES["delayed"], "model.distributed.fp8_amax_history_length=6"),  # every step's
+        ("model.distributed.pipeline_parallel=2",),
+    ),
+    # The stages' FP8 images gathered over the two data ranks of each pipeline rank.
+    "pp2xdp2-zero3-rowwise": (
+        4,
+        ("model.distributed.fp8_linear=rowwise", "batch.micro_batch_size=1"),
+        ("model.distributed.pipeline_parallel=2", zero(3)),
+    ),
+}
+"""Two micro-batches a data rank, in breadth-first order over the two stages (one a rank)."""
+
+
 def layouts(dataset: Path, one_process: Callable[..., Path], root: Path) -> dict[str, Layout]:
-    """The layouts of DATA_PARALLEL (trained for the fixture `launched`, see conftest.py)."""
+    """The layouts of DATA_PARALLEL and PIPELINE (trained for the fixture `launched`, see
+    conftest.py)."""
+    breadth_first = "schedule.breadth_first_micro_batches=2"
     return {
-        name: Layout(2, (*model("bfloat16", *GATED, *recipe), layout))
-        for name, (recipe, layout) in DATA_PARALLEL.items()
+        **{
+            name: Layout(2, (*model("bfloat16", *GATED, *recipe), layout))
+            for name, (recipe, layout) in DATA_PARALLEL.items()
+        },
+        **{
+            name: Layout(ranks, (*model("bfloat16", *GATED, *recipe), *layout, breadth_first))
+            for name, (ranks, recipe, layout) in PIPELINE.items()
+        },
     }
 
 
@@ -178,3 +206,39 @@ def test_fp8_on_two_ranks_matches_one_process(
     reference = model("bfloat16", *GATED, *DATA_PARALLEL[name][0])
     run = launched[name].succeeded()
     assert_ranks_match_one_process(run, one_process(*reference), 2, "bfloat16")
+
+
+@pytest.mark.parametrize("name", PIPELINE)
+def test_fp8_with_pipeline_parallelism_matches_one_process(
+    launched: dict[str, Launched], one_process: Callable[..., Path], name: str
+) -> None:
+    ranks, recipe, _ = PIPELINE[name]
+    run = launched[name].succeeded()
+    single = one_process(*model("bfloat16", *GATED, *recipe))
+    assert_ranks_match_one_process(run, single, ranks, "bfloat16")
+
+
+def test_pipeline_ranks_keep_the_amax_histories_of_their_own_layers(
+    launched: dict[str, Launched], one_process: Callable[..., Path]
+) -> None:
+    """Each layer's history is recorded by the one rank whose stage runs it, and holds the
+    amaxes one process records for that layer: the first step's exactly (the same products
+    of the same weights), the later ones as closely as the runs agree (bf16 sums in another
+    order)."""
+    run = launched["pp2-delayed"].succeeded()
+    single = one_process(*model("bfloat16", *GATED, *PIPELINE["pp2-delayed"][1]))
+    ranks = torch.stack([rank_histories(run, rank) for rank in (0, 1)])  # rank, layer, kind, step
+    expected = rank_histories(single, 0)
+    recorded = ranks.flatten(2).abs().amax(dim=2) > 0  # rank, layer
+    assert recorded.sum(dim=0).tolist() == [1] * len(expected), recorded
+    assert recorded.any(dim=1).all(), "both ranks run FP8 layers"
+    combined = (ranks * recorded[:, :, None, None]).sum(dim=0)
+    assert torch.equal(combined[..., -1], expected[..., -1])  # newest first: step 1 last
+    torch.testing.assert_close(combined, expected, rtol=0.1, atol=0)
+
+
+def rank_histories(experiment: Path, rank: int) -> torch.Tensor:
+    """Rank `rank`'s amax histories (layer, kind, step) in the run's last checkpoint."""
+    checkpoint = max((experiment / "checkpoint").iterdir(), key=lambda path: int(path.name))
+    with safe_open(checkpoint / rank_file(rank), "pt") as handle:
+        return handle.get_tensor(f"{FP8_PREFIX}history")

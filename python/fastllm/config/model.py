@@ -275,7 +275,8 @@ class DistributedConfig(Section):
     the optimizer do not change). tensorwise: one scale per tensor, gradients in e5m2;
     rowwise: one scale per row of each operand, all in e4m3. Needs bfloat16 training and a
     GPU with FP8 tensor cores (compute capability 8.9 or more); on CPU the FP8 rounding is
-    emulated."""
+    emulated. Not with tensor or sequence-data parallelism yet; with pipeline parallelism each
+    rank computes its stages' layers in FP8 and keeps their amax histories."""
     fp8_scaling: Literal["current", "delayed"] = "current"
     """How tensorwise FP8 scales the layers' inputs, output gradients and weights. current:
     each tensor by its own amax (a pass to find it before the cast). delayed: by the largest
@@ -420,7 +421,7 @@ class ModelConfig(Section):
                 f"{recipe} needs model.distributed.training_dtype bfloat16, got "
                 f"{distributed.training_dtype}",
             )
-        for name in ("tensor_parallel", "pipeline_parallel", "sequence_data_parallel"):
+        for name in ("tensor_parallel", "sequence_data_parallel"):
             if getattr(distributed, name) > 1:
                 raise ConfigError(
                     key,
