@@ -20,11 +20,6 @@ FP8 = ("model.distributed.fp8_linear=rowwise", "model.distributed.training_dtype
             "model.distributed.fp8_linear",
             "model.distributed.tensor_parallel > 1",
         ),
-        (
-            (*FP8, "model.distributed.sequence_data_parallel=2"),
-            "model.distributed.fp8_linear",
-            "model.distributed.sequence_data_parallel > 1",
-        ),
         ((*FP8, "training.compile=true"), "training.compile", "fp8_linear=rowwise"),
         (
             (*FP8, "model.distributed.fp8_scaling=delayed"),
@@ -57,5 +52,6 @@ def test_fp8_with_bf16_validates() -> None:
     assert config.model.distributed.fp8_linear == "rowwise"
     config = load_config(TrainerConfig, overrides=[*FP8, "model.multi_stage.zero_stage=3"])
     assert config.model.multi_stage.zero_stage == 3
-    config = load_config(TrainerConfig, overrides=[*FP8, "model.distributed.pipeline_parallel=2"])
-    assert config.model.distributed.pipeline_parallel == 2
+    for layout in ("pipeline_parallel", "sequence_data_parallel"):
+        config = load_config(TrainerConfig, overrides=[*FP8, f"model.distributed.{layout}=2"])
+        assert getattr(config.model.distributed, layout) == 2

@@ -18,6 +18,7 @@ from fastllm_kernels.fp8 import quantize
 from fastllm_kernels.fp8_linear import E4M3, WEIGHT, AmaxHistories
 from tests.training.conftest import Launched, Layout
 from tests.training.test_data_parallel import assert_ranks_match_one_process, model, zero
+from tests.training.test_train_cli import losses
 from tests.training.test_training_options import GATED, trainer
 
 BF16 = ("model.distributed.training_dtype=bfloat16", *GATED)
@@ -181,6 +182,9 @@ PIPELINE = {  # name: (ranks, the one-process reference, the layout on top of it
     ),
 }
 """Two micro-batches a data rank, in breadth-first order over the two stages (one a rank)."""
+SEQUENCE_DATA = ("model.distributed.fp8_linear=rowwise",)
+"""Two ranks sharing each sequence: rowwise scales each token's row by itself, so the first
+step's forward pass is one process's exactly, q/k/v projection included."""
 
 
 def layouts(dataset: Path, one_process: Callable[..., Path], root: Path) -> dict[str, Layout]:
@@ -196,6 +200,13 @@ def layouts(dataset: Path, one_process: Callable[..., Path], root: Path) -> dict
             name: Layout(ranks, (*model("bfloat16", *GATED, *recipe), *layout, breadth_first))
             for name, (ranks, recipe, layout) in PIPELINE.items()
         },
+        "sdp2-rowwise": Layout(
+            2,
+            (
+                *model("bfloat16", *GATED, *SEQUENCE_DATA),
+                "model.distributed.sequence_data_parallel=2",
+            ),
+        ),
     }
 
 
@@ -235,6 +246,15 @@ def test_pipeline_ranks_keep_the_amax_histories_of_their_own_layers(
     combined = (ranks * recorded[:, :, None, None]).sum(dim=0)
     assert torch.equal(combined[..., -1], expected[..., -1])  # newest first: step 1 last
     torch.testing.assert_close(combined, expected, rtol=0.1, atol=0)
+
+
+def test_fp8_with_sequence_data_parallelism_matches_one_process(
+    launched: dict[str, Launched], one_process: Callable[..., Path]
+) -> None:
+    run = launched["sdp2-rowwise"].succeeded()
+    single = one_process(*model("bfloat16", *GATED, *SEQUENCE_DATA))
+    assert losses(run)[1] == pytest.approx(losses(single)[1], rel=1e-6), "the same first step"
+    assert_ranks_match_one_process(run, single, 2, "bfloat16")
 
 
 def rank_histories(experiment: Path, rank: int) -> torch.Tensor:

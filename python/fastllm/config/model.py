@@ -275,8 +275,9 @@ class DistributedConfig(Section):
     the optimizer do not change). tensorwise: one scale per tensor, gradients in e5m2;
     rowwise: one scale per row of each operand, all in e4m3. Needs bfloat16 training and a
     GPU with FP8 tensor cores (compute capability 8.9 or more); on CPU the FP8 rounding is
-    emulated. Not with tensor or sequence-data parallelism yet; with pipeline parallelism each
-    rank computes its stages' layers in FP8 and keeps their amax histories."""
+    emulated. Not with tensor parallelism yet; with pipeline parallelism each rank computes
+    its stages' layers in FP8 and keeps their amax histories, with sequence-data parallelism
+    each rank scales its own chunk of the sequence."""
     fp8_scaling: Literal["current", "delayed"] = "current"
     """How tensorwise FP8 scales the layers' inputs, output gradients and weights. current:
     each tensor by its own amax (a pass to find it before the cast). delayed: by the largest
@@ -421,10 +422,9 @@ class ModelConfig(Section):
                 f"{recipe} needs model.distributed.training_dtype bfloat16, got "
                 f"{distributed.training_dtype}",
             )
-        for name in ("tensor_parallel", "sequence_data_parallel"):
-            if getattr(distributed, name) > 1:
-                raise ConfigError(
-                    key,
-                    f"FP8 with model.distributed.{name} > 1 is not implemented yet "
-                    f"(fp8_linear={recipe}, {name}={getattr(distributed, name)})",
-                )
+        if distributed.tensor_parallel > 1:
+            raise ConfigError(
+                key,
+                "FP8 with model.distributed.tensor_parallel > 1 is not implemented yet "
+                f"(fp8_linear={recipe}, tensor_parallel={distributed.tensor_parallel})",
+            )

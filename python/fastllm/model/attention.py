@@ -91,11 +91,25 @@ class Attention(torch.nn.Module):
         self, x: Tensor, norm: Normalization, cos: Tensor | None, sin: Tensor | None
     ) -> tuple[Tensor, Tensor, Tensor]:
         """q of this chunk, k and v of the causal prefix: keys and values are projected first,
-        so that their all-gather runs while the queries are projected and rotated. (The two
-        row slices of the projection's weight get their gradients through autograd, not the
-        flat buffer's gradient sink.)"""
+        so that their all-gather runs while the queries are projected and rotated (in FP8 the
+        projection is one, and the gather runs during the queries' rotary). (The two row
+        slices of the projection's weight get their gradients through autograd, not the flat
+        buffer's gradient sink.)"""
         batch, length, _ = x.shape
         weight, bias = self.query_key_value.weight, self.query_key_value.bias
+        if getattr(weight, "fp8", None) is not None:
+            # FP8 scales and caches the whole weight (a row slice of it would compute in
+            # bf16): one projection, whose keys and values are gathered during the rotary.
+            qkv = norm.project(x, weight, bias)
+            q, kv = qkv.split([self.q_size, 2 * self.kv_size], dim=-1)
+            k, v = kv.view(batch, length, 2 * self.kv_heads, self.head_size).chunk(2, dim=2)
+            if cos is not None and sin is not None:
+                k = apply_rotary(k.contiguous(), cos, sin)
+            pending = KeyValueGather(k, v.contiguous(), self.sdp)
+            q = q.reshape(batch, length, self.heads, self.head_size)
+            if cos is not None and sin is not None:
+                q = apply_rotary(q.clone(), cos, sin)
+            return (q, *pending.finish())
         rows = slice(self.q_size, None)
         kv = norm.project(x, weight[rows], None if bias is None else bias[rows])
         k, v = kv.view(batch, length, 2 * self.kv_heads, self.head_size).chunk(2, dim=2)
