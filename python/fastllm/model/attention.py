@@ -97,28 +97,21 @@ class Attention(torch.nn.Module):
         buffer's gradient sink.)"""
         batch, length, _ = x.shape
         weight, bias = self.query_key_value.weight, self.query_key_value.bias
-        if getattr(weight, "fp8", None) is not None:
-            # FP8 scales and caches the whole weight (a row slice of it would compute in
-            # bf16): one projection, whose keys and values are gathered during the rotary.
-            qkv = norm.project(x, weight, bias)
-            q, kv = qkv.split([self.q_size, 2 * self.kv_size], dim=-1)
-            k, v = kv.view(batch, length, 2 * self.kv_heads, self.head_size).chunk(2, dim=2)
-            if cos is not None and sin is not None:
-                k = apply_rotary(k.contiguous(), cos, sin)
-            pending = KeyValueGather(k, v.contiguous(), self.sdp)
-            q = q.reshape(batch, length, self.heads, self.head_size)
-            if cos is not None and sin is not None:
-                q = apply_rotary(q.clone(), cos, sin)
-            return (q, *pending.finish())
-        rows = slice(self.q_size, None)
-        kv = norm.project(x, weight[rows], None if bias is None else bias[rows])
+        # FP8 scales and caches the whole weight (a row slice of it would compute in bf16).
+        whole = getattr(weight, "fp8", None) is not None
+        if whole:
+            q, kv = norm.project(x, weight, bias).split([self.q_size, 2 * self.kv_size], dim=-1)
+        else:
+            rows = slice(self.q_size, None)
+            kv = norm.project(x, weight[rows], None if bias is None else bias[rows])
         k, v = kv.view(batch, length, 2 * self.kv_heads, self.head_size).chunk(2, dim=2)
         if cos is not None and sin is not None:
             k = apply_rotary(k.contiguous(), cos, sin)
         pending = KeyValueGather(k, v.contiguous(), self.sdp)
-        rows = slice(None, self.q_size)
-        q = norm.project(x, weight[rows], None if bias is None else bias[rows])
-        q = q.view(batch, length, self.heads, self.head_size)
+        if not whole:
+            rows = slice(None, self.q_size)
+            q = norm.project(x, weight[rows], None if bias is None else bias[rows])
+        q = q.reshape(batch, length, self.heads, self.head_size)
         if cos is not None and sin is not None:  # in place: not on a view of the projection's
             q = apply_rotary(q.clone(), cos, sin)
         k, v = pending.finish()
