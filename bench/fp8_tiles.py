@@ -1,8 +1,8 @@
 """The FP8 kernels' tile shapes on the GPU, at llama-3b's shapes, for each tile (rows × columns,
 warps), in GB/s of bytes moved: `fastllm_kernels.fp8._cast_kernel` under tensorwise delayed
 scaling (one pass: read bf16, write the layouts asked for), and the fused MLP's gated backward
-(`fp8_mlp._gated_backward_quantize_kernel`: every tile near 2 TB/s, its three transposed stores
-the bound; 32 × 128 tokens × columns with 4 warps the fastest, h200-ba22eb9).
+(`fp8_mlp._gated_backward_quantize_kernel`: it computes about as much as it moves, so fewer
+values a thread win; 32 × 64 tokens × columns with 4 warps the fastest of 25, h200-3ffe8e1).
 
     python bench/fp8_tiles.py --out bench/results/h200-HASH/fp8_tiles.json
 """

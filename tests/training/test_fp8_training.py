@@ -181,15 +181,15 @@ PIPELINE = {  # name: (ranks, the one-process reference, the layout on top of it
         ("model.distributed.pipeline_parallel=2", zero(3)),
     ),
 }
-"""Two micro-batches a data rank, in breadth-first order over the two stages (one a rank)."""
 SEQUENCE_DATA = ("model.distributed.fp8_linear=rowwise",)
 """Two ranks sharing each sequence: rowwise scales each token's row by itself, so the first
 step's forward pass is one process's exactly, q/k/v projection included."""
 
 
 def layouts(dataset: Path, one_process: Callable[..., Path], root: Path) -> dict[str, Layout]:
-    """The layouts of DATA_PARALLEL and PIPELINE (trained for the fixture `launched`, see
-    conftest.py)."""
+    """The layouts of DATA_PARALLEL, PIPELINE and SEQUENCE_DATA (trained for the fixture
+    `launched`, see conftest.py)."""
+    # Two micro-batches a data rank, in breadth-first order over the two stages (one a rank).
     breadth_first = "schedule.breadth_first_micro_batches=2"
     return {
         **{
@@ -243,7 +243,7 @@ def test_pipeline_ranks_keep_the_amax_histories_of_their_own_layers(
     recorded = ranks.flatten(2).abs().amax(dim=2) > 0  # rank, layer
     assert recorded.sum(dim=0).tolist() == [1] * len(expected), recorded
     assert recorded.any(dim=1).all(), "both ranks run FP8 layers"
-    combined = (ranks * recorded[:, :, None, None]).sum(dim=0)
+    combined = ranks.sum(dim=0)  # each layer's one recording rank
     assert torch.equal(combined[..., -1], expected[..., -1])  # newest first: step 1 last
     torch.testing.assert_close(combined, expected, rtol=0.1, atol=0)
 
