@@ -36,10 +36,10 @@ def torchrun_runs(
     """`fastllm ARGUMENTS` for each named argument list (or the Python source of each named
     string, which joins the run's process group through `setup_distributed`), in order, on
     `processes` ranks of one launch; each result has the exit code, stdout and stderr of its
-    run over all ranks. A launch
-    stops at the first run that fails on a rank (as a launch of that run alone would), and the
-    runs after it are launched again: a failure costs one more start-up, not the later runs'
-    results. A run that a launch left unfinished without a failing rank gets exit code -1."""
+    run over all ranks. A launch stops at the first run that fails on a rank (as a launch of
+    that run alone would), and the runs after it are launched again: a failure costs one more
+    start-up, not the later runs' results. A run that a launch left unfinished without a
+    failing rank gets exit code -1."""
     directory.mkdir(parents=True, exist_ok=True)
     results: dict[str, CliResult] = {}
     pending = dict(runs)

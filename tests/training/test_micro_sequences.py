@@ -85,7 +85,6 @@ def test_pieces_as_units_of_the_pipeline_schedule_give_the_whole_sequences_gradi
 
 TENSOR_SCRIPT = """
 import itertools
-from collections.abc import Callable
 from pathlib import Path
 import torch
 import torch.distributed as dist
