@@ -27,6 +27,9 @@ import triton.language as tl
 from torch import Tensor
 
 from fastllm_kernels._dispatch import use_triton
+from fastllm_kernels.accumulate import accumulate_
+from fastllm_kernels.grouped_matmul import aligned, grouped_rows, grouped_weight_gradient_
+from fastllm_kernels.linear import GradientSink
 
 GROUP_ALIGNMENT = 16
 """Default padding of each expert's rows: keeps every group of torch._grouped_mm 16-row
@@ -175,10 +178,65 @@ def combine_reference(y: Tensor, sparse: SparseMap, weights: Tensor) -> Tensor:
 def grouped_linear(x: Tensor, weight: Tensor, ends: Tensor) -> Tensor:
     """x (rows, in) in expert order, weight (experts, out, in): the rows of expert e's range
     (ends[e - 1]:ends[e]) times weight[e]ᵀ; rows past ends[-1] are unspecified.
-    Differentiable in x and weight: torch._grouped_mm (CUDA, bf16), else the reference."""
-    if x.is_cuda and x.dtype == torch.bfloat16:
-        return torch._grouped_mm(x, weight.transpose(1, 2), offs=ends)
+    Differentiable in x and weight, the weight's gradient handed to its gradient sink if it
+    has one (linear.py). The row products run in torch._grouped_mm for bf16 on CUDA, else in
+    grouped_matmul's kernels; the weight gradient, for a sink, in ours (fp32, into the
+    buffer), else as the row products. The reference (a loop that waits for the host) is left for
+    tensors TMA cannot load and for torch.compile's tracing of anything but bf16 on CUDA."""
+    if torch.compiler.is_compiling():
+        if _cutlass(x, weight):
+            return torch._grouped_mm(x, weight.transpose(1, 2), offs=ends)
+        return grouped_linear_reference(x, weight, ends)
+    if use_triton(x, weight) and aligned(x, weight):
+        return _GroupedLinearFunction.apply(x, weight, ends)
     return grouped_linear_reference(x, weight, ends)
+
+
+def _cutlass(x: Tensor, weight: Tensor) -> bool:
+    return x.is_cuda and x.dtype == weight.dtype == torch.bfloat16
+
+
+def _weight_gradient_into_(
+    out: Tensor, grad: Tensor, x: Tensor, ends: Tensor, accumulate: bool
+) -> None:
+    """A grouped weight gradient written (or added) into its fp32 buffer `out`. Our kernel
+    writes it there; to add it, CUTLASS's bf16 product and a pass that adds it measured faster
+    for bf16 on the H200 (bench/results/h200-5578acc/grouped_gemm_probe)."""
+    if accumulate and _cutlass(x, grad):
+        accumulate_(out, torch._grouped_mm(grad.T, x, offs=ends))
+    else:
+        grouped_weight_gradient_(out, grad, x, ends, accumulate)
+
+
+class _GroupedLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, ends):
+        ctx.save_for_backward(x, weight, ends)
+        if _cutlass(x, weight):
+            return torch._grouped_mm(x, weight.transpose(1, 2), offs=ends)
+        return grouped_rows(x, weight, ends, b_transposed=True)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, ends = ctx.saved_tensors
+        need_x, need_weight, _ = ctx.needs_input_grad
+        grad = grad.contiguous()
+        grad_x = grad_weight = None
+        if need_x:
+            if _cutlass(x, weight):
+                grad_x = torch._grouped_mm(grad, weight, offs=ends)
+            else:
+                grad_x = grouped_rows(grad, weight, ends, b_transposed=False)
+        if need_weight:
+            sink: GradientSink | None = getattr(weight, "gradient_sink", None)
+            if sink is not None:
+                sink(lambda out, accumulate: _weight_gradient_into_(out, grad, x, ends, accumulate))
+            elif _cutlass(x, weight):
+                grad_weight = torch._grouped_mm(grad.T, x, offs=ends)
+            else:
+                grad_weight = torch.empty_like(weight)
+                grouped_weight_gradient_(grad_weight, grad, x, ends, accumulate=False)
+        return grad_x, grad_weight, None
 
 
 def grouped_linear_reference(x: Tensor, weight: Tensor, ends: Tensor) -> Tensor:

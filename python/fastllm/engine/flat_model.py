@@ -194,7 +194,8 @@ class FlatModel:
         self.tied_copy = self._tied_copy(model)
         needs_reducer = self.data.size > 1 or any(self.tensor_reduced_end)
         self.reducer = GradientReducer(self) if needs_reducer else None
-        # Linear layers' weight gradients go straight from the matmul into the fp32 buffer.
+        # Linear layers' and experts' weight gradients go straight from the matmul into the
+        # fp32 buffer.
         linear_weights = {
             id(module.weight) for module in model.modules() if isinstance(module, torch.nn.Linear)
         }
@@ -205,7 +206,7 @@ class FlatModel:
             parameter = self.model.get_parameter(name)
             hook = self._accumulate_hook(index)
             self._hooks.append(parameter.register_post_accumulate_grad_hook(hook))
-            if id(parameter) in linear_weights:
+            if id(parameter) in linear_weights or self.metas[name].expert_split:
                 parameter.gradient_sink = self._gradient_sink(index)
         self.gatherer = WeightGatherer(self) if self.shard_weights else None
         if self.gatherer is not None and gather_in_forward:
