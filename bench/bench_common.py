@@ -186,3 +186,19 @@ def log_tail(path: Path, lines: int = 40) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return ""
+
+
+def median_ms(work: Callable[[], Any], repeats: int = 20, warmup: int = 3) -> float:
+    """The median CUDA-event time of `work()` in ms, after `warmup` untimed calls."""
+    import torch
+
+    times = []
+    for i in range(repeats + warmup):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        work()
+        end.record()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]

@@ -14,11 +14,10 @@ timings, in ms.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench_common import machine_info, write_json
+from bench_common import machine_info, median_ms, write_json
 
 GEOMETRIES = {"fine": (8192, 64, 8, 2048, 1024), "mixtral": (8192, 8, 2, 4096, 14336)}
 """tokens, experts, top-k, hidden, expert ffn."""
@@ -29,21 +28,6 @@ WEIGHT_TILES = (
     (32, 128, 128, 4, 4),
     (64, 128, 64, 4, 4),
 )
-
-
-def median_ms(work: Callable[[], Any], repeats: int = 15) -> float:
-    import torch
-
-    times = []
-    for i in range(repeats + 3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        work()
-        end.record()
-        torch.cuda.synchronize()
-        if i >= 3:
-            times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def error(actual: Any, expected: Any) -> float:

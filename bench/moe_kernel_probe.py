@@ -10,28 +10,12 @@ against a plain copy of the same bytes. Medians of CUDA-event timings, in ms.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench_common import machine_info, write_json
+from bench_common import machine_info, median_ms, write_json
 
 TOKENS, EXPERTS, K, HIDDEN, FFN = 8192, 64, 8, 2048, 1024
-
-
-def median_ms(work: Callable[[], Any], repeats: int = 20) -> float:
-    import torch
-
-    times = []
-    for i in range(repeats + 3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        work()
-        end.record()
-        torch.cuda.synchronize()
-        if i >= 3:
-            times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def matmuls(sparse: Any, inputs: int, outputs: int) -> dict[str, float]:

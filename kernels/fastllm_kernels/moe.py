@@ -200,8 +200,10 @@ def _weight_gradient_into_(
     out: Tensor, grad: Tensor, x: Tensor, ends: Tensor, accumulate: bool
 ) -> None:
     """A grouped weight gradient written (or added) into its fp32 buffer `out`. Our kernel
-    writes it there; to add it, CUTLASS's bf16 product and a pass that adds it measured faster
-    for bf16 on the H200 (bench/results/h200-5578acc/grouped_gemm_probe)."""
+    writes it there. To add it, for bf16 on CUDA, CUTLASS's bf16 product and a pass that adds
+    it: on the H200 our kernel's adding was faster on three of the four projections of
+    bench/grouped_gemm_probe.py but 17% slower on Mixtral's second (4.47 against 3.81 ms), and
+    adding in our kernel throughout cost Mixtral training 2.8% (bench/results/h200-987f9b2)."""
     if accumulate and _cutlass(x, grad):
         accumulate_(out, torch._grouped_mm(grad.T, x, offs=ends))
     else:

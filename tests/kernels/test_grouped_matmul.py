@@ -95,8 +95,9 @@ def test_the_weight_gradient_written_then_added_into_the_sink_on_gpu(num_experts
     weight = (torch.randn(num_experts, 768, 512, **bf16) / 16).requires_grad_()
     used = int(sparse.ends[-1])
     grad = torch.randn(used, 768, **bf16)
-    reference = grouped_linear_reference(x.double(), weight.double(), sparse.ends)[:used]
-    expected = torch.autograd.grad(reference, weight, grad.double())[0]
+    exact = weight.detach().double().requires_grad_()  # a bf16 leaf's gradient would be bf16
+    reference = grouped_linear_reference(x.double(), exact, sparse.ends)[:used]
+    expected = torch.autograd.grad(reference, exact, grad.double())[0]
     buffer = torch.empty(num_experts, 768, 512, device="cuda")
     weight.gradient_sink = sink_into(buffer)
     for passes, rtol, atol in ((1, 1e-4, 1e-3), (2, 4e-3, 1e-2)):  # the second adds bf16
@@ -118,4 +119,4 @@ def test_grouped_linear_in_fp32_on_gpu(poisoned_empty) -> None:
     expected = torch.autograd.grad(reference, (x, weight), grad.double())
     used = int(sparse.ends[-1])
     assert_close(grads[0][:used], expected[0][:used].float(), rtol=1e-4, atol=1e-4)
-    assert_close(grads[1], expected[1].float(), rtol=1e-4, atol=1e-4)
+    assert_close(grads[1], expected[1].float(), rtol=1e-4, atol=1e-3)  # sums of ~256 terms
