@@ -253,7 +253,9 @@ def test_fp8_with_sequence_data_parallelism_matches_one_process(
 ) -> None:
     run = launched["sdp2-rowwise"].succeeded()
     single = one_process(*model("bfloat16", *GATED, *SEQUENCE_DATA))
-    assert losses(run)[1] == pytest.approx(losses(single)[1], rel=1e-6), "the same first step"
+    # 1e-5 as the layouts: the CPU's bf16 matmuls block a chunk's rows and the whole
+    # sequence's differently, which moved this loss by 2.7e-6 on one host (1e-6 passed on others).
+    assert losses(run)[1] == pytest.approx(losses(single)[1], rel=1e-5), "the same first step"
     assert_ranks_match_one_process(run, single, 2, "bfloat16")
 
 
