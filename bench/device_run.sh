@@ -29,8 +29,8 @@
 # sft (llama-1b fine-tuning on packed, masked conversations against HF + compile on the same
 # batches; chat prepare against apply_chat_template in a pool), fp8 (FP8 GPU tests, tile sweep,
 # bf16 and each recipe on llama-3b and llama-1b), fp8-parity (500 steps of each recipe against
-# bf16), moe (MoE GPU tests, then bench/moe_bench.py: dropless against looped, on
-# nvidia-h200); layouts-x2, bfdf-x2, sdp-x2, ep-x2 (issue 19, on nvidia-h200-x2); layouts-x4
+# bf16), moe (MoE GPU tests, MOE_PROBE=1 bench/grouped_gemm_probe.py, then bench/moe_bench.py:
+# dropless against looped, on nvidia-h200); layouts-x2, bfdf-x2, sdp-x2, ep-x2 (issue 19, on nvidia-h200-x2); layouts-x4
 # (issue 19, on nvidia-h200-x4).
 set -uo pipefail
 COMMIT=$1
@@ -221,8 +221,13 @@ run_part() {
       # arguments, e.g. "--layer-only --geometries fine").
       if [ "${MOE_TESTS:-1}" != 0 ]; then
         timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_moe.py \
-          >"$RES/gpu_tests_moe${TAG:+_$TAG}.log" 2>&1
+          tests/kernels/test_grouped_matmul.py >"$RES/gpu_tests_moe${TAG:+_$TAG}.log" 2>&1
         tail -3 "$RES/gpu_tests_moe${TAG:+_$TAG}.log"
+      fi
+      # MOE_PROBE=1: first the grouped matmuls alone, CUTLASS against ours at several tiles.
+      if [ "${MOE_PROBE:-0}" = 1 ]; then
+        (cd bench && timeout 150 python3 grouped_gemm_probe.py \
+          --out "$RES/grouped_gemm_probe${TAG:+_$TAG}.json" | tail -4)
       fi
       python3 bench/moe_bench.py ${MOE_ARGS:-} --timeout 150 --commit "$COMMIT" \
         --out "$RES/moe${TAG:+_$TAG}" 2>&1 | tail -20
