@@ -30,8 +30,8 @@
 # batches; chat prepare against apply_chat_template in a pool), fp8 (FP8 GPU tests, tile sweep,
 # bf16 and each recipe on llama-3b and llama-1b), fp8-parity (500 steps of each recipe against
 # bf16), moe (MoE GPU tests, MOE_PROBE=1 bench/grouped_gemm_probe.py, then bench/moe_bench.py:
-# dropless against looped, on nvidia-h200); layouts-x2, bfdf-x2, sdp-x2, ep-x2 (issue 19, on nvidia-h200-x2); layouts-x4
-# (issue 19, on nvidia-h200-x4).
+# dropless against looped, on nvidia-h200); layouts-x2, bfdf-x2, sdp-x2, ep-x2 (issue 19, on
+# nvidia-h200-x2); layouts-x4 (issue 19, on nvidia-h200-x4).
 set -uo pipefail
 COMMIT=$1
 shift

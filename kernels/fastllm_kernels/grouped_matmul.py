@@ -53,11 +53,15 @@ def _upcast() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def aligned(*tensors: Tensor) -> bool:
-    """TMA needs 16-byte aligned row strides and base addresses."""
-    return all(
-        t.is_contiguous() and (t.stride(-2) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
-        for t in tensors
+def tma_loadable(x: Tensor, weight: Tensor) -> bool:
+    """Whether these kernels can take x (rows, in) and weight (experts, out, in): TMA needs
+    contiguous operands with 16-byte aligned base addresses and rows, those of the (rows, out)
+    output gradient too."""
+    widths = (x.shape[-1], weight.shape[-1], weight.shape[-2])
+    return (
+        all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (x, weight))
+        and all(width * x.element_size() % 16 == 0 for width in widths)
+        and x.dtype == weight.dtype
     )
 
 
@@ -66,7 +70,7 @@ def grouped_rows(
 ) -> Tensor:
     """out[r] = a[r] @ b[e]ᵀ (b_transposed: b (experts, N, K), the forward pass) or a[r] @ b[e]
     (b (experts, K, N), the input gradient) for the rows r of expert e; rows past ends[-1]
-    are unspecified. a (rows, K) and b contiguous and `aligned`; `settings` for a tile sweep."""
+    zero. a and b as `tma_loadable` takes them; `settings` for a tile sweep."""
     rows, k = a.shape
     experts = b.shape[0]
     n = b.shape[1] if b_transposed else b.shape[2]
@@ -97,8 +101,8 @@ def grouped_weight_gradient_(
     settings: Settings | None = None,
 ) -> None:
     """out[e] = grad[rows of e]ᵀ @ x[rows of e], or out[e] += it, summed in fp32: out (experts,
-    N, K) (fp32 for a gradient sink, or the weight's dtype), grad (rows, N), x (rows, K), both
-    `aligned`. An expert without rows gets zeros."""
+    N, K) (fp32 for a gradient sink, or the weight's dtype), grad (rows, N) and x (rows, K) as
+    `tma_loadable` takes them. An expert without rows gets zeros."""
     experts, n, k = out.shape
     settings = settings or _weight_settings(grad.dtype, grad.device)
     block_r, block_n, block_k, warps, stages = settings

@@ -28,7 +28,7 @@ from torch import Tensor
 
 from fastllm_kernels._dispatch import use_triton
 from fastllm_kernels.accumulate import accumulate_
-from fastllm_kernels.grouped_matmul import aligned, grouped_rows, grouped_weight_gradient_
+from fastllm_kernels.grouped_matmul import grouped_rows, grouped_weight_gradient_, tma_loadable
 from fastllm_kernels.linear import GradientSink
 
 GROUP_ALIGNMENT = 16
@@ -187,7 +187,7 @@ def grouped_linear(x: Tensor, weight: Tensor, ends: Tensor) -> Tensor:
         if _cutlass(x, weight):
             return torch._grouped_mm(x, weight.transpose(1, 2), offs=ends)
         return grouped_linear_reference(x, weight, ends)
-    if use_triton(x, weight) and aligned(x, weight):
+    if use_triton(x, weight) and tma_loadable(x, weight):
         return _GroupedLinearFunction.apply(x, weight, ends)
     return grouped_linear_reference(x, weight, ends)
 
