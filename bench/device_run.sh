@@ -31,7 +31,8 @@
 # bf16 and each recipe on llama-3b and llama-1b), fp8-parity (500 steps of each recipe against
 # bf16), moe (MoE GPU tests, MOE_PROBE=1 bench/grouped_gemm_probe.py, then bench/moe_bench.py:
 # dropless against looped, on nvidia-h200); layouts-x2, bfdf-x2, sdp-x2, ep-x2 (issue 19, on
-# nvidia-h200-x2); layouts-x4 (issue 19, on nvidia-h200-x4).
+# nvidia-h200-x2); layouts-x4 (issue 19, on nvidia-h200-x4); memory (issue 16: the 16k step's
+# peak memory by origin, pinned copy bandwidth, attention backends, the 16k kernel profile).
 set -uo pipefail
 COMMIT=$1
 shift
@@ -211,6 +212,15 @@ run_part() {
       # 1b:32768:fastllm", the HF baselines of issue 16 in one call).
       python3 bench/long_context_bench.py --deadline "${LONG_S:-330}" --commit "$COMMIT" \
         ${LONG_ONLY:+--only $LONG_ONLY} --out "$RES/long_context${TAG:+_$TAG}" 2>&1 | tail -40 ;;
+    memory)
+      # Issue 16's 16k budget: what holds the step's peak, pinned copy bandwidth under load,
+      # attention by backend (bench/memory_probe.py; SEQ, default 16384, SET overrides), then
+      # the step's kernel profile at that length (PROFILE=0 skips it).
+      timeout 240 python3 bench/memory_probe.py --seq "${SEQ:-16384}" ${SET:+--set $SET} \
+        --commit "$COMMIT" --out "$RES/memory${TAG:+_$TAG}" 2>&1 | tail -12
+      [ "${PROFILE:-1}" = 0 ] || timeout 120 python3 bench/profile_step.py --model 1b \
+        --seq "${SEQ:-16384}" --micro-batch 1 --warmup 2 --steps 1 --ops 16 ${SET:+--set $SET} \
+        --commit "$COMMIT" --out "$RES/profile_1b_${SEQ:-16384}${TAG:+_$TAG}" 2>&1 | tail -45 ;;
     sft)
       # SFT_PARTS: train and/or prepare (both by default).
       python3 bench/sft_bench.py --parts ${SFT_PARTS:-train prepare} --cores 1 2 4 8 16 \
