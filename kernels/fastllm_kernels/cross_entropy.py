@@ -121,14 +121,14 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
             grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         chunk_size = max(1, min(chunk_size, n_rows))
         logits_buffer = torch.empty((chunk_size, vocab), dtype=torch.float32, device=hidden.device)
-        # The logit gradient overwrites the logits, unless the gradient matmuls need it in bf16/fp16.
+        # The logit gradient overwrites the logits: in bf16/fp16 (what the gradient matmuls
+        # take), each row's in the first half of its own fp32 row, a matrix of row stride 2V
+        # (the kernel stores a block's gradients only after it has read the logits they cover).
         grad_buffer = None
         if need_hidden_grad or need_weight_grad:
             grad_buffer = logits_buffer
             if hidden.dtype != torch.float32:
-                grad_buffer = torch.empty(
-                    logits_buffer.shape, dtype=hidden.dtype, device=hidden.device
-                )
+                grad_buffer = logits_buffer.view(hidden.dtype)[:, :vocab]
         logits = grad_logits = None
         for start in range(0, n_rows, chunk_size):
             end = min(start + chunk_size, n_rows)
@@ -217,7 +217,9 @@ def _cross_entropy_kernel(
     logits_ptr, logits_row_stride, grad_ptr, grad_row_stride, labels_ptr, losses_ptr, scale_ptr,
     vocab, ignore_index, z_loss, smoothing, WRITE_GRAD: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """One row: its loss, and (may overwrite the logits) its gradient, both in fp32."""
+    """One row: its loss, and its gradient (which may overwrite the row's logits, in fp32 or,
+    narrower, in the row's first bytes: sweep 2 stores each block after loading it, and a
+    block's narrower stores reach no logit it has not loaded)."""
     row = tl.program_id(0).to(tl.int64)
     logits_ptr += row * logits_row_stride
     grad_ptr += row * grad_row_stride

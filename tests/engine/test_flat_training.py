@@ -132,10 +132,13 @@ def test_a_new_step_overwrites_gradients_and_zeroes_those_not_computed() -> None
     ids = torch.randint(0, 61, (2, 9))
     model.loss(ids, ids).backward()
     flat.finish_backward()
-    flat.zero_grad()  # a new step: buffers keep their old values until overwritten
-    assert all(grad.abs().sum() > 0 for grad in flat.grads)
+    # A new step: with nothing to reduce, the buffers give their memory back until then.
+    flat.zero_grad()
+    assert not any(flat.gradients.resident)
+    assert all(grad.untyped_storage().nbytes() == 0 for grad in flat.grads)
     model.embeddings(ids).sum().backward()  # only the embedding gets a gradient
     flat.finish_backward()
+    assert all(flat.gradients.resident)
     expected = torch.zeros(model.embeddings.weight.shape).index_add_(
         0, ids.reshape(-1), torch.ones(ids.numel(), model.embeddings.weight.shape[1])
     )
@@ -144,6 +147,11 @@ def test_a_new_step_overwrites_gradients_and_zeroes_those_not_computed() -> None
     for index, name in enumerate(flat.names):
         if index != embedding:
             assert not flat.parameter_view(flat.grads, index).any(), f"stale gradient: {name}"
+    # The alignment gaps too: the gradient norm and the optimizer read whole shards.
+    stage, offset, numel = flat.layout.parameter(embedding)
+    grads = [grad.clone() for grad in flat.grads]
+    grads[stage][offset : offset + numel] = 0
+    assert not any(grad.any() for grad in grads)
 
 
 def test_a_step_with_non_finite_gradients_is_skipped() -> None:
@@ -152,6 +160,7 @@ def test_a_step_with_non_finite_gradients_is_skipped() -> None:
     initialize(reference, torch.Generator().manual_seed(0))
     _model, flat = flat_model(config, reference, torch.float32)
     before = [w.clone() for w in flat.weights]
+    flat.reduce_gradients()  # the buffers held (zero: no backward pass ran)
     flat.grads[1][3] = float("nan")
     report = AdamW(flat, config.optimizer).step(1e-3)
     assert report.skipped

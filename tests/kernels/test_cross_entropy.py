@@ -74,6 +74,16 @@ def test_linear_cross_entropy_bf16():
 
 
 @triton_on_cpu
+def test_linear_cross_entropy_bf16_gradients_over_their_rows_logits():
+    # The bf16 gradient takes the first half of each row's fp32 logits: a vocabulary of three
+    # kernel blocks checks that no block's stores reach logits still to be read.
+    hidden, weight, labels = _inputs(6, 16, 9000, dtype=torch.bfloat16)
+    loss = linear_cross_entropy(hidden, weight, labels, chunk_size=4, label_smoothing=0.1)
+    expected = _torch_loss(hidden, weight, labels, label_smoothing=0.1)
+    _check(loss, expected, [hidden, weight], {"rtol": 2e-2, "atol": 2e-3})
+
+
+@triton_on_cpu
 def test_linear_cross_entropy_ignored_rows_get_no_gradient():
     hidden, weight, labels = _inputs(12, 16, 40, ignored_every=100)
     labels[5:9] = -1
@@ -128,10 +138,10 @@ def test_linear_cross_entropy_at_llama3_size_stays_small():
     loss = linear_cross_entropy(hidden, weight, labels, z_loss=1e-4)
     grad_hidden, grad_weight = torch.autograd.grad(loss, [hidden, weight])
     peak = torch.cuda.max_memory_allocated() - baseline
-    # The fp32 weight-gradient accumulator, then either the chunk buffers (2048 rows of fp32
-    # logits and bf16 gradient) or the final bf16 weight gradient, and the hidden gradient:
-    # the unfused loss needs over 11 GiB.
-    chunk_buffers = 2048 * vocab * (4 + 2)
+    # The fp32 weight-gradient accumulator, then either the chunk buffer (2048 rows of fp32
+    # logits, the bf16 gradient in their place) or the final bf16 weight gradient, and the
+    # hidden gradient: the unfused loss needs over 11 GiB.
+    chunk_buffers = 2048 * vocab * 4
     budget = weight.numel() * 4 + max(chunk_buffers, weight.numel() * 2) + hidden.numel() * 2
     assert peak < budget + 2**27, f"peak {peak / 2**30:.2f} GiB > {budget / 2**30:.2f} GiB"
     expected = _torch_loss(hidden, weight, labels, z_loss=1e-4)

@@ -179,6 +179,7 @@ class FlatModel:
         """Per stage: its gradient's elements [0, end) are summed over tensor ranks."""
         self.replicated_end = [self._prefix_end(s, replicated) for s in stages]
         self.weights = [self._weight_buffer(model, s) for s in stages]
+        needs_reducer = self.data.size > 1 or any(self.tensor_reduced_end)
         self.gradients = GradientBuffers(
             [self.layout.stage_size(s) if s in self.owned else 0 for s in stages],
             [self.stage_parameters[s] if s in self.owned else [] for s in stages],
@@ -187,12 +188,15 @@ class FlatModel:
             device,
             pooled=self.shard_gradients,  # ZeRO-2: each stage's full gradient is reduced at once
             slots=[self.slot(s) for s in stages],
+            # Reductions (data and tensor parallelism) keep their buffers (ZeRO-2 pools them).
+            transient=not needs_reducer,
         )
         self.grads = self.gradients.buffers
         self.shards = {stage: self._shard(stage) for stage in self.owned}
         """This rank's shard of each stage it runs."""
+        for stage in self.owned:  # views of the gradients are made: transient ones let go
+            self.gradients.consumed(stage)
         self.tied_copy = self._tied_copy(model)
-        needs_reducer = self.data.size > 1 or any(self.tensor_reduced_end)
         self.reducer = GradientReducer(self) if needs_reducer else None
         # Linear layers' and experts' weight gradients go straight from the matmul into the
         # fp32 buffer.
@@ -524,10 +528,14 @@ class FlatModel:
             dist.all_reduce(copy.weight, group=self.data.group)
 
     def reduce_gradients(self) -> None:
-        """Before the optimizer reads the shards: every rank's gradients summed into them."""
+        """Before the optimizer reads the shards: every rank's gradients summed into them, and
+        without reductions the buffers complete (held, and zero where no gradient came, even
+        when no backward pass ran)."""
         for part in self.parts:
             if part.reducer is not None:
                 part.reducer.ensure_reduced()
+            else:
+                part.gradients.complete_all()
 
     def zero_grad(self) -> None:
         """Start a new step: the next gradients overwrite the buffers and the shards."""

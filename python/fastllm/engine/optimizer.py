@@ -49,6 +49,7 @@ class AdamW:
     @torch.no_grad()
     def step(self, lr: float, loss_scale: float = 1.0) -> StepReport:
         """Update this rank's shards from the gradients (which carry `loss_scale`)."""
+        self.flat.reduce_gradients()
         norm = self.grad_norm(1.0 / loss_scale)
         if not math.isfinite(norm):
             return StepReport(norm, skipped=True)
