@@ -58,7 +58,8 @@ class Run:
     system: str
     """fastllm or hf (train_bench's systems)."""
     ladder: tuple[str, ...] = ("elementwise",)
-    """Recomputation levels to try, cheapest first (fastllm only)."""
+    """Recomputation levels to try, cheapest first (fastllm only); LEVEL+offloadN also sends
+    the first N blocks' stored activations to host memory."""
     documents: bool = False
     """2k-token documents packed into the sequence, attention kept within them."""
     warmup: int = 1
@@ -208,7 +209,12 @@ def train_run(run: Run, level: str, args: argparse.Namespace, work: Path, datase
     name = tag + (f"_{level}" if run.system != "hf" else "")
     overrides = train_bench.run_overrides(run.model, options, work / f"exp_{name}", Path(dataset))
     if run.system != "hf":
-        overrides.append(f"model.multi_stage.recompute={level}")
+        # A level is a recomputation, optionally with +offloadN: the first N blocks' stored
+        # activations sent to host memory (model.multi_stage.offload_activations).
+        recompute, _, offload = level.partition("+offload")
+        overrides.append(f"model.multi_stage.recompute={recompute}")
+        if offload:
+            overrides.append(f"model.multi_stage.offload_activations={offload}")
         if run.documents:
             overrides.append("batch.cross_document_attention=false")
     result = args.out / "runs" / f"{name}.json"

@@ -14,6 +14,7 @@ from fastllm.engine.learning_rate import learning_rate
 from fastllm.engine.optimizer import AdamW
 from fastllm.model import GPTModel, initialize
 from fastllm.model.parameters import parameter_metas
+from fastllm_kernels import master_split
 from tests.conftest import ROOT
 
 TINY = [
@@ -103,12 +104,13 @@ def test_float32_steps_match_torch_adamw_with_clipping_and_decay_groups(
             )
 
 
-def test_bfloat16_keeps_fp32_masters_and_writes_bf16_weights() -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_keeps_fp32_masters_and_writes_the_compute_weights(dtype) -> None:
     config = tiny_config()
     reference = GPTModel(config.model.base_model)
     initialize(reference, torch.Generator().manual_seed(0))
-    model, flat = flat_model(config, reference, torch.bfloat16)
-    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    model, flat = flat_model(config, reference, dtype)
+    assert all(p.dtype == dtype for p in model.parameters())
     ids = torch.randint(0, 61, (2, 9))
     model.loss(ids, ids).backward()
     flat.finish_backward()
@@ -118,10 +120,21 @@ def test_bfloat16_keeps_fp32_masters_and_writes_bf16_weights() -> None:
     assert flat.grads[1].abs().sum() > 0
     AdamW(flat, config.optimizer).step(1e-3)
     for shard in flat.shards.values():
-        assert shard.master.dtype == torch.float32
-        # The step writes the bf16 copy itself; Triton's interpreter truncates where the GPU
-        # rounds to nearest, so allow one bf16 ulp.
-        torch.testing.assert_close(shard.weight.float(), shard.master, rtol=2**-7, atol=0)
+        # bf16: the weights are the masters' high halves, an int16 array the rest (16 bytes
+        # per parameter in all, not 18); fp16 keeps fp32 masters apart.
+        split = dtype == torch.bfloat16
+        assert (shard.master is None) == split
+        assert (shard.master_low is not None and shard.master_low.dtype == torch.int16) == split
+        masters = shard.master_values()
+        assert masters.dtype == torch.float32
+        # The step writes the copy itself; Triton's interpreter truncates where the GPU
+        # rounds to nearest, so allow one ulp.
+        ulp = 2**-7 if split else 2**-10
+        torch.testing.assert_close(shard.weight.float(), masters, rtol=ulp, atol=1e-4)
+        if split:
+            high = torch.empty_like(shard.weight)
+            master_split.split_(masters, high, torch.empty_like(shard.master_low))
+            assert torch.equal(high, shard.weight)
 
 
 def test_a_new_step_overwrites_gradients_and_zeroes_those_not_computed() -> None:

@@ -21,7 +21,7 @@ a parameter whole is its E shares concatenated along the first dimension."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,9 +62,9 @@ class ShardedState:
     tensor_rank: int
     data_size: int
     data_rank: int
-    shards: dict[int, dict[str, Tensor]]
+    shards: dict[int, dict[str, Tensor | Callable[[], Tensor]]]
     """Per stage this rank runs: each kind's shard (views of the engine's buffers, or copies
-    of them)."""
+    of them; to be saved, also a function making the copy, called when it is written)."""
     pipeline_size: int = 1
     pipeline_rank: int = 0
     expert_size: int = 1
@@ -91,7 +91,7 @@ class ShardedState:
         for part, experts in self.parts():
             for stage, kinds in part.shards.items():
                 for kind, tensor in kinds.items():
-                    yield stage_key(kind, stage, experts), tensor
+                    yield stage_key(kind, stage, experts), tensor() if callable(tensor) else tensor
 
 
 @dataclass

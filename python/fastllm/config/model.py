@@ -354,9 +354,19 @@ class MultiStageConfig(Section):
     inputs their backward passes keep anyway (two hidden-size and one ffn-size activation less
     per token and layer, for three elementwise passes); selective: also each MLP whole (its
     wide intermediate activations); full: whole blocks."""
+    offload_activations: int = 0
+    """The first blocks (this many) whose stored activations go to pinned host memory during
+    the forward pass, copied beside the compute, and come back two blocks ahead of their
+    backward passes (engine/activation_offload.py): no recomputation, but the forward pass
+    must leave the bytes time to cross (about 55 GB/s on an H200 host). On one GPU, without
+    compiled blocks or pipelined schedules."""
 
     def validate(self) -> None:
         check_positive(self.layers_per_stage, "layers_per_stage")
+        if self.offload_activations < 0:
+            raise ConfigError(
+                "offload_activations", f"must be 0 or more, got {self.offload_activations}"
+            )
 
     def num_stages(self, num_layers: int) -> int:
         return max(1, -(-num_layers // self.layers_per_stage))

@@ -43,6 +43,33 @@ class TrainerConfig(Section):
     pretrained: PretrainedConfig | None = None
     """Initialize the model from a checkpoint (fine-tuning, continued pretraining)."""
 
+    def _check_offload(self) -> None:
+        offload = self.model.multi_stage.offload_activations
+        layers = self.model.base_model.transformer.num_layers
+        if not offload:
+            return
+        if offload > layers:
+            raise ConfigError(
+                "model.multi_stage.offload_activations",
+                f"is {offload}, more than the model's {layers} blocks",
+            )
+        refused = [
+            key
+            for key, used in (
+                ("training.compile", self.training.compile),
+                ("model.distributed.pipeline_parallel", self.model.distributed.pipeline_parallel > 1),
+                ("schedule.breadth_first_micro_batches", (self.schedule.breadth_first_micro_batches or 1) > 1),
+                ("schedule.micro_batch_splits", self.schedule.micro_batch_splits > 1),
+            )
+            if used
+        ]  # fmt: skip
+        if refused:
+            raise ConfigError(
+                "model.multi_stage.offload_activations",
+                f"with {', '.join(refused)} is not supported yet (one forward pass of the "
+                "blocks at a time, run eagerly)",
+            )
+
     def validate(self) -> None:
         distributed = self.model.distributed
         if self.training.compile and distributed.tensor_parallel > 1:
@@ -73,6 +100,7 @@ class TrainerConfig(Section):
                 f"model.distributed.tensor_parallel ({distributed.tensor_parallel}) with "
                 "model.distributed.sequence_tensor_parallel",
             )
+        self._check_offload()
         splits = self.schedule.micro_batch_splits
         if splits > 1 and distributed.sequence_data_parallel > 1:
             raise ConfigError(

@@ -31,6 +31,7 @@ from fastllm.engine.weight_gatherer import WeightGatherer
 from fastllm.engine.weight_refresh import WeightRefresh
 from fastllm.model import GPTModel
 from fastllm.model.parameters import full_shape, parameter_metas
+from fastllm_kernels import master_split
 from fastllm_kernels.linear import GradientProduct
 
 ALIGNMENT = 128
@@ -73,7 +74,8 @@ class Shard:
     """This rank's part of one stage: master weights, moments, and views of the stage's
     gradient and weight buffers on the same range."""
 
-    master: Tensor
+    master: Tensor | None
+    """The fp32 master weights (the weights themselves in fp32 training); None when split."""
     exp_avg: Tensor
     exp_avg_sq: Tensor
     grad: Tensor
@@ -81,6 +83,26 @@ class Shard:
     decay_runs: list[tuple[int, int, bool]]
     replicated: int
     """Its first `replicated` elements belong to parameters every tensor rank holds whole."""
+    master_low: Tensor | None = None
+    """bf16 training: the masters are split (fastllm_kernels.master_split), `weight` holding
+    their high halves and this (int16) the rest."""
+
+    def master_values(self, start: int = 0, end: int | None = None) -> Tensor:
+        """The fp32 masters of [start, end): a view, or when split a new tensor."""
+        if self.master_low is None:
+            assert self.master is not None
+            return self.master[start:end]
+        return master_split.join(self.weight[start:end], self.master_low[start:end])
+
+    def set_master(self, start: int, values: Tensor) -> None:
+        """Masters [start, start + len(values)) from fp32 values (when split, the compute
+        weights too)."""
+        end = start + values.numel()
+        if self.master_low is None:
+            assert self.master is not None
+            self.master[start:end].copy_(values)
+        else:
+            master_split.split_(values, self.weight[start:end], self.master_low[start:end])
 
 
 @dataclass
@@ -335,6 +357,12 @@ class FlatModel:
     def mixed_precision(self) -> bool:
         return self.compute_dtype != torch.float32
 
+    @property
+    def split_masters(self) -> bool:
+        """bf16 compute weights are the high halves of the fp32 masters (Shard.master_low):
+        16 bytes per parameter of weights, gradient and Adam state instead of 18."""
+        return self.compute_dtype == torch.bfloat16
+
     def parameter_view(self, buffers: list[Tensor], index: int) -> Tensor:
         return self._view(buffers[self.layout.parameter(index)[0]], index)
 
@@ -368,11 +396,13 @@ class FlatModel:
         )
         if self.shard_gradients:
             grad = torch.zeros(end - start, dtype=torch.float32, device=self.device)
-        master = (
-            weight
-            if not self.mixed_precision
-            else torch.zeros(end - start, dtype=torch.float32, device=self.device)
-        )
+        master = master_low = None
+        if not self.mixed_precision:
+            master = weight
+        elif self.split_masters:
+            master_low = torch.zeros(end - start, dtype=torch.int16, device=self.device)
+        else:
+            master = torch.zeros(end - start, dtype=torch.float32, device=self.device)
         return Shard(
             master=master,
             exp_avg=torch.zeros(end - start, dtype=torch.float32, device=self.device),
@@ -381,6 +411,7 @@ class FlatModel:
             weight=weight,
             decay_runs=self.layout.decay_runs(stage, self.data.rank),
             replicated=max(0, min(end, self.replicated_end[stage]) - start),
+            master_low=master_low,
         )
 
     def _accumulate_hook(self, index: int):
@@ -568,9 +599,9 @@ class FlatModel:
         index = self.names.index(name)
         if not self.shard_weights:
             self.parameter_view(self.weights, index).copy_(tensor)
-        for stage_shard, (param_start, param_end, shard_start, shard_end) in self._owned(index):
+        for stage_shard, (param_start, param_end, shard_start, _) in self._owned(index):
             piece = tensor.reshape(-1)[param_start:param_end].to(self.device, torch.float32)
-            stage_shard.master[shard_start:shard_end].copy_(piece)
+            stage_shard.set_master(shard_start, piece)
 
     def local(self, name: str, whole: Tensor) -> Tensor:
         """This rank's slice of parameter `name`'s whole tensor: its experts' (expert
@@ -603,10 +634,10 @@ class FlatModel:
     def sync_weights_from_master(self) -> None:
         """Compute weights of this rank's shards from the masters (exactly what the optimizer
         step writes), so that a restored run computes bit for bit as the original did."""
-        if self.mixed_precision:
-            for part in self.parts:
-                for shard in part.shards.values():
-                    shard.weight.copy_(shard.master)
+        for part in self.parts:
+            for shard in part.shards.values():
+                if shard.master is not None and self.mixed_precision:
+                    shard.weight.copy_(shard.master)  # split masters hold the weights already
         for part in self.parts:
             if part.gatherer is not None:
                 part.gatherer.weights_changed()

@@ -58,8 +58,9 @@ class AdamW:
         self.step_count += 1
         for shard in self._shards():
             for start, end, decay in shard.decay_runs:
+                split = shard.master_low is not None
                 adamw_step_(
-                    shard.master[start:end],
+                    None if shard.master is None else shard.master[start:end],
                     shard.grad[start:end],
                     shard.exp_avg[start:end],
                     shard.exp_avg_sq[start:end],
@@ -71,6 +72,7 @@ class AdamW:
                     step=self.step_count,
                     compute_copy=shard.weight[start:end] if self.flat.mixed_precision else None,
                     grad_scale=clip_factor / loss_scale,
+                    master_low=shard.master_low[start:end] if split else None,
                 )
         if self.flat.mixed_precision:
             # The kernel wrote the compute weights behind autograd's back: a new version tells

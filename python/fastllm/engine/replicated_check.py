@@ -21,7 +21,7 @@ def check_replicated(flat: FlatModel) -> None:
     for stage, shard in flat.shards.items():
         if not shard.replicated:
             continue
-        mine = shard.master[: shard.replicated]
+        mine = shard.master_values(0, shard.replicated)
         theirs = mine.clone()
         dist.broadcast(theirs, src=source, group=tensor.group)
         differs = (mine != theirs).to(torch.int32)

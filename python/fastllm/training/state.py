@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import msgspec
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from fastllm.checkpoint.distributed import STATE_KINDS, SavedCheckpoint, ShardedState, Snapshot
 from fastllm.checkpoint.errors import CheckpointWriteError
@@ -19,24 +21,25 @@ from fastllm.checkpoint.saver import PARTIAL_SUFFIX, latest
 from fastllm.config import ConfigError
 from fastllm.config.resume_changes import resume_warning
 from fastllm.engine.data_parallel import gather_weights
-from fastllm.engine.flat_model import ALIGNMENT, FlatModel
+from fastllm.engine.flat_model import ALIGNMENT, FlatModel, Shard
 
 if TYPE_CHECKING:
     from fastllm.training.trainer import Trainer
 
 
-def sharded_state(flat: FlatModel, kinds: tuple[str, ...]) -> ShardedState:
+def sharded_state(flat: FlatModel, kinds: tuple[str, ...], writable: bool = False) -> ShardedState:
     """The engine's shards of `kinds`, as views (with expert parallelism, the experts' in
-    `experts`)."""
-    state = _part_state(flat, kinds)
+    `experts`); split masters as fp32 copies made now (`writable`, to restore into) or as
+    they are saved (`_shard_state`)."""
+    state = _part_state(flat, kinds, writable)
     if flat.experts is not None:
         expert = flat.mesh.expert
         state.expert_size, state.expert_rank = expert.size, expert.rank
-        state.experts = _part_state(flat.experts, kinds)
+        state.experts = _part_state(flat.experts, kinds, writable)
     return state
 
 
-def _part_state(flat: FlatModel, kinds: tuple[str, ...]) -> ShardedState:
+def _part_state(flat: FlatModel, kinds: tuple[str, ...], writable: bool) -> ShardedState:
     return ShardedState(
         specs=flat.specs,
         shapes={name: tuple(flat.shapes[name]) for name in flat.names},
@@ -47,12 +50,31 @@ def _part_state(flat: FlatModel, kinds: tuple[str, ...]) -> ShardedState:
         data_size=flat.data.size,
         data_rank=flat.data.rank,
         shards={
-            stage: {kind: getattr(shard, kind) for kind in kinds}
+            stage: {kind: _shard_state(shard, kind, writable) for kind in kinds}
             for stage, shard in flat.shards.items()
         },
         pipeline_size=flat.pipeline.size,
         pipeline_rank=flat.pipeline.rank,
     )
+
+
+def _shard_state(shard: Shard, kind: str, writable: bool) -> Tensor | Callable[[], Tensor]:
+    """A view of the shard's `kind`. Split masters have none: to be restored into, a new fp32
+    tensor (`restore_split_masters` stores it back); to be saved, the function making it, so
+    that a checkpoint holds one stage's at a time."""
+    if kind != "master" or shard.master_low is None:
+        return getattr(shard, kind)
+    return shard.master_values() if writable else shard.master_values
+
+
+def restore_split_masters(flat: FlatModel, state: ShardedState) -> None:
+    """Store the restored masters of `state` (made `writable`) into the split shards."""
+    for part, flat_part in zip(state.parts(), flat.parts, strict=True):
+        for stage, shard in flat_part.shards.items():
+            if shard.master_low is not None and "master" in part[0].shards[stage]:
+                masters = part[0].shards[stage]["master"]
+                assert isinstance(masters, torch.Tensor)
+                shard.set_master(0, masters)
 
 
 def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
@@ -113,8 +135,9 @@ def load_checkpoint(trainer: Trainer, directory: Path, manifest: dict | None = N
     """Restore the full training state, whatever tensor and data sizes wrote it. `manifest` is
     given when the checkpoint was just verified."""
     saved = SavedCheckpoint(directory, manifest)
-    state = sharded_state(trainer.flat, STATE_KINDS)
+    state = sharded_state(trainer.flat, STATE_KINDS, writable=True)
     saved.restore(state, STATE_KINDS)
+    restore_split_masters(trainer.flat, state)
     trainer.flat.sync_weights_from_master()
     gather_weights(trainer.flat)  # the other ranks' shards of the compute weights
     counters = saved.counters

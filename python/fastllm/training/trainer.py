@@ -20,6 +20,7 @@ from fastllm.checkpoint.formats import open_model
 from fastllm.checkpoint.saver import CheckpointSaver, remove_partials
 from fastllm.config import ConfigError, TrainerConfig
 from fastllm.data import Batch, DataLoader, SampleStream
+from fastllm.engine.activation_offload import apply_activation_offload
 from fastllm.engine.compile import apply_compile
 from fastllm.engine.data_parallel import gather_weights
 from fastllm.engine.expert_parallel import ExpertParallel
@@ -87,6 +88,7 @@ class Trainer:
             gather_in_forward=not pipelined,
         )
         apply_recompute(self.model, stages.recompute)
+        self.offload = apply_activation_offload(self.model, stages.offload_activations)
         self.fp8_histories = self._apply_fp8(device)
         if config.training.compile:
             apply_compile(self.model)

@@ -1,0 +1,107 @@
+"""Activation offload (model.multi_stage.offload_activations): the same step as without it, the
+saved tensors having gone through host memory; and the combinations it refuses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastllm.config import ConfigError
+from fastllm.engine import activation_offload
+from tests.training.test_training_options import trainer
+
+OPTIONS = (
+    "training.train_iters=2",
+    "batch.micro_batch_size=1",
+    "batch.sequence_length=16",
+    "model.base_model.transformer.num_layers=3",
+)
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_offloaded_blocks_give_the_same_losses_and_gradients(
+    dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recompute: str
+) -> None:
+    # The tiny model's activations are far below the size worth moving on a GPU.
+    monkeypatch.setattr(activation_offload, "MIN_BYTES", 0)
+    options = (*OPTIONS, f"model.multi_stage.recompute={recompute}")
+    plain = trainer(dataset, tmp_path / "a", *options)
+    offloaded = trainer(
+        dataset, tmp_path / "b", *options, "model.multi_stage.offload_activations=2"
+    )
+    assert plain.offload is None and offloaded.offload is not None
+    prefetched: set[int] = set()
+    prefetch = offloaded.offload._prefetch
+
+    def counting_prefetch(passes, grad):
+        prefetched.update(id(o) for p in passes for o in p.storages.values())
+        prefetch(passes, grad)
+
+    monkeypatch.setattr(offloaded.offload, "_prefetch", counting_prefetch)
+    unpacked: list[object] = []
+    unpack = offloaded.offload._unpack
+    monkeypatch.setattr(offloaded.offload, "_unpack", lambda s: unpacked.append(s) or unpack(s))
+    loader = iter(plain.data_loader())
+    for _ in range(2):  # the second step's backward pass fetches into the first's memory
+        (batch,) = next(loader)[:1]
+        losses = [run.forward_backward(batch) for run in (plain, offloaded)]
+        assert losses[1].item() == losses[0].item()
+        for ours, theirs in zip(offloaded.flat.grads, plain.flat.grads, strict=True):
+            assert torch.equal(ours, theirs)
+        for run in (plain, offloaded):
+            run.optimizer_step()
+    assert offloaded.offload.offloaded_bytes > 0
+    # The blocks after the offloaded ones asked for every storage before the backward pass
+    # unpacked it (block 1's output for block 0's, block 2's for both).
+    storages = {id(s.storage) for s in unpacked if isinstance(s, activation_offload._Saved)}
+    assert storages and storages <= prefetched
+
+
+def test_offload_refuses_what_it_does_not_support(dataset: Path, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"offload_activations.*more than the model's 3 blocks"):
+        trainer(dataset, tmp_path / "a", *OPTIONS, "model.multi_stage.offload_activations=4")
+    with pytest.raises(ConfigError, match=r"offload_activations.*training.compile"):
+        trainer(
+            dataset, tmp_path / "b", *OPTIONS, "model.multi_stage.offload_activations=1",
+            "training.compile=true",
+        )  # fmt: skip
+    with pytest.raises(ConfigError, match=r"offload_activations.*schedule.micro_batch_splits"):
+        trainer(
+            dataset, tmp_path / "c", *OPTIONS, "model.multi_stage.offload_activations=1",
+            "schedule.micro_batch_splits=2",
+        )  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_offload_on_the_gpu_lowers_the_peak_and_keeps_the_step(dataset: Path, tmp_path: Path):
+    options = (
+        *OPTIONS, "batch.sequence_length=8192", "model.distributed.training_dtype=bfloat16",
+        "model.base_model.transformer.hidden_size=512", "model.base_model.transformer.ffn_hidden_size=2048",
+        "model.base_model.transformer.window_size=null",
+    )  # fmt: skip
+    offload = "model.multi_stage.offload_activations="
+    runs = {n: trainer(dataset, tmp_path / str(n), *options, f"{offload}{n}") for n in (0, 2)}
+    (batch,) = next(iter(runs[0].data_loader()))[:1]
+    held, losses = {}, {}
+    for n, run in runs.items():
+        for _ in range(2):  # the second pass finds the pinned host memory cached
+            sent = run.offload.offloaded_bytes if run.offload else 0
+            torch.cuda.synchronize()
+            start = torch.cuda.memory_allocated()
+            loss = run._loss(batch)
+            torch.cuda.synchronize()  # the copies are done: their memory is the allocator's
+            torch.empty(1, device="cuda")  # which it takes back at its next allocation
+            held[n] = torch.cuda.memory_allocated() - start
+            run.flat.start_backward(True)
+            loss.backward()
+            run.flat.finish_backward()
+            losses[n] = loss.item()
+            sent = (run.offload.offloaded_bytes if run.offload else 0) - sent
+    assert losses[2] == losses[0]
+    for ours, theirs in zip(runs[2].flat.grads, runs[0].flat.grads, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-2, atol=1e-4)
+    # What the two offloaded blocks stored left the device during the forward pass.
+    assert sent > 0 and held[2] <= held[0] - 0.9 * sent, (held, sent)
