@@ -238,7 +238,10 @@ class BaseModelConfig(Section):
 class DistributedConfig(Section):
     training_dtype: Literal["bfloat16", "float16", "float32"] = "float32"
     """Compute dtype. bfloat16 and float16 keep fp32 master weights and accumulate gradients
-    in fp32; float16 adds dynamic loss scaling."""
+    in fp32; float16 adds dynamic loss scaling. In bfloat16 each master is held as the bf16
+    weight the model computes with (its upper 16 bits, rounded) plus a 16-bit remainder: the
+    fp32 value bit for bit in 4 bytes instead of 6 (the weight rounds an exact tie away from
+    zero, where a cast rounds it to even). Checkpoints hold fp32 masters either way."""
     seed: int = 1234
     """Seed of the initialization and of every random stream of the run."""
     tensor_parallel: int = 1
