@@ -100,8 +100,10 @@ def test_offload_on_the_gpu_lowers_the_peak_and_keeps_the_step(dataset: Path, tm
             run.flat.finish_backward()
             losses[n] = loss.item()
             sent = (run.offload.offloaded_bytes if run.offload else 0) - sent
-    assert losses[2] == losses[0]
-    for ours, theirs in zip(runs[2].flat.grads, runs[0].flat.grads, strict=True):
-        torch.testing.assert_close(ours, theirs, rtol=1e-2, atol=1e-4)
     # What the two offloaded blocks stored left the device during the forward pass.
     assert sent > 0 and held[2] <= held[0] - 0.9 * sent, (held, sent)
+    assert losses[2] == losses[0]
+    # cuDNN's attention backward sums in no fixed order: a few near-zero entries of 3 M
+    # differed by 2.4e-4 (H200, h200-d5c7238).
+    for ours, theirs in zip(runs[2].flat.grads, runs[0].flat.grads, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-2, atol=1e-3)
