@@ -594,14 +594,24 @@ class FlatModel:
         if name not in self.owned_names:
             copy = self.tied_copy
             if copy is not None and copy.weight is not None and name == self.names[copy.index]:
-                copy.weight.copy_(tensor)
+                copy.weight.copy_(self._compute_weights(tensor))
             return
         index = self.names.index(name)
         if not self.shard_weights:
-            self.parameter_view(self.weights, index).copy_(tensor)
+            self.parameter_view(self.weights, index).copy_(self._compute_weights(tensor))
         for stage_shard, (param_start, param_end, shard_start, _) in self._owned(index):
             piece = tensor.reshape(-1)[param_start:param_end].to(self.device, torch.float32)
             stage_shard.set_master(shard_start, piece)
+
+    def _compute_weights(self, tensor: Tensor) -> Tensor:
+        """The compute weights of master values: with split masters their high halves, which
+        round ties otherwise than a cast (every rank then holds what the owners' shards do)."""
+        if not self.split_masters:
+            return tensor
+        values = tensor.to(self.device, torch.float32)
+        high = torch.empty(values.shape, dtype=torch.bfloat16, device=self.device)
+        master_split.split_(values, high, torch.empty_like(high, dtype=torch.int16))
+        return high
 
     def local(self, name: str, whole: Tensor) -> Tensor:
         """This rank's slice of parameter `name`'s whole tensor: its experts' (expert
