@@ -361,8 +361,8 @@ class MultiStageConfig(Section):
     """The first blocks (this many) whose stored activations go to pinned host memory during
     the forward pass, copied beside the compute, and come back two blocks ahead of their
     backward passes (engine/activation_offload.py): no recomputation, but the forward pass
-    must leave the bytes time to cross (about 55 GB/s on an H200 host). On one GPU, without
-    compiled blocks or pipelined schedules."""
+    must leave the bytes time to cross (about 55 GB/s on an H200 host). Not with compiled
+    blocks, pipeline parallelism, breadth-first micro-batches or micro-sequences."""
 
     def validate(self) -> None:
         check_positive(self.layers_per_stage, "layers_per_stage")
