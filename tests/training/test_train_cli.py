@@ -225,3 +225,22 @@ def test_profile_writes_a_trace_and_a_table_of_the_chosen_steps(
     assert any("aten::mm" in name or "aten::addmm" in name for name in names)
     assert "Self CPU" in (experiment / "profile" / "rank_0.txt").read_text()
     assert sorted(losses(experiment)) == [1, 2, 3, 4]
+
+
+def test_a_bfloat16_export_holds_the_fp32_masters(dataset: Path, tmp_path: Path) -> None:
+    # Split masters are joined when written: the export is their fp32 values, bit for bit.
+    from fastllm.training import state
+    from tests.training.test_training_options import trainer
+
+    run = trainer(dataset, tmp_path / "run", "model.distributed.training_dtype=bfloat16")
+    run.train_step(next(iter(run.data_loader())))
+    assert all(shard.master_low is not None for shard in run.flat.shards.values())
+    state.export(run, tmp_path / "export", "distributed")
+    exported = dict(fastllm.load_model(tmp_path / "export").named_parameters())
+    flat = run.flat
+    for index, name in enumerate(flat.names):
+        stage, offset, numel = flat.layout.parameter(index)
+        start, _ = flat.layout.shard_range(stage, 0)  # one process: the whole stage
+        masters = flat.shards[stage].master_values(offset - start, offset - start + numel)
+        assert exported[name].dtype == torch.float32
+        assert torch.equal(exported[name].detach().reshape(-1), masters), name
