@@ -315,14 +315,17 @@ class Trainer:
         self.flat.finish_backward()
         return loss.detach()
 
-    def optimizer_step(self) -> dict[str, Any]:
-        """Clip, update (unless the gradient is not finite) and advance the schedule."""
+    def optimizer_step(self, loss: torch.Tensor | None = None) -> dict[str, Any]:
+        """Clip, update (unless the gradient is not finite) and advance the schedule. With
+        `loss` (the step's, on the device), its value comes back with the gradient norm, as
+        "loss": the one synchronization of a step, before the update is launched, so that
+        the next step's work is queued while the update runs."""
         lr = learning_rate(
             self.config.optimizer.learning_rate, self.step, self.config.training.train_iters
         )
         self.flat.reduce_gradients()
         # The micro-batches' weights already normalize the sum over data ranks (train_step).
-        report = self.optimizer.step(lr, self.scaler.scale)
+        report = self.optimizer.step(lr, self.scaler.scale, fetch=loss)
         if self.fp8_histories is not None:
             self.fp8_histories.roll()
         if not report.skipped:
@@ -333,7 +336,8 @@ class Trainer:
         self.step += 1
         self.skipped_steps += report.skipped
         self.flat.zero_grad()
-        return {"lr": lr, "grad_norm": report.grad_norm, "skipped": report.skipped}
+        metrics = {"lr": lr, "grad_norm": report.grad_norm, "skipped": report.skipped}
+        return metrics if report.fetched is None else {"loss": report.fetched, **metrics}
 
     def train_step(self, micro_batches: list[Batch]) -> dict[str, Any]:
         """One optimizer step over the micro-batches of this rank's share of a batch. Its loss
@@ -353,9 +357,9 @@ class Trainer:
             ]
             weighted = sum(share * loss for share, loss in zip(shares, losses, strict=True))
             loss = self._data_sum(weighted)
-        metrics = self.optimizer_step()
+        metrics = self.optimizer_step(loss)
         self.consumed_samples += self.config.batch.batch_size
-        return {"loss": loss.item(), **metrics}
+        return metrics
 
     def token_shares(self, micro_batches: list[Batch]) -> list[float]:
         """Each micro-batch's trained tokens (in this rank's chunk of its sequences) over those
