@@ -20,8 +20,6 @@ class StepReport:
     """Global norm of the (unscaled, unclipped) gradient."""
     skipped: bool
     """True when the gradient had inf/NaN and the step was not taken."""
-    fetched: float | None = None
-    """The value `step` was asked to bring back with the norm (None if none)."""
 
 
 class AdamW:
@@ -37,10 +35,6 @@ class AdamW:
         tensor rank 0). With expert parallelism the data group holds each expert's shards
         once too: an expert group's ranks split the experts, the expert-data ranks their
         shards."""
-        return math.sqrt(self._squares().item()) * grad_scale
-
-    def _squares(self) -> torch.Tensor:
-        """The squared gradient norm (`grad_norm`'s), on the device."""
         flat = self.flat
         squares = torch.zeros((), dtype=torch.float32, device=flat.device)
         counts_replicated = flat.tensor.rank == 0
@@ -50,26 +44,15 @@ class AdamW:
         for dimension in (flat.data, flat.tensor, flat.pipeline):
             if dimension.size > 1:
                 dist.all_reduce(squares, group=dimension.group)
-        return squares
+        return math.sqrt(squares.item()) * grad_scale
 
     @torch.no_grad()
-    def step(
-        self, lr: float, loss_scale: float = 1.0, fetch: torch.Tensor | None = None
-    ) -> StepReport:
-        """Update this rank's shards from the gradients (which carry `loss_scale`). The
-        clipping needs the norm on the host; `fetch` (a device scalar, such as the step's
-        loss) comes back in the same synchronization, so that the caller needs none after
-        the update is launched."""
+    def step(self, lr: float, loss_scale: float = 1.0) -> StepReport:
+        """Update this rank's shards from the gradients (which carry `loss_scale`)."""
         self.flat.reduce_gradients()
-        squares = self._squares()
-        fetched = None
-        if fetch is None:
-            total = squares.item()
-        else:
-            total, fetched = torch.stack([squares, fetch.detach().float().reshape(())]).tolist()
-        norm = math.sqrt(total) / loss_scale
+        norm = self.grad_norm(1.0 / loss_scale)
         if not math.isfinite(norm):
-            return StepReport(norm, skipped=True, fetched=fetched)
+            return StepReport(norm, skipped=True)
         clip = self.config.gradient_norm_clipping
         clip_factor = min(1.0, clip / (norm + 1e-6)) if clip is not None else 1.0
         self.step_count += 1
@@ -97,7 +80,7 @@ class AdamW:
             for part in self.flat.parts:
                 for weights in part.weights:
                     torch.autograd.graph.increment_version(weights)
-        return StepReport(norm, skipped=False, fetched=fetched)
+        return StepReport(norm, skipped=False)
 
     def _shards(self) -> list[Shard]:
         return [shard for part in self.flat.parts for shard in part.shards.values()]

@@ -315,17 +315,14 @@ class Trainer:
         self.flat.finish_backward()
         return loss.detach()
 
-    def optimizer_step(self, loss: torch.Tensor | None = None) -> dict[str, Any]:
-        """Clip, update (unless the gradient is not finite) and advance the schedule. With
-        `loss` (the step's, on the device), its value comes back with the gradient norm, as
-        "loss": the one synchronization of a step, before the update is launched, so that
-        the next step's work is queued while the update runs."""
+    def optimizer_step(self) -> dict[str, Any]:
+        """Clip, update (unless the gradient is not finite) and advance the schedule."""
         lr = learning_rate(
             self.config.optimizer.learning_rate, self.step, self.config.training.train_iters
         )
         self.flat.reduce_gradients()
         # The micro-batches' weights already normalize the sum over data ranks (train_step).
-        report = self.optimizer.step(lr, self.scaler.scale, fetch=loss)
+        report = self.optimizer.step(lr, self.scaler.scale)
         if self.fp8_histories is not None:
             self.fp8_histories.roll()
         if not report.skipped:
@@ -336,8 +333,7 @@ class Trainer:
         self.step += 1
         self.skipped_steps += report.skipped
         self.flat.zero_grad()
-        metrics = {"lr": lr, "grad_norm": report.grad_norm, "skipped": report.skipped}
-        return metrics if report.fetched is None else {"loss": report.fetched, **metrics}
+        return {"lr": lr, "grad_norm": report.grad_norm, "skipped": report.skipped}
 
     def train_step(self, micro_batches: list[Batch]) -> dict[str, Any]:
         """One optimizer step over the micro-batches of this rank's share of a batch. Its loss
@@ -357,9 +353,9 @@ class Trainer:
             ]
             weighted = sum(share * loss for share, loss in zip(shares, losses, strict=True))
             loss = self._data_sum(weighted)
-        metrics = self.optimizer_step(loss)
+        metrics = self.optimizer_step()
         self.consumed_samples += self.config.batch.batch_size
-        return metrics
+        return {"loss": loss.item(), **metrics}
 
     def token_shares(self, micro_batches: list[Batch]) -> list[float]:
         """Each micro-batch's trained tokens (in this rank's chunk of its sequences) over those
