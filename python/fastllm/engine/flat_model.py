@@ -201,7 +201,6 @@ class FlatModel:
         """Per stage: its gradient's elements [0, end) are summed over tensor ranks."""
         self.replicated_end = [self._prefix_end(s, replicated) for s in stages]
         self.weights = [self._weight_buffer(model, s) for s in stages]
-        needs_reducer = self.data.size > 1 or any(self.tensor_reduced_end)
         self.gradients = GradientBuffers(
             [self.layout.stage_size(s) if s in self.owned else 0 for s in stages],
             [self.stage_parameters[s] if s in self.owned else [] for s in stages],
@@ -210,8 +209,7 @@ class FlatModel:
             device,
             pooled=self.shard_gradients,  # ZeRO-2: each stage's full gradient is reduced at once
             slots=[self.slot(s) for s in stages],
-            # Reductions (data and tensor parallelism) keep their buffers (ZeRO-2 pools them).
-            transient=not needs_reducer,
+            transient=not self.shard_gradients,  # ZeRO-2 pools two instead
         )
         self.grads = self.gradients.buffers
         self.shards = {stage: self._shard(stage) for stage in self.owned}
@@ -219,6 +217,7 @@ class FlatModel:
         for stage in self.owned:  # views of the gradients are made: transient ones let go
             self.gradients.consumed(stage)
         self.tied_copy = self._tied_copy(model)
+        needs_reducer = self.data.size > 1 or any(self.tensor_reduced_end)
         self.reducer = GradientReducer(self) if needs_reducer else None
         # Linear layers' and experts' weight gradients go straight from the matmul into the
         # fp32 buffer.

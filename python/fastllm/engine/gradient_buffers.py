@@ -8,10 +8,10 @@ from autograd (`add`) or straight from a matmul (`add_product`, for the linear l
 sinks: the product writes or adds into the view itself).
 
 `transient` buffers hold memory only while they hold a gradient: from the first gradient a
-stage gets in a step until the step consumes it. Where nothing reduces gradients (one
-process, or pipeline ranks alone), the forward pass of a step's first micro-batch then runs
+stage gets in a step until the step consumes it (the optimizer, or ZeRO-1's reduction once
+the optimizer has read the shards). The forward pass of a step's first micro-batch then runs
 without them, which lowers its peak (at the loss, with every activation stored) by 4 bytes
-per parameter of the stages whose backward has not begun."""
+per parameter of the stages whose backward has not begun. ZeRO-2 pools two buffers instead."""
 
 from __future__ import annotations
 

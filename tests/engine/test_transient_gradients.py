@@ -1,0 +1,65 @@
+"""ZeRO-1 on two Gloo processes with transient gradient buffers: no memory outside the backward
+pass and the optimizer step, and each step's summed shards exact (the buffers come back
+garbage and are overwritten)."""
+
+from __future__ import annotations
+
+from tests.data.conftest import CliResult
+
+# Run by the fixture two_ranks (tests/engine/conftest.py).
+TWO_RANKS = """
+import torch
+from fastllm.engine.data_parallel import gather_weights
+from fastllm.engine.flat_model import FlatModel
+from fastllm.engine.mesh import build_mesh
+from fastllm.engine.optimizer import AdamW
+from fastllm.engine.process_group import setup_distributed
+from fastllm.model import GPTModel, initialize
+from tests.engine.shards import assert_shard_gradients_double
+from tests.engine.test_flat_training import tiny_config
+
+distributed = setup_distributed()
+config = tiny_config("model.multi_stage.recompute=none")
+reference = GPTModel(config.model.base_model)
+initialize(reference, torch.Generator().manual_seed(0))
+with torch.device("meta"):
+    model = GPTModel(config.model.base_model)
+flat = FlatModel(
+    model, compute_dtype=torch.float32, device=torch.device("cpu"),
+    mesh=build_mesh(config.model.distributed, 2, distributed.rank), zero_stage=1,
+)
+flat.load_full_parameters(reference.named_parameters())
+optimizer = AdamW(flat, config.optimizer)
+generator = torch.Generator().manual_seed(1)
+
+
+def released() -> bool:
+    return all(g.untyped_storage().nbytes() == 0 for g in flat.grads)
+
+
+assert flat.reducer is not None and released()
+for step in range(2):
+    tokens = torch.randint(0, 61, (2, 16), generator=generator)
+    labels = torch.roll(tokens, -1, dims=1)
+    flat.start_backward(True)  # the step's last micro-batch: ZeRO-1 sums during the pass
+    model.loss(tokens, labels).backward()
+    flat.finish_backward()
+    assert not released(), step
+    reference.zero_grad()
+    reference.loss(tokens, labels).backward()
+    grads = {name: p.grad for name, p in reference.named_parameters()}
+    assert_shard_gradients_double(flat, grads, distributed.rank, rtol=1e-5, atol=1e-6)
+    optimizer.step(1e-3)
+    gather_weights(flat)  # every rank's updated shards into the full weights
+    flat.zero_grad()
+    with torch.no_grad():  # the next step compares like with like
+        for name, parameter in reference.named_parameters():
+            parameter.copy_(model.get_parameter(name))
+    assert released(), step
+"""
+
+
+def test_zero1_gradients_hold_memory_only_from_the_backward_pass_to_the_step(
+    two_ranks: CliResult,
+) -> None:
+    assert two_ranks.returncode == 0, two_ranks.stderr
