@@ -60,7 +60,7 @@ class GradientBuffers:
         give it back at their first `consumed`, once every view of them has been made."""
         indices = [index for stage in stage_parameters for index in stage]
         self.stage_of = {index: ranges(index)[0] for index in indices}
-        self.views = {index: view(self.buffers[ranges(index)[0]], index) for index in indices}
+        self.views = {index: view(self.buffers[self.stage_of[index]], index) for index in indices}
         self.fresh = dict.fromkeys(indices, True)
         """Per parameter: its view holds stale values that the next gradient overwrites."""
         self.gaps = [

@@ -69,10 +69,10 @@ def _shard_state(shard: Shard, kind: str, writable: bool) -> Tensor | Callable[[
 
 def restore_split_masters(flat: FlatModel, state: ShardedState) -> None:
     """Store the restored masters of `state` (made `writable`) into the split shards."""
-    for part, flat_part in zip(state.parts(), flat.parts, strict=True):
+    for (part, _), flat_part in zip(state.parts(), flat.parts, strict=True):
         for stage, shard in flat_part.shards.items():
-            if shard.master_low is not None and "master" in part[0].shards[stage]:
-                masters = part[0].shards[stage]["master"]
+            if shard.master_low is not None and "master" in part.shards[stage]:
+                masters = part.shards[stage]["master"]
                 assert isinstance(masters, torch.Tensor)
                 shard.set_master(0, masters)
 

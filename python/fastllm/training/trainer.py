@@ -320,8 +320,8 @@ class Trainer:
         lr = learning_rate(
             self.config.optimizer.learning_rate, self.step, self.config.training.train_iters
         )
-        self.flat.reduce_gradients()
-        # The micro-batches' weights already normalize the sum over data ranks (train_step).
+        # The step sums the gradients over data ranks first (FlatModel.reduce_gradients); the
+        # micro-batches' weights already normalize that sum (train_step).
         report = self.optimizer.step(lr, self.scaler.scale)
         if self.fp8_histories is not None:
             self.fp8_histories.roll()
