@@ -1,10 +1,28 @@
-"""A check shared by the ZeRO-3 scripts that tests/engine runs under torchrun."""
+"""What the two-rank scripts that tests/engine runs under torchrun share: the flat model of a
+reference on two data ranks, and the check of its summed shards."""
 
 from __future__ import annotations
 
 import torch
 
+from fastllm.config import TrainerConfig
 from fastllm.engine.flat_model import FlatModel
+from fastllm.engine.mesh import build_mesh
+from fastllm.model import GPTModel
+
+
+def two_rank_flat(
+    config: TrainerConfig, reference: GPTModel, rank: int, zero_stage: int,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[GPTModel, FlatModel]:  # fmt: skip
+    """A model of `config` on this rank of two data ranks, its parameters `reference`'s."""
+    with torch.device("meta"):
+        model = GPTModel(config.model.base_model)
+    mesh = build_mesh(config.model.distributed, 2, rank)
+    cpu = torch.device("cpu")
+    flat = FlatModel(model, compute_dtype=dtype, device=cpu, mesh=mesh, zero_stage=zero_stage)
+    flat.load_full_parameters(reference.named_parameters())
+    return model, flat
 
 
 def assert_shard_gradients_double(

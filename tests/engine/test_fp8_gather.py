@@ -12,14 +12,12 @@ from tests.data.conftest import CliResult
 TWO_RANKS = """
 import copy
 import torch
-from fastllm.engine.flat_model import FlatModel
 from fastllm.engine.fp8 import apply_fp8
-from fastllm.engine.mesh import build_mesh
 from fastllm.engine.process_group import setup_distributed
 from fastllm.model import GPTModel, initialize
 from fastllm_kernels.fp8 import DelayedScale, quantize
 from fastllm_kernels.fp8_linear import E4M3, WEIGHT
-from tests.engine.shards import assert_shard_gradients_double
+from tests.engine.shards import assert_shard_gradients_double, two_rank_flat
 from tests.engine.test_flat_training import tiny_config
 
 distributed = setup_distributed()
@@ -38,11 +36,7 @@ layers = lambda m: [l for b in m.layers for l in (b.attention.query_key_value, b
 
 for recipe in ("tensorwise", "rowwise", "delayed"):
     tensorwise, delayed = recipe != "rowwise", recipe == "delayed"
-    with torch.device("meta"):
-        model = GPTModel(config.model.base_model)
-    mesh = build_mesh(config.model.distributed, 2, distributed.rank)
-    flat = FlatModel(model, compute_dtype=torch.bfloat16, device=cpu, mesh=mesh, zero_stage=3)
-    flat.load_full_parameters(reference.named_parameters())
+    model, flat = two_rank_flat(config, reference, distributed.rank, 3, torch.bfloat16)
     name = "tensorwise" if tensorwise else "rowwise"
     histories = apply_fp8(model, name, cpu, keep_copies=False, delayed=delayed)
     unsharded = copy.deepcopy(reference)

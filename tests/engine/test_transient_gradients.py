@@ -10,25 +10,17 @@ from tests.data.conftest import CliResult
 TWO_RANKS = """
 import torch
 from fastllm.engine.data_parallel import gather_weights
-from fastllm.engine.flat_model import FlatModel
-from fastllm.engine.mesh import build_mesh
 from fastllm.engine.optimizer import AdamW
 from fastllm.engine.process_group import setup_distributed
 from fastllm.model import GPTModel, initialize
-from tests.engine.shards import assert_shard_gradients_double
+from tests.engine.shards import assert_shard_gradients_double, two_rank_flat
 from tests.engine.test_flat_training import tiny_config
 
 distributed = setup_distributed()
 config = tiny_config("model.multi_stage.recompute=none")
 reference = GPTModel(config.model.base_model)
 initialize(reference, torch.Generator().manual_seed(0))
-with torch.device("meta"):
-    model = GPTModel(config.model.base_model)
-flat = FlatModel(
-    model, compute_dtype=torch.float32, device=torch.device("cpu"),
-    mesh=build_mesh(config.model.distributed, 2, distributed.rank), zero_stage=1,
-)
-flat.load_full_parameters(reference.named_parameters())
+model, flat = two_rank_flat(config, reference, distributed.rank, zero_stage=1)
 optimizer = AdamW(flat, config.optimizer)
 generator = torch.Generator().manual_seed(1)
 
