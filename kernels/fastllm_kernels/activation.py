@@ -138,19 +138,25 @@ class _GatedLinearFunction(torch.autograd.Function):
         need_x, need_weight, need_bias = ctx.needs_input_grad[:3]
         dy2 = as_rows(dy)
         d_weight = d_bias = dx = None
-        if need_weight:
-            # From the recomputed activation.
-            d_weight = weight_gradient(weight, dy2, _gated_rows(x2, ctx.activation))
         if need_bias and ctx.has_bias:
             d_bias = dy2.sum(dim=0, dtype=torch.float32).to(dy.dtype)
+        activated = None
         if need_x:
             d = x2.shape[1] // 2
             d_activation = dy2 @ weight
             dx2 = torch.empty_like(x2)
+            # The same pass recomputes the activation for the weight gradient, over the
+            # gradient it has just read: gate and up are read once for both.
+            activated = d_activation if need_weight else None
             _launch_backward(
-                d_activation, x2[:, :d], x2[:, d:], dx2[:, :d], dx2[:, d:], ctx.activation
-            )
+                d_activation, x2[:, :d], x2[:, d:], dx2[:, :d], dx2[:, d:], ctx.activation,
+                activated,
+            )  # fmt: skip
             dx = dx2.view(*dy.shape[:-1], 2 * d)
+        elif need_weight:
+            activated = _gated_rows(x2, ctx.activation)
+        if need_weight:
+            d_weight = weight_gradient(weight, dy2, activated)
         return dx, d_weight, d_bias, None
 
 
@@ -173,13 +179,18 @@ def _launch_forward(gate: Tensor, up: Tensor, out: Tensor, activation: str) -> N
     )  # fmt: skip
 
 
-def _launch_backward(dy, gate, up, d_gate, d_up, activation: str) -> None:
+def _launch_backward(
+    dy, gate, up, d_gate, d_up, activation: str, activated: Tensor | None = None
+) -> None:
+    """d_gate and d_up from dy; with `activated` (which may be dy itself, each element
+    overwritten after it is read), act(gate) * up too."""
     n_rows, n_cols = gate.shape
     grid = (n_rows, triton.cdiv(n_cols, _BLOCK))
+    out = activated if activated is not None else dy
     _gated_backward_kernel[grid](
         dy, dy.stride(0), gate, gate.stride(0), up, up.stride(0),
-        d_gate, d_gate.stride(0), d_up, d_up.stride(0), n_cols,
-        ACTIVATION=activation, BLOCK=_BLOCK, num_warps=4,
+        d_gate, d_gate.stride(0), d_up, d_up.stride(0), out, out.stride(0), n_cols,
+        ACTIVATION=activation, WRITE_ACTIVATED=activated is not None, BLOCK=_BLOCK, num_warps=4,
     )  # fmt: skip
 
 
@@ -223,8 +234,8 @@ def _gated_forward_kernel(
 @triton.jit
 def _gated_backward_kernel(
     dy_ptr, dy_row_stride, gate_ptr, gate_row_stride, up_ptr, up_row_stride,
-    d_gate_ptr, d_gate_row_stride, d_up_ptr, d_up_row_stride, n_cols,
-    ACTIVATION: tl.constexpr, BLOCK: tl.constexpr,
+    d_gate_ptr, d_gate_row_stride, d_up_ptr, d_up_row_stride, out_ptr, out_row_stride, n_cols,
+    ACTIVATION: tl.constexpr, WRITE_ACTIVATED: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -242,3 +253,7 @@ def _gated_backward_kernel(
     tl.store(
         d_up_ptr + row * d_up_row_stride + cols, (dy * a).to(d_up_ptr.dtype.element_ty), mask=mask
     )
+    if WRITE_ACTIVATED:  # as _gated_forward_kernel computes it
+        tl.store(
+            out_ptr + row * out_row_stride + cols, (a * u).to(out_ptr.dtype.element_ty), mask=mask
+        )

@@ -20,6 +20,7 @@ import triton.language as tl
 from torch import Tensor
 
 from fastllm_kernels._dispatch import use_triton
+from fastllm_kernels.linear import matmul_into_fp32_
 
 _LOGITS_BUDGET = 1 << 28
 """Logits elements per chunk by default (1 GiB in fp32, plus 0.5 GiB of bf16 gradient). Chunks
@@ -115,10 +116,11 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
         scale = _gradient_scale(labels, ignore_index, reduction)
         losses = torch.empty(n_rows, dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if need_hidden_grad else None
-        # The weight gradient sums over all chunks: accumulate it in fp32 whatever weight's dtype.
+        # The weight gradient sums over all chunks: accumulate it in fp32 whatever weight's dtype
+        # (the first chunk's product overwrites the accumulator, which needs no zeroing).
         grad_weight = None
         if need_weight_grad:
-            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            grad_weight = torch.empty(weight.shape, dtype=torch.float32, device=weight.device)
         chunk_size = max(1, min(chunk_size, n_rows))
         logits_buffer = torch.empty((chunk_size, vocab), dtype=torch.float32, device=hidden.device)
         # The logit gradient overwrites the logits: in bf16/fp16 (what the gradient matmuls
@@ -141,7 +143,7 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
             if need_hidden_grad:
                 torch.mm(grad_logits, weight, out=grad_hidden[start:end])
             if need_weight_grad:
-                _addmm_fp32_(grad_weight, grad_logits.T, chunk)
+                matmul_into_fp32_(grad_weight, grad_logits.T, chunk, accumulate=start > 0)
         del logits_buffer, grad_buffer, logits, grad_logits  # free them before the cast below
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
@@ -190,16 +192,6 @@ def _matmul_fp32(a: Tensor, b: Tensor, out: Tensor) -> None:
         torch.mm(a, b, out_dtype=torch.float32, out=out)
     else:
         torch.mm(a.float(), b.float(), out=out)
-
-
-def _addmm_fp32_(acc: Tensor, a: Tensor, b: Tensor) -> None:
-    """acc (fp32) += a @ b."""
-    if a.dtype == torch.float32:
-        acc.addmm_(a, b)
-    elif a.is_cuda:
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-    else:
-        acc.addmm_(a.float(), b.float())
 
 
 def _launch(logits, grad, labels, losses, scale, ignore_index, z_loss, smoothing) -> None:

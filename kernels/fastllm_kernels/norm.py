@@ -93,8 +93,13 @@ def norm_backward(
     rstd: Tensor,
     is_rms: bool,
     bias_dtype: torch.dtype | None,
+    normed: Tensor | None = None,
+    bias: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """dx, d(weight) and d(bias) (None when bias_dtype is) from the output gradient."""
+    """dx, d(weight) and d(bias) (None when bias_dtype is) from the output gradient. With
+    `normed`, the same pass also writes the norm's output there (LayerNorm's with `bias`), as
+    `norm_forward` computes it; it may be dy_rows itself, each element overwritten after it
+    is read."""
     n_rows, n_cols = rows.shape
     has_bias = bias_dtype is not None
     block, num_warps = row_block(n_cols)
@@ -104,10 +109,13 @@ def norm_backward(
     dx = torch.empty((n_rows, n_cols), dtype=rows.dtype, device=rows.device)
     dw_partial = torch.empty((programs, n_cols), dtype=torch.float32, device=rows.device)
     db_partial = torch.empty_like(dw_partial) if has_bias else dw_partial
+    y = normed if normed is not None else dx
     _norm_backward_kernel[(programs,)](
         dy_rows, dy_rows.stride(0), rows, rows.stride(0), weight, mean, rstd, dx,
-        dw_partial, db_partial, n_rows, n_cols, rows_per_program,
-        IS_RMS=is_rms, HAS_BIAS=has_bias, ROWS=tile_rows, BLOCK=block, num_warps=num_warps,
+        dw_partial, db_partial, y, y.stride(0), bias if bias is not None else weight,
+        n_rows, n_cols, rows_per_program, IS_RMS=is_rms, HAS_BIAS=has_bias,
+        WRITE_NORMED=normed is not None, NORMED_BIAS=bias is not None, ROWS=tile_rows,
+        BLOCK=block, num_warps=num_warps,
     )  # fmt: skip
     dw = dw_partial.sum(0).to(weight.dtype)
     db = db_partial.sum(0).to(bias_dtype) if has_bias else None
@@ -140,14 +148,17 @@ def _norm_forward_kernel(
 @triton.jit
 def _norm_backward_kernel(
     dy_ptr, dy_row_stride, x_ptr, x_row_stride, w_ptr, mean_ptr, rstd_ptr, dx_ptr,
-    dw_partial_ptr, db_partial_ptr, n_rows, n_cols, rows_per_program,
-    IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+    dw_partial_ptr, db_partial_ptr, y_ptr, y_row_stride, b_ptr, n_rows, n_cols,
+    rows_per_program, IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, WRITE_NORMED: tl.constexpr,
+    NORMED_BIAS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Rows [pid * rows_per_program, ...), ROWS at a time (a 2-D tile keeps more loads in flight)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)[None, :]
     col_mask = cols < n_cols
     w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    if NORMED_BIAS:
+        b = tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     dw = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
     db = tl.zeros((ROWS, BLOCK), dtype=tl.float32)
     row_start = pid.to(tl.int64) * rows_per_program  # int64: row * stride may pass 2**31
@@ -169,6 +180,11 @@ def _norm_backward_kernel(
         if not IS_RMS:
             dx -= tl.sum(w_dy, axis=1)[:, None] / n_cols
         tl.store(dx_ptr + rows * n_cols + cols, (dx * rstd).to(dx_ptr.dtype.element_ty), mask=mask)
+        if WRITE_NORMED:  # as _norm_forward_kernel computes it, from the same mean and rstd
+            y = x_hat * w
+            if NORMED_BIAS:
+                y += b
+            tl.store(y_ptr + rows * y_row_stride + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
         dw += dy * x_hat
         if HAS_BIAS:
             db += dy

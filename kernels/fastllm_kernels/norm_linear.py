@@ -80,18 +80,21 @@ class _NormLinearFunction(torch.autograd.Function):
         grad_rows = as_rows(grad)
         need_x, need_norm_weight, need_norm_bias = ctx.needs_input_grad[:3]
         need_weight, need_bias = ctx.needs_input_grad[5:]
-        d_weight = d_bias = dx = d_norm_weight = d_norm_bias = None
-        if need_weight:
-            normed = norm_forward(rows, norm_weight, norm_bias, ctx.eps, ctx.rms)[0]
-            d_weight = weight_gradient(weight, grad_rows, normed)
-            del normed
+        d_weight = d_bias = dx = d_norm_weight = d_norm_bias = normed = None
         if need_bias and ctx.has_bias:
             d_bias = grad_rows.sum(dim=0)
         if need_x or need_norm_weight or need_norm_bias:
             bias_dtype = None if norm_bias is None else norm_bias.dtype
             d_normed = grad_rows @ weight
+            # The same pass recomputes the norm's output for the weight gradient, over the
+            # gradient it has just read: x is read once for both.
+            normed = d_normed if need_weight else None
             dx, d_norm_weight, d_norm_bias = norm_backward(
-                d_normed, rows, norm_weight, mean, rstd, ctx.rms, bias_dtype
+                d_normed, rows, norm_weight, mean, rstd, ctx.rms, bias_dtype, normed, norm_bias
             )
             dx = dx.view(*grad.shape[:-1], rows.shape[1])
+        elif need_weight:
+            normed = norm_forward(rows, norm_weight, norm_bias, ctx.eps, ctx.rms)[0]
+        if need_weight:
+            d_weight = weight_gradient(weight, grad_rows, normed)
         return dx, d_norm_weight, d_norm_bias, None, None, d_weight, d_bias

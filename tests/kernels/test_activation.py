@@ -101,6 +101,24 @@ def test_gated_linear_computes_only_the_gradients_asked_for():
 
 
 @triton_on_cpu
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_gated_linear_weight_gradient_is_the_same_with_and_without_the_input_gradient(activation):
+    # With x's gradient the backward kernel recomputes the activation over the activation's
+    # gradient; without, a forward pass recomputes it: the weight gradients agree bit for bit.
+    x = 2 * torch.randn(2, 7, 2 * 33)
+    weight = torch.randn(6, 33, requires_grad=True)
+    grad_out = torch.randn(2, 7, 6)
+    x_grad = x.clone().requires_grad_()
+    with_x = torch.autograd.grad(gated_linear(x_grad, weight, None, activation), [weight], grad_out)
+    alone = torch.autograd.grad(gated_linear(x, weight, None, activation), [weight], grad_out)
+    torch.testing.assert_close(with_x[0], alone[0], rtol=0, atol=0)
+    expected = torch.autograd.grad(
+        gated_linear_reference(x, weight, None, activation), [weight], grad_out
+    )
+    assert_close(alone[0], expected[0])
+
+
+@triton_on_cpu
 def test_gated_linear_stores_its_input_not_the_activation():
     x = torch.randn(6, 2 * 40, requires_grad=True)
     weight = torch.randn(9, 40, requires_grad=True)

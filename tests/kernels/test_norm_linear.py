@@ -82,6 +82,22 @@ def test_norm_linear_hands_the_weight_gradient_to_the_sink() -> None:
     torch.testing.assert_close(inputs[0].grad, reference_inputs[0].grad, rtol=1e-5, atol=1e-5)
 
 
+@triton_on_cpu
+@pytest.mark.parametrize("kind", KINDS)
+def test_weight_gradient_is_the_same_with_and_without_the_input_gradient(kind) -> None:
+    # With x's gradient the norm's backward pass recomputes its output over the gradient it
+    # reads; without, a forward pass recomputes it: the weight gradients agree bit for bit.
+    x, norm_weight, norm_bias, weight, bias = _inputs(kind, 40, 7, torch.bfloat16)
+    grad = torch.randn(2, 5, 7).to(torch.bfloat16)
+    outputs = []
+    for needs_x in (True, False):
+        x_in = x.detach().clone().requires_grad_(needs_x)
+        norm_in = [None if t is None else t.detach() for t in (norm_weight, norm_bias)]
+        out = norm_linear(x_in, norm_in[0], norm_in[1], 1e-5, kind[0], weight, bias)
+        outputs.append(torch.autograd.grad(out, [weight], grad)[0])
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=0)
+
+
 def test_rms_norm_linear_refuses_a_norm_bias() -> None:
     inputs = _inputs(KINDS[2], 8, 4, torch.float32)
     with pytest.raises(ValueError, match="no bias"):
