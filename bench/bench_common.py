@@ -202,3 +202,24 @@ def median_ms(work: Callable[[], Any], repeats: int = 20, warmup: int = 3) -> fl
         if i >= warmup:
             times.append(start.elapsed_time(end))
     return sorted(times)[len(times) // 2]
+
+
+class EnergyMeter:
+    """The GPU's energy counter through NVML (nvidia-ml-py), in joules; `None` readings where
+    NVML or the counter is missing (CPU runs). A step's joules over the power limit is the
+    shortest time the card allows it when it runs at that limit."""
+
+    def __init__(self, device_index: int = 0) -> None:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
+            self._read = pynvml.nvmlDeviceGetTotalEnergyConsumption
+            self.limit_w: float | None = pynvml.nvmlDeviceGetEnforcedPowerLimit(self._handle) / 1e3
+            self._read(self._handle)
+        except Exception:  # no NVML here, or a counter the device lacks: no readings
+            self._handle, self.limit_w = None, None
+
+    def joules(self) -> float | None:
+        return None if self._handle is None else self._read(self._handle) / 1e3

@@ -32,7 +32,8 @@
 # bf16), moe (MoE GPU tests, MOE_PROBE=1 bench/grouped_gemm_probe.py, then bench/moe_bench.py:
 # dropless against looped, on nvidia-h200); layouts-x2, bfdf-x2, sdp-x2, ep-x2 (issue 19, on
 # nvidia-h200-x2); layouts-x4 (issue 19, on nvidia-h200-x4); memory (issue 16: the 16k step's
-# peak memory by origin, pinned copy bandwidth, attention backends, the 16k kernel profile).
+# peak memory by origin, pinned copy bandwidth, attention backends, the 16k kernel profile);
+# attention (cuDNN attention by memory layout and head grouping, issue 16).
 set -uo pipefail
 COMMIT=$1
 shift
@@ -74,13 +75,20 @@ run_part() {
     train-1b | train-3b)
       local model=${1#train-}
       # SET: more overrides for the fastllm runs (the results then go to train_MODEL_TAG);
-      # STEPS: timed steps (train_bench's default otherwise).
+      # STEPS: timed steps (train_bench's default otherwise); SEQ and MICRO_BATCH: another
+      # geometry than the model's 4096 x its micro-batch (for the profile too).
       python3 bench/train_bench.py --models "$model" --systems ${SYSTEMS:-fastllm fastllm-compile hf} \
-        ${SET:+--set $SET} ${STEPS:+--steps $STEPS} --timeout 170 --commit "$COMMIT" \
+        ${SET:+--set $SET} ${STEPS:+--steps $STEPS} ${SEQ:+--seq $SEQ} \
+        ${MICRO_BATCH:+--micro-batch $MICRO_BATCH} --timeout 170 --commit "$COMMIT" \
         --out "$RES/train_$model${TAG:+_$TAG}" 2>&1 | tail -30
       [ "${PROFILE:-1}" = 0 ] || timeout 90 python3 bench/profile_step.py --model "$model" \
-        ${SET:+--set $SET} --commit "$COMMIT" --out "$RES/profile_$model${TAG:+_$TAG}" 2>&1 |
-        tail -45 ;;
+        ${SET:+--set $SET} ${SEQ:+--seq $SEQ} ${MICRO_BATCH:+--micro-batch $MICRO_BATCH} \
+        --commit "$COMMIT" --out "$RES/profile_$model${TAG:+_$TAG}" 2>&1 | tail -45 ;;
+    attention)
+      # cuDNN attention at llama-1b's shape in each layout and head grouping the model could
+      # give it, under sustained load (bench/attention_probe.py; SEQ, default 16384).
+      timeout 120 python3 bench/attention_probe.py --seq "${SEQ:-16384}" --commit "$COMMIT" \
+        --out "$RES/attention_probe${TAG:+_$TAG}" 2>&1 | tail -14 ;;
     zero-8b)
       for stage in ${STAGES:-2 3}; do
         python3 bench/scale_bench.py --config examples/llama3-8b.yaml --gpus 2 --zero-stage "$stage" \

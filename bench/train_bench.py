@@ -43,6 +43,7 @@ from bench_common import (
     EXAMPLES,
     GIB,
     ROOT,
+    EnergyMeter,
     commit_info,
     fmt,
     log_tail,
@@ -216,7 +217,9 @@ def measure(step: Callable[[], Any], warmup: int, steps: int, cuda: bool) -> dic
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     clock, losses = StepClock(cuda), []
+    meter = EnergyMeter(torch.cuda.current_device()) if cuda else None
     synchronize(cuda)
+    joules = meter.joules() if meter else None
     start = time.perf_counter()
     clock.mark()
     for _ in range(steps):
@@ -224,6 +227,7 @@ def measure(step: Callable[[], Any], warmup: int, steps: int, cuda: bool) -> dic
         clock.mark()
     synchronize(cuda)
     elapsed = time.perf_counter() - start
+    spent = None if joules is None or meter is None else meter.joules() - joules
     steady = memory(cuda)
     process = {
         key: None if value is None else max(value, before[key] or 0.0)
@@ -235,6 +239,9 @@ def measure(step: Callable[[], Any], warmup: int, steps: int, cuda: bool) -> dic
         "warmup_step_s": warmup_s,
         "losses": [float(loss) for loss in losses],
         "peak_memory": {"process": process, "timed_steps": steady},
+        # At the power limit, time is energy over it: joules per step say which kernels cost.
+        "joules_per_step": None if spent is None else spent / steps,
+        "power_limit_w": meter.limit_w if meter else None,
     }
 
 
