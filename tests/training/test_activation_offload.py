@@ -1,8 +1,10 @@
 """Activation offload (model.multi_stage.offload_activations): the same step as without it, the
-saved tensors having gone through host memory; and the combinations it refuses."""
+saved tensors having gone through host memory, in one process and with data, tensor
+(sequence-tensor) and sequence-data parallelism; and the combinations it refuses."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,7 @@ import torch
 
 from fastllm.config import ConfigError
 from fastllm.engine import activation_offload
+from tests.training.conftest import Launched, Script
 from tests.training.test_training_options import trainer
 
 OPTIONS = (
@@ -57,6 +60,58 @@ def test_offloaded_blocks_give_the_same_losses_and_gradients(
     # unpacked it (block 1's output for block 0's, block 2's for both).
     storages = {id(s.storage) for s in unpacked if isinstance(s, activation_offload._Saved)}
     assert storages and storages <= prefetched
+
+
+LAYOUTS_SCRIPT = """
+from pathlib import Path
+import torch
+import torch.distributed as dist
+from fastllm.engine import activation_offload
+from tests.training.test_training_options import trainer
+
+activation_offload.MIN_BYTES = 0  # the tiny model's activations are below what a GPU sends
+dataset, experiments = Path(DATASET), Path(EXPERIMENTS)
+tensor = ("model.distributed.tensor_parallel=2", "model.distributed.sequence_tensor_parallel=true")
+layouts = {
+    "dp4-zero3": ("model.multi_stage.zero_stage=3",),
+    "tp2-dp2-zero1": (*tensor, "model.multi_stage.zero_stage=1"),
+    "tp2-sdp2-documents": (*tensor, "model.distributed.sequence_data_parallel=2",
+                           "batch.cross_document_attention=false"),
+}
+for name, layout in layouts.items():
+    options = ("training.train_iters=3", "model.base_model.transformer.num_layers=3", *layout)
+    plain = trainer(dataset, experiments / name / "plain", *options)
+    offloaded = trainer(dataset, experiments / name / "offloaded", *options,
+                        "model.multi_stage.offload_activations=2")
+    loader = iter(plain.data_loader())
+    for step in range(3):
+        batch = next(loader)
+        losses = [run.train_step(batch)["loss"] for run in (plain, offloaded)]
+        assert losses[1] == losses[0], (name, step, losses)
+        for stage, theirs in plain.flat.shards.items():  # (ZeRO-3 frees the whole weights)
+            ours = offloaded.flat.shards[stage]
+            assert torch.equal(ours.master_values(), theirs.master_values()), (name, step)
+            assert torch.equal(ours.exp_avg_sq, theirs.exp_avg_sq), (name, step)
+    assert offloaded.offload.offloaded_bytes > 0, name
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def layouts(dataset: Path, one_process: Callable[..., Path], root: Path) -> dict[str, Script]:
+    """LAYOUTS_SCRIPT (run for the fixture `launched`, see conftest.py)."""
+    script = LAYOUTS_SCRIPT.replace("DATASET", repr(str(dataset)))
+    return {"layouts": Script(4, script.replace("EXPERIMENTS", repr(str(root / "layouts"))))}
+
+
+def test_offload_with_data_tensor_and_sequence_data_parallelism_keeps_every_step(
+    launched: dict[str, Launched],
+) -> None:
+    """On four ranks, three steps of each layout with and without the first two of three
+    blocks offloaded: the same losses and weights bit for bit (each layout is itself tested
+    against one process by its own module)."""
+    result = launched["layouts"].result
+    assert result.returncode == 0, result.stderr
 
 
 def test_offload_refuses_what_it_does_not_support(dataset: Path, tmp_path: Path) -> None:
