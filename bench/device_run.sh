@@ -33,7 +33,8 @@
 # dropless against looped, on nvidia-h200); layouts-x2, bfdf-x2, sdp-x2, ep-x2 (issue 19, on
 # nvidia-h200-x2); layouts-x4 (issue 19, on nvidia-h200-x4); memory (issue 16: the 16k step's
 # peak memory by origin, pinned copy bandwidth, attention backends, the 16k kernel profile);
-# attention (cuDNN attention by memory layout and head grouping, issue 16).
+# attention (cuDNN attention by memory layout and head grouping, issue 16); energy (the
+# joules a step's matmuls and attention take at the power limit, issue 16).
 set -uo pipefail
 COMMIT=$1
 shift
@@ -84,6 +85,11 @@ run_part() {
       [ "${PROFILE:-1}" = 0 ] || timeout 90 python3 bench/profile_step.py --model "$model" \
         ${SET:+--set $SET} ${SEQ:+--seq $SEQ} ${MICRO_BATCH:+--micro-batch $MICRO_BATCH} \
         --commit "$COMMIT" --out "$RES/profile_$model${TAG:+_$TAG}" 2>&1 | tail -45 ;;
+    energy)
+      # What one step's matmuls and attention alone take in joules at the power limit
+      # (bench/energy_floor.py; SEQ, default 16384; STEP_J: a measured step's joules).
+      timeout 120 python3 bench/energy_floor.py --seq "${SEQ:-16384}" ${STEP_J:+--step-joules $STEP_J} \
+        --commit "$COMMIT" --out "$RES/energy_floor${TAG:+_$TAG}" 2>&1 | tail -8 ;;
     attention)
       # cuDNN attention at llama-1b's shape in each layout and head grouping the model could
       # give it, under sustained load (bench/attention_probe.py; SEQ, default 16384).
