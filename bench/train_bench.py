@@ -308,13 +308,14 @@ class AttentionSpy:
     def describe(self, cuda: bool) -> dict[str, Any]:
         documents = any(d for d, _ in self.calls)
         windows = sorted({w for _, w in self.calls if w is not None})
-        from fastllm_kernels import attention
+        # The module's flash-attn import (the package's `attention` is the function).
+        from fastllm_kernels.attention import flash_attn_func
 
         if not cuda:
             kernel = "SDPA (CPU)"
         elif not documents and not windows:
             kernel = "SDPA, cuDNN first (plain causal)"
-        elif attention.flash_attn_func is not None:
+        elif flash_attn_func is not None:
             kernel = "flash-attn" + (" varlen" if documents else "")
         else:
             kernel = "compiled flex_attention with a block mask"
