@@ -12,7 +12,8 @@ recorded as skipped.
 
 MFU two ways: torchtitan's formula (attention counted as if not causal: 12 × layers × heads ×
 head size × seq per token) and causal-corrected (that term halved: each query sees on average
-half the keys), both against 989.4 TFLOP/s.
+half the keys), both against 989.4 TFLOP/s. With packed documents a token attends within its
+document: the attention term counts the document length instead of the sequence's.
 
     python bench/long_context_bench.py --out bench/results/long_context --commit HASH
     python bench/long_context_bench.py --tiny --device cpu --out /tmp/long_smoke   # CPU smoke
@@ -246,15 +247,13 @@ def train_run(run: Run, level: str, args: argparse.Namespace, work: Path, datase
         {**outcome, "model": run.model, "system": run.system}, seq, PEAK_FLOPS
     )
     geometry = train_bench.geometry(config)
+    outcome.update(seq=seq, geometry=geometry)
     if outcome.get("status") == "ok":
-        attention = 12 * geometry["layers"] * geometry["heads"] * geometry["head_size"] * seq
-        outcome["causal_flops_per_token"] = outcome["flops_per_token"] - attention / 2
-        outcome["causal_mfu"] = (
-            outcome["tokens_per_s"] * outcome["causal_flops_per_token"] / PEAK_FLOPS
-        )
+        span = document_length(args) if run.documents else seq
+        outcome = with_attention_span(outcome, span)
     outcome.update(
-        name=name, seq=seq, recompute=level if run.system != "hf" else None,
-        documents=run.documents, wall_s=wall, geometry=geometry, overrides=overrides,
+        name=name, recompute=level if run.system != "hf" else None,
+        documents=run.documents, wall_s=wall, overrides=overrides,
         log=str(log.relative_to(args.out)),
     )  # fmt: skip
     outcome.pop("machine", None)
@@ -266,6 +265,25 @@ def train_run(run: Run, level: str, args: argparse.Namespace, work: Path, datase
         flush=True,
     )
     return outcome
+
+
+def with_attention_span(run: dict[str, Any], span: int) -> dict[str, Any]:
+    """The run's FLOPs per token and MFU with each token attending over `span` keys (the
+    document length when attention stays within packed documents), torchtitan's way (as if
+    not causal) and causal-corrected (the attention term halved)."""
+    g, seq = run["geometry"], run["seq"]
+    per_key = 12 * g["layers"] * g["heads"] * g["head_size"]
+    flops = run["flops_per_token"] - per_key * run.get("attention_span", seq) + per_key * span
+    causal = flops - per_key * span / 2
+    return {
+        **run,
+        "attention_span": span,
+        "flops_per_token": flops,
+        "tflops": run["tokens_per_s"] * flops / 1e12,
+        "mfu": run["tokens_per_s"] * flops / PEAK_FLOPS,
+        "causal_flops_per_token": causal,
+        "causal_mfu": run["tokens_per_s"] * causal / PEAK_FLOPS,
+    }
 
 
 def _peak(run: dict[str, Any]) -> float | None:
