@@ -20,6 +20,10 @@ def test_dropless_trains_like_looped_through_the_trainer(
     # flip a top-k choice over the steps; the expert weights' gradients reach the flat buffer.
     # With the kernels (the interpreter: one block, short sequences, fewer steps), the grouped
     # matmuls write them there themselves, each step's second micro-batch adding to the first.
+    # Each step's summed gradient is compared before the update: AdamW's first steps move an
+    # element whose gradient is near its epsilon by a sizeable part of the learning rate, so
+    # the two paths' rounding shows up in the weights far above it (a query bias element
+    # 1.4e-5 apart after one step, with torch 2.15, gradients 4e-7 apart relatively).
     steps, options = 10, ()
     if kernels == "triton":
         monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -33,6 +37,7 @@ def test_dropless_trains_like_looped_through_the_trainer(
         "model.base_model.transformer.activation_type=silu",
         "model.base_model.transformer.expert_z_loss_coefficient=0.01",
         "batch.batch_size=2",
+        "batch.micro_batch_size=1",  # two micro-batches per step
         f"training.train_iters={steps}",
     )
     runs = [
@@ -41,14 +46,22 @@ def test_dropless_trains_like_looped_through_the_trainer(
         )
         for path, v in (("dropless", "true"), ("looped", "false"))
     ]
-    losses: list[list[float]] = [[], []]
     for steps in zip(*(itertools.islice(run.data_loader(), steps) for run in runs), strict=True):
-        for run, micro_batches, record in zip(runs, steps, losses, strict=True):
-            record.append(run.train_step(micro_batches)["loss"])
-    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
-    for ours, theirs in zip(
-        runs[0].flat.shards.values(), runs[1].flat.shards.values(), strict=True
-    ):
-        torch.testing.assert_close(
-            ours.master_values(), theirs.master_values(), rtol=1e-4, atol=1e-5
-        )
+        losses = []
+        for run, micro_batches in zip(runs, steps, strict=True):
+            shares = run.token_shares(micro_batches)
+            last = len(micro_batches) - 1
+            losses.append(
+                sum(
+                    share * float(run.forward_backward(batch, share, last=i == last))
+                    for i, (batch, share) in enumerate(zip(micro_batches, shares, strict=True))
+                )
+            )
+        assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+        for ours, theirs in zip(
+            runs[0].flat.shards.values(), runs[1].flat.shards.values(), strict=True
+        ):
+            error = torch.linalg.vector_norm(ours.grad - theirs.grad)
+            assert error <= 1e-5 * torch.linalg.vector_norm(theirs.grad), float(error)
+        for run in runs:
+            run.optimizer_step()
