@@ -136,7 +136,7 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
             end = min(start + chunk_size, n_rows)
             chunk = hidden[start:end]
             logits = logits_buffer[: end - start]
-            _matmul_fp32(chunk, weight.T, out=logits)
+            matmul_into_fp32_(logits, chunk, weight.T, accumulate=False)
             grad_logits = None if grad_buffer is None else grad_buffer[: end - start]
             _launch(logits, grad_logits, labels[start:end], losses[start:end], scale,
                     ignore_index, z_loss, smoothing)  # fmt: skip
@@ -182,16 +182,6 @@ def _gradient_scale(labels: Tensor, ignore_index: int, reduction: str) -> Tensor
     if reduction == "sum":
         return torch.ones((), dtype=torch.float32, device=labels.device)
     return 1.0 / (labels != ignore_index).sum().clamp(min=1).float()
-
-
-def _matmul_fp32(a: Tensor, b: Tensor, out: Tensor) -> None:
-    """out (fp32) = a @ b, accumulated and stored in fp32 whatever a's and b's dtype."""
-    if a.dtype == torch.float32:
-        torch.mm(a, b, out=out)
-    elif a.is_cuda:
-        torch.mm(a, b, out_dtype=torch.float32, out=out)
-    else:
-        torch.mm(a.float(), b.float(), out=out)
 
 
 def _launch(logits, grad, labels, losses, scale, ignore_index, z_loss, smoothing) -> None:
