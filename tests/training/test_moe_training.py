@@ -4,7 +4,9 @@ dropless path against the looped one."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -46,22 +48,25 @@ def test_dropless_trains_like_looped_through_the_trainer(
         )
         for path, v in (("dropless", "true"), ("looped", "false"))
     ]
+    # Each run's summed gradients, read as its optimizer step starts.
+    gradients: list[list[list[torch.Tensor]]] = [[], []]
+    for run, record in zip(runs, gradients, strict=True):
+        monkeypatch.setattr(run, "optimizer_step", _recording(run, record))
     for steps in zip(*(itertools.islice(run.data_loader(), steps) for run in runs), strict=True):
-        losses = []
-        for run, micro_batches in zip(runs, steps, strict=True):
-            shares = run.token_shares(micro_batches)
-            last = len(micro_batches) - 1
-            losses.append(
-                sum(
-                    share * float(run.forward_backward(batch, share, last=i == last))
-                    for i, (batch, share) in enumerate(zip(micro_batches, shares, strict=True))
-                )
-            )
+        pairs = zip(runs, steps, strict=True)
+        losses = [run.train_step(micro_batches)["loss"] for run, micro_batches in pairs]
         assert losses[0] == pytest.approx(losses[1], rel=1e-5)
-        for ours, theirs in zip(
-            runs[0].flat.shards.values(), runs[1].flat.shards.values(), strict=True
-        ):
-            error = torch.linalg.vector_norm(ours.grad - theirs.grad)
-            assert error <= 1e-5 * torch.linalg.vector_norm(theirs.grad), float(error)
-        for run in runs:
-            run.optimizer_step()
+        for ours, theirs in zip(gradients[0][-1], gradients[1][-1], strict=True):
+            error = torch.linalg.vector_norm(ours - theirs)
+            assert error <= 1e-5 * torch.linalg.vector_norm(theirs), float(error)
+
+
+def _recording(run: Any, record: list[list[torch.Tensor]]) -> Callable[[], dict[str, Any]]:
+    """`run.optimizer_step` that first appends copies of the shards' gradients to `record`."""
+    step = run.optimizer_step
+
+    def recording() -> dict[str, Any]:
+        record.append([shard.grad.clone() for shard in run.flat.shards.values()])
+        return step()
+
+    return recording
