@@ -70,8 +70,8 @@ def train_overrides(spec: dict[str, Any]) -> list[str]:
 
 def run_train(spec: dict[str, Any]) -> dict[str, Any]:
     from fastllm.config import TrainerConfig, load_config
+    from fastllm.config.flops import flops_per_token
     from fastllm.training import Trainer
-    from fastllm.training.metrics import flops_per_token
 
     config = load_config(TrainerConfig, [EXAMPLES / "mixtral-8x7b.yaml"], train_overrides(spec))
     trainer = Trainer(config)
@@ -95,9 +95,8 @@ def run_layer(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from fastllm.config import TrainerConfig, load_config
-    from fastllm.engine.tensor_parallel import TensorParallel
-    from fastllm.model.block import Normalization
     from fastllm.model.mlp import MLP, MixtureOfExperts
+    from fastllm.model.normalization import Normalization
 
     overrides = [*GEOMETRIES[spec["geometry"]], "model.base_model.transformer.num_layers=1"]
     t = load_config(
@@ -113,7 +112,7 @@ def run_layer(spec: dict[str, Any]) -> dict[str, Any]:
         modules = {
             "dropless": MixtureOfExperts(msgspec.structs.replace(t, dropless_moe=True)),
             "looped": MixtureOfExperts(msgspec.structs.replace(t, dropless_moe=False)),
-            "dense": MLP(dense, TensorParallel()),
+            "dense": MLP(dense),
         }
     for module in modules.values():
         for parameter in module.parameters():

@@ -153,8 +153,8 @@ def trained_tokens(micro_batches: list[Any]) -> int:
 
 
 def run_fastllm(spec: dict[str, Any]) -> dict[str, Any]:
+    from fastllm.config.flops import flops_per_token
     from fastllm.training import Trainer
-    from fastllm.training.metrics import flops_per_token
 
     config = train_bench.load_trainer_config(spec["model"], spec["overrides"])
     trainer = Trainer(config)

@@ -246,8 +246,8 @@ def measure(step: Callable[[], Any], warmup: int, steps: int, cuda: bool) -> dic
 
 
 def run_fastllm(spec: dict[str, Any]) -> dict[str, Any]:
+    from fastllm.config.flops import flops_per_token
     from fastllm.training import Trainer
-    from fastllm.training.metrics import flops_per_token
 
     config = load_trainer_config(spec["model"], spec["overrides"])
     trainer = Trainer(config)

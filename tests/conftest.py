@@ -6,8 +6,12 @@ under torchrun with tests.torchrun."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from tests.data.conftest import CliResult
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -15,3 +19,31 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture
 def examples() -> Path:
     return ROOT / "examples"
+
+
+# Two-rank scripts (tests/engine, tests/parallel): a module that defines `TWO_RANKS` (Python source
+# that joins the group through `setup_distributed` and raises where a check fails) gets its
+# result, over both ranks, from the fixture `two_ranks`. The scripts of all such modules of the
+# session run one after the other on the ranks of one launch (`tests.torchrun.torchrun_runs`:
+# Python and torch start once for all, which is most of what such a script costs), each in a
+# process group of its own.
+@pytest.fixture(scope="session")
+def two_rank_scripts(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, CliResult]:
+    """The `TWO_RANKS` result of every module with tests in this session, by module name."""
+    from tests.torchrun import torchrun_runs  # it imports this module
+
+    modules = {getattr(item, "module", None) for item in request.session.items}
+    scripts = {m.__name__: m.TWO_RANKS for m in modules if hasattr(m, "TWO_RANKS")}
+    with pytest.MonkeyPatch.context() as patch:
+        # The kernels' torch references: the scripts test communication (tests/kernels tests
+        # the kernels), and the interpreter would make their steps many times slower.
+        patch.delenv("TRITON_INTERPRET", raising=False)
+        return torchrun_runs(2, dict(sorted(scripts.items())), tmp_path_factory.mktemp("scripts"))
+
+
+@pytest.fixture
+def two_ranks(request: pytest.FixtureRequest, two_rank_scripts: dict[str, CliResult]) -> CliResult:
+    """This module's `TWO_RANKS`, run."""
+    return two_rank_scripts[request.module.__name__]

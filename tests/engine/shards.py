@@ -7,8 +7,8 @@ import torch
 
 from fastllm.config import TrainerConfig
 from fastllm.engine.flat_model import FlatModel
-from fastllm.engine.mesh import build_mesh
 from fastllm.model import GPTModel
+from fastllm.parallel.mesh import build_mesh
 
 
 def two_rank_flat(

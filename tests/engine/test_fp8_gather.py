@@ -13,7 +13,7 @@ TWO_RANKS = """
 import copy
 import torch
 from fastllm.engine.fp8 import apply_fp8
-from fastllm.engine.process_group import setup_distributed
+from fastllm.parallel.process_group import setup_distributed
 from fastllm.model import GPTModel, initialize
 from fastllm_kernels.fp8 import DelayedScale, quantize
 from fastllm_kernels.fp8_linear import E4M3, WEIGHT

@@ -11,7 +11,7 @@ TWO_RANKS = """
 import torch
 from fastllm.engine.data_parallel import gather_weights
 from fastllm.engine.optimizer import AdamW
-from fastllm.engine.process_group import setup_distributed
+from fastllm.parallel.process_group import setup_distributed
 from fastllm.model import GPTModel, initialize
 from tests.engine.shards import assert_shard_gradients_double, two_rank_flat
 from tests.engine.test_flat_training import tiny_config

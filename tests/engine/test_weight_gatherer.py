@@ -8,7 +8,7 @@ from tests.data.conftest import CliResult
 # Run by the fixture two_ranks (tests/engine/conftest.py).
 TWO_RANKS = """
 import torch
-from fastllm.engine.process_group import setup_distributed
+from fastllm.parallel.process_group import setup_distributed
 from fastllm.model import GPTModel, initialize
 from tests.engine.shards import assert_shard_gradients_double, two_rank_flat
 from tests.engine.test_flat_training import tiny_config

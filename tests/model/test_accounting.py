@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from fastllm.config import ConfigError, TrainerConfig, load_config
+from fastllm.config.flops import flops_per_token
 from fastllm.model import GPTModel
 from fastllm.model.mlp import MixtureOfExperts
-from fastllm.training.metrics import flops_per_token
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = [

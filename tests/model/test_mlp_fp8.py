@@ -8,8 +8,7 @@ import pytest
 import torch
 
 import fastllm.model.mlp as mlp
-from fastllm.engine.tensor_parallel import TensorParallel
-from fastllm.model.block import Normalization
+from fastllm.model.normalization import Normalization
 from fastllm_kernels.fp8_linear import AmaxHistories, Fp8Weight
 from tests.kernels.conftest import triton_on_cpu
 from tests.model.test_moe import HIDDEN, transformer
@@ -19,7 +18,7 @@ def _module(biases: str) -> tuple[mlp.MLP, Normalization, AmaxHistories]:
     config = transformer(
         gated="true", activation_type="silu", ffn_hidden_size=32, add_linear_biases=biases
     )
-    module, norm = mlp.MLP(config, TensorParallel()), Normalization(config.normalization, HIDDEN)
+    module, norm = mlp.MLP(config), Normalization(config.normalization, HIDDEN)
     module.bfloat16(), norm.bfloat16()
     histories = AmaxHistories(2, 2, torch.device("cpu"))
     for index, layer in enumerate((module.layer_1, module.layer_2)):

@@ -13,8 +13,8 @@ import torch
 
 from fastllm.config import TrainerConfig, load_config
 from fastllm.config.model import TransformerConfig
-from fastllm.model.block import Normalization
 from fastllm.model.mlp import MixtureOfExperts, take_expert_load
+from fastllm.model.normalization import Normalization
 
 ROOT = Path(__file__).resolve().parents[2]
 HIDDEN = 24

@@ -107,7 +107,7 @@ assert masked
 for index, name in enumerate(whole.flat.names):  # this rank's slices
     ours = pieces.flat.parameter_view(pieces.flat.grads, index).clone()
     theirs = whole.flat.parameter_view(whole.flat.grads, index).clone()
-    if whole.flat.metas[name].tensor_reduced(sequence_parallel=True):
+    if whole.flat.metas[name].tensor_reduced(sequence_tensor_parallel=True):
         # Partial sums over this rank's tokens: of each piece's chunk, or of the whole's.
         dist.all_reduce(ours)
         dist.all_reduce(theirs)

@@ -16,9 +16,10 @@ from safetensors.torch import load_file
 
 from fastllm.checkpoint.distributed import STATE_KINDS, SavedCheckpoint
 from fastllm.engine.flat_model import FlatModel
-from fastllm.engine.mesh import Dimension, ParallelMesh
-from fastllm.engine.tensor_parallel import TensorParallel
 from fastllm.model import GPTModel
+from fastllm.parallel.dimension import Dimension
+from fastllm.parallel.mesh import ParallelMesh
+from fastllm.parallel.tensor import TensorDimension
 from fastllm.training.state import sharded_state
 from tests.data.conftest import run_cli
 from tests.training.conftest import Launched, Layout, train_arguments
@@ -150,10 +151,9 @@ def assert_restores_exactly_on_four_tensor_ranks(checkpoint: Path) -> None:
     slices: dict[tuple[str, str], list[torch.Tensor]] = {}
     metas = {}
     for rank in range(4):
-        alone = Dimension(1, 0, None)
-        mesh = ParallelMesh(4, rank, Dimension(4, rank, None), alone, alone, False)
+        mesh = ParallelMesh(4, rank, TensorDimension(4, rank), Dimension(), Dimension())
         with torch.device("meta"):
-            model = GPTModel(saved.model_config(), TensorParallel(4, rank))
+            model = GPTModel(saved.model_config(), mesh)
         flat = FlatModel(model, compute_dtype=torch.float32, device=torch.device("cpu"), mesh=mesh)
         state = sharded_state(flat, STATE_KINDS)
         saved.restore(state, STATE_KINDS)

@@ -17,9 +17,11 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sequence-parallel"])
+@pytest.mark.parametrize(
+    "sequence_tensor_parallel", [False, True], ids=["tp2", "tp2-sequence-parallel"]
+)
 def test_two_tensor_ranks_on_one_gpu_match_one_process_in_bfloat16(
-    dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sequence_parallel: bool
+    dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sequence_tensor_parallel: bool
 ) -> None:
     overrides = (
         "model.distributed.training_dtype=bfloat16",
@@ -29,7 +31,7 @@ def test_two_tensor_ranks_on_one_gpu_match_one_process_in_bfloat16(
     monkeypatch.setenv("FASTLLM_DISTRIBUTED_BACKEND", "gloo")
     layout = (
         "model.distributed.tensor_parallel=2",
-        f"model.distributed.sequence_tensor_parallel={str(sequence_parallel).lower()}",
+        f"model.distributed.sequence_tensor_parallel={str(sequence_tensor_parallel).lower()}",
         "model.multi_stage.debug_tensor_parallel=true",
     )
     assert_two_ranks_match_one_process(dataset, tmp_path, overrides, layout)

@@ -23,14 +23,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fastllm import _native
-from fastllm.engine import point_to_point
 from fastllm.engine.gradient_buffers import GradientBuffers
 from fastllm.engine.gradient_reducer import GradientReducer
-from fastllm.engine.mesh import ParallelMesh
 from fastllm.engine.weight_gatherer import WeightGatherer
 from fastllm.engine.weight_refresh import WeightRefresh
 from fastllm.model import GPTModel
 from fastllm.model.parameters import full_shape, parameter_metas
+from fastllm.parallel import point_to_point
+from fastllm.parallel.mesh import ParallelMesh
 from fastllm_kernels import master_split
 from fastllm_kernels.linear import GradientProduct
 
@@ -166,7 +166,7 @@ class FlatModel:
         split = self.tensor.size > 1
 
         def reduced(name: str) -> bool:
-            return split and self.metas[name].tensor_reduced(self.mesh.sequence_parallel)
+            return split and self.metas[name].tensor_reduced(self.tensor.sequence_tensor_parallel)
 
         def replicated(name: str) -> bool:
             return split and self.metas[name].tensor_split is None
@@ -433,14 +433,16 @@ class FlatModel:
         stage = self.layout.parameter(index)[0]
         # A column-parallel weight's gradient waits for the collective of the layer's input
         # gradient, to run while it is in flight (tensor_parallel.enter).
-        deferred = self.model.tp.split and self.metas[self.names[index]].tensor_split is not None
+        deferral = self.tensor.deferral if self.tensor.split else None
+        if self.metas[self.names[index]].tensor_split is None:
+            deferral = None
 
         def sink(product: GradientProduct) -> None:
             def write() -> None:
                 self._write_gradient(stage, lambda: self.gradients.add_product(index, product))
 
-            if deferred:
-                self.model.tp.defer(write)
+            if deferral is not None:
+                deferral.defer(write)
             else:
                 write()
 
@@ -467,7 +469,7 @@ class FlatModel:
     def finish_backward(self) -> None:
         """After each backward pass: reduce the gradients of stages still pending and free the
         gathered weights (ZeRO-3)."""
-        self.model.tp.run_deferred()
+        self.tensor.run_deferred()
         if self.reducer is not None:
             self.reducer.flush()
         else:
@@ -481,7 +483,7 @@ class FlatModel:
         """After a pipeline step's backward pass of `stage` (begun with `reducer.armed =
         reduce`): run the deferred weight gradients, and start the stage's reduction if it was
         to be reduced and some parameter got no gradient."""
-        self.model.tp.run_deferred()
+        self.tensor.run_deferred()
         if self.reducer is not None:
             self.reducer.stage_done(stage, reduce)
         elif reduce:

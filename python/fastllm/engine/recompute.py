@@ -8,8 +8,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from fastllm.model import GPTModel
-from fastllm.model.block import Normalization
 from fastllm.model.mlp import MLP, MixtureOfExperts
+from fastllm.model.normalization import Normalization
 
 
 def apply_recompute(model: GPTModel, level: str) -> None:

@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from fastllm.config.model import TransformerConfig
-from fastllm.engine.sequence_data_parallel import KeyValueGather, SequenceDataParallel
-from fastllm.engine.tensor_parallel import TensorParallel, enter, leave
+from fastllm.model.normalization import Normalization
 from fastllm.model.parameters import TensorSplit, describe
+from fastllm.parallel.sequence_data import KeyValueGather, SequenceDataDimension
+from fastllm.parallel.tensor import TensorDimension, enter, leave
 from fastllm_kernels.attention import attention
 from fastllm_kernels.linear import linear
 from fastllm_kernels.rotary import apply_rotary, split_qkv_rotary
-
-if TYPE_CHECKING:
-    from fastllm.model.block import Normalization
 
 
 class Attention(torch.nn.Module):
@@ -29,15 +27,17 @@ class Attention(torch.nn.Module):
         self,
         config: TransformerConfig,
         layer_index: int,
-        tp: TensorParallel,
-        sdp: SequenceDataParallel | None = None,
+        tensor: TensorDimension | None = None,
+        sequence_data: SequenceDataDimension | None = None,
     ) -> None:
         super().__init__()
         assert config.kv_channels is not None
-        self.layer_index, self.tp, self.sdp = layer_index, tp, sdp or SequenceDataParallel()
+        self.layer_index = layer_index
+        self.tensor = tensor = tensor or TensorDimension()
+        self.sequence_data = sequence_data or SequenceDataDimension()
         self.heads, self.kv_heads, self.head_size = (
-            config.num_attention_heads // tp.size,
-            config.head_groups // tp.size,
+            config.num_attention_heads // tensor.size,
+            config.head_groups // tensor.size,
             config.kv_channels,
         )
         self.window_size = config.window_size
@@ -48,12 +48,12 @@ class Attention(torch.nn.Module):
             hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias
         )
         self.dense = torch.nn.Linear(self.q_size, hidden, bias=dense_bias)
-        q_size, kv_size = tp.size * self.q_size, tp.size * self.kv_size
+        q_size, kv_size = tensor.size * self.q_size, tensor.size * self.kv_size
         qkv_split = TensorSplit(0, (q_size, kv_size, kv_size))
         describe(self.query_key_value, "weight", weight_decay=True, tensor_split=qkv_split)
         describe(self.query_key_value, "bias", weight_decay=False, tensor_split=qkv_split)
         describe(self.dense, "weight", weight_decay=True, tensor_split=TensorSplit(1, (q_size,)))
-        describe(self.dense, "bias", weight_decay=False, sequence_parallel_replicated=True)
+        describe(self.dense, "bias", weight_decay=False, sequence_tensor_parallel_replicated=True)
 
     def forward(
         self,
@@ -66,15 +66,15 @@ class Attention(torch.nn.Module):
         """Attention over norm(x) (the block's input, normalized by the q/k/v projection);
         `document_ids` cover the keys (with sequence-data parallelism, the sequence up to the
         end of this rank's chunk)."""
-        x = enter(x, self.tp)
+        x = enter(x, self.tensor)
         batch, length, _ = x.shape
         cos, sin = rotary if rotary is not None else (None, None)
-        if self.sdp.split:
+        if self.sequence_data.split:
             q, k, v = self._project_gathering_keys(x, norm, cos, sin)
         else:
             qkv = norm.project(x, self.query_key_value.weight, self.query_key_value.bias)
             q, k, v = split_qkv_rotary(qkv, self.heads, self.kv_heads, cos, sin)
-        if self.sdp.split:
+        if self.sequence_data.split:
             out = self._attend_by_chunk(q, k, v, document_ids)
         elif cache is None:
             out = attention(
@@ -83,9 +83,9 @@ class Attention(torch.nn.Module):
         else:
             out = self._attend_with_cache(q, k, v, cache, document_ids)
         out = out.reshape(batch, length, self.q_size)
-        if not self.tp.split:
+        if not self.tensor.split:
             return linear(out, self.dense.weight, self.dense.bias)
-        return leave(linear(out, self.dense.weight), self.tp, self.dense.bias)
+        return leave(linear(out, self.dense.weight), self.tensor, self.dense.bias)
 
     def _project_gathering_keys(
         self, x: Tensor, norm: Normalization, cos: Tensor | None, sin: Tensor | None
@@ -107,7 +107,7 @@ class Attention(torch.nn.Module):
         k, v = kv.view(batch, length, 2 * self.kv_heads, self.head_size).chunk(2, dim=2)
         if cos is not None and sin is not None:
             k = apply_rotary(k.contiguous(), cos, sin)
-        pending = KeyValueGather(k, v.contiguous(), self.sdp)
+        pending = KeyValueGather(k, v.contiguous(), self.sequence_data)
         if not whole:
             rows = slice(None, self.q_size)
             q = norm.project(x, weight[rows], None if bias is None else bias[rows])
@@ -123,7 +123,7 @@ class Attention(torch.nn.Module):
         """Sequence-data parallelism: the queries of each of this rank's chunks attend to the
         keys (the causal prefix, gathered) up to that chunk's end."""
         outs, offset = [], 0
-        for start, end in self.sdp.spans(q.shape[1]):
+        for start, end in self.sequence_data.spans(q.shape[1]):
             length = end - start
             outs.append(
                 attention(

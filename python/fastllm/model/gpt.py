@@ -10,17 +10,17 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fastllm.config.model import BaseModelConfig, NoRotaryConfig
-from fastllm.engine.expert_parallel import ExpertParallel
-from fastllm.engine.sequence_data_parallel import SequenceDataParallel
-from fastllm.engine.tensor_parallel import (
-    TensorParallel,
+from fastllm.model.block import TransformerBlock
+from fastllm.model.normalization import Normalization
+from fastllm.model.parameters import TensorSplit, describe, set_layer
+from fastllm.model.rotary import RotaryTables, positions_in_documents
+from fastllm.parallel.mesh import ParallelMesh
+from fastllm.parallel.tensor import (
+    TensorDimension,
     enter,
     vocab_parallel_cross_entropy,
     vocab_parallel_embedding,
 )
-from fastllm.model.block import Normalization, TransformerBlock
-from fastllm.model.parameters import TensorSplit, describe, set_layer
-from fastllm.model.rotary import RotaryTables, positions_in_documents
 from fastllm_kernels.cross_entropy import linear_cross_entropy
 
 
@@ -35,15 +35,15 @@ class Context:
 
 
 class Embedding(torch.nn.Embedding):
-    """The input embedding; vocab-parallel over the tensor ranks of `tp`."""
+    """The input embedding; vocab-parallel over the tensor ranks."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel) -> None:
-        super().__init__(vocab_size // tp.size, hidden_size)
-        self.tp = tp
+    def __init__(self, vocab_size: int, hidden_size: int, tensor: TensorDimension) -> None:
+        super().__init__(vocab_size // tensor.size, hidden_size)
+        self.tensor = tensor
 
     def forward(self, input_ids: Tensor) -> Tensor:
-        if self.tp.split:
-            return vocab_parallel_embedding(input_ids, self.weight, self.tp)
+        if self.tensor.split:
+            return vocab_parallel_embedding(input_ids, self.weight, self.tensor)
         return super().forward(input_ids)
 
 
@@ -54,28 +54,23 @@ class GPTModel(torch.nn.Module):
     next-token cross-entropy (labels -100 are ignored) plus the router losses, without ever
     materializing the logits.
 
-    With `tp` of more than one rank, this rank's slice of the model: a vocab-parallel
-    embedding and head, column- and row-parallel projections (see engine/tensor_parallel.py).
-    With `sdp` of more than one rank, the inputs are this rank's chunk of each sequence
-    (engine/sequence_data_parallel.py). With `ep` of more than one rank, each mixture of
-    experts holds this rank's share of the experts (engine/expert_parallel.py). Every parameter carries a `ParameterMeta`
-    (model/parameters.py)."""
+    On a `mesh` of more than one tensor rank, this rank's slice of the model: a vocab-parallel
+    embedding and head, column- and row-parallel projections (parallel/tensor.py). With more
+    than one sequence-data rank, the inputs are this rank's chunk of each sequence
+    (parallel/sequence_data.py). With more than one expert rank, each mixture of experts holds
+    this rank's share of the experts (parallel/expert.py). Every parameter carries a
+    `ParameterMeta` (model/parameters.py)."""
 
-    def __init__(
-        self,
-        config: BaseModelConfig,
-        tp: TensorParallel | None = None,
-        sdp: SequenceDataParallel | None = None,
-        ep: ExpertParallel | None = None,
-    ) -> None:
+    def __init__(self, config: BaseModelConfig, mesh: ParallelMesh | None = None) -> None:
         super().__init__()
         transformer = config.transformer
         assert transformer.kv_channels is not None, "validate the config first"
-        self.config, self.tp = config, tp or TensorParallel()
-        self.sdp = sdp or SequenceDataParallel()
-        vocab, hidden = config.vocab_size // self.tp.size, transformer.hidden_size
+        self.config = config
+        mesh = mesh or ParallelMesh.single()
+        self.tensor, self.sequence_data = mesh.tensor, mesh.sequence_data
+        vocab, hidden = config.vocab_size // self.tensor.size, transformer.hidden_size
         vocab_split = TensorSplit(0, (config.vocab_size,))
-        self.embeddings = Embedding(config.vocab_size, hidden, self.tp)
+        self.embeddings = Embedding(config.vocab_size, hidden, self.tensor)
         describe(
             self.embeddings,
             "weight",
@@ -84,8 +79,7 @@ class GPTModel(torch.nn.Module):
             tied=config.tie_word_embeddings,
         )
         self.layers = torch.nn.ModuleList(
-            TransformerBlock(transformer, i, self.tp, self.sdp, ep)
-            for i in range(transformer.num_layers)
+            TransformerBlock(transformer, i, mesh) for i in range(transformer.num_layers)
         )
         self.final_norm = Normalization(transformer.normalization, hidden)
         self.head = (
@@ -130,13 +124,15 @@ class GPTModel(torch.nn.Module):
         if position_ids is None:
             if document_ids is not None:
                 positions = positions_in_documents(document_ids)
-                split = self.sdp.split
-                position_ids = self.sdp.take(positions, length) if split else positions[:, -length:]
+                split = self.sequence_data.split
+                position_ids = (
+                    self.sequence_data.take(positions, length) if split else positions[:, -length:]
+                )
             elif cache is not None:
                 start = cache.get_seq_length()
                 position_ids = torch.arange(start, start + length, device=input_ids.device)
             else:
-                position_ids = self.sdp.positions(length, input_ids.device)
+                position_ids = self.sequence_data.positions(length, input_ids.device)
         rotary = None if self.rotary is None else self.rotary(position_ids)
         return Context(rotary, document_ids, cache)
 
@@ -164,13 +160,13 @@ class GPTModel(torch.nn.Module):
                 auxiliary = layer_auxiliary if auxiliary is None else auxiliary + layer_auxiliary
         if last <= num_layers:
             return x, auxiliary
-        x = self.final_norm(enter(x, self.tp))
+        x = self.final_norm(enter(x, self.tensor))
         if labels is None:
             return x, auxiliary
         hidden, labels = x.reshape(-1, x.shape[-1]), labels.reshape(-1)
-        if self.tp.split:
+        if self.tensor.split:
             return vocab_parallel_cross_entropy(
-                hidden, self.head_weight, labels, self.tp
+                hidden, self.head_weight, labels, self.tensor
             ), auxiliary
         return linear_cross_entropy(hidden, self.head_weight, labels), auxiliary
 
@@ -182,7 +178,7 @@ class GPTModel(torch.nn.Module):
         )
 
     def forward(self, input_ids: Tensor, **kwargs: Any) -> Tensor:
-        if self.tp.split:
+        if self.tensor.split:
             raise ValueError("logits of a tensor-parallel model: merge it first (fastllm convert)")
         hidden, _ = self.hidden_states(input_ids, **kwargs)
         return F.linear(hidden, self.head_weight)

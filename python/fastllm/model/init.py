@@ -9,9 +9,9 @@ from collections.abc import Callable
 import torch
 
 from fastllm.model.attention import Attention
-from fastllm.model.block import Normalization
 from fastllm.model.gpt import GPTModel
 from fastllm.model.mlp import MLP, MixtureOfExperts
+from fastllm.model.normalization import Normalization
 
 Initializer = Callable[[torch.Tensor], None]
 

@@ -4,24 +4,21 @@ the auxiliary loss."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import msgspec
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from fastllm.config.model import TransformerConfig
-from fastllm.engine.expert_parallel import ExpertParallel, exchange
-from fastllm.engine.tensor_parallel import TensorParallel, counted_once, enter, leave
+from fastllm.model.normalization import Normalization
 from fastllm.model.parameters import TensorSplit, describe
+from fastllm.parallel.dimension import Dimension
+from fastllm.parallel.expert import exchange
+from fastllm.parallel.tensor import TensorDimension, counted_once, enter, leave
 from fastllm_kernels.activation import gated_activation_fused, gated_linear
 from fastllm_kernels.fp8_mlp import fp8_gated_mlp, fused_mlp_applies
 from fastllm_kernels.linear import linear
 from fastllm_kernels.moe import SparseMap, combine, dispatch, grouped_linear, route, sparse_map
-
-if TYPE_CHECKING:
-    from fastllm.model.block import Normalization
 
 _ACTIVATIONS = {
     "silu": F.silu,
@@ -42,13 +39,14 @@ class MLP(torch.nn.Module):
     recompute_activation = True
     """A gated activation is recomputed in the backward pass rather than stored."""
 
-    def __init__(self, config: TransformerConfig, tp: TensorParallel) -> None:
+    def __init__(self, config: TransformerConfig, tensor: TensorDimension | None = None) -> None:
         super().__init__()
         assert config.ffn_hidden_size is not None and config.activation_type is not None
-        self.gated, self.activation, self.tp = config.gated, config.activation_type, tp
+        self.gated, self.activation = config.gated, config.activation_type
+        self.tensor = tensor = tensor or TensorDimension()
         inputs = 2 if self.gated else 1
         bias = config.biases_elsewhere
-        ffn = config.ffn_hidden_size // tp.size
+        ffn = config.ffn_hidden_size // tensor.size
         self.layer_1 = torch.nn.Linear(config.hidden_size, inputs * ffn, bias=bias)
         self.layer_2 = torch.nn.Linear(ffn, config.hidden_size, bias=bias)
         split_1 = TensorSplit(0, (config.ffn_hidden_size,) * inputs)
@@ -56,14 +54,14 @@ class MLP(torch.nn.Module):
         describe(self.layer_1, "bias", weight_decay=False, tensor_split=split_1)
         split_2 = TensorSplit(1, (config.ffn_hidden_size,))
         describe(self.layer_2, "weight", weight_decay=True, tensor_split=split_2)
-        describe(self.layer_2, "bias", weight_decay=False, sequence_parallel_replicated=True)
+        describe(self.layer_2, "bias", weight_decay=False, sequence_tensor_parallel_replicated=True)
 
     def forward(self, x: Tensor, norm: Normalization) -> tuple[Tensor, None]:
         """The MLP of norm(x) (the block's residual stream, normalized by the first projection)."""
-        out = self.partial(enter(x, self.tp), norm)
-        if not self.tp.split:
+        out = self.partial(enter(x, self.tensor), norm)
+        if not self.tensor.split:
             return out, None
-        return leave(out, self.tp, self.layer_2.bias), None
+        return leave(out, self.tensor, self.layer_2.bias), None
 
     def partial(self, x: Tensor, norm: Normalization) -> Tensor:
         """This tensor rank's part of the MLP of norm(x), x already through `enter` (whole);
@@ -77,7 +75,7 @@ class MLP(torch.nn.Module):
         return _project(
             h,
             self.layer_2.weight,
-            None if self.tp.split else self.layer_2.bias,
+            None if self.tensor.split else self.layer_2.bias,
             self.gated,
             self.activation,
             self.recompute_activation,
@@ -86,7 +84,7 @@ class MLP(torch.nn.Module):
     def _fused_fp8(self, x: Tensor, norm: Normalization) -> bool:
         """Whether the whole MLP runs as one FP8 function (kernels/fastllm_kernels/fp8_mlp.py):
         gated, recomputing the norm and the activation, no biases, not split."""
-        plain = self.layer_1.bias is None and self.layer_2.bias is None and not self.tp.split
+        plain = self.layer_1.bias is None and self.layer_2.bias is None and not self.tensor.split
         recomputed = self.gated and self.recompute_activation and norm.recompute
         return (
             plain and recomputed and fused_mlp_applies(x, self.layer_1.weight, self.layer_2.weight)
@@ -134,7 +132,7 @@ class MixtureOfExperts(torch.nn.Module):
 
     With expert parallelism (`ep` of more than one rank) this rank holds only its 1/E of the
     experts (`layer_1` and `layer_2` list them) and computes them for the tokens the expert
-    group routes to them (engine/expert_parallel.py; with tensor parallelism too, each tensor
+    group routes to them (parallel/expert.py; with tensor parallelism too, each tensor
     rank exchanging with its peers of the other data ranks); routing, the shared experts and
     the auxiliary losses stay per rank, on its own tokens."""
 
@@ -146,12 +144,12 @@ class MixtureOfExperts(torch.nn.Module):
     def __init__(
         self,
         config: TransformerConfig,
-        tp: TensorParallel | None = None,
-        ep: ExpertParallel | None = None,
+        tensor: TensorDimension | None = None,
+        expert: Dimension | None = None,
     ) -> None:
         super().__init__()
         assert config.ffn_hidden_size is not None and config.activation_type is not None
-        self.tp = tp = tp if tp is not None else TensorParallel()
+        self.tensor = tensor = tensor or TensorDimension()
         self.gated, self.activation = config.gated, config.activation_type
         self.num_experts, self.top_k = config.num_experts, config.num_experts_per_token
         self.renormalize, self.dropless = config.expert_renormalize, config.dropless_moe
@@ -159,10 +157,10 @@ class MixtureOfExperts(torch.nn.Module):
         self.z_loss_coefficient = config.expert_z_loss_coefficient
         hidden, ffn = config.hidden_size, config.ffn_hidden_size
         inputs = 2 if self.gated else 1
-        local = ffn // tp.size
+        local = ffn // tensor.size
         self.router = torch.nn.Linear(hidden, self.num_experts, bias=False)
-        self.ep = ep or ExpertParallel()
-        held = self.num_experts // self.ep.size
+        self.expert = expert or Dimension()
+        held = self.num_experts // self.expert.size
         self.layer_1 = torch.nn.Parameter(torch.empty(held, inputs * local, hidden))
         self.layer_2 = torch.nn.Parameter(torch.empty(held, hidden, local))
         describe(self.router, "weight", weight_decay=True, tensor_partial=True)
@@ -174,7 +172,7 @@ class MixtureOfExperts(torch.nn.Module):
         if config.num_shared_experts:
             width = config.num_shared_experts * ffn
             shared = msgspec.structs.replace(config, ffn_hidden_size=width, num_experts=1)
-            self.shared = MLP(shared, tp)
+            self.shared = MLP(shared, tensor)
         self.shared_gate = (
             torch.nn.Linear(hidden, 1, bias=False) if config.shared_expert_gate else None
         )
@@ -184,7 +182,7 @@ class MixtureOfExperts(torch.nn.Module):
 
     def forward(self, x: Tensor, norm: Normalization) -> tuple[Tensor, Tensor]:
         """The mixture of norm(x), the block's residual stream."""
-        x = enter(x, self.tp)
+        x = enter(x, self.tensor)
         normed = norm(x)
         tokens = normed.reshape(-1, normed.shape[-1])
         weights, experts, counts, auxiliary, sparse = route(
@@ -195,8 +193,8 @@ class MixtureOfExperts(torch.nn.Module):
             self.auxiliary_coefficient,
             self.z_loss_coefficient,
         )
-        if self.ep.split:
-            out = exchange(tokens, weights, experts, counts, self.ep, self._held)
+        if self.expert.split:
+            out = exchange(tokens, weights, experts, counts, self.expert, self._held)
         elif self.dropless:
             out = self._dropless(tokens, weights, sparse)
         else:
@@ -209,9 +207,9 @@ class MixtureOfExperts(torch.nn.Module):
             if self.shared_gate is not None:
                 shared = shared * torch.sigmoid(self.shared_gate(tokens))
             out = out + shared
-        if not self.tp.split:
+        if not self.tensor.split:
             return out.view_as(x), auxiliary
-        return leave(out.view_as(x), self.tp), counted_once(auxiliary, self.tp)
+        return leave(out.view_as(x), self.tensor), counted_once(auxiliary, self.tensor)
 
     def _held(self, rows: Tensor, experts: Tensor) -> Tensor:
         """This rank's experts on `rows` (rows, hidden), row i through its expert `experts[i]`

@@ -57,7 +57,7 @@ class ParameterMeta:
     tensor_partial: bool = False
     """Replicated, and each tensor rank's gradient is only its part of the whole (the norms:
     their fused projections see only this rank's columns); summed over the tensor ranks."""
-    sequence_parallel_replicated: bool = False
+    sequence_tensor_parallel_replicated: bool = False
     """Replicated, and under sequence-tensor parallelism each tensor rank's gradient covers only
     its chunk of the sequence (biases of row-parallel layers); summed over the tensor ranks
     then."""
@@ -70,9 +70,11 @@ class ParameterMeta:
     """Position in the model: 0 the embedding, 1 … num_layers the blocks, num_layers + 1 the
     final norm and the head. The engine groups layers into stages."""
 
-    def tensor_reduced(self, sequence_parallel: bool) -> bool:
+    def tensor_reduced(self, sequence_tensor_parallel: bool) -> bool:
         """Its gradient is summed over the tensor ranks (with more than one)."""
-        return self.tensor_partial or (self.sequence_parallel_replicated and sequence_parallel)
+        return self.tensor_partial or (
+            self.sequence_tensor_parallel_replicated and sequence_tensor_parallel
+        )
 
 
 def describe(module: torch.nn.Module, name: str, **meta: Any) -> None:

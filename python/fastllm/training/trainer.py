@@ -19,31 +19,30 @@ import torch.distributed as dist
 from fastllm.checkpoint.formats import open_model
 from fastllm.checkpoint.saver import CheckpointSaver, remove_partials
 from fastllm.config import ConfigError, TrainerConfig
+from fastllm.config.flops import flops_per_token
 from fastllm.data import Batch, DataLoader, SampleStream
 from fastllm.engine.activation_offload import apply_activation_offload
 from fastllm.engine.compile import apply_compile
 from fastllm.engine.data_parallel import gather_weights
-from fastllm.engine.expert_parallel import ExpertParallel
 from fastllm.engine.flat_model import FlatModel
 from fastllm.engine.fp8 import apply_fp8
 from fastllm.engine.learning_rate import learning_rate
-from fastllm.engine.mesh import build_mesh
 from fastllm.engine.micro_sequences import KeyValueMemory, PieceCache, cut_into_pieces
 from fastllm.engine.optimizer import AdamW
 from fastllm.engine.pipeline.runner import MicroBatch, PipelineRunner
 from fastllm.engine.pipeline.schedule import Layout
 from fastllm.engine.precision import DTYPES, LossScaler
-from fastllm.engine.process_group import Distributed, setup_distributed
 from fastllm.engine.recompute import apply_recompute
 from fastllm.engine.replicated_check import check_replicated
-from fastllm.engine.sequence_data_parallel import SequenceDataParallel
-from fastllm.engine.tensor_parallel import TensorParallel
 from fastllm.model import GPTModel
 from fastllm.model.init import initializers
 from fastllm.model.mlp import take_expert_load
+from fastllm.parallel.mesh import build_mesh
+from fastllm.parallel.process_group import Distributed, setup_distributed
+from fastllm.parallel.tensor import DeferredWork
 from fastllm.training import state
 from fastllm.training.experiment_lock import ExperimentLock
-from fastllm.training.metrics import PEAK_FLOPS, MetricsLogger, flops_per_token
+from fastllm.training.metrics import PEAK_FLOPS, MetricsLogger
 from fastllm.training.profiling import StepProfiler
 from fastllm_kernels.fp8_linear import AmaxHistories
 
@@ -59,22 +58,14 @@ class Trainer:
         # torch seeds its global generators from OS entropy at start; nothing here draws from
         # them, but custom loops may, and checkpoints keep their state: the same in every run.
         torch.manual_seed(config.model.distributed.seed + self.distributed.rank)
+        # The weight gradients that tensor parallelism's backward collectives overlap: the flat
+        # model's gradient sinks queue them, the tensor dimension runs them.
+        self.deferred = DeferredWork()
         self.mesh = build_mesh(
             config.model.distributed, self.distributed.world_size, self.distributed.rank
-        )
-        tensor = self.mesh.tensor
-        tp = TensorParallel(tensor.size, tensor.rank, tensor.group, self.mesh.sequence_parallel)
-        sequence_data = self.mesh.sequence_data
-        sdp = SequenceDataParallel(
-            sequence_data.size,
-            sequence_data.rank,
-            sequence_data.group,
-            config.model.distributed.sequence_data_chunking,
-        )
-        expert = self.mesh.expert
-        ep = ExpertParallel(expert.size, expert.rank, expert.group)
+        ).with_deferral(self.deferred)
         with torch.device("meta"):
-            self.model = GPTModel(config.model.base_model, tp, sdp, ep)
+            self.model = GPTModel(config.model.base_model, self.mesh)
         stages = config.model.multi_stage
         self.micro_batch_size, self.layout = self._step_layout()
         pipelined = self.layout.pipeline > 1 or self.layout.breadth_first > 1
@@ -98,7 +89,8 @@ class Trainer:
         if pipelined:
             sequence = config.batch.sequence_length // self.mesh.sequence_data.size
             sequence //= config.schedule.micro_batch_splits
-            sequence //= tensor.size if tp.sequence_parallel else 1
+            tensor = self.mesh.tensor
+            sequence //= tensor.size if tensor.sequence_tensor_parallel else 1
             self.pipeline = PipelineRunner(
                 self.model,
                 self.flat,
@@ -253,8 +245,8 @@ class Trainer:
     def _on_device(self, batch: Batch) -> MicroBatch:
         device = self.distributed.device
         return (
-            self.model.sdp.chunk(batch.input_ids).to(device, non_blocking=True),
-            self.model.sdp.chunk(batch.labels).to(device, non_blocking=True),
+            self.mesh.sequence_data.chunk(batch.input_ids).to(device, non_blocking=True),
+            self.mesh.sequence_data.chunk(batch.labels).to(device, non_blocking=True),
             self._attention_documents(batch),
         )
 
@@ -269,7 +261,7 @@ class Trainer:
         if splits == 1:
             return [[share] for share in shares]
         for batch, share in zip(micro_batches, shares, strict=True):
-            trained = (self.model.sdp.chunk(batch.labels) != -100).reshape(
+            trained = (self.mesh.sequence_data.chunk(batch.labels) != -100).reshape(
                 batch.labels.shape[0], splits, -1
             )
             counts = trained.sum(dim=(0, 2)).tolist()
@@ -289,7 +281,7 @@ class Trainer:
         ids = batch.document_ids
         if self.config.batch.cross_document_attention or bool((ids == ids[:, :1]).all()):
             return None
-        return self.model.sdp.prefix(ids).to(self.distributed.device, non_blocking=True)
+        return self.mesh.sequence_data.prefix(ids).to(self.distributed.device, non_blocking=True)
 
     # --- steps --------------------------------------------------------------------------------
 
@@ -360,7 +352,7 @@ class Trainer:
     def token_shares(self, micro_batches: list[Batch]) -> list[float]:
         """Each micro-batch's trained tokens (in this rank's chunk of its sequences) over those
         of the global batch (over every data rank); zeros when the batch trains no token."""
-        sdp = self.model.sdp
+        sdp = self.mesh.sequence_data
         counts = [int((sdp.chunk(batch.labels) != -100).sum()) for batch in micro_batches]
         total = float(sum(counts))
         if self.mesh.data.size > 1:
@@ -469,7 +461,7 @@ class Trainer:
             delayed = " (delayed scaling)" if self.fp8_histories is not None else ""
             parts.append(f"{config.model.distributed.fp8_linear}{delayed} FP8 linear layers")
         if mesh.tensor.size > 1:
-            sequence = " with sequence parallelism" if mesh.sequence_parallel else ""
+            sequence = " with sequence parallelism" if mesh.tensor.sequence_tensor_parallel else ""
             parts.append(f"tensor parallel {mesh.tensor.size}{sequence}")
         if mesh.pipeline.size > 1:
             parts.append(

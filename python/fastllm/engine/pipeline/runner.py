@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fastllm.engine import point_to_point
 from fastllm.engine.flat_model import FlatModel, stage_positions
 from fastllm.engine.micro_sequences import PieceCache, StagedKeyValueMemory
 from fastllm.engine.pipeline.schedule import (
@@ -35,6 +34,7 @@ from fastllm.engine.pipeline.schedule import (
     stages_read,
 )
 from fastllm.model.gpt import Context, GPTModel
+from fastllm.parallel import point_to_point
 
 MicroBatch = tuple[Tensor, Tensor, Tensor | None]
 """Token ids, labels and attention document ids (None: plain causal) of a micro-batch or of

@@ -22,6 +22,7 @@ from pathlib import Path
 import msgspec
 
 from fastllm.config import TrainerConfig
+from fastllm.config.flops import flops_per_token
 from fastllm.engine.pipeline.schedule import Layout, Program, Step, build_programs, stages_read
 
 EFFECTIVE_TFLOPS = 550.0
@@ -134,8 +135,6 @@ def cost_model(
     `tflops`, message sizes from the geometry; per piece of a micro-batch with
     `schedule.micro_batch_splits` (each the same share: the later pieces' longer attention
     is not modelled)."""
-    from fastllm.training.metrics import flops_per_token
-
     base, batch, distributed = config.model.base_model, config.batch, config.model.distributed
     t, stages = base.transformer, config.model.multi_stage
     tensor = distributed.tensor_parallel
@@ -390,11 +389,3 @@ def report(
         )
         draw(predictions, png, title)
     return "\n".join(lines)
-
-
-if __name__ == "__main__":  # the same as `fastllm schedule`
-    import sys
-
-    from fastllm.cli import main
-
-    raise SystemExit(main(["schedule", *sys.argv[1:]]))

@@ -11,39 +11,30 @@ them (expert), and the data ranks that hold the same experts (expert_data, every
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch.distributed as dist
 
 from fastllm.config.model import DistributedConfig
-
-
-@dataclass(frozen=True)
-class Dimension:
-    """One dimension of the mesh as this rank sees it."""
-
-    size: int
-    rank: int
-    group: dist.ProcessGroup | None
-    """None when size is 1."""
+from fastllm.parallel.dimension import Dimension
+from fastllm.parallel.sequence_data import SequenceDataDimension
+from fastllm.parallel.tensor import DeferredWork, TensorDimension
 
 
 @dataclass(frozen=True)
 class ParallelMesh:
     world_size: int
     rank: int
-    tensor: Dimension
+    tensor: TensorDimension
     data: Dimension
     pipeline: Dimension
-    sequence_parallel: bool
-    """Sequence-tensor parallelism: activations between layers split over the tensor ranks."""
-    sequence_data: Dimension = Dimension(1, 0, None)
+    sequence_data: SequenceDataDimension = field(default_factory=SequenceDataDimension)
     """The consecutive data ranks that load the same sequences, each computing its chunk of
     them (rank r the r-th); the data dimension still spans them for ZeRO and gradients."""
-    expert: Dimension = Dimension(1, 0, None)
+    expert: Dimension = field(default_factory=Dimension)
     """The consecutive data ranks that split each mixture's experts (rank r the r-th share)
     and exchange tokens."""
-    expert_data: Dimension = Dimension(1, 0, None)
+    expert_data: Dimension = field(default_factory=Dimension)
     """The data ranks that hold the same experts (one per expert group): ZeRO shards the
     expert parameters over them and sums their gradients."""
 
@@ -55,8 +46,12 @@ class ParallelMesh:
 
     @staticmethod
     def single() -> ParallelMesh:
-        alone = Dimension(1, 0, None)
-        return ParallelMesh(1, 0, alone, alone, alone, False)
+        return ParallelMesh(1, 0, TensorDimension(), Dimension(), Dimension())
+
+    def with_deferral(self, deferral: DeferredWork) -> ParallelMesh:
+        """The mesh whose tensor dimension runs `deferral` (the engine's queue of weight
+        gradients) during its backward collectives; build the model with it."""
+        return replace(self, tensor=replace(self.tensor, deferral=deferral))
 
 
 def build_mesh(config: DistributedConfig, world_size: int, rank: int) -> ParallelMesh:
@@ -68,18 +63,29 @@ def build_mesh(config: DistributedConfig, world_size: int, rank: int) -> Paralle
         rank // tensor_size % data_size,
         rank // (tensor_size * data_size),
     )
-    dimensions = [
+    tensor, data, pipeline = (
         _dimension(sizes, coordinates, axis, world_size > 1) for axis in range(len(sizes))
-    ]
+    )
     sequence_data = _data_blocks(config.sequence_data_parallel, sizes, coordinates)
     expert = _data_blocks(config.expert_parallel, sizes, coordinates)
     expert_data = _data_strides(config.expert_parallel, sizes, coordinates)
     return ParallelMesh(
         world_size,
         rank,
-        *dimensions,
-        config.sequence_parallel,
-        sequence_data,
+        TensorDimension(
+            tensor.size,
+            tensor.rank,
+            tensor.group,
+            sequence_tensor_parallel=config.sequence_tensor_parallel and tensor.size > 1,
+        ),
+        data,
+        pipeline,
+        SequenceDataDimension(
+            sequence_data.size,
+            sequence_data.rank,
+            sequence_data.group,
+            chunking=config.sequence_data_chunking,
+        ),
         expert,
         expert_data,
     )
@@ -90,7 +96,7 @@ def _data_blocks(
 ) -> Dimension:
     """This rank's block of `size` consecutive data ranks."""
     if size == 1:
-        return Dimension(1, 0, None)
+        return Dimension()
     data_size = sizes[1]
     blocks = [list(range(first, first + size)) for first in range(0, data_size, size)]
     return Dimension(size, coordinates[1] % size, _data_subgroup(blocks, sizes, coordinates))
@@ -104,7 +110,7 @@ def _data_strides(
     data_size = sizes[1]
     size = data_size // stride
     if stride == 1 or size == 1:
-        return Dimension(1, 0, None)
+        return Dimension()
     sets = [list(range(first, data_size, stride)) for first in range(stride)]
     return Dimension(size, coordinates[1] // stride, _data_subgroup(sets, sizes, coordinates))
 

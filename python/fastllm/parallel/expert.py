@@ -12,35 +12,18 @@ the host, since the collectives take per-rank split sizes.
 An expert's weight gradient on its rank then covers every token the group routed to it, so
 summing it over the ranks that hold the same expert (the expert-data group, `mesh.expert_data`)
 gives the whole batch's: the engine keeps expert parameters in buffers of their own, sharded
-by ZeRO over that group (FlatModel.experts)."""
+by ZeRO over that group."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-
-@dataclass
-class ExpertParallel:
-    """The expert sub-group of the mesh, as the mixtures of experts use it."""
-
-    size: int = 1
-    rank: int = 0
-    group: dist.ProcessGroup | None = None
-
-    @property
-    def split(self) -> bool:
-        return self.size > 1
-
-    def local_experts(self, num_experts: int) -> range:
-        """The experts this rank holds."""
-        per_rank = num_experts // self.size
-        return range(self.rank * per_rank, (self.rank + 1) * per_rank)
+from fastllm.parallel.dimension import Dimension
 
 
 def exchange(
@@ -48,7 +31,7 @@ def exchange(
     weights: Tensor,
     experts: Tensor,
     counts: Tensor,
-    ep: ExpertParallel,
+    expert: Dimension,
     compute: Callable[[Tensor, Tensor], Tensor],
 ) -> Tensor:
     """The mixture's routed output for `tokens` (tokens, hidden), each sent to its k `experts`
@@ -58,18 +41,20 @@ def exchange(
     0 … N/E - 1) and returns their outputs. Differentiable in tokens, weights and whatever
     `compute` reads."""
     k = experts.shape[1]
-    per_rank = counts.numel() // ep.size
+    per_rank = counts.numel() // expert.size
     order = experts.reshape(-1).argsort(stable=True)  # by expert, hence by the rank holding it
     sources = order // k  # the token of each sorted row
     # received[s, e]: rows source rank s routes to this rank's expert e.
-    received = _all_to_all(counts.view(ep.size, per_rank), [1] * ep.size, None, ep.group)
-    splits = torch.stack([counts.view(ep.size, per_rank).sum(dim=1), received.sum(dim=1)])
+    received = _all_to_all(
+        counts.view(expert.size, per_rank), [1] * expert.size, None, expert.group
+    )
+    splits = torch.stack([counts.view(expert.size, per_rank).sum(dim=1), received.sum(dim=1)])
     send_splits, receive_splits = splits.tolist()  # one wait for the host
-    rows = _AllToAll.apply(tokens[sources], receive_splits, send_splits, ep.group)
+    rows = _AllToAll.apply(tokens[sources], receive_splits, send_splits, expert.group)
     # Received rows come by source rank, then by expert within each.
-    local = torch.arange(per_rank, device=counts.device).repeat(ep.size)
+    local = torch.arange(per_rank, device=counts.device).repeat(expert.size)
     outputs = compute(rows, local.repeat_interleave(received.reshape(-1)))
-    back = _AllToAll.apply(outputs, send_splits, receive_splits, ep.group)
+    back = _AllToAll.apply(outputs, send_splits, receive_splits, expert.group)
     scaled = back * weights.reshape(-1)[order, None]
     return torch.zeros_like(tokens).index_add(0, sources, scaled)
 

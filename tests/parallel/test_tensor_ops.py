@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from tests.data.conftest import CliResult
 
-# Run by the fixture two_ranks (tests/engine/conftest.py).
+# Run by the fixture two_ranks (tests/conftest.py).
 TWO_RANKS = """
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from fastllm.engine.process_group import setup_distributed
-from fastllm.engine.tensor_parallel import (
-    TensorParallel, enter, vocab_parallel_cross_entropy, vocab_parallel_embedding,
+from fastllm.parallel.process_group import setup_distributed
+from fastllm.parallel.tensor import (
+    TensorDimension, enter, vocab_parallel_cross_entropy, vocab_parallel_embedding,
 )
 
 distributed = setup_distributed()
@@ -21,7 +21,7 @@ distributed = setup_distributed()
 def check(rank: int) -> None:
     # Every tensor here, and the group the autograd graph keeps, is gone when it returns.
     size = 2
-    tp = TensorParallel(size, rank, dist.group.WORLD, sequence_parallel=False)
+    tp = TensorDimension(size, rank, dist.group.WORLD)
     generator = torch.Generator().manual_seed(0)
     tokens, hidden_size, vocab = 10, 6, 14
     hidden = torch.randn(tokens, hidden_size, generator=generator, dtype=torch.float32)

@@ -24,19 +24,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from fastllm.parallel.dimension import Dimension
 
-@dataclass
-class SequenceDataParallel:
-    """The sequence-data sub-group of the mesh, as attention uses it."""
 
-    size: int = 1
-    rank: int = 0
-    group: dist.ProcessGroup | None = None
+@dataclass(frozen=True)
+class SequenceDataDimension(Dimension):
+    """The sequence-data sub-group of the mesh, with the chunks each of its ranks computes."""
+
     chunking: Literal["contiguous", "head_tail"] = "contiguous"
-
-    @property
-    def split(self) -> bool:
-        return self.size > 1
 
     def spans_of(self, rank: int, local: int) -> list[tuple[int, int]]:
         """(start, end) in the sequence of the chunks of `rank`, which holds `local` positions
@@ -93,16 +88,16 @@ class KeyValueGather:
     autograd runs the query branch's backward passes (created later in the forward pass)
     first, meanwhile."""
 
-    def __init__(self, k: Tensor, v: Tensor, sdp: SequenceDataParallel) -> None:
-        self.sdp = sdp
+    def __init__(self, k: Tensor, v: Tensor, sequence_data: SequenceDataDimension) -> None:
+        self.sequence_data = sequence_data
         self.reduction: dist.Work | None = None
         self.in_flight: Tensor | None = None
         """What the reduction reads, kept alive until it is done."""
         self.k, self.v = _ReducedGradients.apply(k, v, self)
         local = torch.stack([k.detach(), v.detach()])
-        self.gathered = local.new_empty((sdp.size, *local.shape))
+        self.gathered = local.new_empty((sequence_data.size, *local.shape))
         self.work = dist.all_gather_into_tensor(
-            self.gathered.view(-1), local.view(-1), group=sdp.group, async_op=True
+            self.gathered.view(-1), local.view(-1), group=sequence_data.group, async_op=True
         )
 
     def finish(self) -> tuple[Tensor, Tensor]:
@@ -131,9 +126,9 @@ class _ReducedGradients(torch.autograd.Function):
 class _GatheredPrefix(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, k: Tensor, v: Tensor, pending: KeyValueGather) -> tuple[Tensor, Tensor]:
-        sdp = pending.sdp
+        sequence_data = pending.sequence_data
         ctx.pending = pending
-        ctx.local, ctx.pieces = k.shape[1], sdp.pieces(k.shape[1])
+        ctx.local, ctx.pieces = k.shape[1], sequence_data.pieces(k.shape[1])
         pending.work.wait()
         # (ranks, 2, batch, local, ...) → (2, batch, prefix, ...), in sequence order.
         parts = [pending.gathered[rank, :, :, start:end] for rank, start, end in ctx.pieces]
@@ -143,9 +138,9 @@ class _GatheredPrefix(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, d_k: Tensor, d_v: Tensor) -> tuple[Tensor, Tensor, None]:
         pending: KeyValueGather = ctx.pending
-        sdp = pending.sdp
+        sequence_data = pending.sequence_data
         # Positions after this rank's last received no gradient from its queries: zeros.
-        grads = d_k.new_zeros((sdp.size, 2, d_k.shape[0], ctx.local, *d_k.shape[2:]))
+        grads = d_k.new_zeros((sequence_data.size, 2, d_k.shape[0], ctx.local, *d_k.shape[2:]))
         position = 0
         for rank, start, end in ctx.pieces:
             part = slice(position, position + end - start)
@@ -156,6 +151,6 @@ class _GatheredPrefix(torch.autograd.Function):
         # Filled when `_ReducedGradients` waits: nothing reads them before.
         pending.in_flight = grads
         pending.reduction = dist.reduce_scatter_tensor(
-            mine.view(-1), grads.view(-1), group=sdp.group, async_op=True
+            mine.view(-1), grads.view(-1), group=sequence_data.group, async_op=True
         )
         return mine[0], mine[1], None

@@ -7,14 +7,17 @@ from __future__ import annotations
 
 from tests.data.conftest import CliResult
 
-# Run by the fixture two_ranks (tests/engine/conftest.py).
+# Run by the fixture two_ranks (tests/conftest.py).
 TWO_RANKS = """
 import torch
 import torch.distributed as dist
 import fastllm.model.attention as attention_module
 from fastllm.config import BaseModelConfig, build
-from fastllm.engine.process_group import setup_distributed
-from fastllm.engine.sequence_data_parallel import SequenceDataParallel
+from fastllm.parallel.process_group import setup_distributed
+from fastllm.parallel.dimension import Dimension
+from fastllm.parallel.mesh import ParallelMesh
+from fastllm.parallel.sequence_data import SequenceDataDimension
+from fastllm.parallel.tensor import TensorDimension
 from fastllm.model import GPTModel
 from fastllm.model.rotary import RotaryTables, positions_in_documents
 
@@ -52,8 +55,9 @@ def check(rank: int, chunking: str) -> None:
     whole = GPTModel(config)
     for parameter in whole.parameters():
         parameter.data = torch.randn(parameter.shape, generator=generator) * 0.3
-    sdp = SequenceDataParallel(2, rank, dist.group.WORLD, chunking)
-    ours = GPTModel(config, sdp=sdp)
+    sdp = SequenceDataDimension(2, rank, dist.group.WORLD, chunking)
+    data = Dimension(2, rank, dist.group.WORLD)
+    ours = GPTModel(config, ParallelMesh(2, rank, TensorDimension(), data, Dimension(), sdp))
     ours.load_state_dict(whole.state_dict())
     input_ids = torch.randint(0, 64, (2, 16), generator=generator)
     labels = torch.randint(0, 64, (2, 16), generator=generator)

@@ -7,7 +7,7 @@ from tests.torchrun import torchrun_script
 
 SCRIPT = """
 import os, torch, torch.distributed as dist
-from fastllm.engine.process_group import setup_distributed
+from fastllm.parallel.process_group import setup_distributed
 setup_distributed()
 compiled = torch.compile(lambda x: x * 2)  # what the model's attention does
 dist.destroy_process_group()

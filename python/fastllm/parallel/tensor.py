@@ -23,54 +23,64 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from fastllm.parallel.dimension import Dimension
 from fastllm_kernels.linear import weight_gradient
 
 
-@dataclass
-class TensorParallel:
-    """The tensor dimension of the mesh, as the model's layers use it."""
+class DeferredWork:
+    """Weight-gradient matmuls waiting for the next backward collective of `enter` to overlap
+    with. The engine owns the queue (its gradient sinks fill it) and hands it to the tensor
+    dimension; whatever no collective ran, the engine runs after the backward pass."""
 
-    size: int = 1
-    rank: int = 0
-    group: dist.ProcessGroup | None = None
-    sequence_parallel: bool = False
-    deferred: list[Callable[[], None]] = field(default_factory=list)
-    """Weight-gradient matmuls waiting for the next backward collective to overlap with."""
-
-    @property
-    def split(self) -> bool:
-        return self.size > 1
+    def __init__(self) -> None:
+        self._work: list[Callable[[], None]] = []
 
     def defer(self, work: Callable[[], None]) -> None:
-        self.deferred.append(work)
+        self._work.append(work)
+
+    def run(self) -> None:
+        while self._work:
+            self._work.pop(0)()
+
+
+@dataclass(frozen=True)
+class TensorDimension(Dimension):
+    """The tensor dimension of the mesh, with what its collectives need."""
+
+    sequence_tensor_parallel: bool = False
+    """Activations between layers split along the sequence over the tensor ranks (it needs
+    more than one)."""
+    deferral: DeferredWork | None = field(default=None, compare=False)
+    """The engine's weight-gradient queue, run while `enter`'s backward collective is in
+    flight; None: nothing deferred (a model built outside an engine)."""
 
     def run_deferred(self) -> None:
-        while self.deferred:
-            self.deferred.pop(0)()
+        if self.deferral is not None:
+            self.deferral.run()
 
 
-def enter(x: Tensor, tp: TensorParallel) -> Tensor:
+def enter(x: Tensor, tensor: TensorDimension) -> Tensor:
     """The residual stream (batch, sequence or its chunk, hidden) as the column-parallel layers
     read it: whole. Backward: the gradient summed over the tensor ranks."""
-    if not tp.split:
+    if not tensor.split:
         return x
-    return _Enter.apply(x, tp)
+    return _Enter.apply(x, tensor)
 
 
-def leave(x: Tensor, tp: TensorParallel, bias: Tensor | None = None) -> Tensor:
+def leave(x: Tensor, tensor: TensorDimension, bias: Tensor | None = None) -> Tensor:
     """This rank's partial sums (batch, sequence, hidden) summed over the tensor ranks, as the
     residual stream holds them (this rank's sequence chunk with sequence parallelism), plus
     the row-parallel layer's `bias`, added once after the sum."""
-    out = _Leave.apply(x, tp) if tp.split else x
+    out = _Leave.apply(x, tensor) if tensor.split else x
     return out if bias is None else out + bias
 
 
-def counted_once(x: Tensor, tp: TensorParallel) -> Tensor:
+def counted_once(x: Tensor, tensor: TensorDimension) -> Tensor:
     """x, a value every tensor rank computes whole from the same inputs (a router's auxiliary
     loss), whose gradient flows into parameters and inputs that are summed over the tensor
     ranks: identity forward, the gradient divided by the tensor size, so the sum counts it
     once."""
-    return _CountedOnce.apply(x, tp.size) if tp.split else x
+    return _CountedOnce.apply(x, tensor.size) if tensor.split else x
 
 
 class _CountedOnce(torch.autograd.Function):
@@ -86,76 +96,86 @@ class _CountedOnce(torch.autograd.Function):
 
 class _Enter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, tp: TensorParallel) -> Tensor:
-        ctx.tp = tp
-        return _gather_sequence(x, tp) if tp.sequence_parallel else x.view_as(x)
+    def forward(ctx: Any, x: Tensor, tensor: TensorDimension) -> Tensor:
+        ctx.tensor = tensor
+        return _gather_sequence(x, tensor) if tensor.sequence_tensor_parallel else x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        tp: TensorParallel = ctx.tp
-        if tp.sequence_parallel:
-            out, work = _reduce_scatter_sequence(grad, tp, async_op=True)
+        tensor: TensorDimension = ctx.tensor
+        if tensor.sequence_tensor_parallel:
+            out, work = _reduce_scatter_sequence(grad, tensor, async_op=True)
         else:
             out = grad.contiguous()
-            work = dist.all_reduce(out, group=tp.group, async_op=True)
-        tp.run_deferred()  # the weight gradients of the projections fed, while the sum runs
+            work = dist.all_reduce(out, group=tensor.group, async_op=True)
+        tensor.run_deferred()  # the weight gradients of the projections fed, while the sum runs
         work.wait()
         return out, None
 
 
 class _Leave(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: Tensor, tp: TensorParallel) -> Tensor:
-        ctx.tp = tp
-        if tp.sequence_parallel:
-            return _reduce_scatter_sequence(x, tp, async_op=False)[0]
+    def forward(ctx: Any, x: Tensor, tensor: TensorDimension) -> Tensor:
+        ctx.tensor = tensor
+        if tensor.sequence_tensor_parallel:
+            return _reduce_scatter_sequence(x, tensor, async_op=False)[0]
         out = x.contiguous()
-        dist.all_reduce(out, group=tp.group)
+        dist.all_reduce(out, group=tensor.group)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        tp: TensorParallel = ctx.tp
-        return (_gather_sequence(grad, tp) if tp.sequence_parallel else grad), None
+        tensor: TensorDimension = ctx.tensor
+        return (_gather_sequence(grad, tensor) if tensor.sequence_tensor_parallel else grad), None
 
 
-def _gather_sequence(x: Tensor, tp: TensorParallel) -> Tensor:
+def _gather_sequence(x: Tensor, tensor: TensorDimension) -> Tensor:
     """(batch, chunk, ...) on each rank → (batch, size × chunk, ...), rank r's chunk r-th."""
-    gathered = torch.empty((tp.size, *x.shape), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(gathered.view(-1), x.contiguous().view(-1), group=tp.group)
+    gathered = torch.empty((tensor.size, *x.shape), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(gathered.view(-1), x.contiguous().view(-1), group=tensor.group)
     return gathered.movedim(0, 1).reshape(x.shape[0], -1, *x.shape[2:])
 
 
-def _reduce_scatter_sequence(x: Tensor, tp: TensorParallel, async_op: bool) -> tuple[Tensor, Any]:
+def _reduce_scatter_sequence(
+    x: Tensor, tensor: TensorDimension, async_op: bool
+) -> tuple[Tensor, Any]:
     """(batch, sequence, ...) partial sums → this rank's chunk of their sum."""
     batch, length = x.shape[:2]
-    chunks = x.reshape(batch, tp.size, length // tp.size, *x.shape[2:]).movedim(1, 0).contiguous()
+    chunks = (
+        x.reshape(batch, tensor.size, length // tensor.size, *x.shape[2:])
+        .movedim(1, 0)
+        .contiguous()
+    )
     out = torch.empty(chunks.shape[1:], dtype=x.dtype, device=x.device)
     work = dist.reduce_scatter_tensor(
-        out.view(-1), chunks.view(-1), group=tp.group, async_op=async_op
+        out.view(-1), chunks.view(-1), group=tensor.group, async_op=async_op
     )
     return out, work
 
 
-def vocab_parallel_embedding(ids: Tensor, weight: Tensor, tp: TensorParallel) -> Tensor:
+def vocab_parallel_embedding(ids: Tensor, weight: Tensor, tensor: TensorDimension) -> Tensor:
     """Rows of the embedding whose vocabulary is split in contiguous ranges over the tensor
     ranks: each rank looks up the ids in its range, zeros elsewhere, and `leave` sums them."""
-    first = tp.rank * weight.shape[0]
+    first = tensor.rank * weight.shape[0]
     local = ids - first
     outside = (local < 0) | (local >= weight.shape[0])
     rows = F.embedding(local.masked_fill(outside, 0), weight)
-    return leave(rows.masked_fill(outside.unsqueeze(-1), 0.0), tp)
+    return leave(rows.masked_fill(outside.unsqueeze(-1), 0.0), tensor)
 
 
 def vocab_parallel_cross_entropy(
-    hidden: Tensor, weight: Tensor, labels: Tensor, tp: TensorParallel, ignore_index: int = -100
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    tensor: TensorDimension,
+    ignore_index: int = -100,
 ) -> Tensor:
     """Mean cross-entropy of hidden (N, H) @ weight (V / size, H).T over the labels (N,) not
     equal to `ignore_index`, the vocabulary split over the tensor ranks. Three all-reduces of
     one value per token in the forward pass (maximum, sum of exponentials, target logit), none
     in the backward pass: each rank's logit gradient is its own softmax slice. `hidden` must
     come through `enter`, whose backward sums the hidden gradients of the ranks."""
-    return _VocabParallelCrossEntropy.apply(hidden, weight, labels, tp, ignore_index)
+    return _VocabParallelCrossEntropy.apply(hidden, weight, labels, tensor, ignore_index)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -165,22 +185,22 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         hidden: Tensor,
         weight: Tensor,
         labels: Tensor,
-        tp: TensorParallel,
+        tensor: TensorDimension,
         ignore_index: int,
     ) -> Tensor:
         logits = _fp32_logits(hidden, weight)
         maximum = logits.max(dim=-1).values
-        dist.all_reduce(maximum, op=dist.ReduceOp.MAX, group=tp.group)
+        dist.all_reduce(maximum, op=dist.ReduceOp.MAX, group=tensor.group)
         logits = logits.sub_(maximum.unsqueeze(-1))
-        local = labels - tp.rank * weight.shape[0]
+        local = labels - tensor.rank * weight.shape[0]
         here = (local >= 0) & (local < weight.shape[0])
         rows = torch.arange(labels.shape[0], device=labels.device)
         picked = logits[rows, local.clamp(0, weight.shape[0] - 1)]
         target = torch.where(here, picked, 0.0)  # the target logit minus the maximum
         exponentials = logits.exp_()
         total = exponentials.sum(dim=-1)
-        dist.all_reduce(total, group=tp.group)
-        dist.all_reduce(target, group=tp.group)
+        dist.all_reduce(total, group=tensor.group)
+        dist.all_reduce(target, group=tensor.group)
         valid = labels != ignore_index
         count = valid.sum().clamp(min=1).float()
         losses = torch.where(valid, total.log() - target, 0.0)
