@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from fastllm.config.model import DistributedConfig
+from fastllm.config.layout import RunLayout
 
 
 @dataclass(frozen=True)
@@ -59,10 +59,10 @@ class ParallelMesh:
         return ParallelMesh(1, 0, alone, alone, alone, False)
 
 
-def build_mesh(config: DistributedConfig, world_size: int, rank: int) -> ParallelMesh:
-    """The mesh of `world_size` ranks; every rank must call it (groups are made collectively)."""
-    tensor_size, data_size = config.tensor_parallel, config.data_parallel(world_size)
-    sizes = (tensor_size, data_size, config.pipeline_parallel)
+def build_mesh(layout: RunLayout, rank: int) -> ParallelMesh:
+    """The mesh of `layout`'s ranks; every rank must call it (groups are made collectively)."""
+    world_size, tensor_size, data_size = layout.world_size, layout.tensor, layout.data
+    sizes = (tensor_size, data_size, layout.pipeline)
     coordinates = (
         rank % tensor_size,
         rank // tensor_size % data_size,
@@ -71,14 +71,14 @@ def build_mesh(config: DistributedConfig, world_size: int, rank: int) -> Paralle
     dimensions = [
         _dimension(sizes, coordinates, axis, world_size > 1) for axis in range(len(sizes))
     ]
-    sequence_data = _data_blocks(config.sequence_data_parallel, sizes, coordinates)
-    expert = _data_blocks(config.expert_parallel, sizes, coordinates)
-    expert_data = _data_strides(config.expert_parallel, sizes, coordinates)
+    sequence_data = _data_blocks(layout.sequence_data, sizes, coordinates)
+    expert = _data_blocks(layout.expert, sizes, coordinates)
+    expert_data = _data_strides(layout.expert, sizes, coordinates)
     return ParallelMesh(
         world_size,
         rank,
         *dimensions,
-        config.sequence_parallel,
+        layout.sequence_tensor_parallel,
         sequence_data,
         expert,
         expert_data,
