@@ -1,7 +1,11 @@
 """The run's geometry resolved once (`fastllm.config.layout`): the sizes of several configs on
-several world sizes, and the compatibility table's refusals."""
+several world sizes, the compatibility table's refusals, and `fastllm config validate
+--world-size`."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 
@@ -193,3 +197,52 @@ def test_sizes_that_do_not_divide_each_other_are_refused_on_load(
         tiny(*overrides)
     assert caught.value.path == key
     assert words in caught.value.message
+
+
+def fastllm(*arguments: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "fastllm.cli", *arguments], capture_output=True, text=True, cwd=ROOT
+    )
+
+
+def test_config_validate_prints_the_layout_on_the_given_ranks() -> None:
+    result = fastllm(
+        "config", "validate", "-c", "examples/tiny.yaml", "--world-size", "8",
+        "model.distributed.tensor_parallel=2", "model.distributed.pipeline_parallel=2",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "valid;" in result.stdout
+    for line in ("  world_size: 8", "  tensor: 2", "  data: 2", "  pipeline: 2",
+                 "  sample_groups: 2", "  micro_batch_size: 4", "  stages_per_rank: [2, 2]"):  # fmt: skip
+        assert f"{line}\n" in result.stdout
+    assert "layout:" not in fastllm("config", "validate", "-c", "examples/tiny.yaml").stdout
+
+
+def test_config_validate_exits_2_naming_the_key_that_does_not_fit_the_ranks() -> None:
+    result = fastllm(
+        "config", "validate", "-c", "examples/tiny.yaml", "--world-size", "4",
+        "batch.batch_size=6",
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "batch.batch_size: (6) must be divisible" in result.stderr
+    assert "Traceback" not in result.stderr
+    result = fastllm(
+        "config", "validate", "-c", "examples/tiny.yaml", "--world-size", "2",
+        "schedule.micro_batch_splits=2", "model.multi_stage.recompute=full",
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert (
+        "schedule.micro_batch_splits: not supported yet with model.multi_stage.recompute=full"
+        in (result.stderr)
+    )
+
+
+def test_resolving_a_layout_imports_no_torch() -> None:
+    probe = (
+        "import sys\n"
+        "from fastllm.cli import main\n"
+        f"assert main(['config', 'validate', '-c', {str(TINY)!r}, '--world-size', '2']) == 0\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
