@@ -73,6 +73,11 @@ def _config_show(args: argparse.Namespace) -> None:
 
 def _config_validate(args: argparse.Namespace) -> None:
     config = _load_trainer_config(args)
+    layout = None
+    if args.world_size is not None:
+        from fastllm.config.layout import resolve
+
+        layout = resolve(config, args.world_size)
     base_model = config.model.base_model
     transformer = base_model.transformer
     source = ", ".join(args.config) or "defaults"
@@ -83,6 +88,12 @@ def _config_validate(args: argparse.Namespace) -> None:
         f"{transformer.num_layers} layers, hidden {transformer.hidden_size}, "
         f"vocabulary {base_model.vocab_size}"
     )
+    if layout is not None:
+        import msgspec
+        import yaml
+
+        sizes = {"layout": msgspec.to_builtins(layout)}
+        sys.stdout.write(yaml.safe_dump(sizes, sort_keys=False, default_flow_style=None))
 
 
 def _prepare(args: argparse.Namespace) -> None:
@@ -217,8 +228,17 @@ def build_parser() -> argparse.ArgumentParser:
         _config_show,
         help="print the resolved config with every default, as YAML",
     )
-    _config_command(
-        config_commands, "validate", _config_validate, help="check a config and summarize the model"
+    validate = _config_command(
+        config_commands,
+        "validate",
+        _config_validate,
+        help="check a config and summarize the model (and its layout on --world-size ranks)",
+    )
+    validate.add_argument(
+        "--world-size",
+        type=_positive_int,
+        default=None,
+        help="also check the config on this many ranks and print every size the run uses",
     )
 
     prepare = _config_command(

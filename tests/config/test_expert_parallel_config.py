@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 
 from fastllm.config import ConfigError, TrainerConfig, load_config
+from fastllm.config.layout import resolve
 
 MOE = (
     "model.base_model.transformer.num_experts=4",
@@ -29,9 +30,10 @@ def test_unsupported_expert_parallel_settings_are_refused_naming_the_keys(
 
 
 def test_expert_parallel_must_divide_the_data_parallel_size() -> None:
-    config = load_config(TrainerConfig, overrides=[*MOE, "model.distributed.expert_parallel=4"])
+    overrides = [*MOE, "model.distributed.expert_parallel=4", "batch.batch_size=8"]
+    config = load_config(TrainerConfig, overrides=overrides)
     with pytest.raises(ConfigError) as caught:
-        config.model.distributed.data_parallel(2)
+        resolve(config, 2)
     assert caught.value.path == "model.distributed.expert_parallel"
     assert "data-parallel size (2" in caught.value.message
-    assert config.model.distributed.data_parallel(8) == 8
+    assert resolve(config, 8).data == 8

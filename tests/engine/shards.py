@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from fastllm.config import TrainerConfig
+from fastllm.config.layout import resolve
 from fastllm.engine.flat_model import FlatModel
 from fastllm.model import GPTModel
 from fastllm.parallel.mesh import build_mesh
@@ -18,7 +19,7 @@ def two_rank_flat(
     """A model of `config` on this rank of two data ranks, its parameters `reference`'s."""
     with torch.device("meta"):
         model = GPTModel(config.model.base_model)
-    mesh = build_mesh(config.model.distributed, 2, rank)
+    mesh = build_mesh(resolve(config, 2), rank)
     cpu = torch.device("cpu")
     flat = FlatModel(model, compute_dtype=dtype, device=cpu, mesh=mesh, zero_stage=zero_stage)
     flat.load_full_parameters(reference.named_parameters())

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from fastllm.config.layout import StepShape
 from fastllm.engine.pipeline.schedule import (
-    Layout,
     Op,
     Program,
     ScheduleError,
@@ -19,7 +19,7 @@ from fastllm.engine.pipeline.schedule import (
 
 
 def test_breadth_first_runs_each_stage_on_all_micro_batches_back_to_back() -> None:
-    orders = rank_orders(Layout(num_stages=4, pipeline=2, breadth_first=3, depth_first=2))
+    orders = rank_orders(StepShape(num_stages=4, pipeline=2, breadth_first=3, depth_first=2))
     first = [str(step) for step in orders[0][:12]]
     assert first == [
         "F0.0", "F0.1", "F0.2", "F2.0", "F2.1", "F2.2",
@@ -30,7 +30,7 @@ def test_breadth_first_runs_each_stage_on_all_micro_batches_back_to_back() -> No
 
 
 def test_depth_first_is_one_forward_one_backward() -> None:
-    orders = rank_orders(Layout(2, 2, breadth_first=4, depth_first=1, order="depth_first"))
+    orders = rank_orders(StepShape(2, 2, breadth_first=4, depth_first=1, order="depth_first"))
     assert [str(s) for s in orders[0]] == [
         "F0.0",
         "F0.1",
@@ -59,20 +59,20 @@ def test_depth_first_is_one_forward_one_backward() -> None:
 def test_programs_transfer_every_activation_once_and_cannot_deadlock(
     order: str, stages: int, pipeline: int, pieces: int
 ) -> None:
-    layout = Layout(stages, pipeline, breadth_first=4, depth_first=2, order=order, pieces=pieces)
-    programs = build_programs(layout, zero_stage=3, gather_weights=True)
+    shape = StepShape(stages, pipeline, breadth_first=4, depth_first=2, order=order, pieces=pieces)
+    programs = build_programs(shape, zero_stage=3, gather_weights=True)
     sends = [(p.rank, op.peer, op.step) for p in programs for op in p.ops if op.kind == "send"]
     receives = [(op.peer, p.rank, op.step) for p in programs for op in p.ops if op.kind == "recv"]
     assert sorted(sends) == sorted(receives)
     crossings = sum(1 for s in range(stages - 1) if s % pipeline != (s + 1) % pipeline)
-    units = layout.micro_batches * pieces
+    units = shape.micro_batches * pieces
     assert len(sends) == 2 * crossings * units  # activations and gradients
     for program in programs:
         steps = program.computes()
-        assert len(steps) == len(set(steps)) == 2 * len(layout.stages_of(program.rank)) * units
+        assert len(steps) == len(set(steps)) == 2 * len(shape.stages_of(program.rank)) * units
         # A stage's pieces of a micro-batch: forward first to last, backward last to first.
-        for stage in layout.stages_of(program.rank):
-            for m in range(layout.micro_batches):
+        for stage in shape.stages_of(program.rank):
+            for m in range(shape.micro_batches):
                 mine = [s for s in steps if s.stage == stage and s.micro_batch == m]
                 order_of = [(s.forward, s.piece) for s in mine]
                 forwards = [(True, p) for p in range(pieces)]
@@ -92,26 +92,26 @@ def test_breadth_first_gathers_and_reduces_once_per_stage_and_group() -> None:
     # Rank 0 runs stages 0 and 2: stage 0 is gathered for its forward and its backward
     # passes, stage 2 once (its backward passes follow its forward passes).
     for order, gathers in (("breadth_first", 3), ("depth_first", None)):
-        layout = Layout(4, 2, breadth_first=4, depth_first=1, order=order)
-        program = build_programs(layout, zero_stage=3, gather_weights=True)[0]
+        shape = StepShape(4, 2, breadth_first=4, depth_first=1, order=order)
+        program = build_programs(shape, zero_stage=3, gather_weights=True)[0]
         count = sum(op.kind == "gather" for op in program.ops)
         reduces = sum(op.reduce for op in program.ops)
         if gathers is not None:
             assert (count, reduces) == (gathers, 2)
         else:
             assert count > 4 and reduces > 2
-    zero1 = build_programs(Layout(4, 2, 4, 2, "depth_first"), zero_stage=1)[0]
+    zero1 = build_programs(StepShape(4, 2, 4, 2, "depth_first"), zero_stage=1)[0]
     assert sum(op.reduce for op in zero1.ops) == 2  # each stage once per step
 
 
 def test_an_order_running_a_piece_backward_before_the_next_piece_is_refused() -> None:
     # The next piece's backward pass adds to the gradients of this piece's keys and values.
-    layout = Layout(1, 1, breadth_first=1, depth_first=1, pieces=2)
+    shape = StepShape(1, 1, breadth_first=1, depth_first=1, pieces=2)
     forwards = [Step(0, 0, True, 0), Step(0, 0, True, 1)]
     costs = [1.0], [2.0]
-    timeline(layout, [[*forwards, Step(0, 0, False, 1), Step(0, 0, False, 0)]], *costs)
+    timeline(shape, [[*forwards, Step(0, 0, False, 1), Step(0, 0, False, 0)]], *costs)
     with pytest.raises(ScheduleError, match=r"wait on each other: B0\.0"):
-        timeline(layout, [[*forwards, Step(0, 0, False, 0), Step(0, 0, False, 1)]], *costs)
+        timeline(shape, [[*forwards, Step(0, 0, False, 0), Step(0, 0, False, 1)]], *costs)
 
 
 def test_a_program_whose_transfers_cross_is_refused() -> None:

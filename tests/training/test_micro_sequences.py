@@ -64,7 +64,7 @@ def test_pieces_as_units_of_the_pipeline_schedule_give_the_whole_sequences_gradi
         "schedule.breadth_first_micro_batches=2",
         f"schedule.order={order}",
     )
-    assert pieces.pipeline is not None and pieces.layout.pieces == 4
+    assert pieces.pipeline is not None and pieces.layout.micro_batch_splits == 4
     masked = False
     for micro_batches in itertools.islice(whole.data_loader(), 10):  # until a packed sample
         masked = any(whole._attention_documents(batch) is not None for batch in micro_batches)

@@ -299,41 +299,17 @@ class DistributedConfig(Section):
         check_positive(self.pipeline_parallel, "pipeline_parallel")
         check_positive(self.expert_parallel, "expert_parallel")
         check_positive(self.fp8_amax_history_length, "fp8_amax_history_length")
+        if self.fp8_linear != "none" and self.training_dtype != "bfloat16":
+            raise ConfigError(
+                "fp8_linear",
+                f"{self.fp8_linear} needs model.distributed.training_dtype bfloat16, got "
+                f"{self.training_dtype}",
+            )
         if self.fp8_scaling == "delayed" and self.fp8_linear != "tensorwise":
             raise ConfigError(
                 "fp8_scaling",
                 f"delayed scaling needs fp8_linear=tensorwise, got fp8_linear={self.fp8_linear}",
             )
-
-    def data_parallel(self, world_size: int) -> int:
-        """The data-parallel size of `world_size` ranks, or a config error naming the keys."""
-        model_parallel = self.tensor_parallel * self.pipeline_parallel
-        if world_size % model_parallel:
-            raise ConfigError(
-                "model.distributed.tensor_parallel",
-                f"tensor_parallel ({self.tensor_parallel}) × model.distributed.pipeline_parallel "
-                f"({self.pipeline_parallel}) must divide the number of ranks ({world_size})",
-            )
-        data_size = world_size // model_parallel
-        if data_size % self.sequence_data_parallel:
-            raise ConfigError(
-                "model.distributed.sequence_data_parallel",
-                f"({self.sequence_data_parallel}) must divide the data-parallel size "
-                f"({data_size}: {world_size} ranks over model.distributed.tensor_parallel × "
-                "pipeline_parallel)",
-            )
-        if data_size % self.expert_parallel:
-            raise ConfigError(
-                "model.distributed.expert_parallel",
-                f"({self.expert_parallel}) must divide the data-parallel size ({data_size}: "
-                f"{world_size} ranks over model.distributed.tensor_parallel × pipeline_parallel)",
-            )
-        return data_size
-
-    @property
-    def sequence_parallel(self) -> bool:
-        """Sequence-tensor parallelism in effect (it needs more than one tensor rank)."""
-        return self.sequence_tensor_parallel and self.tensor_parallel > 1
 
 
 class MultiStageConfig(Section):
@@ -382,62 +358,3 @@ class ModelConfig(Section):
     """Precision, seeding and the parallel layout."""
     multi_stage: MultiStageConfig = msgspec.field(default_factory=MultiStageConfig)
     """How the model's memory is traded against compute."""
-
-    def validate(self) -> None:
-        self._validate_fp8()
-        self._validate_expert_parallel()
-        pipeline = self.distributed.pipeline_parallel
-        stages = self.multi_stage.num_stages(self.base_model.transformer.num_layers)
-        if pipeline > stages:
-            raise ConfigError(
-                "distributed.pipeline_parallel",
-                f"({pipeline}) is more than the model's stages ({stages}: "
-                f"model.base_model.transformer.num_layers / model.multi_stage.layers_per_stage), "
-                "so some pipeline rank would hold none",
-            )
-        tensor = self.distributed.tensor_parallel
-        if tensor == 1:
-            return
-        t = self.base_model.transformer
-        key = "distributed.tensor_parallel"
-        assert t.ffn_hidden_size is not None
-        for field, value in (
-            ("model.base_model.transformer.num_attention_heads", t.num_attention_heads),
-            ("model.base_model.transformer.head_groups", t.head_groups),
-            ("model.base_model.transformer.ffn_hidden_size", t.ffn_hidden_size),
-            ("model.base_model.vocab_size", self.base_model.vocab_size),
-        ):
-            if value % tensor:
-                raise ConfigError(
-                    key, f"({tensor}) must divide {field} ({value}): each rank holds a slice"
-                )
-
-    def _validate_expert_parallel(self) -> None:
-        distributed, key = self.distributed, "distributed.expert_parallel"
-        experts, size = self.base_model.transformer.num_experts, distributed.expert_parallel
-        if size == 1:
-            return
-        if experts % size:
-            raise ConfigError(
-                key,
-                f"({size}) must divide model.base_model.transformer.num_experts ({experts}): "
-                "each rank holds an equal share of the experts",
-            )
-
-    def _validate_fp8(self) -> None:
-        distributed, key = self.distributed, "distributed.fp8_linear"
-        recipe = distributed.fp8_linear
-        if recipe == "none":
-            return
-        if distributed.training_dtype != "bfloat16":
-            raise ConfigError(
-                key,
-                f"{recipe} needs model.distributed.training_dtype bfloat16, got "
-                f"{distributed.training_dtype}",
-            )
-        if distributed.tensor_parallel > 1:
-            raise ConfigError(
-                key,
-                "FP8 with model.distributed.tensor_parallel > 1 is not implemented yet "
-                f"(fp8_linear={recipe}, tensor_parallel={distributed.tensor_parallel})",
-            )

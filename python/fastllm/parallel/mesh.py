@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 
 import torch.distributed as dist
 
-from fastllm.config.model import DistributedConfig
+from fastllm.config.layout import RunLayout
 from fastllm.parallel.dimension import Dimension
 from fastllm.parallel.sequence_data import SequenceDataDimension
 from fastllm.parallel.tensor import DeferredWork, TensorDimension
@@ -54,10 +54,10 @@ class ParallelMesh:
         return replace(self, tensor=replace(self.tensor, deferral=deferral))
 
 
-def build_mesh(config: DistributedConfig, world_size: int, rank: int) -> ParallelMesh:
-    """The mesh of `world_size` ranks; every rank must call it (groups are made collectively)."""
-    tensor_size, data_size = config.tensor_parallel, config.data_parallel(world_size)
-    sizes = (tensor_size, data_size, config.pipeline_parallel)
+def build_mesh(layout: RunLayout, rank: int) -> ParallelMesh:
+    """The mesh of `layout`'s ranks; every rank must call it (groups are made collectively)."""
+    world_size, tensor_size, data_size = layout.world_size, layout.tensor, layout.data
+    sizes = (tensor_size, data_size, layout.pipeline)
     coordinates = (
         rank % tensor_size,
         rank // tensor_size % data_size,
@@ -66,9 +66,9 @@ def build_mesh(config: DistributedConfig, world_size: int, rank: int) -> Paralle
     tensor, data, pipeline = (
         _dimension(sizes, coordinates, axis, world_size > 1) for axis in range(len(sizes))
     )
-    sequence_data = _data_blocks(config.sequence_data_parallel, sizes, coordinates)
-    expert = _data_blocks(config.expert_parallel, sizes, coordinates)
-    expert_data = _data_strides(config.expert_parallel, sizes, coordinates)
+    sequence_data = _data_blocks(layout.sequence_data, sizes, coordinates)
+    expert = _data_blocks(layout.expert, sizes, coordinates)
+    expert_data = _data_strides(layout.expert, sizes, coordinates)
     return ParallelMesh(
         world_size,
         rank,
@@ -76,7 +76,7 @@ def build_mesh(config: DistributedConfig, world_size: int, rank: int) -> Paralle
             tensor.size,
             tensor.rank,
             tensor.group,
-            sequence_tensor_parallel=config.sequence_tensor_parallel and tensor.size > 1,
+            sequence_tensor_parallel=layout.sequence_tensor_parallel,
         ),
         data,
         pipeline,
@@ -84,7 +84,7 @@ def build_mesh(config: DistributedConfig, world_size: int, rank: int) -> Paralle
             sequence_data.size,
             sequence_data.rank,
             sequence_data.group,
-            chunking=config.sequence_data_chunking,
+            chunking=layout.sequence_data_chunking,
         ),
         expert,
         expert_data,

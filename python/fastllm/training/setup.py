@@ -10,6 +10,7 @@ from typing import Any
 import msgspec
 
 from fastllm.config import ConfigError, TrainerConfig
+from fastllm.config.layout import resolve
 
 
 def with_pretrained_architecture(raw: dict[str, Any]) -> dict[str, Any]:
@@ -26,7 +27,8 @@ def with_pretrained_architecture(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_inputs(config: TrainerConfig) -> None:
-    """Everything the run will read exists, and it has somewhere to write."""
+    """Everything the run will read exists, it has somewhere to write, and its layout fits
+    the ranks torchrun started."""
     if config.run.experiment_dir is None:
         raise ConfigError("run.experiment_dir", "is required to train")
     if config.training.train_iters <= 0:
@@ -44,21 +46,4 @@ def check_inputs(config: TrainerConfig) -> None:
         raise ConfigError(
             "training.validation.interval", "is set but data.validation_path is empty"
         )
-    batch = config.batch
-    assert batch.micro_batch_size is not None
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    distributed = config.model.distributed
-    data_size = distributed.data_parallel(world_size)
-    groups = data_size // distributed.sequence_data_parallel
-    if batch.batch_size % groups:
-        sdp = (
-            f" over model.distributed.sequence_data_parallel ({distributed.sequence_data_parallel})"
-            if distributed.sequence_data_parallel > 1
-            else ""
-        )
-        raise ConfigError(
-            "batch.batch_size",
-            f"({batch.batch_size}) must be divisible by the data-parallel size{sdp}, {groups} "
-            f"(the {world_size} ranks over model.distributed.tensor_parallel × "
-            "pipeline_parallel)",
-        )
+    resolve(config, int(os.environ.get("WORLD_SIZE", "1")))

@@ -20,6 +20,7 @@ from fastllm.checkpoint.formats import open_model
 from fastllm.checkpoint.saver import CheckpointSaver, remove_partials
 from fastllm.config import ConfigError, TrainerConfig
 from fastllm.config.flops import flops_per_token
+from fastllm.config.layout import resolve
 from fastllm.data import Batch, DataLoader, SampleStream
 from fastllm.engine.activation_offload import apply_activation_offload
 from fastllm.engine.compile import apply_compile
@@ -30,7 +31,6 @@ from fastllm.engine.learning_rate import learning_rate
 from fastllm.engine.micro_sequences import KeyValueMemory, PieceCache, cut_into_pieces
 from fastllm.engine.optimizer import AdamW
 from fastllm.engine.pipeline.runner import MicroBatch, PipelineRunner
-from fastllm.engine.pipeline.schedule import Layout
 from fastllm.engine.precision import DTYPES, LossScaler
 from fastllm.engine.recompute import apply_recompute
 from fastllm.engine.replicated_check import check_replicated
@@ -58,16 +58,15 @@ class Trainer:
         # torch seeds its global generators from OS entropy at start; nothing here draws from
         # them, but custom loops may, and checkpoints keep their state: the same in every run.
         torch.manual_seed(config.model.distributed.seed + self.distributed.rank)
+        self.layout = resolve(config, self.distributed.world_size)
+        """Every size of the run: the mesh's, the step's micro-batches and stages."""
         # The weight gradients that tensor parallelism's backward collectives overlap: the flat
         # model's gradient sinks queue them, the tensor dimension runs them.
         self.deferred = DeferredWork()
-        self.mesh = build_mesh(
-            config.model.distributed, self.distributed.world_size, self.distributed.rank
-        ).with_deferral(self.deferred)
+        self.mesh = build_mesh(self.layout, self.distributed.rank).with_deferral(self.deferred)
         with torch.device("meta"):
             self.model = GPTModel(config.model.base_model, self.mesh)
         stages = config.model.multi_stage
-        self.micro_batch_size, self.layout = self._step_layout()
         pipelined = self.layout.pipeline > 1 or self.layout.breadth_first > 1
         self.flat = FlatModel(
             self.model,
@@ -87,19 +86,15 @@ class Trainer:
         """Runs the steps stage by stage (pipeline parallelism or breadth-first micro-batches);
         None: each micro-batch's forward and backward pass whole, in turn."""
         if pipelined:
-            sequence = config.batch.sequence_length // self.mesh.sequence_data.size
-            sequence //= config.schedule.micro_batch_splits
-            tensor = self.mesh.tensor
-            sequence //= tensor.size if tensor.sequence_tensor_parallel else 1
             self.pipeline = PipelineRunner(
                 self.model,
                 self.flat,
-                self.layout,
+                self.layout.step,
                 zero_stage=stages.zero_stage,
                 layers_per_stage=stages.layers_per_stage,
                 activation_shape=(
-                    self.micro_batch_size,
-                    sequence,
+                    self.layout.micro_batch_size,
+                    self.layout.piece_length,
                     config.model.base_model.transformer.hidden_size,
                 ),
             )
@@ -130,33 +125,6 @@ class Trainer:
             delayed=distributed.fp8_scaling == "delayed",
             history_length=distributed.fp8_amax_history_length,
         )
-
-    def _step_layout(self) -> tuple[int, Layout]:
-        """The micro-batch size and the shape of a step: stages, pipeline ranks, breadth- and
-        depth-first micro-batches (config errors name the keys that do not fit)."""
-        config = self.config
-        # The ranks of a sequence-data group share their sequences: they count as one here.
-        batch, data = config.batch, self.mesh.sample_groups
-        assert batch.micro_batch_size is not None
-        if batch.batch_size % data.size:
-            raise ConfigError(
-                "batch.batch_size",
-                f"({batch.batch_size}) must be divisible by the data-parallel size over "
-                f"model.distributed.sequence_data_parallel ({data.size})",
-            )
-        per_rank = batch.batch_size // data.size
-        micro = min(batch.micro_batch_size, per_rank)
-        breadth, depth = config.schedule.micro_batches(per_rank, micro)
-        stages = config.model.multi_stage.num_stages(config.model.base_model.transformer.num_layers)
-        layout = Layout(
-            stages,
-            self.mesh.pipeline.size,
-            breadth,
-            depth,
-            config.schedule.order,
-            config.schedule.micro_batch_splits,
-        )
-        return micro, layout
 
     @property
     def experiment_dir(self) -> Path:
@@ -219,7 +187,7 @@ class Trainer:
         return DataLoader(
             stream,
             batch_size=batch.batch_size,
-            micro_batch_size=self.micro_batch_size,
+            micro_batch_size=self.layout.micro_batch_size,
             rank=data.rank,
             world_size=data.size,
             consumed_samples=consumed_samples,
@@ -441,7 +409,7 @@ class Trainer:
         """One line: the model, where and how it trains."""
         config, distributed, mesh = self.config, self.distributed, self.mesh
         batch, stages, layout = config.batch, config.model.multi_stage, self.layout
-        micro = self.micro_batch_size
+        micro = layout.micro_batch_size
         accumulated = (
             f"{layout.depth_first} accumulated"
             if layout.breadth_first == 1

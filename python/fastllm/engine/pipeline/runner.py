@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from fastllm.config.layout import StepShape
 from fastllm.engine.flat_model import FlatModel, stage_positions
 from fastllm.engine.micro_sequences import PieceCache, StagedKeyValueMemory
 from fastllm.engine.pipeline.schedule import (
-    Layout,
     Op,
     Program,
     Step,
@@ -60,7 +60,7 @@ class PipelineRunner:
         self,
         model: GPTModel,
         flat: FlatModel,
-        layout: Layout,
+        shape: StepShape,
         *,
         zero_stage: int,
         layers_per_stage: int,
@@ -68,13 +68,13 @@ class PipelineRunner:
     ) -> None:
         """`activation_shape`: what a stage hands the next one for one micro-batch (batch,
         sequence on this tensor rank, hidden)."""
-        self.model, self.flat, self.layout = model, flat, layout
+        self.model, self.flat, self.shape = model, flat, shape
         self.num_layers = len(model.layers)
         self.layers_per_stage = layers_per_stage
         self.activation_shape = activation_shape
         gatherer = flat.gatherer
         programs = build_programs(
-            layout,
+            shape,
             zero_stage=zero_stage,
             gather_weights=gatherer is not None,
             needs=gatherer.needs if gatherer is not None else None,
@@ -85,7 +85,7 @@ class PipelineRunner:
 
     def _needs(self, stage: int) -> list[int]:
         """The stages whose weights running `stage` reads."""
-        return sorted(stages_read(stage, self.layout.num_stages, self.flat.tied_here))
+        return sorted(stages_read(stage, self.shape.num_stages, self.flat.tied_here))
 
     def _global(self, pipeline_rank: int) -> int:
         return dist.get_global_rank(self.flat.pipeline.group, pipeline_rank)
@@ -112,16 +112,16 @@ class PipelineRunner:
         tokens; returns this rank's part of the weighted loss (the last stage's losses and
         every stage's auxiliary losses, each times its piece's weight): summed over the
         pipeline ranks, the step's loss."""
-        flat, layout = self.flat, self.layout
-        assert len(micro_batches) == layout.micro_batches
-        assert all(len(pieces) == layout.pieces for pieces in micro_batches)
+        flat, shape = self.flat, self.shape
+        assert len(micro_batches) == shape.micro_batches
+        assert all(len(pieces) == shape.pieces for pieces in micro_batches)
         memories: dict[int, StagedKeyValueMemory | None] = {}
         contexts: dict[tuple[int, int], Context] = {}
         produced: dict[Step, Tensor] = {}
         saved: dict[Step, _Saved] = {}
         sends: list[point_to_point.Sent] = []
         loss = torch.zeros((), dtype=torch.float32, device=flat.device)
-        last = layout.num_stages - 1
+        last = shape.num_stages - 1
         for op in self.program.ops:
             if self.trace is not None:
                 self.trace.append(op)
@@ -145,7 +145,7 @@ class PipelineRunner:
                 for stage in self._needs(step.stage):
                     flat.wait_for_weights(stage)
                 if m not in memories:
-                    memories[m] = StagedKeyValueMemory() if layout.pieces > 1 else None
+                    memories[m] = StagedKeyValueMemory() if shape.pieces > 1 else None
                 memory = memories[m]
                 if step.forward:
                     if (m, p) not in contexts:
@@ -158,7 +158,7 @@ class PipelineRunner:
                 else:
                     forward = Step(step.stage, m, True, p)
                     self._backward(step, saved.pop(forward), produced, op.reduce, memory)
-                    if step.stage == self.layout.stages_of(flat.pipeline.rank)[0]:
+                    if step.stage == self.shape.stages_of(flat.pipeline.rank)[0]:
                         contexts.pop((m, p), None)
                         if p == 0:
                             memories.pop(m, None)
@@ -185,7 +185,7 @@ class PipelineRunner:
         if step.stage == 0:
             x = input_ids
         else:
-            need = dependency(step, self.layout.num_stages)
+            need = dependency(step, self.shape.num_stages)
             assert need is not None
             leaf = produced.pop(need).detach().requires_grad_(True)
             x = leaf
@@ -213,8 +213,8 @@ class PipelineRunner:
         flat = self.flat
         tensors: list[Tensor] = [saved.output]
         grads: list[Tensor | None] = [None]
-        if step.stage != self.layout.num_stages - 1:
-            need = dependency(step, self.layout.num_stages)
+        if step.stage != self.shape.num_stages - 1:
+            need = dependency(step, self.shape.num_stages)
             assert need is not None
             grads = [produced.pop(need)]
         if saved.auxiliary is not None:
@@ -243,17 +243,17 @@ class PipelineRunner:
         """Forward passes only (validation): each piece of each micro-batch through the stages
         in turn, its activations handed on by blocking transfers in that one global order.
         Returns this rank's part of the weighted loss, as `run` does."""
-        flat, layout = self.flat, self.layout
-        last = layout.num_stages - 1
+        flat, shape = self.flat, self.shape
+        last = shape.num_stages - 1
         loss = torch.zeros((), dtype=torch.float32, device=flat.device)
         for m, pieces in enumerate(micro_batches):
-            memory = StagedKeyValueMemory() if layout.pieces > 1 else None
+            memory = StagedKeyValueMemory() if shape.pieces > 1 else None
             for p, piece in enumerate(pieces):
                 context = self._context(pieces, p, memory, make_context)
                 produced: dict[Step, Tensor] = {}
-                for stage in range(layout.num_stages):
-                    rank, step = layout.rank_of(stage), Step(stage, m, True, p)
-                    previous = layout.rank_of(stage - 1) if stage else rank
+                for stage in range(shape.num_stages):
+                    rank, step = shape.rank_of(stage), Step(stage, m, True, p)
+                    previous = shape.rank_of(stage - 1) if stage else rank
                     mine = rank == flat.pipeline.rank
                     if stage and previous != rank:
                         need = Step(stage - 1, m, True, p)

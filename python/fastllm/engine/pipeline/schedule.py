@@ -27,6 +27,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from fastllm.config.layout import StepShape
+
 ORDERS = ("breadth_first", "depth_first")
 
 
@@ -76,86 +78,60 @@ class Program:
         return [op.step for op in self.ops if op.kind == "compute" and op.step is not None]
 
 
-@dataclass(frozen=True)
-class Layout:
-    """The shape of a step: stages over pipeline ranks and micro-batches."""
-
-    num_stages: int
-    pipeline: int
-    breadth_first: int
-    depth_first: int
-    order: str = "breadth_first"
-    pieces: int = 1
-    """Pieces of each micro-batch (`schedule.micro_batch_splits`)."""
-
-    def rank_of(self, stage: int) -> int:
-        return stage % self.pipeline
-
-    @property
-    def micro_batches(self) -> int:
-        return self.breadth_first * self.depth_first
-
-    def group(self, depth: int) -> range:
-        return range(depth * self.breadth_first, (depth + 1) * self.breadth_first)
-
-    def stages_of(self, rank: int) -> list[int]:
-        return list(range(rank, self.num_stages, self.pipeline))
-
-
-def rank_orders(layout: Layout) -> list[list[Step]]:
+def rank_orders(shape: StepShape) -> list[list[Step]]:
     """Each pipeline rank's computations in the order it runs them."""
-    if layout.order not in ORDERS:
-        raise ValueError(f"unknown schedule order {layout.order!r}: one of {ORDERS}")
-    orders: list[list[Step]] = [[] for _ in range(layout.pipeline)]
-    pieces, backwards = range(layout.pieces), range(layout.pieces - 1, -1, -1)
-    for depth in range(layout.depth_first):
-        group = layout.group(depth)
-        if layout.order == "breadth_first":
+    if shape.order not in ORDERS:
+        raise ValueError(f"unknown schedule order {shape.order!r}: one of {ORDERS}")
+    orders: list[list[Step]] = [[] for _ in range(shape.pipeline)]
+    pieces, backwards = range(shape.pieces), range(shape.pieces - 1, -1, -1)
+    for depth in range(shape.depth_first):
+        group = shape.group(depth)
+        if shape.order == "breadth_first":
             steps = [
-                Step(s, m, True, p) for s in range(layout.num_stages) for m in group for p in pieces
+                Step(s, m, True, p) for s in range(shape.num_stages) for m in group for p in pieces
             ]
             steps += [
                 Step(s, m, False, p)
-                for s in reversed(range(layout.num_stages))
+                for s in reversed(range(shape.num_stages))
                 for m in group
                 for p in backwards
             ]
             for step in steps:
-                orders[layout.rank_of(step.stage)].append(step)
+                orders[shape.rank_of(step.stage)].append(step)
         else:
-            for rank, steps in enumerate(_one_forward_one_backward(layout, group)):
+            for rank, steps in enumerate(_one_forward_one_backward(shape, group)):
                 orders[rank] += steps
     return orders
 
 
-def _one_forward_one_backward(layout: Layout, group: range) -> list[list[Step]]:
+def _one_forward_one_backward(shape: StepShape, group: range) -> list[list[Step]]:
     """The 1F1B order of one group: a greedy run with unit costs (forward 1, backward 2) in
     which a free rank takes the ready backward of the earliest micro-batch, else the ready
     forward of the earliest one (piece), while it holds fewer micro-batches than its limit
     (its own stages times the pipeline ranks from it to the last; all pieces of a micro-batch
     in flight count as one)."""
     done: dict[Step, int] = {}
-    orders: list[list[Step]] = [[] for _ in range(layout.pipeline)]
-    free_at = [0] * layout.pipeline
-    in_flight = [set() for _ in range(layout.pipeline)]
-    limits = [len(layout.stages_of(r)) * (layout.pipeline - r) for r in range(layout.pipeline)]
+    orders: list[list[Step]] = [[] for _ in range(shape.pipeline)]
+    free_at = [0] * shape.pipeline
+    in_flight = [set() for _ in range(shape.pipeline)]
+    limits = [len(shape.stages_of(r)) * (shape.pipeline - r) for r in range(shape.pipeline)]
     pending = {
         Step(s, m, f, p)
-        for s in range(layout.num_stages)
+        for s in range(shape.num_stages)
         for m in group
         for f in (True, False)
-        for p in range(layout.pieces)
+        for p in range(shape.pieces)
     }
     time = 0
     while pending:
-        for rank in range(layout.pipeline):
+        for rank in range(shape.pipeline):
             if free_at[rank] > time:
                 continue
             ready = [
                 step
                 for step in pending
-                if layout.rank_of(step.stage) == rank
-                and all(done.get(need, time + 1) <= time for need in inputs(step, layout))
+                if shape.rank_of(step.stage) == rank
+                and all(done.get(need, time + 1) <= time for need in inputs(step, shape))
             ]
             backwards = sorted(
                 (s for s in ready if not s.forward),
@@ -177,7 +153,7 @@ def _one_forward_one_backward(layout: Layout, group: range) -> list[list[Step]]:
             cost = 1 if choice.forward else 2
             free_at[rank] = time + cost
             done[choice] = time + cost
-            mine = layout.stages_of(rank)
+            mine = shape.stages_of(rank)
             if choice.forward:
                 in_flight[rank].add(choice.micro_batch)
             elif choice.stage == mine[0] and choice.piece == 0:
@@ -204,23 +180,23 @@ def dependency(step: Step, num_stages: int) -> Step | None:
     return Step(step.stage + 1, m, False, p)
 
 
-def inputs(step: Step, layout: Layout) -> list[Step]:
+def inputs(step: Step, shape: StepShape) -> list[Step]:
     """Every step that must have run before `step`: its `dependency`; for a backward pass its
     own forward pass; with pieces, the stage's previous piece (forward: whose keys and values
     it reads) or next piece (backward: whose gradients of this piece's keys and values it
     adds)."""
-    need = [dependency(step, layout.num_stages)]
+    need = [dependency(step, shape.num_stages)]
     m, p = step.micro_batch, step.piece
     if step.forward:
         need.append(Step(step.stage, m, True, p - 1) if p else None)
     else:
         need.append(Step(step.stage, m, True, p))
-        need.append(Step(step.stage, m, False, p + 1) if p + 1 < layout.pieces else None)
+        need.append(Step(step.stage, m, False, p + 1) if p + 1 < shape.pieces else None)
     return [s for s in need if s is not None]
 
 
 def timeline(
-    layout: Layout,
+    shape: StepShape,
     orders: Sequence[Sequence[Step]],
     forward_cost: Sequence[float],
     backward_cost: Sequence[float],
@@ -237,12 +213,12 @@ def timeline(
         for rank, order in enumerate(orders):
             while position[rank] < len(order):
                 step = order[position[rank]]
-                known = inputs(step, layout)
+                known = inputs(step, shape)
                 if any(need not in times for need in known):
                     break
                 ready = free[rank]
                 for need in known:
-                    delay = transfer_cost if layout.rank_of(need.stage) != rank else 0.0
+                    delay = transfer_cost if shape.rank_of(need.stage) != rank else 0.0
                     ready = max(ready, times[need][1] + delay)
                 cost = (forward_cost if step.forward else backward_cost)[step.stage]
                 times[step] = (ready, ready + cost)
@@ -260,7 +236,7 @@ class ScheduleError(RuntimeError):
 
 
 def build_programs(
-    layout: Layout,
+    shape: StepShape,
     zero_stage: int = 1,
     gather_weights: bool = False,
     needs: Callable[[int], set[int]] | None = None,
@@ -268,22 +244,22 @@ def build_programs(
     """Every pipeline rank's program for one step (see the module's docstring).
     `gather_weights`: ZeRO-3 over more than one data rank; `needs(stage)`: the stages whose
     weights running `stage` reads (default: itself)."""
-    orders = rank_orders(layout)
-    times = timeline(layout, orders, [1.0] * layout.num_stages, [2.0] * layout.num_stages)
+    orders = rank_orders(shape)
+    times = timeline(shape, orders, [1.0] * shape.num_stages, [2.0] * shape.num_stages)
     # One global order of events: by time, transfers before computations, then a fixed
     # tie-break; each rank's program is its subsequence.
     events: list[tuple[float, int, int, int, Op]] = []
     for rank, order in enumerate(orders):
         for step in order:
             events.append((times[step][0], 1, len(events), rank, Op("compute", step)))
-            need = dependency(step, layout.num_stages)
-            if need is None or layout.rank_of(need.stage) == rank:
+            need = dependency(step, shape.num_stages)
+            if need is None or shape.rank_of(need.stage) == rank:
                 continue
-            source, at = layout.rank_of(need.stage), times[need][1]
+            source, at = shape.rank_of(need.stage), times[need][1]
             events.append((at, 0, len(events), source, Op("send", need, peer=rank)))
             events.append((at, 0, len(events), rank, Op("recv", need, peer=source)))
     events.sort(key=lambda event: event[:3])
-    programs = [Program(rank) for rank in range(layout.pipeline)]
+    programs = [Program(rank) for rank in range(shape.pipeline)]
     for *_, rank, op in events:
         programs[rank].ops.append(op)
     for program in programs:

@@ -23,7 +23,8 @@ import msgspec
 
 from fastllm.config import TrainerConfig
 from fastllm.config.flops import flops_per_token
-from fastllm.engine.pipeline.schedule import Layout, Program, Step, build_programs, stages_read
+from fastllm.config.layout import StepShape, resolve
+from fastllm.engine.pipeline.schedule import Program, Step, build_programs, stages_read
 
 EFFECTIVE_TFLOPS = 550.0
 """Default compute rate: what our dense training sustains on one H200 (56% MFU of 989 TFLOP/s:
@@ -87,40 +88,21 @@ class Simulation:
 
 def programs_for(config: TrainerConfig, world_size: int) -> list[Program]:
     """The programs the trainer's runner builds for `config` on `world_size` ranks."""
-    layout = layout_for(config, world_size)
-    distributed, stages = config.model.distributed, config.model.multi_stage
-    data_size = distributed.data_parallel(world_size)
+    layout = resolve(config, world_size)
+    shape, zero_stage = layout.step, config.model.multi_stage.zero_stage
     tied = config.model.base_model.tie_word_embeddings
-    last = layout.num_stages - 1
+    last = shape.num_stages - 1
     # As FlatModel.tied_here: the head has no copy of its own when it shares the rank.
-    tied_here = tied and layout.rank_of(last) == layout.rank_of(0)
+    tied_here = tied and shape.rank_of(last) == shape.rank_of(0)
 
     def needs(stage: int) -> set[int]:
-        return stages_read(stage, layout.num_stages, tied_here)
+        return stages_read(stage, shape.num_stages, tied_here)
 
     return build_programs(
-        layout,
-        zero_stage=stages.zero_stage,
-        gather_weights=stages.zero_stage == 3 and data_size > 1,
+        shape,
+        zero_stage=zero_stage,
+        gather_weights=zero_stage == 3 and layout.data > 1,
         needs=needs,
-    )
-
-
-def layout_for(config: TrainerConfig, world_size: int) -> Layout:
-    distributed, batch = config.model.distributed, config.batch
-    data_size = distributed.data_parallel(world_size)
-    assert batch.micro_batch_size is not None
-    per_rank = batch.batch_size // (data_size // distributed.sequence_data_parallel)
-    micro = min(batch.micro_batch_size, per_rank)
-    breadth, depth = config.schedule.micro_batches(per_rank, micro)
-    stages = config.model.multi_stage.num_stages(config.model.base_model.transformer.num_layers)
-    return Layout(
-        stages,
-        distributed.pipeline_parallel,
-        breadth,
-        depth,
-        config.schedule.order,
-        config.schedule.micro_batch_splits,
     )
 
 
@@ -135,21 +117,16 @@ def cost_model(
     `tflops`, message sizes from the geometry; per piece of a micro-batch with
     `schedule.micro_batch_splits` (each the same share: the later pieces' longer attention
     is not modelled)."""
-    base, batch, distributed = config.model.base_model, config.batch, config.model.distributed
+    base, batch, layout = config.model.base_model, config.batch, resolve(config, world_size)
     t, stages = base.transformer, config.model.multi_stage
-    tensor = distributed.tensor_parallel
-    data_size = distributed.data_parallel(world_size)
-    sequence_data = distributed.sequence_data_parallel
-    per_rank = batch.batch_size // (data_size // sequence_data)
-    micro = min(batch.micro_batch_size or batch.batch_size, per_rank)
-    pieces = config.schedule.micro_batch_splits
-    tokens = micro * batch.sequence_length // sequence_data // pieces
+    tensor, pieces = layout.tensor, layout.micro_batch_splits
+    tokens = layout.micro_batch_size * batch.sequence_length // layout.sequence_data // pieces
     head = 6 * base.vocab_size * t.hidden_size
     block = (flops_per_token(base, batch.sequence_length) - head) / t.num_layers
-    count = stages.num_stages(t.num_layers)
+    count = layout.num_stages
     forward, weights = [], []
     block_parameters = base.num_parameters(embeddings=False) / t.num_layers
-    compute_bytes = 2 if distributed.training_dtype != "float32" else 4
+    compute_bytes = 2 if config.model.distributed.training_dtype != "float32" else 4
     for stage in range(count):
         first = stage * stages.layers_per_stage
         layers = min(stages.layers_per_stage, t.num_layers - first)
@@ -160,22 +137,23 @@ def cost_model(
         forward.append(flops / 3 * tokens / tensor / (tflops * 1e12))
         weights.append(parameters / tensor * compute_bytes)
     recompute = 2.0 if stages.recompute == "full" else 1.0
-    sequence = batch.sequence_length // sequence_data // pieces
-    sequence //= tensor if distributed.sequence_parallel else 1
     return CostModel(
         forward=forward,
         backward=[(1 + recompute) * f for f in forward],
-        activation_bytes=micro * sequence * t.hidden_size * compute_bytes,
+        activation_bytes=layout.micro_batch_size
+        * layout.piece_length
+        * t.hidden_size
+        * compute_bytes,
         weight_bytes=weights,
         gradient_bytes=[w / compute_bytes * 4 for w in weights],
-        data_size=data_size,
+        data_size=layout.data,
         zero_stage=stages.zero_stage,
         pipeline_bandwidth=pipeline_gbps * 1e9,
         data_bandwidth=data_gbps * 1e9,
     )
 
 
-def simulate(layout: Layout, programs: Sequence[Program], costs: CostModel) -> Simulation:
+def simulate(shape: StepShape, programs: Sequence[Program], costs: CostModel) -> Simulation:
     """The step's timeline (see the module's docstring)."""
     ranks = len(programs)
     position = [0] * ranks
@@ -251,7 +229,7 @@ def simulate(layout: Layout, programs: Sequence[Program], costs: CostModel) -> S
         transfers = [free for pair, free in link.items() if rank in pair]
         end = max(compute[rank], data[rank], *transfers)
         if costs.zero_stage < 3:  # the updated weights, all-gathered after the step
-            owned = layout.stages_of(rank)
+            owned = shape.stages_of(rank)
             duration = costs.collective(sum(costs.weight_bytes[s] for s in owned))
             if duration:
                 result.intervals.append(Interval(rank, "data", end, end + duration, "all-gather"))
@@ -299,13 +277,13 @@ def predict(config: TrainerConfig, world_size: int, **rates: float) -> list[Pred
     predictions = []
     for name in VARIANTS:
         variant = variant_config(config, name)
-        layout = layout_for(variant, world_size)
+        shape = resolve(variant, world_size).step
         programs = programs_for(variant, world_size)
         costs = cost_model(variant, world_size, **rates)
-        timed = simulate(layout, programs, costs)
-        ideal = simulate(layout, programs, costs.free_communication())
-        busy = sum(ideal.busy(rank) for rank in range(layout.pipeline))
-        bubble = 1 - busy / (layout.pipeline * ideal.step_time)
+        timed = simulate(shape, programs, costs)
+        ideal = simulate(shape, programs, costs.free_communication())
+        busy = sum(ideal.busy(rank) for rank in range(shape.pipeline))
+        bubble = 1 - busy / (shape.pipeline * ideal.step_time)
         predictions.append(
             Prediction(name, timed.step_time, bubble, timed.step_time - ideal.step_time, timed)
         )
@@ -380,11 +358,11 @@ def report(
             f"{p.name:34} {p.step_time * 1e3:10.2f} {p.bubble:7.1%} {p.exposed * 1e3:18.2f}"
         )
     if png is not None:
-        layout = layout_for(config, world_size)
-        pieces = f" of {layout.pieces} pieces" if layout.pieces > 1 else ""
+        shape = resolve(config, world_size).step
+        pieces = f" of {shape.pieces} pieces" if shape.pieces > 1 else ""
         title = (
-            f"{world_size} ranks, pipeline {layout.pipeline}, ZeRO-"
-            f"{config.model.multi_stage.zero_stage}, {layout.micro_batches} micro-batches"
+            f"{world_size} ranks, pipeline {shape.pipeline}, ZeRO-"
+            f"{config.model.multi_stage.zero_stage}, {shape.micro_batches} micro-batches"
             f"{pieces} per rank, {config.model.base_model.transformer.num_layers} layers"
         )
         draw(predictions, png, title)

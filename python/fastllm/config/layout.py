@@ -1,0 +1,339 @@
+"""The run's geometry, resolved once: `resolve(config, world_size)` gives every size a run of
+`config` on `world_size` ranks uses, and `COMPATIBILITY` is the one table of the settings that
+do not compose yet. The mesh, the trainer, the input checks and the simulator read the resolved
+`RunLayout`; `fastllm config validate --world-size N` prints it.
+
+Ranks are ordered tensor → data → pipeline (Fast-LLM's order); sequence-data and expert ranks
+are consecutive ranks of the data group. Imports no torch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fastllm.config.section import ConfigError
+
+if TYPE_CHECKING:
+    from fastllm.config.trainer import TrainerConfig
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The shape of one training step, which the pipeline schedule is built from: stages over
+    pipeline ranks (stage s on rank s mod pipeline, so more stages than ranks loops over them),
+    breadth- and depth-first micro-batches, and the pieces each micro-batch is cut into."""
+
+    num_stages: int
+    pipeline: int
+    breadth_first: int
+    depth_first: int
+    order: str = "breadth_first"
+    pieces: int = 1
+    """Pieces of each micro-batch (`schedule.micro_batch_splits`)."""
+
+    def rank_of(self, stage: int) -> int:
+        return stage % self.pipeline
+
+    @property
+    def micro_batches(self) -> int:
+        return self.breadth_first * self.depth_first
+
+    def group(self, depth: int) -> range:
+        """The micro-batches of depth-first group `depth`."""
+        return range(depth * self.breadth_first, (depth + 1) * self.breadth_first)
+
+    def stages_of(self, rank: int) -> list[int]:
+        return list(range(rank, self.num_stages, self.pipeline))
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """Every size a run uses. Data, tensor, pipeline, sequence-data and expert sizes are
+    different numbers; each collective's group has one of them."""
+
+    world_size: int
+    tensor: int
+    """Ranks that split each layer (`model.distributed.tensor_parallel`)."""
+    data: int
+    """Data-parallel ranks, world / (tensor × pipeline): ZeRO shards and gradient sums span
+    them."""
+    pipeline: int
+    """Ranks that split the stages (`model.distributed.pipeline_parallel`)."""
+    sequence_data: int
+    """Consecutive data ranks that share each sequence."""
+    sequence_data_chunking: str
+    """Which chunks of a sequence each of them computes: contiguous or head_tail."""
+    expert: int
+    """Consecutive data ranks that split each mixture's experts."""
+    expert_data: int
+    """Data ranks that hold the same experts (ZeRO shards the expert parameters over them);
+    1 without expert parallelism."""
+    sample_groups: int
+    """The data ranks as the data loader sees them: one per sequence-data group."""
+    sequence_tensor_parallel: bool
+    """Activations between layers split over the tensor ranks (needs tensor > 1)."""
+    micro_batch_size: int
+    """Sequences per forward/backward pass on one rank (at most what a sample group trains)."""
+    breadth_first: int
+    """Micro-batches of a group, each run through a stage before the next stage starts."""
+    depth_first: int
+    """Groups of micro-batches run one after the other in a step."""
+    micro_batch_splits: int
+    """Pieces each sequence of a micro-batch is cut into."""
+    order: str
+    """How a group's micro-batches visit the stages: breadth_first or depth_first."""
+    num_stages: int
+    stages_per_rank: tuple[int, ...]
+    """How many stages each pipeline rank holds."""
+    piece_length: int
+    """Tokens of one sequence a rank computes in one pass: its sequence-data chunk, cut into
+    `micro_batch_splits` pieces, split over the tensor ranks with sequence-tensor parallelism
+    (what a pipeline stage hands the next per sequence)."""
+
+    @property
+    def step(self) -> StepShape:
+        return StepShape(
+            self.num_stages,
+            self.pipeline,
+            self.breadth_first,
+            self.depth_first,
+            self.order,
+            self.micro_batch_splits,
+        )
+
+
+# --- what does not compose yet -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Condition:
+    """A setting in use: the config key, when it counts as used, and how the table says so."""
+
+    key: str
+    """Dotted key, which is also its attribute path in the config."""
+    holds: Callable[[Any], bool]
+    text: str
+
+
+def _enabled(key: str) -> Condition:
+    """A switch turned on, or a count above 0."""
+    return Condition(key, bool, key)
+
+
+def _above_one(key: str) -> Condition:
+    """A size above 1 (unset counts as 1)."""
+    return Condition(key, lambda value: (value or 1) > 1, f"{key} > 1")
+
+
+def _equal_to(key: str, expected: str) -> Condition:
+    return Condition(key, lambda value: value == expected, f"{key}={expected}")
+
+
+def _other_than(key: str, default: str) -> Condition:
+    return Condition(key, lambda value: value != default, f"{key} other than {default}")
+
+
+@dataclass(frozen=True)
+class Incompatibility:
+    """`setting` is refused while `other` holds, for `reason`; the error names `setting`'s key."""
+
+    setting: Condition
+    other: Condition
+    reason: str
+
+
+_COMPILE = _enabled("training.compile")
+_OFFLOAD = _enabled("model.multi_stage.offload_activations")
+_SPLITS = _above_one("schedule.micro_batch_splits")
+_FP8 = _other_than("model.distributed.fp8_linear", "none")
+_ONE_PASS = "one forward pass of the blocks at a time, run eagerly"
+_GRAPHS = "their collectives would break the compiled graphs"
+
+COMPATIBILITY: tuple[Incompatibility, ...] = (
+    Incompatibility(_COMPILE, _above_one("model.distributed.tensor_parallel"), _GRAPHS),
+    Incompatibility(_COMPILE, _above_one("model.distributed.sequence_data_parallel"), _GRAPHS),
+    Incompatibility(_COMPILE, _FP8, "the FP8 layers run their own kernels"),
+    Incompatibility(
+        _FP8,
+        _above_one("model.distributed.tensor_parallel"),
+        "the FP8 layers have no tensor-parallel form",
+    ),
+    Incompatibility(_OFFLOAD, _COMPILE, _ONE_PASS),
+    Incompatibility(_OFFLOAD, _above_one("model.distributed.pipeline_parallel"), _ONE_PASS),
+    Incompatibility(_OFFLOAD, _above_one("schedule.breadth_first_micro_batches"), _ONE_PASS),
+    Incompatibility(_OFFLOAD, _SPLITS, _ONE_PASS),
+    Incompatibility(
+        _SPLITS,
+        _above_one("model.distributed.sequence_data_parallel"),
+        "the keys and values gathered over the sequence-data ranks hold no earlier pieces",
+    ),
+    Incompatibility(
+        _SPLITS,
+        _equal_to("model.multi_stage.recompute", "full"),
+        "a recomputed block would add its piece's keys and values a second time",
+    ),
+)
+"""Every pair of settings that does not compose yet, with the reason; the first row that holds
+is the error."""
+
+
+def _setting(config: TrainerConfig, key: str) -> Any:
+    """The value of a dotted config key."""
+    value: Any = config
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def check_compatible(config: TrainerConfig) -> None:
+    """A `ConfigError` naming both keys of the first row of `COMPATIBILITY` that `config`
+    meets."""
+    for row in COMPATIBILITY:
+        mine, other = _setting(config, row.setting.key), _setting(config, row.other.key)
+        if row.setting.holds(mine) and row.other.holds(other):
+            raise ConfigError(
+                row.setting.key,
+                f"not supported yet with {row.other.text} ({row.reason}; here "
+                f"{row.setting.key}={_show(mine)}, {row.other.key}={_show(other)})",
+            )
+
+
+def _show(value: Any) -> str:
+    """A value as YAML writes it."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+# --- sizes --------------------------------------------------------------------------------------
+
+
+def check_shape(config: TrainerConfig) -> None:
+    """The sizes that must divide each other whatever the number of ranks: the model's
+    dimensions by the tensor ranks, the experts by the expert ranks, the sequence by its
+    chunks and pieces, and at least one stage per pipeline rank."""
+    model, distributed = config.model, config.model.distributed
+    t = model.base_model.transformer
+    stages = model.multi_stage.num_stages(t.num_layers)
+    pipeline = distributed.pipeline_parallel
+    if pipeline > stages:
+        raise ConfigError(
+            "model.distributed.pipeline_parallel",
+            f"({pipeline}) is more than the model's stages ({stages}: "
+            "model.base_model.transformer.num_layers / model.multi_stage.layers_per_stage), "
+            "so some pipeline rank would hold none",
+        )
+    tensor = distributed.tensor_parallel
+    assert t.ffn_hidden_size is not None, "validate() first"
+    for key, value in (
+        ("model.base_model.transformer.num_attention_heads", t.num_attention_heads),
+        ("model.base_model.transformer.head_groups", t.head_groups),
+        ("model.base_model.transformer.ffn_hidden_size", t.ffn_hidden_size),
+        ("model.base_model.vocab_size", model.base_model.vocab_size),
+    ):
+        if value % tensor:
+            raise ConfigError(
+                "model.distributed.tensor_parallel",
+                f"({tensor}) must divide {key} ({value}): each rank holds a slice",
+            )
+    expert = distributed.expert_parallel
+    if t.num_experts % expert:
+        raise ConfigError(
+            "model.distributed.expert_parallel",
+            f"({expert}) must divide model.base_model.transformer.num_experts "
+            f"({t.num_experts}): each rank holds an equal share of the experts",
+        )
+    _check_sequence_length(config)
+
+
+def _check_sequence_length(config: TrainerConfig) -> None:
+    distributed, length = config.model.distributed, config.batch.sequence_length
+    sequence_data, splits = distributed.sequence_data_parallel, config.schedule.micro_batch_splits
+    head_tail = distributed.sequence_data_chunking == "head_tail" and sequence_data > 1
+    factors = [
+        (2, "2 (model.distributed.sequence_data_chunking: head_tail)", head_tail),
+        (sequence_data, "model.distributed.sequence_data_parallel", sequence_data > 1),
+        (splits, "schedule.micro_batch_splits", splits > 1),
+        (
+            distributed.tensor_parallel,
+            "model.distributed.tensor_parallel (with sequence_tensor_parallel)",
+            distributed.sequence_tensor_parallel and distributed.tensor_parallel > 1,
+        ),
+    ]
+    used = [(factor, key) for factor, key, applies in factors if applies]
+    chunks = 1
+    for factor, _ in used:
+        chunks *= factor
+    if length % chunks:
+        raise ConfigError(
+            "batch.sequence_length",
+            f"({length}) must be divisible by {' × '.join(key for _, key in used)} ({chunks})",
+        )
+
+
+def resolve(config: TrainerConfig, world_size: int) -> RunLayout:
+    """Every size a run of `config` on `world_size` ranks uses; a `ConfigError` naming the keys
+    when they do not fit the ranks or each other, or when the settings do not compose yet."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be positive, got {world_size}")
+    check_compatible(config)
+    check_shape(config)
+    distributed, batch = config.model.distributed, config.batch
+    tensor, pipeline = distributed.tensor_parallel, distributed.pipeline_parallel
+    if world_size % (tensor * pipeline):
+        raise ConfigError(
+            "model.distributed.tensor_parallel",
+            f"tensor_parallel ({tensor}) × model.distributed.pipeline_parallel "
+            f"({pipeline}) must divide the number of ranks ({world_size})",
+        )
+    data = world_size // (tensor * pipeline)
+    over = f"{world_size} ranks over model.distributed.tensor_parallel × pipeline_parallel"
+    for key, size in (
+        ("sequence_data_parallel", distributed.sequence_data_parallel),
+        ("expert_parallel", distributed.expert_parallel),
+    ):
+        if data % size:
+            raise ConfigError(
+                f"model.distributed.{key}",
+                f"({size}) must divide the data-parallel size ({data}: {over})",
+            )
+    sequence_data, expert = distributed.sequence_data_parallel, distributed.expert_parallel
+    groups = data // sequence_data
+    if batch.batch_size % groups:
+        shared = (
+            f" over model.distributed.sequence_data_parallel ({sequence_data})"
+            if sequence_data > 1
+            else ""
+        )
+        raise ConfigError(
+            "batch.batch_size",
+            f"({batch.batch_size}) must be divisible by the data-parallel size{shared}, "
+            f"{groups} (the {over})",
+        )
+    per_group = batch.batch_size // groups
+    assert batch.micro_batch_size is not None, "validate() first"
+    micro = min(batch.micro_batch_size, per_group)
+    breadth, depth = config.schedule.micro_batches(per_group, micro)
+    num_stages = config.model.multi_stage.num_stages(config.model.base_model.transformer.num_layers)
+    splits = config.schedule.micro_batch_splits
+    sequence_tensor = distributed.sequence_tensor_parallel and tensor > 1
+    piece = batch.sequence_length // sequence_data // splits // (tensor if sequence_tensor else 1)
+    return RunLayout(
+        world_size=world_size,
+        tensor=tensor,
+        data=data,
+        pipeline=pipeline,
+        sequence_data=sequence_data,
+        sequence_data_chunking=distributed.sequence_data_chunking,
+        expert=expert,
+        expert_data=data // expert if expert > 1 else 1,
+        sample_groups=groups,
+        sequence_tensor_parallel=sequence_tensor,
+        micro_batch_size=micro,
+        breadth_first=breadth,
+        depth_first=depth,
+        micro_batch_splits=splits,
+        order=config.schedule.order,
+        num_stages=num_stages,
+        stages_per_rank=tuple(len(range(r, num_stages, pipeline)) for r in range(pipeline)),
+        piece_length=piece,
+    )
