@@ -33,8 +33,8 @@ def layer_step(tokens: int, inputs: int, outputs: int, producer: str, recipe: st
     """One forward and backward of the layer, the weight requantized each time."""
     import torch
 
-    from fastllm_kernels.activation import gated_linear
-    from fastllm_kernels.fp8_linear import Fp8Weight
+    from fastllm_kernels.fp8.weight import Fp8Weight
+    from fastllm_kernels.gated_linear import gated_linear
     from fastllm_kernels.linear import linear
     from fastllm_kernels.norm_linear import norm_linear
 

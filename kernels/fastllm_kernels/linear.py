@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fastllm_kernels.fp8_linear import Fp8Weight, fp8_linear
+from fastllm_kernels.fp8.linear import fp8_linear
+from fastllm_kernels.fp8.weight import Fp8Weight
 
 GradientProduct = Callable[[Tensor, bool], None]
 """product(out, accumulate): the weight's gradient, computed in fp32, written into out (fp32)
@@ -27,7 +28,7 @@ GradientSink = Callable[[GradientProduct], None]
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """F.linear(x, weight, bias), handing the weight gradient to the weight's sink if any; in
-    FP8 for a weight given an `Fp8Weight` as `weight.fp8` (fp8_linear.py)."""
+    FP8 for a weight given an `Fp8Weight` as `weight.fp8` (fp8/linear.py)."""
     fp8: Fp8Weight | None = getattr(weight, "fp8", None)
     if fp8 is not None:
         return fp8_linear(x, weight, bias, fp8)

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fastllm_kernels._dispatch import as_rows, use_triton
-from fastllm_kernels.fp8_fused import fp8_norm_linear
-from fastllm_kernels.fp8_linear import Fp8Weight
+from fastllm_kernels.fp8.norm_linear import fp8_norm_linear
+from fastllm_kernels.fp8.weight import Fp8Weight
 from fastllm_kernels.linear import linear, weight_gradient
 from fastllm_kernels.norm import (
     layer_norm_reference,
@@ -37,7 +37,7 @@ def norm_linear(
 ) -> Tensor:
     """linear(norm(x), weight, bias); the norm is RMSNorm (`rms`) or LayerNorm (norm_bias may
     then be None), over the last dimension as `rms_norm` / `layer_norm` compute it; the
-    projection in FP8 for a weight given `weight.fp8` (fp8_fused.py)."""
+    projection in FP8 for a weight given `weight.fp8` (fp8/norm_linear.py)."""
     if rms and norm_bias is not None:
         raise ValueError("RMSNorm takes no bias")
     fp8: Fp8Weight | None = getattr(weight, "fp8", None)

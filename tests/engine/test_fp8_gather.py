@@ -15,8 +15,8 @@ import torch
 from fastllm.engine.fp8 import apply_fp8
 from fastllm.engine.process_group import setup_distributed
 from fastllm.model import GPTModel, initialize
-from fastllm_kernels.fp8 import DelayedScale, quantize
-from fastllm_kernels.fp8_linear import E4M3, WEIGHT
+from fastllm_kernels.fp8.amax_history import WEIGHT
+from fastllm_kernels.fp8.quantize import E4M3, DelayedScale, quantize
 from tests.engine.shards import assert_shard_gradients_double, two_rank_flat
 from tests.engine.test_flat_training import tiny_config
 

@@ -4,8 +4,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastllm_kernels.activation import gated_activation_reference, gated_linear
-from fastllm_kernels.fp8 import (
+from fastllm_kernels.activation import gated_activation_reference
+from fastllm_kernels.fp8.amax_history import GRADIENT, INPUT, WEIGHT, AmaxHistories
+from fastllm_kernels.fp8.gated_linear import fp8_gated_linear
+from fastllm_kernels.fp8.linear import fp8_linear
+from fastllm_kernels.fp8.norm_linear import fp8_norm_linear
+from fastllm_kernels.fp8.quantize import (
     FP8_MAX,
     DelayedScale,
     _quantize_triton,
@@ -13,15 +17,8 @@ from fastllm_kernels.fp8 import (
     quantize,
     quantize_reference,
 )
-from fastllm_kernels.fp8_fused import fp8_gated_linear, fp8_norm_linear
-from fastllm_kernels.fp8_linear import (
-    GRADIENT,
-    INPUT,
-    WEIGHT,
-    AmaxHistories,
-    Fp8Weight,
-    fp8_linear,
-)
+from fastllm_kernels.fp8.weight import Fp8Weight
+from fastllm_kernels.gated_linear import gated_linear
 from fastllm_kernels.linear import linear
 from fastllm_kernels.norm import rms_norm_reference
 from fastllm_kernels.norm_linear import norm_linear

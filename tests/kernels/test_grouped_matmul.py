@@ -3,8 +3,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastllm_kernels.grouped_matmul import grouped_weight_gradient_
-from fastllm_kernels.moe import dispatch, grouped_linear, grouped_linear_reference, sparse_map
+from fastllm_kernels.moe.grouped_linear import grouped_linear, grouped_linear_reference
+from fastllm_kernels.moe.grouped_matmul import grouped_weight_gradient_
+from fastllm_kernels.moe.sparse_copy import dispatch
+from fastllm_kernels.moe.sparse_map import sparse_map
 from tests.kernels.conftest import assert_close, cuda, triton_on_cpu
 from tests.kernels.test_moe import top_k
 

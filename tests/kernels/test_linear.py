@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastllm_kernels.activation import gated_linear, gated_linear_reference
+from fastllm_kernels.gated_linear import gated_linear, gated_linear_reference
 from fastllm_kernels.linear import linear, matmul_into_fp32_
 from tests.kernels.conftest import cuda, triton_on_cpu
 

@@ -1,5 +1,5 @@
 """The dense MLP's FP8 paths: once its projections' delayed amax histories are primed, the
-whole MLP runs as one fused function (kernels/fastllm_kernels/fp8_mlp.py); before that, and
+whole MLP runs as one fused function (kernels/fastllm_kernels/fp8/gated_mlp.py); before that, and
 with biases, as the unfused pair. Triton only (the interpreter on CPU)."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import torch
 import fastllm.model.mlp as mlp
 from fastllm.engine.tensor_parallel import TensorParallel
 from fastllm.model.block import Normalization
-from fastllm_kernels.fp8_linear import AmaxHistories, Fp8Weight
+from fastllm_kernels.fp8.amax_history import AmaxHistories
+from fastllm_kernels.fp8.weight import Fp8Weight
 from tests.kernels.conftest import triton_on_cpu
 from tests.model.test_moe import HIDDEN, transformer
 

@@ -14,8 +14,8 @@ from safetensors import safe_open
 from fastllm.checkpoint.distributed import rank_file
 from fastllm.config import ConfigError
 from fastllm.training.state import FP8_PREFIX
-from fastllm_kernels.fp8 import quantize
-from fastllm_kernels.fp8_linear import E4M3, WEIGHT, AmaxHistories
+from fastllm_kernels.fp8.amax_history import WEIGHT, AmaxHistories
+from fastllm_kernels.fp8.quantize import E4M3, quantize
 from tests.training.conftest import Launched, Layout
 from tests.training.test_data_parallel import assert_ranks_match_one_process, model, zero
 from tests.training.test_train_cli import losses

@@ -1,7 +1,7 @@
 """FP8 compute of the blocks' linear layers, applied to a plain model from the outside.
 
 The kernels compute a linear layer in FP8 when its weight carries an `Fp8Weight`
-(fastllm_kernels/fp8_linear.py); this marks the weights of the attention projections and of
+(fastllm_kernels/fp8/weight.py); this marks the weights of the attention projections and of
 the dense MLPs. The embedding and the head stay bf16 (their precision matters most and the
 fused loss computes the head), as do mixture-of-experts layers (their experts are not linear
 modules). The weights' FP8 copies are refreshed once their version changes: the optimizer
@@ -16,7 +16,8 @@ import torch
 from fastllm.config import ConfigError
 from fastllm.model import GPTModel
 from fastllm.model.mlp import MLP
-from fastllm_kernels.fp8_linear import AmaxHistories, Fp8Weight
+from fastllm_kernels.fp8.amax_history import AmaxHistories
+from fastllm_kernels.fp8.weight import Fp8Weight
 
 KEY = "model.distributed.fp8_linear"
 MIN_CAPABILITY = (8, 9)

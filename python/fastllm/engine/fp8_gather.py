@@ -23,8 +23,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fastllm_kernels.fp8 import FP8_MAX, Fp8Tensor, multiplier_reference
-from fastllm_kernels.fp8_linear import E4M3, WEIGHT, Fp8Weight
+from fastllm_kernels.fp8.amax_history import WEIGHT
+from fastllm_kernels.fp8.quantize import E4M3, FP8_MAX, Fp8Tensor, multiplier_reference
+from fastllm_kernels.fp8.weight import Fp8Weight
 
 if TYPE_CHECKING:
     from fastllm.engine.flat_model import FlatModel

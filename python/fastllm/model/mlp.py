@@ -15,10 +15,14 @@ from fastllm.config.model import TransformerConfig
 from fastllm.engine.expert_parallel import ExpertParallel, exchange
 from fastllm.engine.tensor_parallel import TensorParallel, counted_once, enter, leave
 from fastllm.model.parameters import TensorSplit, describe
-from fastllm_kernels.activation import gated_activation_fused, gated_linear
-from fastllm_kernels.fp8_mlp import fp8_gated_mlp, fused_mlp_applies
+from fastllm_kernels.activation import gated_activation_fused
+from fastllm_kernels.fp8.gated_mlp import fp8_gated_mlp, fused_mlp_applies
+from fastllm_kernels.gated_linear import gated_linear
 from fastllm_kernels.linear import linear
-from fastllm_kernels.moe import SparseMap, combine, dispatch, grouped_linear, route, sparse_map
+from fastllm_kernels.moe.grouped_linear import grouped_linear
+from fastllm_kernels.moe.routing import route
+from fastllm_kernels.moe.sparse_copy import combine, dispatch
+from fastllm_kernels.moe.sparse_map import SparseMap, sparse_map
 
 if TYPE_CHECKING:
     from fastllm.model.block import Normalization
@@ -84,7 +88,7 @@ class MLP(torch.nn.Module):
         )
 
     def _fused_fp8(self, x: Tensor, norm: Normalization) -> bool:
-        """Whether the whole MLP runs as one FP8 function (kernels/fastllm_kernels/fp8_mlp.py):
+        """Whether the whole MLP runs as one FP8 function (kernels/fastllm_kernels/fp8/gated_mlp.py):
         gated, recomputing the norm and the activation, no biases, not split."""
         plain = self.layer_1.bias is None and self.layer_2.bias is None and not self.tp.split
         recomputed = self.gated and self.recompute_activation and norm.recompute
@@ -125,7 +129,7 @@ class MixtureOfExperts(torch.nn.Module):
 
     Dropless (`dropless_moe`): the routed tokens are permuted into a sparse layout of contiguous
     per-expert rows, both projections are grouped matmuls over it, and the outputs are permuted
-    back scaled by the routing weights (kernels/fastllm_kernels/moe.py). Otherwise a loop over
+    back scaled by the routing weights (kernels/fastllm_kernels/moe/). Otherwise a loop over
     the experts, the reference.
 
     `forward` returns the output and the router's auxiliary losses (load balancing, z-loss),

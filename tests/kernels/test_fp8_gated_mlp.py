@@ -3,11 +3,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastllm_kernels.activation import _launch_backward, gated_linear
-from fastllm_kernels.fp8 import DelayedScale, dequantize, quantize
-from fastllm_kernels.fp8_fused import _gated_columns
-from fastllm_kernels.fp8_linear import AmaxHistories, Fp8Weight
-from fastllm_kernels.fp8_mlp import fp8_gated_mlp, fused_mlp_applies, gated_backward_quantized
+from fastllm_kernels.activation import gated_backward
+from fastllm_kernels.fp8.amax_history import AmaxHistories
+from fastllm_kernels.fp8.gated_mlp import fp8_gated_mlp, fused_mlp_applies, gated_backward_quantized
+from fastllm_kernels.fp8.producers import gated_columns
+from fastllm_kernels.fp8.quantize import DelayedScale, dequantize, quantize
+from fastllm_kernels.fp8.weight import Fp8Weight
+from fastllm_kernels.gated_linear import gated_linear
 from fastllm_kernels.norm_linear import norm_linear
 from tests.kernels.conftest import cuda, triton_on_cpu
 
@@ -82,11 +84,11 @@ def _gated_backward_cases(device: str):
         DelayedScale(history, records[0]), E5M2,
     )  # fmt: skip
     dh = torch.empty_like(h)
-    _launch_backward(d_activated, h[:, :FFN], h[:, FFN:], dh[:, :FFN], dh[:, FFN:], "silu")
+    gated_backward(d_activated, h[:, :FFN], h[:, FFN:], dh[:, :FFN], dh[:, FFN:], "silu")
     theirs = quantize(
         dh, E5M2, tensorwise=True, columns=True, delayed=DelayedScale(history, records[1])
     )
-    activated = _gated_columns(h, "silu", activated_history)
+    activated = gated_columns(h, "silu", activated_history)
     return ours, (theirs.rows, theirs.columns, activated), records
 
 

@@ -26,19 +26,17 @@ import triton.language as tl
 from torch import Tensor
 
 from fastllm_kernels._dispatch import as_rows, use_triton
-from fastllm_kernels.activation import _activation_and_derivative
-from fastllm_kernels.fp8 import FP8_MAX, DelayedScale, Fp8Tensor, quantize, tensor_multiplier
-from fastllm_kernels.fp8_fused import _gated_quantized, _norm_columns, _norm_quantized
-from fastllm_kernels.fp8_linear import (
-    E4M3,
-    GRADIENT,
-    INPUT,
-    Fp8Weight,
-    product_of_rows,
-    scaled_matmul,
-    weight_gradient,
-)
+from fastllm_kernels.fp8.amax_history import GRADIENT, INPUT
+from fastllm_kernels.fp8.linear import product_of_rows, scaled_matmul, weight_gradient
+from fastllm_kernels.fp8.producers import gated_quantized, norm_columns, norm_quantized
+from fastllm_kernels.fp8.quantize import E4M3, FP8_MAX, DelayedScale, Fp8Tensor, quantize
+from fastllm_kernels.fp8.weight import Fp8Weight
 from fastllm_kernels.norm import norm_backward
+from fastllm_kernels.row_helpers import (
+    activation_and_derivative,
+    store_transposed,
+    tensor_multiplier,
+)
 
 
 def fused_mlp_applies(x: Tensor, up: Tensor, down: Tensor) -> bool:
@@ -76,12 +74,12 @@ class _Fp8GatedMlpFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, norm_weight, norm_bias, eps, rms, up, down, activation, fp8_up, fp8_down):
         rows = as_rows(x)
-        normed, mean, rstd = _norm_quantized(
+        normed, mean, rstd = norm_quantized(
             rows, norm_weight, norm_bias, eps, rms, fp8_up.scale(INPUT)
         )
         h = product_of_rows(normed, up, None, fp8_up, x.dtype)
         del normed
-        activated = _gated_quantized(h, activation, fp8_down.scale(INPUT))
+        activated = gated_quantized(h, activation, fp8_down.scale(INPUT))
         out = product_of_rows(activated, down, None, fp8_down, x.dtype)
         ctx.save_for_backward(rows, norm_weight, norm_bias, mean, rstd, up, h, down)
         ctx.rms, ctx.activation, ctx.fp8_up, ctx.fp8_down = rms, activation, fp8_up, fp8_down
@@ -114,7 +112,7 @@ class _Fp8GatedMlpFunction(torch.autograd.Function):
         d_up = None
         if need_up:
             history = fp8_up.scale(INPUT, record=False).history
-            normed = _norm_columns(rows, norm_weight, norm_bias, mean, rstd, ctx.rms, history)
+            normed = norm_columns(rows, norm_weight, norm_bias, mean, rstd, ctx.rms, history)
             d_up = weight_gradient(up, dh_columns, normed)
         del dh_columns
         bias_dtype = None if norm_bias is None else norm_bias.dtype
@@ -176,16 +174,6 @@ def gated_backward_quantized(
 
 
 @triton.jit
-def _store_transposed(ptr, values, rows, cols, n_rows, row_mask, col_mask):
-    """A (rows, cols) tile into a (cols, n_rows) row-major matrix, transposed."""
-    tl.store(
-        ptr + cols[:, None].to(tl.int64) * n_rows + rows[None, :],
-        tl.trans(values),
-        mask=col_mask[:, None] & row_mask[None, :],
-    )
-
-
-@triton.jit
 def _gated_backward_quantize_kernel(
     h_ptr, h_row_stride, da_ptr, da_row_stride, n_rows, d,
     dh_ptr, dh_t_ptr, dh_scale_ptr, dh_history_ptr, n_dh_history, record_ptr,
@@ -204,7 +192,7 @@ def _gated_backward_quantize_kernel(
     u = tl.load(h_ptr + h_offsets + d, mask=mask, other=0.0).to(tl.float32)
     da_offsets = rows[:, None].to(tl.int64) * da_row_stride + cols[None, :]
     da = tl.load(da_ptr + da_offsets, mask=mask, other=0.0).to(tl.float32)
-    a, derivative = _activation_and_derivative(g, ACTIVATION)
+    a, derivative = activation_and_derivative(g, ACTIVATION)
     # Rounded to the compute dtype first, as the unfused path stores the gradient.
     compute = h_ptr.dtype.element_ty
     d_gate = (da * u * derivative).to(compute).to(tl.float32)
@@ -223,8 +211,8 @@ def _gated_backward_quantize_kernel(
     dh_offsets = rows[:, None].to(tl.int64) * (2 * d) + cols[None, :]
     tl.store(dh_ptr + dh_offsets, q_gate, mask=mask)
     tl.store(dh_ptr + dh_offsets + d, q_up, mask=mask)
-    _store_transposed(dh_t_ptr, q_gate, rows, cols, n_rows, row_mask, col_mask)
-    _store_transposed(dh_t_ptr, q_up, rows, cols + d, n_rows, row_mask, col_mask)
+    store_transposed(dh_t_ptr, q_gate, rows, cols, n_rows, row_mask, col_mask)
+    store_transposed(dh_t_ptr, q_up, rows, cols + d, n_rows, row_mask, col_mask)
 
     a_multiplier = tensor_multiplier(a_history_ptr, n_a_history, ACTIVATED_AMAX_BLOCK,
                                      ACTIVATED_MAX)  # fmt: skip
@@ -232,7 +220,7 @@ def _gated_backward_quantize_kernel(
     q_a = (tl.minimum(tl.maximum(activated, -a_bound), a_bound) * a_multiplier).to(
         a_t_ptr.dtype.element_ty
     )
-    _store_transposed(a_t_ptr, q_a, rows, cols, n_rows, row_mask, col_mask)
+    store_transposed(a_t_ptr, q_a, rows, cols, n_rows, row_mask, col_mask)
     if pid_m == 0 and pid_k == 0:
         tl.store(dh_scale_ptr, tl.math.div_rn(1.0, multiplier))
         tl.store(a_scale_ptr, tl.math.div_rn(1.0, a_multiplier))
