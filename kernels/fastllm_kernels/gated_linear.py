@@ -2,8 +2,8 @@
 
 The activation output (d per token) is not stored for the backward pass but recomputed there
 from x, which the activation's own backward needs anyway: a gated MLP then keeps a third less
-activation memory for one extra elementwise pass. The weight gradient goes through
-`weight_gradient`, so a weight's gradient sink applies (see linear.py).
+activation memory for one extra elementwise pass. The projection follows the weight's recipe
+(recipe.py): in FP8, or its gradient into the recipe's sink through `weight_gradient`.
 """
 
 from __future__ import annotations
@@ -20,19 +20,23 @@ from fastllm_kernels.activation import (
 )
 from fastllm_kernels.fp8.gated_linear import fp8_gated_linear
 from fastllm_kernels.linear import weight_gradient
+from fastllm_kernels.recipe import WeightRecipe
 
 
 def gated_linear(
-    x: Tensor, weight: Tensor, bias: Tensor | None, activation: str = "silu"
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    activation: str = "silu",
+    recipe: WeightRecipe | None = None,
 ) -> Tensor:
-    """linear(act(x[..., :d]) * x[..., d:], weight, bias); in FP8 for a weight given
-    `weight.fp8` (fp8/gated_linear.py)."""
+    """linear(act(x[..., :d]) * x[..., d:], weight, bias) under the weight's `recipe`; in FP8
+    when the recipe has an `Fp8Weight` (fp8/gated_linear.py)."""
     check_gated(activation, x.shape[-1] % 2 == 0 and weight.shape[-1] * 2 == x.shape[-1], x, weight)
-    fp8 = getattr(weight, "fp8", None)
-    if fp8 is not None:
-        return fp8_gated_linear(x, weight, bias, activation, fp8)
+    if recipe is not None and recipe.fp8 is not None:
+        return fp8_gated_linear(x, weight, bias, activation, recipe)
     if use_triton(x, weight, bias):
-        return _GatedLinearFunction.apply(x, weight, bias, activation)
+        return _GatedLinearFunction.apply(x, weight, bias, activation, recipe)
     return gated_linear_reference(x, weight, bias, activation)
 
 
@@ -47,11 +51,11 @@ def gated_linear_reference(
 
 class _GatedLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, activation):
+    def forward(ctx, x, weight, bias, activation, recipe):
         x2 = as_rows(x)
         out = torch.nn.functional.linear(gated_rows(x2, activation), weight, bias)
         ctx.save_for_backward(x2, weight)
-        ctx.activation, ctx.has_bias = activation, bias is not None
+        ctx.activation, ctx.has_bias, ctx.recipe = activation, bias is not None, recipe
         return out.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -78,5 +82,5 @@ class _GatedLinearFunction(torch.autograd.Function):
         elif need_weight:
             activated = gated_rows(x2, ctx.activation)
         if need_weight:
-            d_weight = weight_gradient(weight, dy2, activated)
-        return dx, d_weight, d_bias, None
+            d_weight = weight_gradient(dy2, activated, ctx.recipe)
+        return dx, d_weight, d_bias, None, None

@@ -8,8 +8,10 @@ import pytest
 import torch
 
 import fastllm.model.mlp as mlp
+import fastllm_kernels.gated_mlp
 from fastllm.engine.tensor_parallel import TensorParallel
 from fastllm.model.block import Normalization
+from fastllm.model.parameters import meta_of
 from fastllm_kernels.fp8.amax_history import AmaxHistories
 from fastllm_kernels.fp8.weight import Fp8Weight
 from tests.kernels.conftest import triton_on_cpu
@@ -24,7 +26,7 @@ def _module(biases: str) -> tuple[mlp.MLP, Normalization, AmaxHistories]:
     module.bfloat16(), norm.bfloat16()
     histories = AmaxHistories(2, 2, torch.device("cpu"))
     for index, layer in enumerate((module.layer_1, module.layer_2)):
-        layer.weight.fp8 = Fp8Weight("tensorwise", True, (histories, index))
+        meta_of(layer, "weight").recipe.fp8 = Fp8Weight("tensorwise", True, (histories, index))
     return module, norm, histories
 
 
@@ -34,8 +36,10 @@ def test_the_mlp_runs_fused_once_its_histories_are_primed(
     monkeypatch: pytest.MonkeyPatch, biases: str, fused_steps: int
 ) -> None:
     calls: list[int] = []
-    fused = mlp.fp8_gated_mlp
-    monkeypatch.setattr(mlp, "fp8_gated_mlp", lambda *args: calls.append(1) or fused(*args))
+    fused = fastllm_kernels.gated_mlp.fp8_gated_mlp
+    monkeypatch.setattr(
+        fastllm_kernels.gated_mlp, "fp8_gated_mlp", lambda *args: calls.append(1) or fused(*args)
+    )
     module, norm, histories = _module(biases)
     x = torch.randn(2, 16, HIDDEN).to(torch.bfloat16).requires_grad_()
     for _ in range(2):

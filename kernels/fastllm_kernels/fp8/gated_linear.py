@@ -20,22 +20,23 @@ from fastllm_kernels.fp8.linear import (
 )
 from fastllm_kernels.fp8.producers import gated_columns, gated_quantized, producer_quantizes
 from fastllm_kernels.fp8.quantize import Fp8Tensor
-from fastllm_kernels.fp8.weight import Fp8Weight
+from fastllm_kernels.recipe import WeightRecipe
 
 
 def fp8_gated_linear(
-    x: Tensor, weight: Tensor, bias: Tensor | None, activation: str, fp8: Fp8Weight
+    x: Tensor, weight: Tensor, bias: Tensor | None, activation: str, recipe: WeightRecipe
 ) -> Tensor:
-    """`gated_linear` with the projection in FP8."""
+    """`gated_linear` with the projection in FP8 under `recipe.fp8`."""
     if use_triton(x, weight, bias):
-        return _Fp8GatedLinearFunction.apply(x, weight, bias, activation, fp8)
+        return _Fp8GatedLinearFunction.apply(x, weight, bias, activation, recipe)
     gate, up = x.chunk(2, dim=-1)
-    return fp8_linear(gated_activation_reference(gate, up, activation), weight, bias, fp8)
+    return fp8_linear(gated_activation_reference(gate, up, activation), weight, bias, recipe)
 
 
 class _Fp8GatedLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, activation, fp8):
+    def forward(ctx, x, weight, bias, activation, recipe):
+        fp8 = recipe.fp8
         x2 = as_rows(x)
         delayed = fp8.scale(INPUT)
         if producer_quantizes(fp8, delayed):
@@ -44,7 +45,7 @@ class _Fp8GatedLinearFunction(torch.autograd.Function):
         else:
             out, amax = forward_product(gated_rows(x2, activation), weight, bias, fp8)
         ctx.save_for_backward(x2, weight, amax)
-        ctx.activation, ctx.fp8 = activation, fp8
+        ctx.activation, ctx.recipe = activation, recipe
         ctx.bias_dtype = None if bias is None else bias.dtype
         return out.view(*x.shape[:-1], weight.shape[0])
 
@@ -53,13 +54,16 @@ class _Fp8GatedLinearFunction(torch.autograd.Function):
         x2, weight, amax = ctx.saved_tensors
         need_x, need_weight, need_bias = ctx.needs_input_grad[:3]
         dy2 = as_rows(dy)
-        source = input_scale_source(ctx.fp8, amax)
+        fp8 = ctx.recipe.fp8
+        source = input_scale_source(fp8, amax)
         activated: Tensor | Fp8Tensor | None = None
         if need_weight and source is not None:
             activated = gated_columns(x2, ctx.activation, source)
         elif need_weight:
             activated = gated_rows(x2, ctx.activation)
-        d_activation, d_weight = backward_products(dy2, activated, amax, weight, ctx.fp8, need_x)
+        d_activation, d_weight = backward_products(
+            dy2, activated, amax, weight, fp8, ctx.recipe.gradient_sink, need_x
+        )
         del activated
         d_bias = bias_gradient(dy2, ctx.bias_dtype) if need_bias else None
         dx = None

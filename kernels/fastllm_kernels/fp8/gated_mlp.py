@@ -13,9 +13,9 @@ The values are the unfused pair's: the gradient is rounded to the compute dtype 
 scaled, as the unfused path stores it.
 
 The forward pass is the unfused pair's (the norm and the activation quantize their outputs).
-Used by the model's dense MLP when both projections compute in FP8 with primed amax histories,
-without biases (`fused_mlp_applies`); until the histories are primed (the first step), the
-unfused pair scales currently.
+Chosen by `gated_mlp` (fastllm_kernels' gated_mlp.py) when both projections compute in FP8
+with primed amax histories, without biases (`fused_mlp_applies`); until the histories are
+primed (the first step), the unfused pair scales currently.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from fastllm_kernels.fp8.amax_history import GRADIENT, INPUT
 from fastllm_kernels.fp8.linear import product_of_rows, scaled_matmul, weight_gradient
 from fastllm_kernels.fp8.producers import gated_quantized, norm_columns, norm_quantized
 from fastllm_kernels.fp8.quantize import E4M3, FP8_MAX, DelayedScale, Fp8Tensor, quantize
-from fastllm_kernels.fp8.weight import Fp8Weight
 from fastllm_kernels.norm import norm_backward
+from fastllm_kernels.recipe import WeightRecipe
 from fastllm_kernels.row_helpers import (
     activation_and_derivative,
     store_transposed,
@@ -39,11 +39,12 @@ from fastllm_kernels.row_helpers import (
 )
 
 
-def fused_mlp_applies(x: Tensor, up: Tensor, down: Tensor) -> bool:
+def fused_mlp_applies(
+    x: Tensor, up: Tensor, up_recipe: WeightRecipe, down: Tensor, down_recipe: WeightRecipe
+) -> bool:
     """Whether `fp8_gated_mlp` computes this MLP: both weights delayed-scaled FP8 with primed
     histories, and the kernels in reach of x."""
-    fp8_up: Fp8Weight | None = getattr(up, "fp8", None)
-    fp8_down: Fp8Weight | None = getattr(down, "fp8", None)
+    fp8_up, fp8_down = up_recipe.fp8, down_recipe.fp8
     if fp8_up is None or fp8_down is None or fp8_up.delayed is None or fp8_down.delayed is None:
         return False
     primed = (
@@ -61,18 +62,23 @@ def fp8_gated_mlp(
     eps: float,
     rms: bool,
     up: Tensor,
+    up_recipe: WeightRecipe,
     down: Tensor,
+    down_recipe: WeightRecipe,
     activation: str,
 ) -> Tensor:
     """down(act(gate) * up) of [gate | up] = up_weight(norm(x)), no biases (fused_mlp_applies)."""
     return _Fp8GatedMlpFunction.apply(
-        x, norm_weight, norm_bias, eps, rms, up, down, activation, up.fp8, down.fp8
+        x, norm_weight, norm_bias, eps, rms, up, down, activation, up_recipe, down_recipe
     )
 
 
 class _Fp8GatedMlpFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, norm_weight, norm_bias, eps, rms, up, down, activation, fp8_up, fp8_down):
+    def forward(
+        ctx, x, norm_weight, norm_bias, eps, rms, up, down, activation, up_recipe, down_recipe
+    ):
+        fp8_up, fp8_down = up_recipe.fp8, down_recipe.fp8
         rows = as_rows(x)
         normed, mean, rstd = norm_quantized(
             rows, norm_weight, norm_bias, eps, rms, fp8_up.scale(INPUT)
@@ -82,13 +88,15 @@ class _Fp8GatedMlpFunction(torch.autograd.Function):
         activated = gated_quantized(h, activation, fp8_down.scale(INPUT))
         out = product_of_rows(activated, down, None, fp8_down, x.dtype)
         ctx.save_for_backward(rows, norm_weight, norm_bias, mean, rstd, up, h, down)
-        ctx.rms, ctx.activation, ctx.fp8_up, ctx.fp8_down = rms, activation, fp8_up, fp8_down
+        ctx.rms, ctx.activation = rms, activation
+        ctx.up_recipe, ctx.down_recipe = up_recipe, down_recipe
         return out.view(*x.shape[:-1], down.shape[0])
 
     @staticmethod
     def backward(ctx, grad):
         rows, norm_weight, norm_bias, mean, rstd, up, h, down = ctx.saved_tensors
-        fp8_up, fp8_down = ctx.fp8_up, ctx.fp8_down
+        up_recipe, down_recipe = ctx.up_recipe, ctx.down_recipe
+        fp8_up, fp8_down = up_recipe.fp8, down_recipe.fp8
         need_up, need_down = ctx.needs_input_grad[5:7]
         dy = as_rows(grad)
         dy_q = quantize(
@@ -105,7 +113,9 @@ class _Fp8GatedMlpFunction(torch.autograd.Function):
         d_down = None
         if need_down:
             assert dy_q.columns is not None
-            d_down = weight_gradient(down, dy_q.columns, activated_columns)
+            d_down = weight_gradient(
+                down, dy_q.columns, activated_columns, down_recipe.gradient_sink
+            )
         del dy_q, activated_columns
         d_normed = scaled_matmul(dh_rows, fp8_up.columns(up), dy.dtype, fast=False)
         del dh_rows
@@ -113,7 +123,7 @@ class _Fp8GatedMlpFunction(torch.autograd.Function):
         if need_up:
             history = fp8_up.scale(INPUT, record=False).history
             normed = norm_columns(rows, norm_weight, norm_bias, mean, rstd, ctx.rms, history)
-            d_up = weight_gradient(up, dh_columns, normed)
+            d_up = weight_gradient(up, dh_columns, normed, up_recipe.gradient_sink)
         del dh_columns
         bias_dtype = None if norm_bias is None else norm_bias.dtype
         dx, d_norm_weight, d_norm_bias = norm_backward(

@@ -1,13 +1,12 @@
 """Linear layers computing in FP8: the three products of a linear layer through `torch._scaled_mm`.
 
-A training engine opts a weight in by setting `weight.fp8 = Fp8Weight(recipe)` (weight.py);
-`linear`, `norm_linear` and `gated_linear` then compute through here. The forward product
-and the input gradient come out in the compute dtype, the weight gradient in fp32 straight
-into the engine's gradient buffer when the weight has a gradient sink (fastllm_kernels'
-linear.py); the forward product accumulates in the faster mode of the fp8 tensor cores, the
-two gradient products in full precision (torchao's choice). On CPU the products multiply the
-dequantized fp32 operands: the same rounding of the operands as on the GPU, so the CPU tests
-cover the recipes' logic.
+A training engine opts a weight in by giving its recipe an `Fp8Weight` (recipe.py, weight.py);
+`linear`, `norm_linear` and `gated_linear` then compute through here. The forward product and
+the input gradient come out in the compute dtype, the weight gradient in fp32 straight into
+the engine's gradient buffer when the recipe has a gradient sink; the forward product
+accumulates in the faster mode of the fp8 tensor cores, the two gradient products in full
+precision (torchao's choice). On CPU the products multiply the dequantized fp32 operands: the
+same rounding of the operands as on the GPU, so the CPU tests cover the recipes' logic.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ from fastllm_kernels._dispatch import as_rows
 from fastllm_kernels.fp8.amax_history import GRADIENT, INPUT
 from fastllm_kernels.fp8.quantize import E4M3, Fp8Tensor, quantize, requested
 from fastllm_kernels.fp8.weight import Fp8Weight
+from fastllm_kernels.recipe import GradientSink, WeightRecipe
 
 _ALIGNMENT = 16
 """`_scaled_mm` wants every dimension of its operands a multiple of 16."""
@@ -53,9 +53,9 @@ def scaled_matmul(
     )
 
 
-def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, fp8: Fp8Weight) -> Tensor:
-    """F.linear(x, weight, bias) with all three products in FP8 under `fp8`'s recipe."""
-    return _Fp8LinearFunction.apply(x, weight, bias, fp8)
+def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, recipe: WeightRecipe) -> Tensor:
+    """F.linear(x, weight, bias) with all three products in FP8 under `recipe.fp8`."""
+    return _Fp8LinearFunction.apply(x, weight, bias, recipe)
 
 
 def forward_product(
@@ -81,13 +81,13 @@ def backward_products(
     input_amax: Tensor | None,
     weight: Tensor,
     fp8: Fp8Weight,
+    sink: GradientSink | None,
     need_input: bool,
 ) -> tuple[Tensor | None, Tensor | None]:
     """The input gradient (when `need_input`) and the weight gradient (when `input_rows`, the
     forward product's input, recomputed or kept, is given, or its columns already in fp8;
-    None once handed to the weight's gradient sink) from the output gradient rows. The input
-    rows are scaled as in the forward product: from `input_amax`, or from the same amax
-    history."""
+    None once handed to `sink`) from the output gradient rows. The input rows are scaled as
+    in the forward product: from `input_amax`, or from the same amax history."""
     need_weight = input_rows is not None
     if not (need_input or need_weight):
         return None, None
@@ -105,14 +105,14 @@ def backward_products(
         w = fp8.columns(weight)
         d_input = scaled_matmul(requested(grad.rows), w, grad_rows.dtype, fast=False)
     if isinstance(input_rows, Fp8Tensor):
-        d_weight = weight_gradient(weight, requested(grad.columns), input_rows)
+        d_weight = weight_gradient(weight, requested(grad.columns), input_rows, sink)
     elif input_rows is not None:
         delayed = fp8.scale(INPUT, record=False) if input_amax is None else None
         x = quantize(
             input_rows, E4M3, tensorwise=tensorwise, rows=False, columns=True, amax=input_amax,
             delayed=delayed,
         )  # fmt: skip
-        d_weight = weight_gradient(weight, requested(grad.columns), requested(x.columns))
+        d_weight = weight_gradient(weight, requested(grad.columns), requested(x.columns), sink)
     return d_input, d_weight
 
 
@@ -128,10 +128,11 @@ def input_scale_source(fp8: Fp8Weight, input_amax: Tensor | None) -> Tensor | No
     return delayed.history
 
 
-def weight_gradient(weight: Tensor, grad: Fp8Tensor, x: Fp8Tensor) -> Tensor | None:
-    """gradᵀ x (both transposed already): into the weight's gradient sink in fp32 (no copy of
+def weight_gradient(
+    weight: Tensor, grad: Fp8Tensor, x: Fp8Tensor, sink: GradientSink | None
+) -> Tensor | None:
+    """gradᵀ x (both transposed already): into the weight's gradient `sink` in fp32 (no copy of
     it in the compute dtype), else returned in the weight's dtype."""
-    sink = getattr(weight, "gradient_sink", None)
     if sink is None:
         return scaled_matmul(grad, x, weight.dtype, fast=False)
 
@@ -151,11 +152,11 @@ def bias_gradient(grad_rows: Tensor, bias_dtype: torch.dtype) -> Tensor:
 
 class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, fp8):
+    def forward(ctx, x, weight, bias, recipe):
         rows = as_rows(x)
-        out, amax = forward_product(rows, weight, bias, fp8)
+        out, amax = forward_product(rows, weight, bias, recipe.fp8)
         ctx.save_for_backward(rows, weight, amax)
-        ctx.fp8, ctx.bias_dtype = fp8, None if bias is None else bias.dtype
+        ctx.recipe, ctx.bias_dtype = recipe, None if bias is None else bias.dtype
         return out.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -163,9 +164,11 @@ class _Fp8LinearFunction(torch.autograd.Function):
         rows, weight, amax = ctx.saved_tensors
         need_x, need_weight, need_bias, _ = ctx.needs_input_grad
         grad_rows = as_rows(grad)
+        recipe = ctx.recipe
         dx, d_weight = backward_products(
-            grad_rows, rows if need_weight else None, amax, weight, ctx.fp8, need_x
-        )
+            grad_rows, rows if need_weight else None, amax, weight, recipe.fp8,
+            recipe.gradient_sink, need_x,
+        )  # fmt: skip
         d_bias = bias_gradient(grad_rows, ctx.bias_dtype) if need_bias else None
         if dx is not None:
             dx = dx.view(*grad.shape[:-1], rows.shape[1])

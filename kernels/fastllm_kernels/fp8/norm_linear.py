@@ -19,13 +19,13 @@ from fastllm_kernels.fp8.linear import (
 )
 from fastllm_kernels.fp8.producers import norm_columns, norm_quantized, producer_quantizes
 from fastllm_kernels.fp8.quantize import Fp8Tensor
-from fastllm_kernels.fp8.weight import Fp8Weight
 from fastllm_kernels.norm import (
     layer_norm_reference,
     norm_backward,
     norm_forward,
     rms_norm_reference,
 )
+from fastllm_kernels.recipe import WeightRecipe
 
 
 def fp8_norm_linear(
@@ -36,21 +36,24 @@ def fp8_norm_linear(
     rms: bool,
     weight: Tensor,
     bias: Tensor | None,
-    fp8: Fp8Weight,
+    recipe: WeightRecipe,
 ) -> Tensor:
-    """`norm_linear` with the projection in FP8."""
+    """`norm_linear` with the projection in FP8 under `recipe.fp8`."""
     if use_triton(x, norm_weight, norm_bias, weight, bias):
-        return _Fp8NormLinearFunction.apply(x, norm_weight, norm_bias, eps, rms, weight, bias, fp8)
+        return _Fp8NormLinearFunction.apply(
+            x, norm_weight, norm_bias, eps, rms, weight, bias, recipe
+        )
     if rms:
         normed = rms_norm_reference(x, norm_weight, eps)
     else:
         normed = layer_norm_reference(x, norm_weight, norm_bias, eps)
-    return fp8_linear(normed, weight, bias, fp8)
+    return fp8_linear(normed, weight, bias, recipe)
 
 
 class _Fp8NormLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, norm_weight, norm_bias, eps, rms, weight, bias, fp8):
+    def forward(ctx, x, norm_weight, norm_bias, eps, rms, weight, bias, recipe):
+        fp8 = recipe.fp8
         rows = as_rows(x)
         delayed = fp8.scale(INPUT)
         if producer_quantizes(fp8, delayed):
@@ -61,7 +64,7 @@ class _Fp8NormLinearFunction(torch.autograd.Function):
             out, amax = forward_product(normed, weight, bias, fp8)
             del normed
         ctx.save_for_backward(rows, norm_weight, norm_bias, mean, rstd, weight, amax)
-        ctx.eps, ctx.rms, ctx.fp8 = eps, rms, fp8
+        ctx.eps, ctx.rms, ctx.recipe = eps, rms, recipe
         ctx.bias_dtype = None if bias is None else bias.dtype
         return out.view(*x.shape[:-1], weight.shape[0])
 
@@ -72,14 +75,15 @@ class _Fp8NormLinearFunction(torch.autograd.Function):
         need_x, need_norm_weight, need_norm_bias = ctx.needs_input_grad[:3]
         need_weight, need_bias = ctx.needs_input_grad[5:7]
         need_normed = need_x or need_norm_weight or need_norm_bias
-        source = input_scale_source(ctx.fp8, amax)
+        fp8 = ctx.recipe.fp8
+        source = input_scale_source(fp8, amax)
         normed: Tensor | Fp8Tensor | None = None
         if need_weight and source is not None:
             normed = norm_columns(rows, norm_weight, norm_bias, mean, rstd, ctx.rms, source)
         elif need_weight:
             normed = norm_forward(rows, norm_weight, norm_bias, ctx.eps, ctx.rms)[0]
         d_normed, d_weight = backward_products(
-            grad_rows, normed, amax, weight, ctx.fp8, need_normed
+            grad_rows, normed, amax, weight, fp8, ctx.recipe.gradient_sink, need_normed
         )
         del normed
         d_bias = bias_gradient(grad_rows, ctx.bias_dtype) if need_bias else None

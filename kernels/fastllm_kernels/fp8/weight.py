@@ -37,7 +37,7 @@ RECIPES = {
 
 
 class Fp8Weight:
-    """How a linear layer's weight computes in FP8 (set as `weight.fp8`).
+    """How a linear layer's weight computes in FP8 (a `WeightRecipe`'s `fp8`, recipe.py).
 
     Its row-quantized copy, the forward product's operand, is made at the first use after the
     weight changed: once per optimizer step, not once per micro-batch. With `keep_copy` (a step

@@ -9,28 +9,31 @@ from torch import Tensor
 
 from fastllm_kernels._dispatch import use_triton
 from fastllm_kernels.accumulate import accumulate_
-from fastllm_kernels.linear import GradientSink
 from fastllm_kernels.moe.grouped_matmul import (
     grouped_rows,
     grouped_weight_gradient_,
     tma_loadable,
 )
+from fastllm_kernels.recipe import GradientSink, WeightRecipe
 
 
-def grouped_linear(x: Tensor, weight: Tensor, ends: Tensor) -> Tensor:
+def grouped_linear(
+    x: Tensor, weight: Tensor, ends: Tensor, recipe: WeightRecipe | None = None
+) -> Tensor:
     """x (rows, in) in expert order, weight (experts, out, in): the rows of expert e's range
     (ends[e - 1]:ends[e]) times weight[e]ᵀ; rows past ends[-1] are unspecified.
-    Differentiable in x and weight, the weight's gradient handed to its gradient sink if it
-    has one (fastllm_kernels' linear.py). The row products run in torch._grouped_mm for bf16 on CUDA, else in
-    grouped_matmul's kernels; the weight gradient, for a sink, in ours (fp32, into the
-    buffer), else as the row products. The reference (a loop that waits for the host) is left for
-    tensors TMA cannot load and for torch.compile's tracing of anything but bf16 on CUDA."""
+    Differentiable in x and weight, the weight's gradient handed to the gradient sink of its
+    `recipe` if that has one (recipe.py; no FP8 here). The row products run in
+    torch._grouped_mm for bf16 on CUDA, else in grouped_matmul's kernels; the weight gradient,
+    for a sink, in ours (fp32, into the buffer), else as the row products. The reference (a
+    loop that waits for the host) is left for tensors TMA cannot load and for torch.compile's
+    tracing of anything but bf16 on CUDA."""
     if torch.compiler.is_compiling():
         if _cutlass(x, weight):
             return torch._grouped_mm(x, weight.transpose(1, 2), offs=ends)
         return grouped_linear_reference(x, weight, ends)
     if use_triton(x, weight) and tma_loadable(x, weight):
-        return _GroupedLinearFunction.apply(x, weight, ends)
+        return _GroupedLinearFunction.apply(x, weight, ends, recipe)
     return grouped_linear_reference(x, weight, ends)
 
 
@@ -54,8 +57,9 @@ def _weight_gradient_into_(
 
 class _GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, ends):
+    def forward(ctx, x, weight, ends, recipe):
         ctx.save_for_backward(x, weight, ends)
+        ctx.recipe = recipe
         if _cutlass(x, weight):
             return torch._grouped_mm(x, weight.transpose(1, 2), offs=ends)
         return grouped_rows(x, weight, ends, b_transposed=True)
@@ -63,7 +67,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight, ends = ctx.saved_tensors
-        need_x, need_weight, _ = ctx.needs_input_grad
+        need_x, need_weight = ctx.needs_input_grad[:2]
         grad = grad.contiguous()
         grad_x = grad_weight = None
         if need_x:
@@ -72,7 +76,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
             else:
                 grad_x = grouped_rows(grad, weight, ends, b_transposed=False)
         if need_weight:
-            sink: GradientSink | None = getattr(weight, "gradient_sink", None)
+            sink: GradientSink | None = None if ctx.recipe is None else ctx.recipe.gradient_sink
             if sink is not None:
                 sink(lambda out, accumulate: _weight_gradient_into_(out, grad, x, ends, accumulate))
             elif _cutlass(x, weight):
@@ -80,7 +84,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
             else:
                 grad_weight = torch.empty_like(weight)
                 grouped_weight_gradient_(grad_weight, grad, x, ends, accumulate=False)
-        return grad_x, grad_weight, None
+        return grad_x, grad_weight, None, None
 
 
 def grouped_linear_reference(x: Tensor, weight: Tensor, ends: Tensor) -> Tensor:

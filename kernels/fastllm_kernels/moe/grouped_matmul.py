@@ -7,7 +7,7 @@ forward 6.08 against 8.19:
 bench/results/h200-987f9b2/grouped_gemm_probe.json), so `grouped_linear` uses it for bf16 on
 CUDA and these kernels elsewhere (fp32 and fp16, the CPU interpreter), where the alternative
 was a loop over experts that waits for the host. The weight gradient is ours when the weight
-has a gradient sink (fastllm_kernels' linear.py) and its buffer is to be written: summed in
+has a gradient sink (recipe.py) and its buffer is to be written: summed in
 fp32 straight into the engine's fp32 buffer, it is faster than `torch._grouped_mm`'s bf16
 product and the pass that copies it there (fine-grained layer 1: 1.07 against 1.63 ms,
 Mixtral's 6.58 against 8.67).
