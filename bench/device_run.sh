@@ -194,7 +194,7 @@ run_part() {
       # each recipe (FP8_MODELS, FP8_RECIPES to narrow), 20 timed steps; FP8_ROUNDS rounds of
       # that matrix, one after the other (results under train_MODEL_RECIPE_ROUND).
       timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_fp8.py \
-        tests/kernels/test_fp8_mlp.py tests/model/test_mlp_fp8.py tests/training/test_fp8_zero3_gpu.py \
+        tests/kernels/test_fp8_gated_mlp.py tests/model/test_mlp_fp8.py tests/training/test_fp8_zero3_gpu.py \
         >"$RES/gpu_tests_fp8.log" 2>&1
       tail -n 3 "$RES/gpu_tests_fp8.log"
       if [ -n "${FP8_TILES-gated}" ]; then

@@ -33,10 +33,11 @@ def layer_step(tokens: int, inputs: int, outputs: int, producer: str, recipe: st
     """One forward and backward of the layer, the weight requantized each time."""
     import torch
 
-    from fastllm_kernels.activation import gated_linear
-    from fastllm_kernels.fp8_linear import Fp8Weight
+    from fastllm_kernels.fp8.weight import Fp8Weight
+    from fastllm_kernels.gated_linear import gated_linear
     from fastllm_kernels.linear import linear
     from fastllm_kernels.norm_linear import norm_linear
+    from fastllm_kernels.recipe import WeightRecipe
 
     device = torch.device("cuda")
     width = 2 * inputs if producer == "gated" else inputs
@@ -45,18 +46,17 @@ def layer_step(tokens: int, inputs: int, outputs: int, producer: str, recipe: st
         torch.randn(outputs, inputs, device=device, dtype=torch.bfloat16) / inputs**0.5
     )
     norm_weight = torch.ones(inputs, device=device, dtype=torch.bfloat16, requires_grad=True)
-    if recipe != "none":
-        weight.fp8 = Fp8Weight(recipe)
+    weight_recipe = WeightRecipe(fp8=None if recipe == "none" else Fp8Weight(recipe))
     grad = torch.randn(tokens, outputs, device=device, dtype=torch.bfloat16)
 
     def step() -> None:
         torch.autograd.graph.increment_version(weight)  # a new step: requantize
         if producer == "gated":
-            out = gated_linear(x, weight, None, "silu")
+            out = gated_linear(x, weight, None, "silu", weight_recipe)
         elif producer == "norm":
-            out = norm_linear(x, norm_weight, None, 1e-5, True, weight)
+            out = norm_linear(x, norm_weight, None, 1e-5, True, weight, None, weight_recipe)
         else:
-            out = linear(x, weight)
+            out = linear(x, weight, None, weight_recipe)
         out.backward(grad)
         x.grad = weight.grad = norm_weight.grad = None
 

@@ -1,7 +1,7 @@
 """The FP8 kernels' tile shapes on the GPU, at llama-3b's shapes, for each tile (rows × columns,
-warps), in GB/s of bytes moved: `fastllm_kernels.fp8._cast_kernel` under tensorwise delayed
-scaling (one pass: read bf16, write the layouts asked for), and the fused MLP's gated backward
-(`fp8_mlp._gated_backward_quantize_kernel`: it computes about as much as it moves, so fewer
+warps), in GB/s of bytes moved: `fp8.quantize._cast_kernel` under tensorwise delayed scaling
+(one pass: read bf16, write the layouts asked for), and the fused MLP's gated backward
+(`fp8.gated_mlp._gated_backward_quantize_kernel`: it computes about as much as it moves, so fewer
 values a thread win; 32 × 64 tokens × columns with 4 warps the fastest of 25, h200-3ffe8e1).
 
     python bench/fp8_tiles.py --out bench/results/h200-HASH/fp8_tiles.json
@@ -38,7 +38,7 @@ def sweep() -> list[dict]:
     import torch
     import triton
 
-    from fastllm_kernels.fp8 import FP8_MAX, _cast_kernel
+    from fastllm_kernels.fp8.quantize import FP8_MAX, _cast_kernel
 
     formats = {"e5m2": torch.float8_e5m2, "e4m3": torch.float8_e4m3fn}
     results = []
@@ -80,8 +80,8 @@ def gated_sweep(n_rows: int = 8192, d: int = 8192) -> list[dict]:
     import torch
     import triton
 
-    from fastllm_kernels.fp8 import FP8_MAX
-    from fastllm_kernels.fp8_mlp import _gated_backward_quantize_kernel
+    from fastllm_kernels.fp8.gated_mlp import _gated_backward_quantize_kernel
+    from fastllm_kernels.fp8.quantize import FP8_MAX
 
     e5m2, e4m3 = torch.float8_e5m2, torch.float8_e4m3fn
     h = torch.randn(n_rows, 2 * d, device="cuda", dtype=torch.bfloat16)

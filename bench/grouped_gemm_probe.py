@@ -1,5 +1,5 @@
 """The experts' grouped matmuls on one GPU: torch._grouped_mm (CUTLASS) against our Triton
-kernels (fastllm_kernels.grouped_matmul) at several tiles, on the fine-grained geometry
+kernels (fastllm_kernels.moe.grouped_matmul) at several tiles, on the fine-grained geometry
 (8,192 tokens, 64 experts, top-8, hidden 2048, expert ffn 1024) and Mixtral's (top-2 of 8,
 hidden 4096, ffn 14336), each projection's forward, input gradient and weight gradient.
 
@@ -38,7 +38,7 @@ def projection(ends: Any, rows: int, inputs: int, outputs: int, experts: int) ->
     import torch
 
     from fastllm_kernels.accumulate import accumulate_
-    from fastllm_kernels.grouped_matmul import grouped_rows, grouped_weight_gradient_
+    from fastllm_kernels.moe.grouped_matmul import grouped_rows, grouped_weight_gradient_
 
     bf16 = {"device": "cuda", "dtype": torch.bfloat16}
     x = torch.randn(rows, inputs, **bf16) / 8
@@ -90,7 +90,7 @@ def projection(ends: Any, rows: int, inputs: int, outputs: int, experts: int) ->
 def geometry(name: str) -> dict[str, Any]:
     import torch
 
-    from fastllm_kernels.moe import sparse_map
+    from fastllm_kernels.moe.sparse_map import sparse_map
 
     tokens, experts, k, hidden, ffn = GEOMETRIES[name]
     generator = torch.Generator().manual_seed(0)

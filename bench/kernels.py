@@ -18,14 +18,11 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
-from fastllm_kernels import (
-    adamw_step_,
-    apply_rotary,
-    gated_activation_fused,
-    layer_norm,
-    linear_cross_entropy,
-    rms_norm,
-)
+from fastllm_kernels.activation import gated_activation_fused
+from fastllm_kernels.adam import adamw_step_
+from fastllm_kernels.cross_entropy import linear_cross_entropy
+from fastllm_kernels.norm import layer_norm, rms_norm
+from fastllm_kernels.rotary import apply_rotary
 
 DEVICE = "cuda"
 

@@ -49,7 +49,7 @@ def permutations(sparse: Any) -> dict[str, float]:
     import torch
     import triton
 
-    from fastllm_kernels import moe
+    from fastllm_kernels.moe import sparse_copy
 
     bf16 = {"device": "cuda", "dtype": torch.bfloat16}
     tokens = torch.randn(TOKENS, HIDDEN, **bf16)
@@ -57,12 +57,12 @@ def permutations(sparse: Any) -> dict[str, float]:
     weights = torch.rand(TOKENS, K, **bf16)
     gathered = torch.empty(TOKENS, HIDDEN, **bf16)
     scattered = torch.empty_like(y)
-    k_block, block = moe._gather_settings(HIDDEN, K)
-    block_r, block_h = moe._row_settings(HIDDEN)
+    k_block, block = sparse_copy._gather_settings(HIDDEN, K)
+    block_r, block_h = sparse_copy._row_settings(HIDDEN)
     timings = {}
     for block, warps in ((512, 4), (512, 8), (1024, 4), (1024, 8), (2048, 8), (256, 4)):
         timings[f"combine_gather_{block}_columns_{warps}_warps"] = median_ms(
-            lambda block=block, warps=warps: moe._gather_kernel[(TOKENS, triton.cdiv(HIDDEN, block))](
+            lambda block=block, warps=warps: sparse_copy._gather_kernel[(TOKENS, triton.cdiv(HIDDEN, block))](
                 y, sparse.rows, weights, gathered, HIDDEN, K=K, K_BLOCK=k_block, BLOCK=block,
                 SCALE=True, num_warps=warps,
             )
@@ -77,7 +77,7 @@ def permutations(sparse: Any) -> dict[str, float]:
     ):
         grid = (triton.cdiv(sparse.num_rows, block_r), triton.cdiv(HIDDEN, block_h))
         timings[f"dispatch_rows_{block_r}x{block_h}_{warps}_warps"] = median_ms(
-            lambda warps=warps, grid=grid, block_r=block_r, block_h=block_h: moe._rows_kernel[grid](
+            lambda warps=warps, grid=grid, block_r=block_r, block_h=block_h: sparse_copy._rows_kernel[grid](
                 tokens, sparse.entries, tokens, scattered, tokens, tokens, sparse.num_rows,
                 HIDDEN, K=K, BLOCK_R=block_r, BLOCK_H=block_h, SCALE=False, DOT=False,
                 num_warps=warps,
@@ -93,7 +93,9 @@ def host_microseconds(sparse: Any) -> dict[str, float]:
 
     import torch
 
-    from fastllm_kernels import moe
+    from fastllm_kernels.moe.routing import route
+    from fastllm_kernels.moe.sparse_copy import dispatch
+    from fastllm_kernels.moe.sparse_map import sparse_map
 
     logits = torch.randn(TOKENS, EXPERTS, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(TOKENS, HIDDEN, device="cuda", dtype=torch.bfloat16)
@@ -101,9 +103,9 @@ def host_microseconds(sparse: Any) -> dict[str, float]:
     pieces = {
         "torch_empty": lambda: torch.empty(TOKENS, K, device="cuda"),
         "torch_add": lambda: logits + 1,
-        "route": lambda: moe.route(logits, K, True, torch.bfloat16, 0.01, 0.001),
-        "sparse_map": lambda: moe.sparse_map(experts, EXPERTS),
-        "dispatch": lambda: moe.dispatch(x, sparse),
+        "route": lambda: route(logits, K, True, torch.bfloat16, 0.01, 0.001),
+        "sparse_map": lambda: sparse_map(experts, EXPERTS),
+        "dispatch": lambda: dispatch(x, sparse),
     }
     result = {}
     for name, piece in pieces.items():
@@ -120,14 +122,14 @@ def host_microseconds(sparse: Any) -> dict[str, float]:
 def main() -> None:
     import torch
 
-    from fastllm_kernels import moe
+    from fastllm_kernels.moe.sparse_map import sparse_map
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     torch.manual_seed(0)
     experts = torch.rand(TOKENS, EXPERTS, device="cuda").topk(K, dim=-1).indices
-    sparse = moe.sparse_map(experts, EXPERTS)
+    sparse = sparse_map(experts, EXPERTS)
     result = {
         "layer_1_ms": matmuls(sparse, HIDDEN, 2 * FFN),
         "layer_2_ms": matmuls(sparse, FFN, HIDDEN),

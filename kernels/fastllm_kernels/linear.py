@@ -1,45 +1,39 @@
 """Linear layers whose weight gradient can go straight into an fp32 accumulator.
 
-A training engine that keeps fp32 gradient buffers may give a weight a `gradient_sink`:
-`sink(product)` has `product(out, accumulate)` write (or add) the weight's gradient into its
-fp32 view of the engine's buffer (a bf16 product through `matmul_into_fp32_`, an FP8 one
-through `torch._scaled_mm`). The weight's autograd gradient is then None: the product never
-exists in the compute dtype and no separate pass adds it to the buffer (Megatron-LM's gradient
-accumulation fusion). Without a sink, or while torch.compile traces, these are plain linear
-layers.
+`linear` decides from the weight's recipe (recipe.py): in FP8 (fp8/linear.py), into the
+weight's gradient sink, or, without either or while torch.compile traces, a plain linear
+layer. `weight_gradient` is the weight-gradient product of every bf16 projection op, handing it
+to the sink.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fastllm_kernels.fp8_linear import Fp8Weight, fp8_linear
-
-GradientProduct = Callable[[Tensor, bool], None]
-"""product(out, accumulate): the weight's gradient, computed in fp32, written into out (fp32)
-or, `accumulate`, added to it."""
-GradientSink = Callable[[GradientProduct], None]
+from fastllm_kernels.fp8.linear import fp8_linear
+from fastllm_kernels.recipe import GradientSink, WeightRecipe
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """F.linear(x, weight, bias), handing the weight gradient to the weight's sink if any; in
-    FP8 for a weight given an `Fp8Weight` as `weight.fp8` (fp8_linear.py)."""
-    fp8: Fp8Weight | None = getattr(weight, "fp8", None)
-    if fp8 is not None:
-        return fp8_linear(x, weight, bias, fp8)
-    if getattr(weight, "gradient_sink", None) is None or torch.compiler.is_compiling():
+def linear(
+    x: Tensor, weight: Tensor, bias: Tensor | None = None, recipe: WeightRecipe | None = None
+) -> Tensor:
+    """F.linear(x, weight, bias) under the weight's `recipe`: in FP8 when it has an
+    `Fp8Weight`, the weight gradient handed to its sink when it has one."""
+    if recipe is not None and recipe.fp8 is not None:
+        return fp8_linear(x, weight, bias, recipe)
+    if recipe is None or recipe.gradient_sink is None or torch.compiler.is_compiling():
         return F.linear(x, weight, bias)
-    return _SinkLinearFunction.apply(x, weight, bias)
+    return _SinkLinearFunction.apply(x, weight, bias, recipe)
 
 
-def weight_gradient(weight: Tensor, grad_rows: Tensor, input_rows: Tensor) -> Tensor | None:
+def weight_gradient(
+    grad_rows: Tensor, input_rows: Tensor, recipe: WeightRecipe | None
+) -> Tensor | None:
     """grad_rowsᵀ @ input_rows, the gradient of a (out, in) weight from (rows, out) output
-    gradients and (rows, in) inputs; None once handed to the weight's sink."""
-    sink: GradientSink | None = getattr(weight, "gradient_sink", None)
+    gradients and (rows, in) inputs; None once handed to the recipe's gradient sink."""
+    sink: GradientSink | None = None if recipe is None else recipe.gradient_sink
     if sink is None or torch.compiler.is_compiling():
         return grad_rows.T @ input_rows
     a = grad_rows.T
@@ -68,21 +62,21 @@ def matmul_into_fp32_(out: Tensor, a: Tensor, b: Tensor, accumulate: bool) -> No
 
 class _SinkLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx, x, weight, bias, recipe):
         ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
+        ctx.has_bias, ctx.recipe = bias is not None, recipe
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        need_x, need_weight, need_bias = ctx.needs_input_grad
+        need_x, need_weight, need_bias, _ = ctx.needs_input_grad
         grad_rows = grad.reshape(-1, grad.shape[-1])
         dx = d_weight = d_bias = None
         if need_x:
             dx = grad @ weight
         if need_weight:
-            d_weight = weight_gradient(weight, grad_rows, x.reshape(-1, x.shape[-1]))
+            d_weight = weight_gradient(grad_rows, x.reshape(-1, x.shape[-1]), ctx.recipe)
         if need_bias and ctx.has_bias:
             d_bias = grad_rows.sum(dim=0)
-        return dx, d_weight, d_bias
+        return dx, d_weight, d_bias, None

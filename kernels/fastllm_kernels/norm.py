@@ -13,6 +13,7 @@ import triton.language as tl
 from torch import Tensor
 
 from fastllm_kernels._dispatch import as_rows, num_programs, row_block, use_triton
+from fastllm_kernels.row_helpers import normalized_row
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-5) -> Tensor:
@@ -130,18 +131,10 @@ def _norm_forward_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    if IS_RMS:
-        xc = x
-    else:
-        mean = tl.sum(x, axis=0) / n_cols
-        xc = tl.where(mask, x - mean, 0.0)
-        tl.store(mean_ptr + row, mean)
-    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / n_cols + eps)
-    tl.store(rstd_ptr + row, rstd)
-    y = xc * rstd * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        y += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    y = normalized_row(
+        x_ptr, x_row_stride, w_ptr, b_ptr, mean_ptr, rstd_ptr, row, cols, mask, n_cols, eps,
+        IS_RMS, HAS_BIAS,
+    )  # fmt: skip
     tl.store(y_ptr + row * n_cols + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 

@@ -4,8 +4,9 @@ In a pre-norm transformer block the normalized activations (hidden size per toke
 layer) are stored only because the projection after the norm needs them for its weight
 gradient. Here the backward pass recomputes them from x, which the norm's own backward needs
 anyway: one more elementwise pass over x per norm, and two hidden-size activations per token per
-layer less memory (2.6 GiB for llama-3b at micro-batch 2 × 4096 tokens). The weight gradient
-goes through `weight_gradient`, so a weight's gradient sink applies (see `linear`).
+layer less memory (2.6 GiB for llama-3b at micro-batch 2 × 4096 tokens). The projection
+follows the weight's recipe (recipe.py): in FP8, or its gradient into the recipe's sink
+through `weight_gradient`.
 """
 
 from __future__ import annotations
@@ -15,8 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fastllm_kernels._dispatch import as_rows, use_triton
-from fastllm_kernels.fp8_fused import fp8_norm_linear
-from fastllm_kernels.fp8_linear import Fp8Weight
+from fastllm_kernels.fp8.norm_linear import fp8_norm_linear
 from fastllm_kernels.linear import linear, weight_gradient
 from fastllm_kernels.norm import (
     layer_norm_reference,
@@ -24,6 +24,7 @@ from fastllm_kernels.norm import (
     norm_forward,
     rms_norm_reference,
 )
+from fastllm_kernels.recipe import WeightRecipe
 
 
 def norm_linear(
@@ -34,18 +35,19 @@ def norm_linear(
     rms: bool,
     weight: Tensor,
     bias: Tensor | None = None,
+    recipe: WeightRecipe | None = None,
 ) -> Tensor:
-    """linear(norm(x), weight, bias); the norm is RMSNorm (`rms`) or LayerNorm (norm_bias may
-    then be None), over the last dimension as `rms_norm` / `layer_norm` compute it; the
-    projection in FP8 for a weight given `weight.fp8` (fp8_fused.py)."""
+    """linear(norm(x), weight, bias) under the weight's `recipe`; the norm is RMSNorm (`rms`)
+    or LayerNorm (norm_bias may then be None), over the last dimension as `rms_norm` /
+    `layer_norm` compute it; the projection in FP8 when the recipe has an `Fp8Weight`
+    (fp8/norm_linear.py)."""
     if rms and norm_bias is not None:
         raise ValueError("RMSNorm takes no bias")
-    fp8: Fp8Weight | None = getattr(weight, "fp8", None)
-    if fp8 is not None:
-        return fp8_norm_linear(x, norm_weight, norm_bias, eps, rms, weight, bias, fp8)
+    if recipe is not None and recipe.fp8 is not None:
+        return fp8_norm_linear(x, norm_weight, norm_bias, eps, rms, weight, bias, recipe)
     if use_triton(x, norm_weight, norm_bias, weight, bias):
-        return _NormLinearFunction.apply(x, norm_weight, norm_bias, eps, rms, weight, bias)
-    return norm_linear_reference(x, norm_weight, norm_bias, eps, rms, weight, bias)
+        return _NormLinearFunction.apply(x, norm_weight, norm_bias, eps, rms, weight, bias, recipe)
+    return norm_linear_reference(x, norm_weight, norm_bias, eps, rms, weight, bias, recipe)
 
 
 def norm_linear_reference(
@@ -56,22 +58,23 @@ def norm_linear_reference(
     rms: bool,
     weight: Tensor,
     bias: Tensor | None = None,
+    recipe: WeightRecipe | None = None,
 ) -> Tensor:
     if rms:
         normed = rms_norm_reference(x, norm_weight, eps)
     else:
         normed = layer_norm_reference(x, norm_weight, norm_bias, eps)
-    return linear(normed, weight, bias)
+    return linear(normed, weight, bias, recipe)
 
 
 class _NormLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, norm_weight, norm_bias, eps, rms, weight, bias):
+    def forward(ctx, x, norm_weight, norm_bias, eps, rms, weight, bias, recipe):
         rows = as_rows(x)
         normed, mean, rstd = norm_forward(rows, norm_weight, norm_bias, eps, rms)
         out = F.linear(normed, weight, bias)
         ctx.save_for_backward(rows, norm_weight, norm_bias, mean, rstd, weight)
-        ctx.eps, ctx.rms, ctx.has_bias = eps, rms, bias is not None
+        ctx.eps, ctx.rms, ctx.has_bias, ctx.recipe = eps, rms, bias is not None, recipe
         return out.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -79,7 +82,7 @@ class _NormLinearFunction(torch.autograd.Function):
         rows, norm_weight, norm_bias, mean, rstd, weight = ctx.saved_tensors
         grad_rows = as_rows(grad)
         need_x, need_norm_weight, need_norm_bias = ctx.needs_input_grad[:3]
-        need_weight, need_bias = ctx.needs_input_grad[5:]
+        need_weight, need_bias = ctx.needs_input_grad[5:7]
         d_weight = d_bias = dx = d_norm_weight = d_norm_bias = normed = None
         if need_bias and ctx.has_bias:
             d_bias = grad_rows.sum(dim=0)
@@ -96,5 +99,5 @@ class _NormLinearFunction(torch.autograd.Function):
         elif need_weight:
             normed = norm_forward(rows, norm_weight, norm_bias, ctx.eps, ctx.rms)[0]
         if need_weight:
-            d_weight = weight_gradient(weight, grad_rows, normed)
-        return dx, d_norm_weight, d_norm_bias, None, None, d_weight, d_bias
+            d_weight = weight_gradient(grad_rows, normed, ctx.recipe)
+        return dx, d_norm_weight, d_norm_bias, None, None, d_weight, d_bias, None

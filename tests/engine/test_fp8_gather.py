@@ -15,8 +15,9 @@ import torch
 from fastllm.engine.fp8 import apply_fp8
 from fastllm.parallel.process_group import setup_distributed
 from fastllm.model import GPTModel, initialize
-from fastllm_kernels.fp8 import DelayedScale, quantize
-from fastllm_kernels.fp8_linear import E4M3, WEIGHT
+from fastllm.model.parameters import meta_of
+from fastllm_kernels.fp8.amax_history import WEIGHT
+from fastllm_kernels.fp8.quantize import E4M3, DelayedScale, quantize
 from tests.engine.shards import assert_shard_gradients_double, two_rank_flat
 from tests.engine.test_flat_training import tiny_config
 
@@ -53,7 +54,7 @@ for recipe in ("tensorwise", "rowwise", "delayed"):
     checked = []
     pairs = dict(zip(layers(model), layers(unsharded), strict=True))
     def check(module):
-        fp8, full = module.weight.fp8, pairs[module].weight.detach()
+        fp8, full = meta_of(module, "weight").recipe.fp8, pairs[module].weight.detach()
         assert fp8.gathered is not None, "not gathered in FP8"
         index = layers(model).index(module)
         scale = DelayedScale(torch.ones(1), None) if delayed else None
@@ -65,7 +66,7 @@ for recipe in ("tensorwise", "rowwise", "delayed"):
         assert torch.equal(columns.scale, expected.columns.scale)
         checked.append(index)
     for layer in layers(model):  # the blocks call the projections' weights, not the modules
-        fp8 = layer.weight.fp8
+        fp8 = meta_of(layer, "weight").recipe.fp8
         fp8.rows = lambda w, rows=fp8.rows, layer=layer: (check(layer), rows(w))[1]
     model.loss(tokens, labels).backward()
     flat.finish_backward()

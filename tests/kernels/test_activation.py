@@ -8,9 +8,8 @@ from fastllm_kernels.activation import (
     gated_activation,
     gated_activation_fused,
     gated_activation_reference,
-    gated_linear,
-    gated_linear_reference,
 )
+from fastllm_kernels.gated_linear import gated_linear, gated_linear_reference
 from tests.kernels.conftest import assert_close, cuda, triton_on_cpu
 
 pytestmark = pytest.mark.usefixtures("poisoned_empty")

@@ -4,8 +4,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastllm_kernels.activation import gated_activation_reference, gated_linear
-from fastllm_kernels.fp8 import (
+from fastllm_kernels.activation import gated_activation_reference
+from fastllm_kernels.fp8.amax_history import GRADIENT, INPUT, WEIGHT, AmaxHistories
+from fastllm_kernels.fp8.gated_linear import fp8_gated_linear
+from fastllm_kernels.fp8.linear import fp8_linear
+from fastllm_kernels.fp8.norm_linear import fp8_norm_linear
+from fastllm_kernels.fp8.quantize import (
     FP8_MAX,
     DelayedScale,
     _quantize_triton,
@@ -13,18 +17,12 @@ from fastllm_kernels.fp8 import (
     quantize,
     quantize_reference,
 )
-from fastllm_kernels.fp8_fused import fp8_gated_linear, fp8_norm_linear
-from fastllm_kernels.fp8_linear import (
-    GRADIENT,
-    INPUT,
-    WEIGHT,
-    AmaxHistories,
-    Fp8Weight,
-    fp8_linear,
-)
+from fastllm_kernels.fp8.weight import Fp8Weight
+from fastllm_kernels.gated_linear import gated_linear
 from fastllm_kernels.linear import linear
 from fastllm_kernels.norm import rms_norm_reference
 from fastllm_kernels.norm_linear import norm_linear
+from fastllm_kernels.recipe import WeightRecipe
 from tests.kernels.conftest import cuda, triton_on_cpu
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -43,10 +41,10 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _fp8_weight(
     out: int, inputs: int, recipe: str, device: str = "cpu", keep_copy: bool = True
-) -> torch.nn.Parameter:
-    """A weight computing in FP8; recipe "delayed": tensorwise with primed amax histories of
-    its own (input and gradient amaxes around those of N(0, 1) data, the weight's around its
-    own, one of each off by a binade)."""
+) -> tuple[torch.nn.Parameter, WeightRecipe]:
+    """A weight and its recipe computing in FP8; recipe "delayed": tensorwise with primed amax
+    histories of its own (input and gradient amaxes around those of N(0, 1) data, the
+    weight's around its own, one of each off by a binade)."""
     weight = torch.nn.Parameter(
         (torch.randn(out, inputs, device=device) / inputs**0.5).to(torch.bfloat16)
     )
@@ -56,8 +54,8 @@ def _fp8_weight(
         histories.history.copy_(torch.tensor([[3.0, 5.0, 2.5], [2.0, 9.0, 4.0], [0.3, 0.5, 0.2]]))
         histories.primed = [True, True, True]
         delayed = (histories, 0)
-    weight.fp8 = Fp8Weight("tensorwise" if recipe == "delayed" else recipe, keep_copy, delayed)
-    return weight
+    fp8 = Fp8Weight("tensorwise" if recipe == "delayed" else recipe, keep_copy, delayed)
+    return weight, WeightRecipe(fp8=fp8)
 
 
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
@@ -89,9 +87,9 @@ def test_quantization_rounds_to_nearest_under_a_power_of_two_scale(dtype, tensor
 
 @pytest.mark.parametrize("recipe", (*RECIPES, "delayed"))
 def test_fp8_linear_stays_within_the_recipe_bound_of_fp32(recipe) -> None:
-    weight = _fp8_weight(48, 64, recipe)
+    weight, weight_recipe = _fp8_weight(48, 64, recipe)
     x = torch.randn(2, 16, 64).to(torch.bfloat16).requires_grad_()
-    out = linear(x, weight)
+    out = linear(x, weight, None, weight_recipe)
     grad = torch.randn_like(out)
     out.backward(grad)
     x32, w32 = x.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
@@ -109,8 +107,8 @@ def test_rowwise_scaling_keeps_rows_that_one_tensor_scale_flushes() -> None:
     x = x.to(torch.bfloat16)
     errors = {}
     for recipe in RECIPES:
-        weight = _fp8_weight(16, 64, recipe)
-        out = fp8_linear(x, weight, None, weight.fp8)
+        weight, weight_recipe = _fp8_weight(16, 64, recipe)
+        out = fp8_linear(x, weight, None, weight_recipe)
         expected = x.float() @ weight.detach().float().t()
         errors[recipe] = _relative(out[:4], expected[:4])  # the smallest rows
     assert errors["rowwise"] < 0.05 < errors["tensorwise"]
@@ -190,10 +188,10 @@ def test_delayed_weights_scale_from_their_history_saturate_and_record(keep_copy)
     values = torch.tensor([[0.5, -3.0, 20.0, 1.0], [7.0, -40.0, 0.25, 2.0]])
     weight = torch.nn.Parameter(values.to(torch.bfloat16))
     histories = AmaxHistories(2, 2, torch.device("cpu"))
-    weight.fp8 = Fp8Weight("tensorwise", keep_copy, (histories, 1))
+    fp8 = Fp8Weight("tensorwise", keep_copy, (histories, 1))
     # The first step has no history yet: current scaling, rows and columns, and recorded.
     current = quantize_reference(values, E4M3, tensorwise=True, columns=True)
-    rows, columns = weight.fp8.rows(weight), weight.fp8.columns(weight)
+    rows, columns = fp8.rows(weight), fp8.columns(weight)
     for ours, theirs in ((rows, current.rows), (columns, current.columns)):
         assert torch.equal(ours.data.float(), theirs.data.float())
         assert torch.equal(ours.scale, theirs.scale)
@@ -202,7 +200,7 @@ def test_delayed_weights_scale_from_their_history_saturate_and_record(keep_copy)
     assert histories.history[1, WEIGHT].tolist() == [40.0, 0.0]
     histories.history[1, WEIGHT] = torch.tensor([1.0, 9.0])  # max 9: multiplier 32
     torch.autograd.graph.increment_version(weight)  # the optimizer step
-    rows, columns = weight.fp8.rows(weight), weight.fp8.columns(weight)
+    rows, columns = fp8.rows(weight), fp8.columns(weight)
     assert rows.scale.item() == columns.scale.item() == 1 / 32
     # 40 and 20 exceed 448 / 32 = 14: they saturate.
     expected = torch.tensor([[0.5, -3.0, 14.0, 1.0], [7.0, -14.0, 0.25, 2.0]])
@@ -212,19 +210,18 @@ def test_delayed_weights_scale_from_their_history_saturate_and_record(keep_copy)
     histories.roll()
     assert histories.history[1, WEIGHT].tolist() == [40.0, 1.0]
     # A skipped optimizer step leaves the weight as it was (its copy kept, or made again).
-    weight.fp8.rows(weight)
+    fp8.rows(weight)
     histories.roll()
     assert histories.history[1, WEIGHT].tolist() == [40.0, 40.0]
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_the_weight_gradient_goes_to_the_sink_in_fp32(recipe) -> None:
-    weight = _fp8_weight(32, 48, recipe)
+    weight, weight_recipe = _fp8_weight(32, 48, recipe)
     x = torch.randn(64, 48).to(torch.bfloat16)
     grad = torch.randn(64, 32).to(torch.bfloat16)
     plain = weight.detach().clone().requires_grad_()
-    plain.fp8 = Fp8Weight(recipe)
-    linear(x, plain).backward(grad)
+    linear(x, plain, None, WeightRecipe(fp8=Fp8Weight(recipe))).backward(grad)
     buffer = torch.full((32, 48), 7.0)
     writes = []
 
@@ -232,42 +229,44 @@ def test_the_weight_gradient_goes_to_the_sink_in_fp32(recipe) -> None:
         product(buffer, bool(writes))  # the first write overwrites, later ones add
         writes.append(buffer.clone())
 
-    weight.gradient_sink = sink
-    linear(x, weight).backward(grad)
+    weight_recipe.gradient_sink = sink
+    linear(x, weight, None, weight_recipe).backward(grad)
     assert weight.grad is None
     assert torch.allclose(writes[0], plain.grad.float(), rtol=1e-2, atol=1e-3)
-    linear(x, weight).backward(grad)
+    linear(x, weight, None, weight_recipe).backward(grad)
     assert torch.allclose(writes[1], 2 * writes[0], rtol=1e-6)
 
 
 def test_without_keep_copy_only_the_weight_scale_outlives_the_product() -> None:
-    weight = _fp8_weight(16, 32, "tensorwise", keep_copy=False)
-    first = weight.fp8.rows(weight)
-    again = weight.fp8.rows(weight)
+    weight, weight_recipe = _fp8_weight(16, 32, "tensorwise", keep_copy=False)
+    fp8 = weight_recipe.fp8
+    first = fp8.rows(weight)
+    again = fp8.rows(weight)
     assert again is not first and torch.equal(again.data.float(), first.data.float())
     both = quantize_reference(weight.detach(), E4M3, tensorwise=True, columns=True)
-    columns = weight.fp8.columns(weight)
+    columns = fp8.columns(weight)
     assert torch.equal(columns.data.float(), both.columns.data.float())
     assert torch.equal(columns.scale, first.scale)
 
 
 def test_the_weight_is_quantized_once_until_it_changes() -> None:
-    weight = _fp8_weight(16, 32, "rowwise")
-    first = weight.fp8.rows(weight)
-    assert weight.fp8.rows(weight) is first
+    weight, weight_recipe = _fp8_weight(16, 32, "rowwise")
+    fp8 = weight_recipe.fp8
+    first = fp8.rows(weight)
+    assert fp8.rows(weight) is first
     with torch.no_grad():
         weight.mul_(2)  # an in-place op bumps the version
-    second = weight.fp8.rows(weight)
+    second = fp8.rows(weight)
     assert torch.equal(second.scale, 2 * first.scale)
     torch.autograd.graph.increment_version(weight)  # what a fused optimizer kernel does
-    assert weight.fp8.rows(weight) is not second
+    assert fp8.rows(weight) is not second
 
 
 @pytest.mark.parametrize("tensorwise", [True, False])
 def test_the_transposed_weight_is_scaled_as_a_quantization_of_both_layouts(tensorwise) -> None:
-    weight = _fp8_weight(16, 32, "tensorwise" if tensorwise else "rowwise")
+    weight, weight_recipe = _fp8_weight(16, 32, "tensorwise" if tensorwise else "rowwise")
     both = quantize_reference(weight.detach(), E4M3, tensorwise=tensorwise, columns=True)
-    columns = weight.fp8.columns(weight)
+    columns = weight_recipe.fp8.columns(weight)
     assert torch.equal(columns.data.float(), both.columns.data.float())
     assert torch.equal(columns.scale, both.columns.scale)
 
@@ -276,14 +275,14 @@ def test_norm_and_gated_projections_take_the_fp8_path_of_their_weight(monkeypatc
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # their references, exactly
     x = torch.randn(3, 8, 32).to(torch.bfloat16)
     norm_weight = (1 + 0.1 * torch.randn(32)).to(torch.bfloat16)
-    weight = _fp8_weight(16, 32, "rowwise")
-    out = norm_linear(x, norm_weight, None, 1e-5, True, weight)
+    weight, weight_recipe = _fp8_weight(16, 32, "rowwise")
+    out = norm_linear(x, norm_weight, None, 1e-5, True, weight, None, weight_recipe)
     normed = rms_norm_reference(x, norm_weight, 1e-5)
-    assert torch.equal(out, fp8_linear(normed, weight, None, weight.fp8))
+    assert torch.equal(out, fp8_linear(normed, weight, None, weight_recipe))
     h = torch.randn(3, 8, 64).to(torch.bfloat16)
     activated = gated_activation_reference(*h.chunk(2, dim=-1), "silu")
-    out = gated_linear(h, weight, None, "silu")
-    assert torch.equal(out, fp8_linear(activated, weight, None, weight.fp8))
+    out = gated_linear(h, weight, None, "silu", weight_recipe)
+    assert torch.equal(out, fp8_linear(activated, weight, None, weight_recipe))
 
 
 def _fused_cases(recipe: str, device: str):
@@ -293,13 +292,13 @@ def _fused_cases(recipe: str, device: str):
     h = torch.randn(4, 16, 128, device=device).to(torch.bfloat16)
     return [
         (
-            lambda x, w: fp8_norm_linear(x, norm_weight, None, 1e-5, True, w, None, w.fp8),
+            lambda x, w, r: fp8_norm_linear(x, norm_weight, None, 1e-5, True, w, None, r),
             lambda x, w: F.linear(rms_norm_reference(x, norm_weight, 1e-5).float(), w.float()),
             x,
             _fp8_weight(32, 64, recipe, device),
         ),
         (
-            lambda h, w: fp8_gated_linear(h, w, None, "silu", w.fp8),
+            lambda h, w, r: fp8_gated_linear(h, w, None, "silu", r),
             lambda h, w: F.linear(
                 gated_activation_reference(*h.chunk(2, -1), "silu").float(), w.float()
             ),
@@ -310,9 +309,9 @@ def _fused_cases(recipe: str, device: str):
 
 
 def _check_fused(recipe: str, device: str, output_bound: float, gradient_bound: float) -> None:
-    for fused, reference, x, weight in _fused_cases(recipe, device):
+    for fused, reference, x, (weight, weight_recipe) in _fused_cases(recipe, device):
         x = x.requires_grad_()
-        out = fused(x, weight)
+        out = fused(x, weight, weight_recipe)
         grad = torch.randn_like(out)
         out.backward(grad)
         x32 = x.detach().float().requires_grad_()
@@ -339,15 +338,15 @@ def test_delayed_fused_producers_record_the_amaxes_of_their_outputs_and_gradient
     norm_weight = (1 + 0.1 * torch.randn(64)).to(torch.bfloat16)
     h = torch.randn(64, 128).to(torch.bfloat16).requires_grad_()
     cases = [
-        (lambda w: fp8_norm_linear(x, norm_weight, None, 1e-5, True, w, None, w.fp8),
+        (lambda w, r: fp8_norm_linear(x, norm_weight, None, 1e-5, True, w, None, r),
          rms_norm_reference(x.detach(), norm_weight, 1e-5)),
-        (lambda w: fp8_gated_linear(h, w, None, "silu", w.fp8),
+        (lambda w, r: fp8_gated_linear(h, w, None, "silu", r),
          gated_activation_reference(*h.detach().chunk(2, -1), "silu")),
     ]  # fmt: skip
     for fused, produced in cases:
-        weight = _fp8_weight(32, 64, "delayed")
-        histories, _ = weight.fp8.delayed
-        out = fused(weight)
+        weight, weight_recipe = _fp8_weight(32, 64, "delayed")
+        histories, _ = weight_recipe.fp8.delayed
+        out = fused(weight, weight_recipe)
         grad = 5 * torch.randn_like(out)
         out.backward(grad)
         recorded = histories.current[0].tolist()
@@ -399,15 +398,14 @@ def test_triton_quantization_matches_the_reference_bit_for_bit(shape, dtype) -> 
 @cuda
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_scaled_mm_products_match_the_cpu_emulation(recipe) -> None:
-    weight = _fp8_weight(256, 512, recipe, "cuda")
+    weight, weight_recipe = _fp8_weight(256, 512, recipe, "cuda")
     x = torch.randn(2, 64, 512, device="cuda").to(torch.bfloat16).requires_grad_()
-    out = linear(x, weight)
+    out = linear(x, weight, None, weight_recipe)
     grad = torch.randn_like(out)
     out.backward(grad)
     cpu_weight = torch.nn.Parameter(weight.detach().cpu())
-    cpu_weight.fp8 = Fp8Weight(recipe)
     cpu_x = x.detach().cpu().requires_grad_()
-    expected = linear(cpu_x, cpu_weight)
+    expected = linear(cpu_x, cpu_weight, None, WeightRecipe(fp8=Fp8Weight(recipe)))
     expected.backward(grad.cpu())
     # The same fp8 operands; only the accumulation (fast in the forward product) differs.
     assert _relative(out.cpu(), expected) < 1e-2
@@ -419,19 +417,19 @@ def test_scaled_mm_products_match_the_cpu_emulation(recipe) -> None:
 @cuda
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_scaled_mm_writes_and_adds_the_weight_gradient_into_the_fp32_sink(recipe) -> None:
-    weight = _fp8_weight(256, 512, recipe, "cuda")
+    weight, weight_recipe = _fp8_weight(256, 512, recipe, "cuda")
     buffer = torch.full((256, 512), float("nan"), device="cuda")
     calls = []
-    weight.gradient_sink = lambda product: (product(buffer, bool(calls)), calls.append(1))
+    weight_recipe.gradient_sink = lambda product: (product(buffer, bool(calls)), calls.append(1))
     x = torch.randn(128, 512, device="cuda").to(torch.bfloat16)
     grad = torch.randn(128, 256, device="cuda").to(torch.bfloat16)
-    linear(x, weight).backward(grad)
+    linear(x, weight, None, weight_recipe).backward(grad)
     first = buffer.clone()
     cpu_weight = torch.nn.Parameter(weight.detach().cpu())
-    cpu_weight.fp8 = Fp8Weight(recipe)
-    linear(x.cpu(), cpu_weight).backward(grad.cpu())
+    cpu_recipe = WeightRecipe(fp8=Fp8Weight(recipe))
+    linear(x.cpu(), cpu_weight, None, cpu_recipe).backward(grad.cpu())
     assert _relative(first.cpu(), cpu_weight.grad) < 1e-2
-    linear(x, weight).backward(grad)
+    linear(x, weight, None, weight_recipe).backward(grad)
     assert torch.allclose(buffer, 2 * first, rtol=1e-5)
 
 
@@ -446,6 +444,6 @@ def test_fused_fp8_projections_stay_within_the_recipe_bound_on_gpu(recipe) -> No
 @pytest.mark.gpu
 @cuda
 def test_misaligned_fp8_products_name_the_token_count() -> None:
-    weight = _fp8_weight(32, 64, "rowwise", "cuda")
+    weight, weight_recipe = _fp8_weight(32, 64, "rowwise", "cuda")
     with pytest.raises(ValueError, match="token count"):
-        linear(torch.randn(10, 64, device="cuda").to(torch.bfloat16), weight)
+        linear(torch.randn(10, 64, device="cuda").to(torch.bfloat16), weight, None, weight_recipe)

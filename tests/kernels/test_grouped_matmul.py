@@ -3,8 +3,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastllm_kernels.grouped_matmul import grouped_weight_gradient_
-from fastllm_kernels.moe import dispatch, grouped_linear, grouped_linear_reference, sparse_map
+from fastllm_kernels.moe.grouped_linear import grouped_linear, grouped_linear_reference
+from fastllm_kernels.moe.grouped_matmul import grouped_weight_gradient_
+from fastllm_kernels.moe.sparse_copy import dispatch
+from fastllm_kernels.moe.sparse_map import sparse_map
+from fastllm_kernels.recipe import WeightRecipe
 from tests.kernels.conftest import assert_close, cuda, triton_on_cpu
 from tests.kernels.test_moe import top_k
 
@@ -17,15 +20,16 @@ def routed_rows(tokens: int, num_experts: int, k: int, hidden: int, skew: float,
     return dispatch(torch.randn(tokens, hidden, **kw), sparse), sparse
 
 
-def sink_into(buffer: torch.Tensor):
-    """A gradient sink as the engine's: the product writes, then adds, into `buffer`."""
+def sink_into(buffer: torch.Tensor) -> WeightRecipe:
+    """A recipe with a gradient sink as the engine's: the product writes, then adds, into
+    `buffer`."""
     state = {"fresh": True}
 
     def sink(product) -> None:
         product(buffer, not state["fresh"])
         state["fresh"] = False
 
-    return sink
+    return WeightRecipe(gradient_sink=sink)
 
 
 @triton_on_cpu
@@ -74,14 +78,14 @@ def test_the_weight_gradient_goes_into_the_sink_and_adds_there() -> None:
     x, sparse = routed_rows(40, 6, 2, 32, 0.8)
     weight = torch.randn(6, 16, 32, requires_grad=True)
     buffer = torch.full((6, 16, 32), float("nan"))
-    weight.gradient_sink = sink_into(buffer)
+    recipe = sink_into(buffer)
     used = int(sparse.ends[-1])
     grad = torch.randn(used, 16)
     expected = torch.autograd.grad(
         grouped_linear_reference(x, weight, sparse.ends)[:used], weight, grad
     )[0]
     for passes in (1, 2):
-        y = grouped_linear(x, weight, sparse.ends)[:used]
+        y = grouped_linear(x, weight, sparse.ends, recipe)[:used]
         y.backward(grad)
         assert weight.grad is None
         assert_close(buffer, passes * expected, atol=1e-5)
@@ -115,9 +119,9 @@ def test_the_weight_gradient_written_then_added_into_the_sink_on_gpu(num_experts
     reference = grouped_linear_reference(x.double(), exact, sparse.ends)[:used]
     expected = torch.autograd.grad(reference, exact, grad.double())[0]
     buffer = torch.empty(num_experts, 768, 512, device="cuda")
-    weight.gradient_sink = sink_into(buffer)
+    recipe = sink_into(buffer)
     for passes, rtol, atol in ((1, 1e-4, 1e-3), (2, 4e-3, 1e-2)):  # the second adds bf16
-        grouped_linear(x, weight, sparse.ends)[:used].backward(grad)
+        grouped_linear(x, weight, sparse.ends, recipe)[:used].backward(grad)
         assert_close(buffer, passes * expected.float(), rtol=rtol, atol=atol)
 
 

@@ -4,17 +4,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastllm_kernels.activation import gated_linear, gated_linear_reference
+from fastllm_kernels.gated_linear import gated_linear, gated_linear_reference
 from fastllm_kernels.linear import linear, matmul_into_fp32_
+from fastllm_kernels.recipe import WeightRecipe
 from tests.kernels.conftest import cuda, triton_on_cpu
 
 
-def _with_sink(weight: torch.Tensor) -> torch.Tensor:
-    """A leaf copy of weight whose sink accumulates into `weight.main` (fp32)."""
+def _with_sink(weight: torch.Tensor) -> tuple[torch.Tensor, WeightRecipe, torch.Tensor]:
+    """A leaf copy of weight, and a recipe whose sink accumulates its gradient into the fp32
+    buffer returned third."""
     leaf = weight.detach().clone().requires_grad_()
-    leaf.main = torch.zeros(weight.shape)
-    leaf.gradient_sink = lambda product: product(leaf.main, True)
-    return leaf
+    main = torch.zeros(weight.shape)
+    return leaf, WeightRecipe(gradient_sink=lambda product: product(main, True)), main
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -31,15 +32,15 @@ def test_linear_hands_the_weight_gradient_to_the_sink(dtype, bias) -> None:
     if b is not None:
         b.grad = None
 
-    sunk = _with_sink(weight)
-    out = linear(x, sunk, b)
+    sunk, recipe, main = _with_sink(weight)
+    out = linear(x, sunk, b, recipe)
     torch.testing.assert_close(out, F.linear(x, weight, b))
     out.backward(grad)
-    out = linear(x, sunk, b)  # a second micro-batch accumulates
+    out = linear(x, sunk, b, recipe)  # a second micro-batch accumulates
     out.backward(grad)
     assert sunk.grad is None
     product = grad.reshape(-1, 7).float().T @ x.detach().reshape(-1, 12).float()
-    torch.testing.assert_close(sunk.main, 2 * product, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(main, 2 * product, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(x.grad, 2 * expected[0])
     if b is not None:
         torch.testing.assert_close(b.grad, 2 * expected[1])
@@ -72,10 +73,10 @@ def test_gated_linear_hands_the_weight_gradient_to_the_sink() -> None:
     gated_linear_reference(x, reference, None, "silu").backward(grad)
     expected_dx = x.grad.clone()
     x.grad = None
-    sunk = _with_sink(weight)
-    gated_linear(x, sunk, None, "silu").backward(grad)
+    sunk, recipe, main = _with_sink(weight)
+    gated_linear(x, sunk, None, "silu", recipe).backward(grad)
     assert sunk.grad is None
-    torch.testing.assert_close(sunk.main, reference.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(main, reference.grad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(x.grad, expected_dx, rtol=1e-5, atol=1e-5)
 
 

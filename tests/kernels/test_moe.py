@@ -4,18 +4,15 @@ import numpy as np
 import pytest
 import torch
 
-from fastllm_kernels.moe import (
+from fastllm_kernels.moe.grouped_linear import grouped_linear, grouped_linear_reference
+from fastllm_kernels.moe.routing import route, route_reference
+from fastllm_kernels.moe.sparse_copy import (
     combine,
     combine_reference,
     dispatch,
     dispatch_reference,
-    grouped_linear,
-    grouped_linear_reference,
-    route,
-    route_reference,
-    sparse_map,
-    sparse_map_reference,
 )
+from fastllm_kernels.moe.sparse_map import sparse_map, sparse_map_reference
 from tests.kernels.conftest import assert_close, cuda, triton_on_cpu
 
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from fastllm_kernels.norm_linear import norm_linear, norm_linear_reference
+from fastllm_kernels.recipe import WeightRecipe
 from tests.kernels.conftest import assert_close, cuda, triton_on_cpu
 
 pytestmark = pytest.mark.usefixtures("poisoned_empty")
@@ -29,9 +30,9 @@ def _inputs(kind, hidden, out, dtype, device="cpu"):
     return [None if t is None else t.to(dtype).requires_grad_() for t in tensors]
 
 
-def _call(fn, inputs, rms, eps=1e-5):
+def _call(fn, inputs, rms, eps=1e-5, recipe=None):
     x, norm_weight, norm_bias, weight, bias = inputs
-    return fn(x, norm_weight, norm_bias, eps, rms, weight, bias)
+    return fn(x, norm_weight, norm_bias, eps, rms, weight, bias, recipe)
 
 
 @triton_on_cpu
@@ -72,13 +73,12 @@ def test_norm_linear_stores_its_input_not_the_normalized_activations() -> None:
 def test_norm_linear_hands_the_weight_gradient_to_the_sink() -> None:
     inputs = _inputs(KINDS[1], 16, 6, torch.float32)
     reference_inputs = [None if t is None else t.detach().clone().requires_grad_() for t in inputs]
-    weight = inputs[3]
-    weight.main = torch.zeros(weight.shape)
-    weight.gradient_sink = lambda product: product(weight.main, True)
-    _call(norm_linear, inputs, True).sum().backward()
+    weight, main = inputs[3], torch.zeros(inputs[3].shape)
+    recipe = WeightRecipe(gradient_sink=lambda product: product(main, True))
+    _call(norm_linear, inputs, True, recipe=recipe).sum().backward()
     _call(norm_linear_reference, reference_inputs, True).sum().backward()
     assert weight.grad is None
-    torch.testing.assert_close(weight.main, reference_inputs[3].grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(main, reference_inputs[3].grad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(inputs[0].grad, reference_inputs[0].grad, rtol=1e-5, atol=1e-5)
 
 

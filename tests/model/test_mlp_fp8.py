@@ -1,5 +1,5 @@
 """The dense MLP's FP8 paths: once its projections' delayed amax histories are primed, the
-whole MLP runs as one fused function (kernels/fastllm_kernels/fp8_mlp.py); before that, and
+whole MLP runs as one fused function (kernels/fastllm_kernels/fp8/gated_mlp.py); before that, and
 with biases, as the unfused pair. Triton only (the interpreter on CPU)."""
 
 from __future__ import annotations
@@ -8,8 +8,11 @@ import pytest
 import torch
 
 import fastllm.model.mlp as mlp
+import fastllm_kernels.gated_mlp
 from fastllm.model.normalization import Normalization
-from fastllm_kernels.fp8_linear import AmaxHistories, Fp8Weight
+from fastllm.model.parameters import meta_of
+from fastllm_kernels.fp8.amax_history import AmaxHistories
+from fastllm_kernels.fp8.weight import Fp8Weight
 from tests.kernels.conftest import triton_on_cpu
 from tests.model.test_moe import HIDDEN, transformer
 
@@ -22,7 +25,7 @@ def _module(biases: str) -> tuple[mlp.MLP, Normalization, AmaxHistories]:
     module.bfloat16(), norm.bfloat16()
     histories = AmaxHistories(2, 2, torch.device("cpu"))
     for index, layer in enumerate((module.layer_1, module.layer_2)):
-        layer.weight.fp8 = Fp8Weight("tensorwise", True, (histories, index))
+        meta_of(layer, "weight").recipe.fp8 = Fp8Weight("tensorwise", True, (histories, index))
     return module, norm, histories
 
 
@@ -32,8 +35,10 @@ def test_the_mlp_runs_fused_once_its_histories_are_primed(
     monkeypatch: pytest.MonkeyPatch, biases: str, fused_steps: int
 ) -> None:
     calls: list[int] = []
-    fused = mlp.fp8_gated_mlp
-    monkeypatch.setattr(mlp, "fp8_gated_mlp", lambda *args: calls.append(1) or fused(*args))
+    fused = fastllm_kernels.gated_mlp.fp8_gated_mlp
+    monkeypatch.setattr(
+        fastllm_kernels.gated_mlp, "fp8_gated_mlp", lambda *args: calls.append(1) or fused(*args)
+    )
     module, norm, histories = _module(biases)
     x = torch.randn(2, 16, HIDDEN).to(torch.bfloat16).requires_grad_()
     for _ in range(2):

@@ -13,9 +13,10 @@ from safetensors import safe_open
 
 from fastllm.checkpoint.distributed import rank_file
 from fastllm.config import ConfigError
+from fastllm.model.parameters import meta_of, parameter_metas
 from fastllm.training.state import FP8_PREFIX
-from fastllm_kernels.fp8 import quantize
-from fastllm_kernels.fp8_linear import E4M3, WEIGHT, AmaxHistories
+from fastllm_kernels.fp8.amax_history import WEIGHT, AmaxHistories
+from fastllm_kernels.fp8.quantize import E4M3, quantize
 from tests.training.conftest import Launched, Layout
 from tests.training.test_data_parallel import assert_ranks_match_one_process, model, zero
 from tests.training.test_train_cli import losses
@@ -56,14 +57,15 @@ def test_fp8_weights_are_requantized_after_each_optimizer_step(
         dataset, tmp_path / "run", "training.train_iters=2", *BF16,
         "model.distributed.fp8_linear=rowwise",
     )  # fmt: skip
-    weight = run.model.layers[0].mlp.layer_2.weight
+    layer = run.model.layers[0].mlp.layer_2
+    weight, fp8 = layer.weight, meta_of(layer, "weight").recipe.fp8
     micro_batches = next(iter(run.data_loader()))
     run.forward_backward(micro_batches[0])
-    first = weight.fp8.rows(weight)
+    first = fp8.rows(weight)
     run.forward_backward(micro_batches[1])
-    assert weight.fp8.rows(weight) is first, "one quantization per step, not per micro-batch"
+    assert fp8.rows(weight) is first, "one quantization per step, not per micro-batch"
     run.optimizer_step()
-    again = weight.fp8.rows(weight)
+    again = fp8.rows(weight)
     expected = quantize(weight.detach(), E4M3, tensorwise=False, rows=True)
     assert not torch.equal(again.data.float(), first.data.float())
     assert torch.equal(again.data.float(), expected.rows.data.float())
@@ -146,7 +148,8 @@ def test_fp8_marks_the_block_projections_and_leaves_embedding_and_head_bf16(
     dataset: Path, tmp_path: Path
 ) -> None:
     run = trainer(dataset, tmp_path, *BF16, "model.distributed.fp8_linear=rowwise")
-    marked = {name for name, p in run.model.named_parameters() if hasattr(p, "fp8")}
+    metas = parameter_metas(run.model)
+    marked = {name for name, meta in metas.items() if meta.recipe and meta.recipe.fp8}
     projections = ("query_key_value", "dense", "layer_1", "layer_2")
     expected = {
         f"layers.{i}.{module}.{name}.weight"

@@ -32,7 +32,7 @@ from fastllm.model.parameters import full_shape, parameter_metas
 from fastllm.parallel import point_to_point
 from fastllm.parallel.mesh import ParallelMesh
 from fastllm_kernels import master_split
-from fastllm_kernels.linear import GradientProduct
+from fastllm_kernels.recipe import GradientProduct
 
 ALIGNMENT = 128
 """Elements; every parameter starts at a multiple, so kernels see aligned rows."""
@@ -219,11 +219,6 @@ class FlatModel:
         self.tied_copy = self._tied_copy(model)
         needs_reducer = self.data.size > 1 or any(self.tensor_reduced_end)
         self.reducer = GradientReducer(self) if needs_reducer else None
-        # Linear layers' and experts' weight gradients go straight from the matmul into the
-        # fp32 buffer.
-        linear_weights = {
-            id(module.weight) for module in model.modules() if isinstance(module, torch.nn.Linear)
-        }
         self._hooks = []
         for index, name in enumerate(self.names):
             if name not in self.owned_names:
@@ -231,8 +226,10 @@ class FlatModel:
             parameter = self.model.get_parameter(name)
             hook = self._accumulate_hook(index)
             self._hooks.append(parameter.register_post_accumulate_grad_hook(hook))
-            if id(parameter) in linear_weights or self.metas[name].expert_split:
-                parameter.gradient_sink = self._gradient_sink(index)
+            # A projection's weight gradient goes straight from the matmul into the fp32 buffer.
+            recipe = self.metas[name].recipe
+            if recipe is not None:
+                recipe.gradient_sink = self._gradient_sink(index)
         self.gatherer = WeightGatherer(self) if self.shard_weights else None
         if self.gatherer is not None and gather_in_forward:
             self.gatherer.install_hooks(stage_modules(model, layers_per_stage))

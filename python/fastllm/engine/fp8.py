@@ -1,13 +1,14 @@
 """FP8 compute of the blocks' linear layers, applied to a plain model from the outside.
 
-The kernels compute a linear layer in FP8 when its weight carries an `Fp8Weight`
-(fastllm_kernels/fp8_linear.py); this marks the weights of the attention projections and of
-the dense MLPs. The embedding and the head stay bf16 (their precision matters most and the
-fused loss computes the head), as do mixture-of-experts layers (their experts are not linear
-modules). The weights' FP8 copies are refreshed once their version changes: the optimizer
-bumps it after writing the compute weights (`AdamW.step`). With delayed scaling the layers share
-one `AmaxHistories` (of their inputs, output gradients and weights), which the trainer rolls
-after each optimizer step and checkpoints."""
+The kernels compute a linear layer in FP8 when its weight's recipe carries an `Fp8Weight`
+(fastllm_kernels/recipe.py, fp8/weight.py); this gives one to the recipes of the attention
+projections' and the dense MLPs' weights, found through their parameters' metadata. The
+embedding and the head stay bf16 (their precision matters most and the fused loss computes the
+head), as do mixture-of-experts layers (their experts are not linear modules). The weights'
+FP8 copies are refreshed once their version changes: the optimizer bumps it after writing the
+compute weights (`AdamW.step`). With delayed scaling the layers share one `AmaxHistories` (of
+their inputs, output gradients and weights), which the trainer rolls after each optimizer step
+and checkpoints."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ import torch
 from fastllm.config import ConfigError
 from fastllm.model import GPTModel
 from fastllm.model.mlp import MLP
-from fastllm_kernels.fp8_linear import AmaxHistories, Fp8Weight
+from fastllm.model.parameters import meta_of
+from fastllm_kernels.fp8.amax_history import AmaxHistories
+from fastllm_kernels.fp8.weight import Fp8Weight
 
 KEY = "model.distributed.fp8_linear"
 MIN_CAPABILITY = (8, 9)
@@ -60,5 +63,7 @@ def apply_fp8(
     histories = AmaxHistories(len(layers), history_length, device) if delayed else None
     for index, layer in enumerate(layers):
         entry = None if histories is None else (histories, index)
-        layer.weight.fp8 = Fp8Weight(recipe, keep_copies, entry)  # type: ignore[attr-defined]
+        weight_recipe = meta_of(layer, "weight").recipe
+        assert weight_recipe is not None, "a projection's weight has a recipe"
+        weight_recipe.fp8 = Fp8Weight(recipe, keep_copies, entry)
     return histories

@@ -23,8 +23,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from fastllm_kernels.fp8 import FP8_MAX, Fp8Tensor, multiplier_reference
-from fastllm_kernels.fp8_linear import E4M3, WEIGHT, Fp8Weight
+from fastllm_kernels.fp8.amax_history import WEIGHT
+from fastllm_kernels.fp8.quantize import E4M3, FP8_MAX, Fp8Tensor, multiplier_reference
+from fastllm_kernels.fp8.weight import Fp8Weight
 
 if TYPE_CHECKING:
     from fastllm.engine.flat_model import FlatModel
@@ -87,10 +88,12 @@ class Fp8Gather:
         flat = self.flat
         weights: dict[int, _Weight] = {}
         for index in flat.stage_parameters[stage]:
-            parameter = flat.model.get_parameter(flat.names[index])
-            fp8 = getattr(parameter, "fp8", None)
+            name = flat.names[index]
+            recipe = flat.metas[name].recipe
+            fp8 = None if recipe is None else recipe.fp8
             if fp8 is None:
                 continue
+            parameter = flat.model.get_parameter(name)
             out, inputs = parameter.shape
             weights[index] = _Weight(fp8, (out, inputs), self.amax_size)
             self.amax_size += weights[index].amaxes

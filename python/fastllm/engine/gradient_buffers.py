@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from fastllm_kernels.accumulate import accumulate_
-from fastllm_kernels.linear import GradientProduct
+from fastllm_kernels.recipe import GradientProduct
 
 
 class GradientBuffers:

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from fastllm.config.training import OptimizerConfig
 from fastllm.engine.flat_model import FlatModel, Shard
-from fastllm_kernels import adamw_step_
+from fastllm_kernels.adam import adamw_step_
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from fastllm.parallel.sequence_data import KeyValueGather, SequenceDataDimension
 from fastllm.parallel.tensor import TensorDimension, enter, leave
 from fastllm_kernels.attention import attention
 from fastllm_kernels.linear import linear
+from fastllm_kernels.recipe import WeightRecipe
 from fastllm_kernels.rotary import apply_rotary, split_qkv_rotary
 
 
@@ -48,11 +49,24 @@ class Attention(torch.nn.Module):
             hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias
         )
         self.dense = torch.nn.Linear(self.q_size, hidden, bias=dense_bias)
+        self.qkv_recipe, self.dense_recipe = WeightRecipe(), WeightRecipe()
         q_size, kv_size = tensor.size * self.q_size, tensor.size * self.kv_size
         qkv_split = TensorSplit(0, (q_size, kv_size, kv_size))
-        describe(self.query_key_value, "weight", weight_decay=True, tensor_split=qkv_split)
+        describe(
+            self.query_key_value,
+            "weight",
+            weight_decay=True,
+            tensor_split=qkv_split,
+            recipe=self.qkv_recipe,
+        )
         describe(self.query_key_value, "bias", weight_decay=False, tensor_split=qkv_split)
-        describe(self.dense, "weight", weight_decay=True, tensor_split=TensorSplit(1, (q_size,)))
+        describe(
+            self.dense,
+            "weight",
+            weight_decay=True,
+            tensor_split=TensorSplit(1, (q_size,)),
+            recipe=self.dense_recipe,
+        )
         describe(self.dense, "bias", weight_decay=False, sequence_tensor_parallel_replicated=True)
 
     def forward(
@@ -72,7 +86,8 @@ class Attention(torch.nn.Module):
         if self.sequence_data.split:
             q, k, v = self._project_gathering_keys(x, norm, cos, sin)
         else:
-            qkv = norm.project(x, self.query_key_value.weight, self.query_key_value.bias)
+            weight, bias = self.query_key_value.weight, self.query_key_value.bias
+            qkv = norm.project(x, weight, bias, self.qkv_recipe)
             q, k, v = split_qkv_rotary(qkv, self.heads, self.kv_heads, cos, sin)
         if self.sequence_data.split:
             out = self._attend_by_chunk(q, k, v, document_ids)
@@ -84,23 +99,24 @@ class Attention(torch.nn.Module):
             out = self._attend_with_cache(q, k, v, cache, document_ids)
         out = out.reshape(batch, length, self.q_size)
         if not self.tensor.split:
-            return linear(out, self.dense.weight, self.dense.bias)
-        return leave(linear(out, self.dense.weight), self.tensor, self.dense.bias)
+            return linear(out, self.dense.weight, self.dense.bias, self.dense_recipe)
+        dense = linear(out, self.dense.weight, recipe=self.dense_recipe)
+        return leave(dense, self.tensor, self.dense.bias)
 
     def _project_gathering_keys(
         self, x: Tensor, norm: Normalization, cos: Tensor | None, sin: Tensor | None
     ) -> tuple[Tensor, Tensor, Tensor]:
         """q of this chunk, k and v of the causal prefix: keys and values are projected first,
-        so that their all-gather runs while the queries are projected and rotated (in FP8 the
-        projection is one, and the gather runs during the queries' rotary). (The two row
-        slices of the projection's weight get their gradients through autograd, not the flat
-        buffer's gradient sink.)"""
+        so that their all-gather runs while the queries are projected and rotated (a weight
+        whose recipe is not `sliceable` is projected once, and the gather runs during the
+        queries' rotary). (The two row slices of the projection's weight are projected without
+        its recipe: they get their gradients through autograd, not its gradient sink.)"""
         batch, length, _ = x.shape
         weight, bias = self.query_key_value.weight, self.query_key_value.bias
-        # FP8 scales and caches the whole weight (a row slice of it would compute in bf16).
-        whole = getattr(weight, "fp8", None) is not None
+        whole = not self.qkv_recipe.sliceable
         if whole:
-            q, kv = norm.project(x, weight, bias).split([self.q_size, 2 * self.kv_size], dim=-1)
+            qkv = norm.project(x, weight, bias, self.qkv_recipe)
+            q, kv = qkv.split([self.q_size, 2 * self.kv_size], dim=-1)
         else:
             rows = slice(self.q_size, None)
             kv = norm.project(x, weight[rows], None if bias is None else bias[rows])

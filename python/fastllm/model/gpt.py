@@ -22,6 +22,7 @@ from fastllm.parallel.tensor import (
     vocab_parallel_embedding,
 )
 from fastllm_kernels.cross_entropy import linear_cross_entropy
+from fastllm_kernels.recipe import WeightRecipe
 
 
 @dataclass(frozen=True)
@@ -85,8 +86,16 @@ class GPTModel(torch.nn.Module):
         self.head = (
             None if config.tie_word_embeddings else torch.nn.Linear(hidden, vocab, bias=False)
         )
+        self.head_recipe = None if self.head is None else WeightRecipe()
+        """None for a tied head: the embedding's weight, whose gradient autograd returns."""
         if self.head is not None:
-            describe(self.head, "weight", weight_decay=True, tensor_split=vocab_split)
+            describe(
+                self.head,
+                "weight",
+                weight_decay=True,
+                tensor_split=vocab_split,
+                recipe=self.head_recipe,
+            )
         for layer, modules in enumerate(self.layer_modules()):
             for module in modules:
                 set_layer(module, layer)
@@ -166,7 +175,7 @@ class GPTModel(torch.nn.Module):
         hidden, labels = x.reshape(-1, x.shape[-1]), labels.reshape(-1)
         if self.tensor.split:
             return vocab_parallel_cross_entropy(
-                hidden, self.head_weight, labels, self.tensor
+                hidden, self.head_weight, labels, self.tensor, recipe=self.head_recipe
             ), auxiliary
         return linear_cross_entropy(hidden, self.head_weight, labels), auxiliary
 

@@ -15,10 +15,15 @@ from fastllm.model.parameters import TensorSplit, describe
 from fastllm.parallel.dimension import Dimension
 from fastllm.parallel.expert import exchange
 from fastllm.parallel.tensor import TensorDimension, counted_once, enter, leave
-from fastllm_kernels.activation import gated_activation_fused, gated_linear
-from fastllm_kernels.fp8_mlp import fp8_gated_mlp, fused_mlp_applies
+from fastllm_kernels.activation import gated_activation_fused
+from fastllm_kernels.gated_linear import gated_linear
+from fastllm_kernels.gated_mlp import gated_mlp
 from fastllm_kernels.linear import linear
-from fastllm_kernels.moe import SparseMap, combine, dispatch, grouped_linear, route, sparse_map
+from fastllm_kernels.moe.grouped_linear import grouped_linear
+from fastllm_kernels.moe.routing import route
+from fastllm_kernels.moe.sparse_copy import combine, dispatch
+from fastllm_kernels.moe.sparse_map import SparseMap, sparse_map
+from fastllm_kernels.recipe import WeightRecipe
 
 _ACTIVATIONS = {
     "silu": F.silu,
@@ -49,11 +54,24 @@ class MLP(torch.nn.Module):
         ffn = config.ffn_hidden_size // tensor.size
         self.layer_1 = torch.nn.Linear(config.hidden_size, inputs * ffn, bias=bias)
         self.layer_2 = torch.nn.Linear(ffn, config.hidden_size, bias=bias)
+        self.layer_1_recipe, self.layer_2_recipe = WeightRecipe(), WeightRecipe()
         split_1 = TensorSplit(0, (config.ffn_hidden_size,) * inputs)
-        describe(self.layer_1, "weight", weight_decay=True, tensor_split=split_1)
+        describe(
+            self.layer_1,
+            "weight",
+            weight_decay=True,
+            tensor_split=split_1,
+            recipe=self.layer_1_recipe,
+        )
         describe(self.layer_1, "bias", weight_decay=False, tensor_split=split_1)
         split_2 = TensorSplit(1, (config.ffn_hidden_size,))
-        describe(self.layer_2, "weight", weight_decay=True, tensor_split=split_2)
+        describe(
+            self.layer_2,
+            "weight",
+            weight_decay=True,
+            tensor_split=split_2,
+            recipe=self.layer_2_recipe,
+        )
         describe(self.layer_2, "bias", weight_decay=False, sequence_tensor_parallel_replicated=True)
 
     def forward(self, x: Tensor, norm: Normalization) -> tuple[Tensor, None]:
@@ -66,12 +84,15 @@ class MLP(torch.nn.Module):
     def partial(self, x: Tensor, norm: Normalization) -> Tensor:
         """This tensor rank's part of the MLP of norm(x), x already through `enter` (whole);
         the second layer's bias added only when not split (`leave` adds it after the sum)."""
-        up, down = self.layer_1.weight, self.layer_2.weight
-        if self._fused_fp8(x, norm):
-            rms = norm.bias is None
-            return fp8_gated_mlp(x, norm.weight, norm.bias, norm.epsilon, rms, up, down,
-                                 self.activation)  # fmt: skip
-        h = norm.project(x, self.layer_1.weight, self.layer_1.bias)
+        if self.gated and self.recompute_activation and norm.recompute and not self.tensor.split:
+            # The MLP from the norm on as one op, which fuses it where the recipes allow (FP8);
+            # tensor-parallel ranks keep the two projections apart.
+            return gated_mlp(
+                x, norm.weight, norm.bias, norm.epsilon, norm.bias is None,
+                self.layer_1.weight, self.layer_1.bias, self.layer_1_recipe,
+                self.layer_2.weight, self.layer_2.bias, self.layer_2_recipe, self.activation,
+            )  # fmt: skip
+        h = norm.project(x, self.layer_1.weight, self.layer_1.bias, self.layer_1_recipe)
         return _project(
             h,
             self.layer_2.weight,
@@ -79,15 +100,7 @@ class MLP(torch.nn.Module):
             self.gated,
             self.activation,
             self.recompute_activation,
-        )
-
-    def _fused_fp8(self, x: Tensor, norm: Normalization) -> bool:
-        """Whether the whole MLP runs as one FP8 function (kernels/fastllm_kernels/fp8_mlp.py):
-        gated, recomputing the norm and the activation, no biases, not split."""
-        plain = self.layer_1.bias is None and self.layer_2.bias is None and not self.tensor.split
-        recomputed = self.gated and self.recompute_activation and norm.recompute
-        return (
-            plain and recomputed and fused_mlp_applies(x, self.layer_1.weight, self.layer_2.weight)
+            self.layer_2_recipe,
         )
 
 
@@ -98,14 +111,15 @@ def _project(
     gated: bool,
     activation: str,
     recompute: bool = True,
+    recipe: WeightRecipe | None = None,
 ) -> Tensor:
-    """The second projection of act(h); with `recompute`, a gated activation is recomputed in
-    the backward pass rather than stored."""
+    """The second projection of act(h), under the weight's `recipe`; with `recompute`, a gated
+    activation is recomputed in the backward pass rather than stored."""
     if gated and recompute:
-        return gated_linear(h, weight, bias, activation)
+        return gated_linear(h, weight, bias, activation, recipe)
     if gated:
-        return linear(gated_activation_fused(h, activation), weight, bias)
-    return linear(_ACTIVATIONS[activation](h), weight, bias)
+        return linear(gated_activation_fused(h, activation), weight, bias, recipe)
+    return linear(_ACTIVATIONS[activation](h), weight, bias, recipe)
 
 
 class MixtureOfExperts(torch.nn.Module):
@@ -123,7 +137,7 @@ class MixtureOfExperts(torch.nn.Module):
 
     Dropless (`dropless_moe`): the routed tokens are permuted into a sparse layout of contiguous
     per-expert rows, both projections are grouped matmuls over it, and the outputs are permuted
-    back scaled by the routing weights (kernels/fastllm_kernels/moe.py). Otherwise a loop over
+    back scaled by the routing weights (kernels/fastllm_kernels/moe/). Otherwise a loop over
     the experts, the reference.
 
     `forward` returns the output and the router's auxiliary losses (load balancing, z-loss),
@@ -163,11 +177,26 @@ class MixtureOfExperts(torch.nn.Module):
         held = self.num_experts // self.expert.size
         self.layer_1 = torch.nn.Parameter(torch.empty(held, inputs * local, hidden))
         self.layer_2 = torch.nn.Parameter(torch.empty(held, hidden, local))
+        self.layer_1_recipe, self.layer_2_recipe = WeightRecipe(), WeightRecipe()
         describe(self.router, "weight", weight_decay=True, tensor_partial=True)
         split_1 = TensorSplit(1, (ffn,) * inputs)  # matching gate and up rows of every expert
-        describe(self, "layer_1", weight_decay=True, tensor_split=split_1, expert_split=True)
+        describe(
+            self,
+            "layer_1",
+            weight_decay=True,
+            tensor_split=split_1,
+            expert_split=True,
+            recipe=self.layer_1_recipe,
+        )
         split_2 = TensorSplit(2, (ffn,))
-        describe(self, "layer_2", weight_decay=True, tensor_split=split_2, expert_split=True)
+        describe(
+            self,
+            "layer_2",
+            weight_decay=True,
+            tensor_split=split_2,
+            expert_split=True,
+            recipe=self.layer_2_recipe,
+        )
         self.shared = None
         if config.num_shared_experts:
             width = config.num_shared_experts * ffn
@@ -221,13 +250,13 @@ class MixtureOfExperts(torch.nn.Module):
 
     def _dropless(self, tokens: Tensor, weights: Tensor, sparse: SparseMap) -> Tensor:
         h = dispatch(tokens, sparse)
-        h = grouped_linear(h, self.layer_1, sparse.ends)
+        h = grouped_linear(h, self.layer_1, sparse.ends, self.layer_1_recipe)
         h = (
             gated_activation_fused(h, self.activation)
             if self.gated
             else _ACTIVATIONS[self.activation](h)
         )
-        y = grouped_linear(h, self.layer_2, sparse.ends)
+        y = grouped_linear(h, self.layer_2, sparse.ends, self.layer_2_recipe)
         return combine(y, sparse, weights)
 
     def _looped(self, tokens: Tensor, weights: Tensor, experts: Tensor) -> Tensor:

@@ -10,6 +10,7 @@ from fastllm.model.parameters import describe
 from fastllm_kernels.linear import linear
 from fastllm_kernels.norm import layer_norm, rms_norm
 from fastllm_kernels.norm_linear import norm_linear
+from fastllm_kernels.recipe import WeightRecipe
 
 
 class Normalization(torch.nn.Module):
@@ -33,10 +34,12 @@ class Normalization(torch.nn.Module):
             return rms_norm(x, self.weight, self.epsilon)
         return layer_norm(x, self.weight, self.bias, self.epsilon)
 
-    def project(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        """linear(self(x), weight, bias); with `recompute`, storing x rather than self(x) for
-        the backward pass."""
+    def project(
+        self, x: Tensor, weight: Tensor, bias: Tensor | None, recipe: WeightRecipe | None = None
+    ) -> Tensor:
+        """linear(self(x), weight, bias) under the weight's `recipe`; with `recompute`, storing x
+        rather than self(x) for the backward pass."""
         if not self.recompute:
-            return linear(self(x), weight, bias)
+            return linear(self(x), weight, bias, recipe)
         rms = self.bias is None
-        return norm_linear(x, self.weight, self.bias, self.epsilon, rms, weight, bias)
+        return norm_linear(x, self.weight, self.bias, self.epsilon, rms, weight, bias, recipe)

@@ -5,11 +5,13 @@ this alone, never from parameter names."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from fastllm_kernels.recipe import WeightRecipe
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,9 @@ class ParameterMeta:
     layer: int = 0
     """Position in the model: 0 the embedding, 1 … num_layers the blocks, num_layers + 1 the
     final norm and the head. The engine groups layers into stages."""
+    recipe: WeightRecipe | None = field(default=None, compare=False)
+    """A projection's weight: the recipe its layer passes to the kernels' ops with it, made
+    empty with the layer; the engine fills it in (a gradient sink, FP8)."""
 
     def tensor_reduced(self, sequence_tensor_parallel: bool) -> bool:
         """Its gradient is summed over the tensor ranks (with more than one)."""
@@ -82,6 +87,11 @@ def describe(module: torch.nn.Module, name: str, **meta: Any) -> None:
     bias). Kept on the module, so copies of the model and replaced parameters keep it."""
     if getattr(module, name) is not None:
         module.__dict__.setdefault("parameter_meta", {})[name] = ParameterMeta(**meta)
+
+
+def meta_of(module: torch.nn.Module, name: str) -> ParameterMeta:
+    """The meta `describe` attached to `module`'s parameter `name`."""
+    return module.__dict__["parameter_meta"][name]
 
 
 def set_layer(module: torch.nn.Module, layer: int) -> None:

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from fastllm.parallel.dimension import Dimension
 from fastllm_kernels.linear import weight_gradient
+from fastllm_kernels.recipe import WeightRecipe
 
 
 class DeferredWork:
@@ -169,13 +170,15 @@ def vocab_parallel_cross_entropy(
     labels: Tensor,
     tensor: TensorDimension,
     ignore_index: int = -100,
+    recipe: WeightRecipe | None = None,
 ) -> Tensor:
     """Mean cross-entropy of hidden (N, H) @ weight (V / size, H).T over the labels (N,) not
     equal to `ignore_index`, the vocabulary split over the tensor ranks. Three all-reduces of
     one value per token in the forward pass (maximum, sum of exponentials, target logit), none
     in the backward pass: each rank's logit gradient is its own softmax slice. `hidden` must
-    come through `enter`, whose backward sums the hidden gradients of the ranks."""
-    return _VocabParallelCrossEntropy.apply(hidden, weight, labels, tensor, ignore_index)
+    come through `enter`, whose backward sums the hidden gradients of the ranks. The weight's
+    gradient goes to the sink of its `recipe`, if any."""
+    return _VocabParallelCrossEntropy.apply(hidden, weight, labels, tensor, ignore_index, recipe)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -187,6 +190,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         labels: Tensor,
         tensor: TensorDimension,
         ignore_index: int,
+        recipe: WeightRecipe | None,
     ) -> Tensor:
         logits = _fp32_logits(hidden, weight)
         maximum = logits.max(dim=-1).values
@@ -209,6 +213,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad[rows[here], local[here]] -= 1.0
         grad.mul_((valid.float() / count).unsqueeze(-1))
         ctx.save_for_backward(grad.to(hidden.dtype), hidden, weight)
+        ctx.recipe = recipe
         return losses.sum() / count
 
     @staticmethod
@@ -216,8 +221,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad, hidden, weight = ctx.saved_tensors
         grad = grad * grad_output.to(grad.dtype)
         d_hidden = grad @ weight
-        d_weight = weight_gradient(weight, grad, hidden)
-        return d_hidden, d_weight, None, None, None
+        d_weight = weight_gradient(grad, hidden, ctx.recipe)
+        return d_hidden, d_weight, None, None, None, None
 
 
 def _fp32_logits(hidden: Tensor, weight: Tensor) -> Tensor:

@@ -44,7 +44,7 @@ from fastllm.training import state
 from fastllm.training.experiment_lock import ExperimentLock
 from fastllm.training.metrics import PEAK_FLOPS, MetricsLogger
 from fastllm.training.profiling import StepProfiler
-from fastllm_kernels.fp8_linear import AmaxHistories
+from fastllm_kernels.fp8.amax_history import AmaxHistories
 
 
 class Trainer:

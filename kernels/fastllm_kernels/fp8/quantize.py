@@ -28,9 +28,12 @@ import triton.language as tl
 from torch import Tensor
 
 from fastllm_kernels._dispatch import row_block, use_triton
+from fastllm_kernels.row_helpers import power_of_two_multiplier, store_transposed, tensor_multiplier
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 """The largest finite value of each FP8 format."""
+E4M3 = torch.float8_e4m3fn
+"""The format of activations and weights under every recipe."""
 _AMAX_FLOOR = 1e-12
 """An all-zero tensor still gets a finite scale."""
 
@@ -134,6 +137,12 @@ def quantize_reference(
     return Quantized(row_part, column_part, None)
 
 
+def requested(t: Fp8Tensor | None) -> Fp8Tensor:
+    """A layout of `Quantized` that `quantize` was asked for (so not None)."""
+    assert t is not None
+    return t
+
+
 def dequantize(t: Fp8Tensor) -> Tensor:
     """The fp32 values t stands for."""
     return t.data.float() * t.scale
@@ -210,22 +219,6 @@ def _quantize_triton(
         Fp8Tensor(qt, col_scale) if qt is not None else None,
         amax if tensorwise and history is None else None,
     )
-
-
-@triton.jit
-def power_of_two_multiplier(amax, FP8_MAX: tl.constexpr):
-    """As multiplier_reference; IEEE division, so the exponent is the reference's exactly."""
-    ratio = tl.math.div_rn(tl.full(amax.shape, FP8_MAX, tl.float32), tl.maximum(amax, 1e-12))
-    return (ratio.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def tensor_multiplier(amax_ptr, n_amax, AMAX_BLOCK: tl.constexpr, FP8_MAX: tl.constexpr):
-    """The multiplier of one tensor scale: from its amax (n_amax 1) or from the max of an
-    amax history (delayed scaling)."""
-    offsets = tl.arange(0, AMAX_BLOCK)
-    amax = tl.max(tl.load(amax_ptr + offsets, mask=offsets < n_amax, other=0.0), axis=0)
-    return power_of_two_multiplier(amax, FP8_MAX)
 
 
 @triton.jit
@@ -306,9 +299,5 @@ def _cast_kernel(
             col_multiplier = power_of_two_multiplier(col_amax, FP8_MAX)
             if pid_m == 0:
                 tl.store(col_scale_ptr + cols, tl.math.div_rn(1.0, col_multiplier), mask=col_mask)
-        qt = tl.trans((x * col_multiplier[None, :]).to(qt_ptr.dtype.element_ty))
-        tl.store(
-            qt_ptr + cols[:, None].to(tl.int64) * n_rows + rows[None, :],
-            qt,
-            mask=col_mask[:, None] & row_mask[None, :],
-        )
+        qt = (x * col_multiplier[None, :]).to(qt_ptr.dtype.element_ty)
+        store_transposed(qt_ptr, qt, rows, cols, n_rows, row_mask, col_mask)

@@ -3,12 +3,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fastllm_kernels.activation import _launch_backward, gated_linear
-from fastllm_kernels.fp8 import DelayedScale, dequantize, quantize
-from fastllm_kernels.fp8_fused import _gated_columns
-from fastllm_kernels.fp8_linear import AmaxHistories, Fp8Weight
-from fastllm_kernels.fp8_mlp import fp8_gated_mlp, fused_mlp_applies, gated_backward_quantized
+from fastllm_kernels.activation import gated_backward
+from fastllm_kernels.fp8.amax_history import AmaxHistories
+from fastllm_kernels.fp8.gated_mlp import fp8_gated_mlp, fused_mlp_applies, gated_backward_quantized
+from fastllm_kernels.fp8.producers import gated_columns
+from fastllm_kernels.fp8.quantize import DelayedScale, dequantize, quantize
+from fastllm_kernels.fp8.weight import Fp8Weight
+from fastllm_kernels.gated_linear import gated_linear
 from fastllm_kernels.norm_linear import norm_linear
+from fastllm_kernels.recipe import WeightRecipe
 from tests.kernels.conftest import cuda, triton_on_cpu
 
 HIDDEN, FFN = 64, 128
@@ -22,46 +25,49 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _mlp(device: str):
-    """Up and down weights in delayed tensorwise FP8 sharing one amax history, a norm weight and
-    an input; the histories primed by one step of the unfused pair (current scaling)."""
-    up = torch.nn.Parameter(
+    """Up and down (weight, recipe) pairs in delayed tensorwise FP8 sharing one amax history, a
+    norm weight and an input; the histories primed by one step of the unfused pair (current
+    scaling)."""
+    up_weight = torch.nn.Parameter(
         (torch.randn(2 * FFN, HIDDEN, device=device) / HIDDEN**0.5).to(torch.bfloat16)
     )
-    down = torch.nn.Parameter(
+    down_weight = torch.nn.Parameter(
         (torch.randn(HIDDEN, FFN, device=device) / FFN**0.5).to(torch.bfloat16)
     )
     histories = AmaxHistories(2, 4, torch.device(device))
-    up.fp8 = Fp8Weight("tensorwise", True, (histories, 0))
-    down.fp8 = Fp8Weight("tensorwise", True, (histories, 1))
+    up = (up_weight, WeightRecipe(fp8=Fp8Weight("tensorwise", True, (histories, 0))))
+    down = (down_weight, WeightRecipe(fp8=Fp8Weight("tensorwise", True, (histories, 1))))
     norm_weight = (1 + 0.1 * torch.randn(HIDDEN, device=device)).to(torch.bfloat16)
     x = (2 * torch.randn(4, 16, HIDDEN, device=device)).to(torch.bfloat16)
-    assert not fused_mlp_applies(x, up, down)  # no history yet
+    assert not fused_mlp_applies(x, *up, *down)  # no history yet
     _run(_unfused, x, norm_weight, up, down)
     histories.roll()
     return x, norm_weight, up, down, histories
 
 
 def _unfused(x, norm_weight, up, down):
-    return gated_linear(norm_linear(x, norm_weight, None, 1e-5, True, up), down, None, "silu")
+    h = norm_linear(x, norm_weight, None, 1e-5, True, up[0], None, up[1])
+    return gated_linear(h, down[0], None, "silu", down[1])
 
 
 def _fused(x, norm_weight, up, down):
-    return fp8_gated_mlp(x, norm_weight, None, 1e-5, True, up, down, "silu")
+    return fp8_gated_mlp(x, norm_weight, None, 1e-5, True, *up, *down, "silu")
 
 
 def _run(mlp, x, norm_weight, up, down):
-    """Output and the gradients of x, up and down for a fixed output gradient."""
+    """Output and the gradients of x, up and down ((weight, recipe) pairs) for a fixed output
+    gradient."""
     x = x.detach().requires_grad_()
-    for weight in (up, down):
+    for weight, _ in (up, down):
         weight.grad = None
     out = mlp(x, norm_weight, up, down)
     out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(out))
-    return out.detach(), x.grad, up.grad, down.grad
+    return out.detach(), x.grad, up[0].grad, down[0].grad
 
 
 def _both(device: str):
     x, norm_weight, up, down, histories = _mlp(device)
-    assert fused_mlp_applies(x, up, down)
+    assert fused_mlp_applies(x, *up, *down)
     results = {}
     for name, mlp in (("fused", _fused), ("unfused", _unfused)):
         histories.current.zero_()
@@ -82,11 +88,11 @@ def _gated_backward_cases(device: str):
         DelayedScale(history, records[0]), E5M2,
     )  # fmt: skip
     dh = torch.empty_like(h)
-    _launch_backward(d_activated, h[:, :FFN], h[:, FFN:], dh[:, :FFN], dh[:, FFN:], "silu")
+    gated_backward(d_activated, h[:, :FFN], h[:, FFN:], dh[:, :FFN], dh[:, FFN:], "silu")
     theirs = quantize(
         dh, E5M2, tensorwise=True, columns=True, delayed=DelayedScale(history, records[1])
     )
-    activated = _gated_columns(h, "silu", activated_history)
+    activated = gated_columns(h, "silu", activated_history)
     return ours, (theirs.rows, theirs.columns, activated), records
 
 

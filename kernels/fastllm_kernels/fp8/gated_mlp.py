@@ -13,9 +13,9 @@ The values are the unfused pair's: the gradient is rounded to the compute dtype 
 scaled, as the unfused path stores it.
 
 The forward pass is the unfused pair's (the norm and the activation quantize their outputs).
-Used by the model's dense MLP when both projections compute in FP8 with primed amax histories,
-without biases (`fused_mlp_applies`); until the histories are primed (the first step), the
-unfused pair scales currently.
+Chosen by `gated_mlp` (fastllm_kernels' gated_mlp.py) when both projections compute in FP8
+with primed amax histories, without biases (`fused_mlp_applies`); until the histories are
+primed (the first step), the unfused pair scales currently.
 """
 
 from __future__ import annotations
@@ -26,26 +26,25 @@ import triton.language as tl
 from torch import Tensor
 
 from fastllm_kernels._dispatch import as_rows, use_triton
-from fastllm_kernels.activation import _activation_and_derivative
-from fastllm_kernels.fp8 import FP8_MAX, DelayedScale, Fp8Tensor, quantize, tensor_multiplier
-from fastllm_kernels.fp8_fused import _gated_quantized, _norm_columns, _norm_quantized
-from fastllm_kernels.fp8_linear import (
-    E4M3,
-    GRADIENT,
-    INPUT,
-    Fp8Weight,
-    product_of_rows,
-    scaled_matmul,
-    weight_gradient,
-)
+from fastllm_kernels.fp8.amax_history import GRADIENT, INPUT
+from fastllm_kernels.fp8.linear import product_of_rows, scaled_matmul, weight_gradient
+from fastllm_kernels.fp8.producers import gated_quantized, norm_columns, norm_quantized
+from fastllm_kernels.fp8.quantize import E4M3, FP8_MAX, DelayedScale, Fp8Tensor, quantize
 from fastllm_kernels.norm import norm_backward
+from fastllm_kernels.recipe import WeightRecipe
+from fastllm_kernels.row_helpers import (
+    activation_and_derivative,
+    store_transposed,
+    tensor_multiplier,
+)
 
 
-def fused_mlp_applies(x: Tensor, up: Tensor, down: Tensor) -> bool:
+def fused_mlp_applies(
+    x: Tensor, up: Tensor, up_recipe: WeightRecipe, down: Tensor, down_recipe: WeightRecipe
+) -> bool:
     """Whether `fp8_gated_mlp` computes this MLP: both weights delayed-scaled FP8 with primed
     histories, and the kernels in reach of x."""
-    fp8_up: Fp8Weight | None = getattr(up, "fp8", None)
-    fp8_down: Fp8Weight | None = getattr(down, "fp8", None)
+    fp8_up, fp8_down = up_recipe.fp8, down_recipe.fp8
     if fp8_up is None or fp8_down is None or fp8_up.delayed is None or fp8_down.delayed is None:
         return False
     primed = (
@@ -63,34 +62,41 @@ def fp8_gated_mlp(
     eps: float,
     rms: bool,
     up: Tensor,
+    up_recipe: WeightRecipe,
     down: Tensor,
+    down_recipe: WeightRecipe,
     activation: str,
 ) -> Tensor:
     """down(act(gate) * up) of [gate | up] = up_weight(norm(x)), no biases (fused_mlp_applies)."""
     return _Fp8GatedMlpFunction.apply(
-        x, norm_weight, norm_bias, eps, rms, up, down, activation, up.fp8, down.fp8
+        x, norm_weight, norm_bias, eps, rms, up, down, activation, up_recipe, down_recipe
     )
 
 
 class _Fp8GatedMlpFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, norm_weight, norm_bias, eps, rms, up, down, activation, fp8_up, fp8_down):
+    def forward(
+        ctx, x, norm_weight, norm_bias, eps, rms, up, down, activation, up_recipe, down_recipe
+    ):
+        fp8_up, fp8_down = up_recipe.fp8, down_recipe.fp8
         rows = as_rows(x)
-        normed, mean, rstd = _norm_quantized(
+        normed, mean, rstd = norm_quantized(
             rows, norm_weight, norm_bias, eps, rms, fp8_up.scale(INPUT)
         )
         h = product_of_rows(normed, up, None, fp8_up, x.dtype)
         del normed
-        activated = _gated_quantized(h, activation, fp8_down.scale(INPUT))
+        activated = gated_quantized(h, activation, fp8_down.scale(INPUT))
         out = product_of_rows(activated, down, None, fp8_down, x.dtype)
         ctx.save_for_backward(rows, norm_weight, norm_bias, mean, rstd, up, h, down)
-        ctx.rms, ctx.activation, ctx.fp8_up, ctx.fp8_down = rms, activation, fp8_up, fp8_down
+        ctx.rms, ctx.activation = rms, activation
+        ctx.up_recipe, ctx.down_recipe = up_recipe, down_recipe
         return out.view(*x.shape[:-1], down.shape[0])
 
     @staticmethod
     def backward(ctx, grad):
         rows, norm_weight, norm_bias, mean, rstd, up, h, down = ctx.saved_tensors
-        fp8_up, fp8_down = ctx.fp8_up, ctx.fp8_down
+        up_recipe, down_recipe = ctx.up_recipe, ctx.down_recipe
+        fp8_up, fp8_down = up_recipe.fp8, down_recipe.fp8
         need_up, need_down = ctx.needs_input_grad[5:7]
         dy = as_rows(grad)
         dy_q = quantize(
@@ -107,15 +113,17 @@ class _Fp8GatedMlpFunction(torch.autograd.Function):
         d_down = None
         if need_down:
             assert dy_q.columns is not None
-            d_down = weight_gradient(down, dy_q.columns, activated_columns)
+            d_down = weight_gradient(
+                down, dy_q.columns, activated_columns, down_recipe.gradient_sink
+            )
         del dy_q, activated_columns
         d_normed = scaled_matmul(dh_rows, fp8_up.columns(up), dy.dtype, fast=False)
         del dh_rows
         d_up = None
         if need_up:
             history = fp8_up.scale(INPUT, record=False).history
-            normed = _norm_columns(rows, norm_weight, norm_bias, mean, rstd, ctx.rms, history)
-            d_up = weight_gradient(up, dh_columns, normed)
+            normed = norm_columns(rows, norm_weight, norm_bias, mean, rstd, ctx.rms, history)
+            d_up = weight_gradient(up, dh_columns, normed, up_recipe.gradient_sink)
         del dh_columns
         bias_dtype = None if norm_bias is None else norm_bias.dtype
         dx, d_norm_weight, d_norm_bias = norm_backward(
@@ -176,16 +184,6 @@ def gated_backward_quantized(
 
 
 @triton.jit
-def _store_transposed(ptr, values, rows, cols, n_rows, row_mask, col_mask):
-    """A (rows, cols) tile into a (cols, n_rows) row-major matrix, transposed."""
-    tl.store(
-        ptr + cols[:, None].to(tl.int64) * n_rows + rows[None, :],
-        tl.trans(values),
-        mask=col_mask[:, None] & row_mask[None, :],
-    )
-
-
-@triton.jit
 def _gated_backward_quantize_kernel(
     h_ptr, h_row_stride, da_ptr, da_row_stride, n_rows, d,
     dh_ptr, dh_t_ptr, dh_scale_ptr, dh_history_ptr, n_dh_history, record_ptr,
@@ -204,7 +202,7 @@ def _gated_backward_quantize_kernel(
     u = tl.load(h_ptr + h_offsets + d, mask=mask, other=0.0).to(tl.float32)
     da_offsets = rows[:, None].to(tl.int64) * da_row_stride + cols[None, :]
     da = tl.load(da_ptr + da_offsets, mask=mask, other=0.0).to(tl.float32)
-    a, derivative = _activation_and_derivative(g, ACTIVATION)
+    a, derivative = activation_and_derivative(g, ACTIVATION)
     # Rounded to the compute dtype first, as the unfused path stores the gradient.
     compute = h_ptr.dtype.element_ty
     d_gate = (da * u * derivative).to(compute).to(tl.float32)
@@ -223,8 +221,8 @@ def _gated_backward_quantize_kernel(
     dh_offsets = rows[:, None].to(tl.int64) * (2 * d) + cols[None, :]
     tl.store(dh_ptr + dh_offsets, q_gate, mask=mask)
     tl.store(dh_ptr + dh_offsets + d, q_up, mask=mask)
-    _store_transposed(dh_t_ptr, q_gate, rows, cols, n_rows, row_mask, col_mask)
-    _store_transposed(dh_t_ptr, q_up, rows, cols + d, n_rows, row_mask, col_mask)
+    store_transposed(dh_t_ptr, q_gate, rows, cols, n_rows, row_mask, col_mask)
+    store_transposed(dh_t_ptr, q_up, rows, cols + d, n_rows, row_mask, col_mask)
 
     a_multiplier = tensor_multiplier(a_history_ptr, n_a_history, ACTIVATED_AMAX_BLOCK,
                                      ACTIVATED_MAX)  # fmt: skip
@@ -232,7 +230,7 @@ def _gated_backward_quantize_kernel(
     q_a = (tl.minimum(tl.maximum(activated, -a_bound), a_bound) * a_multiplier).to(
         a_t_ptr.dtype.element_ty
     )
-    _store_transposed(a_t_ptr, q_a, rows, cols, n_rows, row_mask, col_mask)
+    store_transposed(a_t_ptr, q_a, rows, cols, n_rows, row_mask, col_mask)
     if pid_m == 0 and pid_k == 0:
         tl.store(dh_scale_ptr, tl.math.div_rn(1.0, multiplier))
         tl.store(a_scale_ptr, tl.math.div_rn(1.0, a_multiplier))

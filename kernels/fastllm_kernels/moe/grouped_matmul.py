@@ -1,15 +1,16 @@
-"""Grouped matmuls of the experts' projections over rows sorted by expert (moe.py's sparse
+"""Grouped matmuls of the experts' projections over rows sorted by expert (sparse_map.py's
 layout: expert e owns rows ends[e - 1]:ends[e]), in Triton with TMA loads.
 
 `torch._grouped_mm` (CUTLASS) is faster for the row products on the H200 (fine-grained
 layer 1 forward 0.87 against 0.91 ms, input gradient 0.87 against 0.91; Mixtral's layer 1
 forward 6.08 against 8.19:
-bench/results/h200-987f9b2/grouped_gemm_probe.json), so `moe.grouped_linear` uses it for bf16 on
+bench/results/h200-987f9b2/grouped_gemm_probe.json), so `grouped_linear` uses it for bf16 on
 CUDA and these kernels elsewhere (fp32 and fp16, the CPU interpreter), where the alternative
 was a loop over experts that waits for the host. The weight gradient is ours when the weight
-has a gradient sink (linear.py) and its buffer is to be written: summed in fp32 straight into
-the engine's fp32 buffer, it is faster than `torch._grouped_mm`'s bf16 product and the pass
-that copies it there (fine-grained layer 1: 1.07 against 1.63 ms, Mixtral's 6.58 against 8.67).
+has a gradient sink (recipe.py) and its buffer is to be written: summed in
+fp32 straight into the engine's fp32 buffer, it is faster than `torch._grouped_mm`'s bf16
+product and the pass that copies it there (fine-grained layer 1: 1.07 against 1.63 ms,
+Mixtral's 6.58 against 8.67).
 
 Row tiles never straddle two experts: tile t of the launch is found in-kernel from `ends` (a
 cumulative sum of each expert's tile count), so the grid has a static worst case of
