@@ -1,7 +1,17 @@
 """fastllm_kernels: Triton kernels for LLM training, each with a plain-torch reference.
 
-Depends on torch and triton only; knows nothing of fastllm. Every op runs its Triton kernels on
-CUDA tensors (and on CPU tensors under TRITON_INTERPRET=1) and its `*_reference` otherwise.
+Depends on torch and triton only; knows nothing of fastllm. An op runs its Triton kernels on
+CUDA tensors (and on CPU tensors under TRITON_INTERPRET=1) and its `*_reference` otherwise
+(`_dispatch` decides, and holds the launch settings they share).
+
+- `norm`, `norm_linear`, `rotary`, `attention`, `activation`, `cross_entropy`: the
+  transformer's ops, forward and backward.
+- `linear`: linear layers whose weight gradient goes straight into an fp32 buffer (torch
+  matmuls, no Triton); `accumulate`: adding gradients into fp32.
+- `moe`: the dropless mixture of experts; `grouped_matmul`: its experts' matmuls.
+- `fp8`: quantization; `fp8_linear`: linear layers in FP8 (the per-weight `Fp8Weight`);
+  `fp8_fused`, `fp8_mlp`: the fused FP8 variants of norm-linear, gated linear and the MLP.
+- `adam`: AdamW over flat buffers; `master_split`: fp32 masters as bf16 plus a remainder.
 """
 
 from fastllm_kernels.accumulate import accumulate_, accumulate_reference_
