@@ -79,8 +79,8 @@ class ShardedState:
             self.data_rank + self.data_size * self.pipeline_rank
         )
 
-    def layout(self) -> Any:
-        return _native.Layout(self.specs, alignment=self.alignment, data_size=self.data_size)
+    def layout(self) -> _native.BufferLayout:
+        return _native.BufferLayout(self.specs, alignment=self.alignment, data_size=self.data_size)
 
     def parts(self) -> list[tuple[ShardedState, bool]]:
         """(part, holds experts) of this state and its experts'."""
@@ -158,14 +158,14 @@ class SavedCheckpoint:
         self.tensor_size = m.get("tensor_parallel", 1)
         self.pipeline_size = m.get("pipeline_parallel", 1)
         self.data_size = m.get("data_parallel", m["world_size"])
-        self.layout = _native.Layout(
+        self.layout = _native.BufferLayout(
             self.parameters, alignment=m["alignment"], data_size=self.data_size
         )
         self.index = {p[0]: i for i, p in enumerate(self.parameters)}
         self.expert_size = m.get("expert_parallel", 1)
         self.expert_parameters = [tuple(p) for p in m.get("expert_parameters", [])]
         self.expert_layout = (
-            _native.Layout(
+            _native.BufferLayout(
                 self.expert_parameters,
                 alignment=m["alignment"],
                 data_size=self.data_size // self.expert_size,

@@ -1,5 +1,13 @@
 """fastllm's typed configuration: YAML files plus `a.b.c=value` overrides, checked up front.
 
+- `section`: the base of every section and `ConfigError`; `schema`: a raw mapping made typed
+  and checked; `loading`: files and overrides in, a config out (`overrides`, `yaml_io`).
+- `trainer`: the root of a training config, made of `model`, `data`, `training` (run,
+  training, batch, optimizer) and `schedule`; `resume_changes`: what a resumed run changed.
+- `prepare`, `convert`: the configs of `fastllm prepare`, `tokenizer train` and `convert`;
+  `formats`: the model formats fastllm reads and writes.
+- `reference`: the README's config reference, generated from the field docs.
+
 Importing this package must stay cheap: it never imports torch.
 """
 

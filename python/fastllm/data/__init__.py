@@ -1,5 +1,11 @@
 """Token data: prepared datasets, the sample stream of a run and its loader.
 
+- `prepare`: `fastllm prepare`, raw text into token datasets (the Rust pipeline, driven);
+  `tokenizer_training`: `fastllm tokenizer train` on the same inputs.
+- `dataset`: a prepared dataset (shards + metadata) or a Megatron `.bin`/`.idx` prefix.
+- `samples`: the run's sample stream: datasets cut into samples, blended, FIM-transformed.
+- `loader`: one data-parallel rank's batches, prepared ahead in pinned memory.
+
 The names are imported on first use, so that `fastllm prepare` (which lives here too) starts
 without importing torch."""
 

@@ -5,12 +5,13 @@ the compute weights; a parallel fp32 buffer receives the gradients (GradientBuff
 rank's shard of each stage has fp32 master weights (a view of the weights themselves in float32
 training) and the two Adam moments. With data parallelism the gradients are summed into the
 shards during the backward pass (GradientReducer); ZeRO-2 keeps only the shard of the gradients,
-ZeRO-3 also only the shard of the compute weights (WeightGatherer). The layout — offsets,
-alignment, the shard each data-parallel rank owns — comes from Rust (`fastllm._native.Layout`).
-With tensor parallelism each tensor rank has its own buffers, of its slices of the parameters;
-ZeRO shards them over the data group only. With expert parallelism the experts' parameters
-(each rank's share of them) are laid out in a second FlatModel of their own (`experts`),
-whose ZeRO shards and gradient sums span the data ranks holding the same experts."""
+ZeRO-3 also only the shard of the compute weights (WeightGatherer). The buffer layout —
+offsets, alignment, the shard each data-parallel rank owns — comes from Rust
+(`fastllm._native.BufferLayout`). With tensor parallelism each tensor rank has its own buffers,
+of its slices of the parameters; ZeRO shards them over the data group only. With expert
+parallelism the experts' parameters (each rank's share of them) are laid out in a second
+FlatModel of their own (`experts`), whose ZeRO shards and gradient sums span the data ranks
+holding the same experts."""
 
 from __future__ import annotations
 
@@ -185,7 +186,9 @@ class FlatModel:
             for name in self.names
         ]
         """(name, numel, stage, weight decay) of every parameter, in layout order."""
-        self.layout = _native.Layout(self.specs, alignment=ALIGNMENT, data_size=self.data.size)
+        self.layout = _native.BufferLayout(
+            self.specs, alignment=ALIGNMENT, data_size=self.data.size
+        )
         stages = range(self.layout.num_stages)
         self.owned = [s for s in stages if s % self.pipeline.size == self.pipeline.rank]
         """The stages this pipeline rank runs (stage s on rank s mod pipeline size); only

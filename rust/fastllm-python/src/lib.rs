@@ -3,11 +3,11 @@
 //! This crate only converts types, maps errors and releases the GIL around real work;
 //! the work itself lives in the plain-Rust crates beside it.
 
+mod buffer_layout;
 mod chat;
 mod checkpoint;
 mod dataset;
 mod errors;
-mod layout;
 mod prepare;
 mod samples;
 mod tokenizer;
@@ -31,7 +31,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(checkpoint::verify_checkpoint, m)?)?;
     m.add_function(wrap_pyfunction!(checkpoint::latest_checkpoint, m)?)?;
     m.add_class::<dataset::TokenDataset>()?;
-    m.add_class::<layout::Layout>()?;
+    m.add_class::<buffer_layout::BufferLayout>()?;
     m.add_class::<prepare::PrepareJob>()?;
     m.add_class::<prepare::DocumentReader>()?;
     m.add_function(wrap_pyfunction!(prepare::start_prepare, m)?)?;

@@ -1,2 +1,9 @@
-"""Pipeline parallelism: the static schedule of a step (`schedule`), its execution on one
-rank (`runner`) and its simulation under a cost model (`simulator`)."""
+"""Pipeline parallelism: stage s runs on pipeline rank s mod P, micro-batches flow through the
+stages.
+
+- `schedule`: the static schedule of a step (breadth-first or depth-first order) and each
+  rank's `Program` derived from it, checked deadlock-free.
+- `runner`: executes one rank's program: its stages' passes, transfers, ZeRO gathers and
+  reductions.
+- `simulator`: `fastllm schedule`, the same programs timed under a cost model.
+"""

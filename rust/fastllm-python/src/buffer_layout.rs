@@ -1,5 +1,5 @@
-//! `fastllm._native.Layout`: where each parameter lives in the per-stage flat buffers, and which
-//! part of each stage every data-parallel rank owns.
+//! `fastllm._native.BufferLayout`: where each parameter lives in the per-stage flat buffers, and
+//! which part of each stage every data-parallel rank owns.
 
 use fastllm_memory::{LayoutConfig, LayoutError, ParameterSpec};
 use pyo3::exceptions::PyValueError;
@@ -8,7 +8,7 @@ use pyo3::prelude::*;
 /// The flat-buffer layout of a model's parameters: one buffer per stage, each parameter a view
 /// at an aligned offset, each stage split into equal aligned shards, one per data-parallel rank.
 #[pyclass(frozen, module = "fastllm._native")]
-pub struct Layout {
+pub struct BufferLayout {
     inner: fastllm_memory::Layout,
 }
 
@@ -23,7 +23,7 @@ enum ParameterKey {
 }
 
 #[pymethods]
-impl Layout {
+impl BufferLayout {
     /// Lay out `parameters`, `(name, numel, stage, weight_decay)` in model order, each starting
     /// at a multiple of `alignment` elements, every stage split into `data_size` equal shards.
     #[new]
