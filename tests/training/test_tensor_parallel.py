@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 from fastllm.checkpoint.distributed import STATE_KINDS, SavedCheckpoint
-from fastllm.engine.flat_model import FlatModel
 from fastllm.engine.mesh import Dimension, ParallelMesh
+from fastllm.engine.model_stages import ModelStages
 from fastllm.engine.tensor_parallel import TensorParallel
 from fastllm.model import GPTModel
 from fastllm.training.state import sharded_state
@@ -154,16 +154,20 @@ def assert_restores_exactly_on_four_tensor_ranks(checkpoint: Path) -> None:
         mesh = ParallelMesh(4, rank, Dimension(4, rank, None), alone, alone, False)
         with torch.device("meta"):
             model = GPTModel(saved.model_config(), TensorParallel(4, rank))
-        flat = FlatModel(model, compute_dtype=torch.float32, device=torch.device("cpu"), mesh=mesh)
-        state = sharded_state(flat, STATE_KINDS)
+        cpu = torch.device("cpu")
+        stages = ModelStages(model, compute_dtype=torch.float32, device=cpu, mesh=mesh)
+        state = sharded_state(stages, STATE_KINDS)
+        buffers = stages.dense.buffers
         saved.restore(state, STATE_KINDS)
         layout = state.layout()
-        for index, name in enumerate(flat.names):
+        for index, name in enumerate(buffers.names):
             stage, offset, numel = layout.parameter(index)
             for kind in STATE_KINDS:
-                piece = state.shards[stage][kind][offset : offset + numel].view(flat.shapes[name])
+                piece = state.shards[stage][kind][offset : offset + numel].view(
+                    buffers.shapes[name]
+                )
                 slices.setdefault((name, kind), []).append(piece.clone())
-        metas = flat.metas
+        metas = buffers.metas
     for (name, kind), pieces in slices.items():
         split = metas[name].tensor_split
         if split is None:

@@ -27,6 +27,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from fastllm.engine.stages import pipeline_rank_of, pipeline_stages
+
 ORDERS = ("breadth_first", "depth_first")
 
 
@@ -89,7 +91,7 @@ class Layout:
     """Pieces of each micro-batch (`schedule.micro_batch_splits`)."""
 
     def rank_of(self, stage: int) -> int:
-        return stage % self.pipeline
+        return pipeline_rank_of(stage, self.pipeline)
 
     @property
     def micro_batches(self) -> int:
@@ -99,7 +101,7 @@ class Layout:
         return range(depth * self.breadth_first, (depth + 1) * self.breadth_first)
 
     def stages_of(self, rank: int) -> list[int]:
-        return list(range(rank, self.num_stages, self.pipeline))
+        return pipeline_stages(self.num_stages, self.pipeline, rank)
 
 
 def rank_orders(layout: Layout) -> list[list[Step]]:
@@ -184,13 +186,6 @@ def _one_forward_one_backward(layout: Layout, group: range) -> list[list[Step]]:
                 in_flight[rank].discard(choice.micro_batch)
         time += 1
     return orders
-
-
-def stages_read(stage: int, num_stages: int, tied_here: bool) -> set[int]:
-    """The stages whose weights running `stage` reads: itself, and for a head tied to the
-    embedding on the same rank (`tied_here`) stage 0 too; a head on another rank than the
-    embedding reads a copy of its own."""
-    return {stage, 0} if tied_here and stage == num_stages - 1 else {stage}
 
 
 def dependency(step: Step, num_stages: int) -> Step | None:

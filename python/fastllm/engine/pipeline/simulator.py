@@ -22,7 +22,8 @@ from pathlib import Path
 import msgspec
 
 from fastllm.config import TrainerConfig
-from fastllm.engine.pipeline.schedule import Layout, Program, Step, build_programs, stages_read
+from fastllm.engine.pipeline.schedule import Layout, Program, Step, build_programs
+from fastllm.engine.stages import stages_read
 
 EFFECTIVE_TFLOPS = 550.0
 """Default compute rate: what our dense training sustains on one H200 (56% MFU of 989 TFLOP/s:
@@ -91,7 +92,7 @@ def programs_for(config: TrainerConfig, world_size: int) -> list[Program]:
     data_size = distributed.data_parallel(world_size)
     tied = config.model.base_model.tie_word_embeddings
     last = layout.num_stages - 1
-    # As FlatModel.tied_here: the head has no copy of its own when it shares the rank.
+    # As ModelStages.tied_here: the head has no copy of its own when it shares the rank.
     tied_here = tied and layout.rank_of(last) == layout.rank_of(0)
 
     def needs(stage: int) -> set[int]:
