@@ -45,7 +45,7 @@ def main() -> None:
     trainer = Trainer(load_config(TrainerConfig, [ROOT / "examples" / "tiny.yaml"], overrides))
     state = {
         f"{kind}.{i}": getattr(shard, kind)
-        for i, shard in enumerate(trainer.flat.shards)
+        for i, shard in trainer.stages.dense.buffers.shards.items()
         for kind in ("master", "exp_avg", "exp_avg_sq")
     }
     state_bytes = sum(t.numel() * t.element_size() for t in state.values())
@@ -72,7 +72,7 @@ def main() -> None:
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT
         ).stdout.strip(),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "parameters": sum(numel for _, numel, *_ in trainer.flat.specs),
+        "parameters": sum(numel for _, numel, *_ in trainer.stages.dense.buffers.specs),
         "state_bytes": state_bytes,
         "runs": rows,
         "median": median,

@@ -1,9 +1,10 @@
 """fastllm: train large language models as fast as the hardware allows.
 
 Packages, from the configuration up to the loop: `config` (the typed config tree; no torch),
-`data` (prepared datasets, the sample stream, `fastllm prepare`), `model` (the one
-transformer), `checkpoint` (checkpoints on disk, Hugging Face conversion), `engine` (flat
-buffers, parallelism, the step's schedule, the optimizer), `training` (the `Trainer` and its
+`data` (prepared datasets, the sample stream, `fastllm prepare`), `parallel` (the mesh and
+the collectives the model calls), `model` (the one transformer), `checkpoint` (checkpoints
+on disk, Hugging Face conversion), `engine` (flat buffers, sharding, the step's schedule, the
+optimizer), `training` (the `Trainer` and its
 loop). On top: `cli` (the `fastllm` command), `api` (`load_model`), `hf` (fastllm models as
 `transformers` models), `generation` (`fastllm generate`), `demo` (`make demo`). `_native` is
 the Rust extension (typed in `_native.pyi`); the Triton kernels are the `fastllm_kernels`

@@ -1,5 +1,5 @@
-"""What the two-rank scripts that tests/engine runs under torchrun share: the flat model of a
-reference on two data ranks, and the check of its summed shards."""
+"""What the two-rank scripts that tests/engine runs under torchrun share: the model of a
+reference on flat buffers over two data ranks, and the check of its summed shards."""
 
 from __future__ import annotations
 
@@ -7,35 +7,37 @@ import torch
 
 from fastllm.config import TrainerConfig
 from fastllm.config.layout import resolve
-from fastllm.engine.flat_model import FlatModel
+from fastllm.engine.buffers import GroupBuffers
+from fastllm.engine.model_stages import ModelStages
+from fastllm.engine.weights_io import load_full_parameters
 from fastllm.model import GPTModel
 from fastllm.parallel.mesh import build_mesh
 
 
-def two_rank_flat(
+def two_rank_stages(
     config: TrainerConfig, reference: GPTModel, rank: int, zero_stage: int,
     dtype: torch.dtype = torch.float32,
-) -> tuple[GPTModel, FlatModel]:  # fmt: skip
+) -> tuple[GPTModel, ModelStages]:  # fmt: skip
     """A model of `config` on this rank of two data ranks, its parameters `reference`'s."""
     with torch.device("meta"):
         model = GPTModel(config.model.base_model)
     mesh = build_mesh(resolve(config, 2), rank)
     cpu = torch.device("cpu")
-    flat = FlatModel(model, compute_dtype=dtype, device=cpu, mesh=mesh, zero_stage=zero_stage)
-    flat.load_full_parameters(reference.named_parameters())
-    return model, flat
+    stages = ModelStages(model, compute_dtype=dtype, device=cpu, mesh=mesh, zero_stage=zero_stage)
+    load_full_parameters(stages, reference.named_parameters())
+    return model, stages
 
 
 def assert_shard_gradients_double(
-    flat: FlatModel, grads: dict[str, torch.Tensor], rank: int, **tolerances: float
+    buffers: GroupBuffers, grads: dict[str, torch.Tensor], rank: int, **tolerances: float
 ) -> None:
     """Each shard's summed gradient is twice the unsharded model's `grads` (by name): both
     ranks ran the same batch."""
-    for stage, shard in flat.shards.items():
-        start, end = flat.layout.shard_range(stage, rank)
-        full = torch.zeros(flat.layout.stage_size(stage))
-        for index, name in enumerate(flat.names):
-            s, offset, numel = flat.layout.parameter(index)
+    for stage, shard in buffers.shards.items():
+        start, end = buffers.layout.shard_range(stage, rank)
+        full = torch.zeros(buffers.layout.stage_size(stage))
+        for index, name in enumerate(buffers.names):
+            s, offset, numel = buffers.layout.parameter(index)
             if s == stage:
                 full[offset : offset + numel] = grads[name].float().reshape(-1)
         torch.testing.assert_close(shard.grad, 2 * full[start:end], **tolerances)

@@ -9,9 +9,10 @@ import torch
 
 from fastllm.config import TrainerConfig, load_config
 from fastllm.config.training import LearningRateConfig
-from fastllm.engine.flat_model import FlatModel
 from fastllm.engine.learning_rate import learning_rate
+from fastllm.engine.model_stages import ModelStages
 from fastllm.engine.optimizer import AdamW
+from fastllm.engine.weights_io import load_full_parameters
 from fastllm.model import GPTModel, initialize
 from fastllm.model.parameters import parameter_metas
 from fastllm_kernels import master_split
@@ -32,27 +33,27 @@ def tiny_config(*overrides: str) -> TrainerConfig:
     return load_config(TrainerConfig, [ROOT / "examples" / "tiny.yaml"], [*TINY, *overrides])
 
 
-def flat_model(
+def model_stages(
     config: TrainerConfig, reference: GPTModel, dtype: torch.dtype
-) -> tuple[GPTModel, FlatModel]:
+) -> tuple[GPTModel, ModelStages]:
     with torch.device("meta"):
         model = GPTModel(config.model.base_model)
-    flat = FlatModel(model, compute_dtype=dtype, device=torch.device("cpu"))
-    flat.load_full_parameters(reference.named_parameters())
-    return model, flat
+    stages = ModelStages(model, compute_dtype=dtype, device=torch.device("cpu"))
+    load_full_parameters(stages, reference.named_parameters())
+    return model, stages
 
 
 def test_parameters_are_views_of_the_flat_buffers() -> None:
     config = tiny_config()
     reference = GPTModel(config.model.base_model)
     initialize(reference, torch.Generator().manual_seed(0))
-    model, flat = flat_model(config, reference, torch.float32)
+    model, stages = model_stages(config, reference, torch.float32)
     for (name, ours), (_, theirs) in zip(
         model.named_parameters(), reference.named_parameters(), strict=True
     ):
         assert torch.equal(ours, theirs), name
-        stage, offset, _numel = flat.layout.parameter(name)
-        assert ours.data_ptr() == flat.weights[stage][offset:].data_ptr()
+        stage, offset, _numel = stages.dense.buffers.layout.parameter(name)
+        assert ours.data_ptr() == stages.stages[stage].buffers[0].weights[offset:].data_ptr()
         assert offset % 128 == 0
 
 
@@ -65,7 +66,7 @@ def test_float32_steps_match_torch_adamw_with_clipping_and_decay_groups(
     config = tiny_config()
     reference = GPTModel(config.model.base_model)
     initialize(reference, torch.Generator().manual_seed(0))
-    model, flat = flat_model(config, reference, torch.float32)
+    model, stages = model_stages(config, reference, torch.float32)
     reference = copy.deepcopy(reference)
     opt = config.optimizer
     metas = parameter_metas(reference)
@@ -75,7 +76,7 @@ def test_float32_steps_match_torch_adamw_with_clipping_and_decay_groups(
         [{"params": decay, "weight_decay": opt.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=1.0, betas=(opt.beta_1, opt.beta_2), eps=opt.epsilon,
     )  # fmt: skip
-    ours = AdamW(flat, opt)
+    ours = AdamW(stages, opt)
     schedule = LearningRateConfig(base=1e-2, warmup_iterations=2, decay_style="cosine")
     generator = torch.Generator().manual_seed(1)
     for step in range(4):
@@ -84,7 +85,7 @@ def test_float32_steps_match_torch_adamw_with_clipping_and_decay_groups(
         lr = learning_rate(schedule, step, 4)
         for micro in range(2):  # two micro-batches accumulate
             (model.loss(ids[micro], labels[micro]) / 2).backward()
-            flat.finish_backward()
+            stages.finish_backward()
             (reference.loss(ids[micro], labels[micro]) / 2).backward()
         norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), opt.gradient_norm_clipping)
         for group in torch_adamw.param_groups:
@@ -92,7 +93,7 @@ def test_float32_steps_match_torch_adamw_with_clipping_and_decay_groups(
         torch_adamw.step()
         torch_adamw.zero_grad()
         report = ours.step(lr)
-        flat.zero_grad()
+        stages.zero_grad()
         assert report.grad_norm == pytest.approx(norm.item(), rel=1e-5)
         for (name, a), (_, b) in zip(
             model.named_parameters(), reference.named_parameters(), strict=True
@@ -109,17 +110,17 @@ def test_half_precision_keeps_fp32_masters_and_writes_the_compute_weights(dtype)
     config = tiny_config()
     reference = GPTModel(config.model.base_model)
     initialize(reference, torch.Generator().manual_seed(0))
-    model, flat = flat_model(config, reference, dtype)
+    model, stages = model_stages(config, reference, dtype)
     assert all(p.dtype == dtype for p in model.parameters())
     ids = torch.randint(0, 61, (2, 9))
     model.loss(ids, ids).backward()
-    flat.finish_backward()
+    stages.finish_backward()
     assert all(p.grad is None for p in model.parameters()), (
         "gradients belong in the flat fp32 buffer"
     )
-    assert flat.grads[1].abs().sum() > 0
-    AdamW(flat, config.optimizer).step(1e-3)
-    for shard in flat.shards.values():
+    assert stages.dense.buffers.grads[1].abs().sum() > 0
+    AdamW(stages, config.optimizer).step(1e-3)
+    for shard in stages.dense.buffers.shards.values():
         # bf16: the weights are the masters' high halves, an int16 array the rest (16 bytes
         # per parameter in all, not 18); fp16 keeps fp32 masters apart.
         split = dtype == torch.bfloat16
@@ -141,28 +142,29 @@ def test_a_new_step_overwrites_gradients_and_zeroes_those_not_computed() -> None
     config = tiny_config()
     reference = GPTModel(config.model.base_model)
     initialize(reference, torch.Generator().manual_seed(0))
-    model, flat = flat_model(config, reference, torch.float32)
+    model, stages = model_stages(config, reference, torch.float32)
+    buffers = stages.dense.buffers
     ids = torch.randint(0, 61, (2, 9))
     model.loss(ids, ids).backward()
-    flat.finish_backward()
+    stages.finish_backward()
     # A new step: with nothing to reduce, the buffers give their memory back until then.
-    flat.zero_grad()
-    assert not any(flat.gradients.resident)
-    assert all(grad.untyped_storage().nbytes() == 0 for grad in flat.grads)
+    stages.zero_grad()
+    assert not any(buffers.gradients.resident)
+    assert all(grad.untyped_storage().nbytes() == 0 for grad in buffers.grads)
     model.embeddings(ids).sum().backward()  # only the embedding gets a gradient
-    flat.finish_backward()
-    assert all(flat.gradients.resident)
+    stages.finish_backward()
+    assert all(buffers.gradients.resident)
     expected = torch.zeros(model.embeddings.weight.shape).index_add_(
         0, ids.reshape(-1), torch.ones(ids.numel(), model.embeddings.weight.shape[1])
     )
-    embedding = flat.names.index("embeddings.weight")
-    torch.testing.assert_close(flat.parameter_view(flat.grads, embedding), expected)
-    for index, name in enumerate(flat.names):
+    embedding = buffers.names.index("embeddings.weight")
+    torch.testing.assert_close(buffers.gradients.views[embedding], expected)
+    for index, name in enumerate(buffers.names):
         if index != embedding:
-            assert not flat.parameter_view(flat.grads, index).any(), f"stale gradient: {name}"
+            assert not buffers.gradients.views[index].any(), f"stale gradient: {name}"
     # The alignment gaps too: the gradient norm and the optimizer read whole shards.
-    stage, offset, numel = flat.layout.parameter(embedding)
-    grads = [grad.clone() for grad in flat.grads]
+    stage, offset, numel = buffers.layout.parameter(embedding)
+    grads = [grad.clone() for grad in buffers.grads]
     grads[stage][offset : offset + numel] = 0
     assert not any(grad.any() for grad in grads)
 
@@ -171,13 +173,14 @@ def test_a_step_with_non_finite_gradients_is_skipped() -> None:
     config = tiny_config()
     reference = GPTModel(config.model.base_model)
     initialize(reference, torch.Generator().manual_seed(0))
-    _model, flat = flat_model(config, reference, torch.float32)
-    before = [w.clone() for w in flat.weights]
-    flat.reduce_gradients()  # the buffers held (zero: no backward pass ran)
-    flat.grads[1][3] = float("nan")
-    report = AdamW(flat, config.optimizer).step(1e-3)
+    _model, stages = model_stages(config, reference, torch.float32)
+    weights = [stage.weights for stage in stages.dense.buffers.stages]
+    before = [w.clone() for w in weights]
+    stages.reduce_gradients()  # the buffers held (zero: no backward pass ran)
+    stages.dense.buffers.grads[1][3] = float("nan")
+    report = AdamW(stages, config.optimizer).step(1e-3)
     assert report.skipped
-    assert all(torch.equal(a, b) for a, b in zip(before, flat.weights, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(before, weights, strict=True))
 
 
 @pytest.mark.parametrize("style", ["constant", "linear", "cosine", "wsd"])

@@ -18,7 +18,8 @@ from fastllm.model import GPTModel, initialize
 from fastllm.model.parameters import meta_of
 from fastllm_kernels.fp8.amax_history import WEIGHT
 from fastllm_kernels.fp8.quantize import E4M3, DelayedScale, quantize
-from tests.engine.shards import assert_shard_gradients_double, two_rank_flat
+from fastllm.engine.weights_io import full_parameters
+from tests.engine.shards import assert_shard_gradients_double, two_rank_stages
 from tests.engine.test_flat_training import tiny_config
 
 distributed = setup_distributed()
@@ -37,7 +38,8 @@ layers = lambda m: [l for b in m.layers for l in (b.attention.query_key_value, b
 
 for recipe in ("tensorwise", "rowwise", "delayed"):
     tensorwise, delayed = recipe != "rowwise", recipe == "delayed"
-    model, flat = two_rank_flat(config, reference, distributed.rank, 3, torch.bfloat16)
+    model, stages = two_rank_stages(config, reference, distributed.rank, 3, torch.bfloat16)
+    dense = stages.dense
     name = "tensorwise" if tensorwise else "rowwise"
     histories = apply_fp8(model, name, cpu, keep_copies=False, delayed=delayed)
     unsharded = copy.deepcopy(reference)
@@ -48,8 +50,9 @@ for recipe in ("tensorwise", "rowwise", "delayed"):
             h.primed = [True] * len(h.primed)
     for weight in outliers:
         name = next(n for n, p in reference.named_parameters() if p is weight)
-        stage, offset, numel = flat.layout.parameter(name)
-        assert offset + numel - 1 >= flat.layout.shard_range(stage, 1)[0], "outlier on rank 0"
+        layout = dense.buffers.layout
+        stage, offset, numel = layout.parameter(name)
+        assert offset + numel - 1 >= layout.shard_range(stage, 1)[0], "outlier on rank 0"
 
     checked = []
     pairs = dict(zip(layers(model), layers(unsharded), strict=True))
@@ -69,7 +72,7 @@ for recipe in ("tensorwise", "rowwise", "delayed"):
         fp8 = meta_of(layer, "weight").recipe.fp8
         fp8.rows = lambda w, rows=fp8.rows, layer=layer: (check(layer), rows(w))[1]
     model.loss(tokens, labels).backward()
-    flat.finish_backward()
+    stages.finish_backward()
     assert sorted(set(checked)) == list(range(len(layers(model)))), checked
     unsharded.loss(tokens, labels).backward()
     if delayed:
@@ -77,9 +80,9 @@ for recipe in ("tensorwise", "rowwise", "delayed"):
         assert torch.equal(histories.current[:, WEIGHT], amaxes)
         assert torch.equal(histories.current[:, WEIGHT], theirs.current[:, WEIGHT])
     grads = {name: p.grad for name, p in unsharded.named_parameters()}
-    assert_shard_gradients_double(flat, grads, distributed.rank, rtol=2e-2, atol=1e-4)
-    assert all(b.untyped_storage().nbytes() == 0 for b in flat.gatherer.buffers), "left gathered"
-    exported = {name: tensor.clone() for name, tensor in flat.full_parameters()}
+    assert_shard_gradients_double(dense.buffers, grads, distributed.rank, rtol=2e-2, atol=1e-4)
+    assert all(b.untyped_storage().nbytes() == 0 for b in dense.gatherer.buffers), "left gathered"
+    exported = {name: tensor.clone() for name, tensor in full_parameters(dense)}
     for name, parameter in reference.named_parameters():
         assert torch.equal(exported[name], parameter.detach()), name
 """

@@ -1,5 +1,5 @@
 """The engine reaches the kernels through the recipes the layers declare (`ParameterMeta.recipe`):
-the flat model gives each one a gradient sink, and the ops a layer calls with a weight get its
+the engine's stages give each one a gradient sink, and the ops a layer calls with a weight get its
 recipe."""
 
 from __future__ import annotations
@@ -8,15 +8,15 @@ import torch
 
 from fastllm.model import GPTModel, initialize
 from fastllm.model.parameters import parameter_metas
-from tests.engine.test_flat_training import flat_model, tiny_config
+from tests.engine.test_flat_training import model_stages, tiny_config
 
 PROJECTIONS = ("attention.query_key_value", "attention.dense", "mlp.layer_1", "mlp.layer_2")
 
 
-def test_the_flat_model_sinks_the_gradients_of_the_declared_projections() -> None:
+def test_the_stages_sink_the_gradients_of_the_declared_projections() -> None:
     config = tiny_config("model.base_model.tie_word_embeddings=false")
     reference = GPTModel(config.model.base_model)
-    model, _ = flat_model(config, reference, torch.float32)
+    model, _ = model_stages(config, reference, torch.float32)
     sunk = {
         name
         for name, meta in parameter_metas(model).items()
@@ -30,7 +30,7 @@ def test_a_projection_hands_its_weight_gradient_to_the_sink_of_its_recipe() -> N
     config = tiny_config()
     reference = GPTModel(config.model.base_model)
     initialize(reference, torch.Generator().manual_seed(0))
-    model, flat = flat_model(config, reference, torch.float32)
+    model, stages = model_stages(config, reference, torch.float32)
     recipe = model.layers[0].attention.dense_recipe
     calls = []
     sink = recipe.gradient_sink
@@ -39,12 +39,13 @@ def test_a_projection_hands_its_weight_gradient_to_the_sink_of_its_recipe() -> N
     tokens = torch.randint(0, 61, (2, 8), generator=torch.Generator().manual_seed(1))
     labels = torch.roll(tokens, -1, dims=1)
     model.loss(tokens, labels).backward()
-    flat.finish_backward()
+    stages.finish_backward()
     assert len(calls) == 1
     reference.loss(tokens, labels).backward()
-    index = flat.names.index("layers.0.attention.dense.weight")
+    buffers = stages.dense.buffers
+    index = buffers.names.index("layers.0.attention.dense.weight")
     torch.testing.assert_close(
-        flat.parameter_view(flat.grads, index),
+        buffers.gradients.views[index],
         reference.layers[0].attention.dense.weight.grad,
         rtol=1e-5,
         atol=1e-6,

@@ -51,7 +51,9 @@ def test_offloaded_blocks_give_the_same_losses_and_gradients(
         (batch,) = next(loader)[:1]
         losses = [run.forward_backward(batch) for run in (plain, offloaded)]
         assert losses[1].item() == losses[0].item()
-        for ours, theirs in zip(offloaded.flat.grads, plain.flat.grads, strict=True):
+        for ours, theirs in zip(
+            offloaded.stages.dense.buffers.grads, plain.stages.dense.buffers.grads, strict=True
+        ):
             assert torch.equal(ours, theirs)
         for run in (plain, offloaded):
             run.optimizer_step()
@@ -88,8 +90,8 @@ for name, layout in layouts.items():
         batch = next(loader)
         losses = [run.train_step(batch)["loss"] for run in (plain, offloaded)]
         assert losses[1] == losses[0], (name, step, losses)
-        for stage, theirs in plain.flat.shards.items():  # (ZeRO-3 frees the whole weights)
-            ours = offloaded.flat.shards[stage]
+        for stage, theirs in plain.stages.dense.buffers.shards.items():  # (ZeRO-3 frees the whole weights)
+            ours = offloaded.stages.dense.buffers.shards[stage]
             assert torch.equal(ours.master_values(), theirs.master_values()), (name, step)
             assert torch.equal(ours.exp_avg_sq, theirs.exp_avg_sq), (name, step)
     assert offloaded.offload.offloaded_bytes > 0, name
@@ -150,9 +152,9 @@ def test_offload_on_the_gpu_lowers_the_peak_and_keeps_the_step(dataset: Path, tm
             torch.cuda.synchronize()  # the copies are done: their memory is the allocator's
             torch.empty(1, device="cuda")  # which it takes back at its next allocation
             held[n] = torch.cuda.memory_allocated() - start
-            run.flat.start_backward(True)
+            run.stages.start_backward(True)
             loss.backward()
-            run.flat.finish_backward()
+            run.stages.finish_backward()
             losses[n] = loss.item()
             sent = (run.offload.offloaded_bytes if run.offload else 0) - sent
     # What the two offloaded blocks stored left the device during the forward pass.
@@ -160,5 +162,7 @@ def test_offload_on_the_gpu_lowers_the_peak_and_keeps_the_step(dataset: Path, tm
     assert losses[2] == losses[0]
     # cuDNN's attention backward sums in no fixed order: a few near-zero entries of 3 M
     # differed by 2.4e-4 (H200, h200-d5c7238).
-    for ours, theirs in zip(runs[2].flat.grads, runs[0].flat.grads, strict=True):
+    for ours, theirs in zip(
+        runs[2].stages.dense.buffers.grads, runs[0].stages.dense.buffers.grads, strict=True
+    ):
         torch.testing.assert_close(ours, theirs, rtol=1e-2, atol=1e-3)

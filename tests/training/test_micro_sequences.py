@@ -35,9 +35,9 @@ def test_four_pieces_give_the_whole_sequences_loss_and_gradients(
             masked |= whole._attention_documents(batch) is not None
             expected, got = whole.forward_backward(batch), pieces.forward_backward(batch)
             assert got.item() == pytest.approx(expected.item(), rel=1e-5)
-        assert_same_gradients(pieces.flat.grads, whole.flat.grads)
-        whole.flat.zero_grad()
-        pieces.flat.zero_grad()
+        assert_same_gradients(pieces.stages.dense.buffers.grads, whole.stages.dense.buffers.grads)
+        whole.stages.zero_grad()
+        pieces.stages.zero_grad()
         if masked or not documents:
             break
     assert masked == documents
@@ -80,7 +80,7 @@ def test_pieces_as_units_of_the_pipeline_schedule_give_the_whole_sequences_gradi
     weights = pieces._piece_shares(micro_batches, shares)
     got = pieces.pipeline.run(inputs, weights, 1.0, pieces._context)
     assert got.item() == pytest.approx(float(expected), rel=1e-5)
-    assert_same_gradients(pieces.flat.grads, whole.flat.grads)
+    assert_same_gradients(pieces.stages.dense.buffers.grads, whole.stages.dense.buffers.grads)
 
 
 TENSOR_SCRIPT = """
@@ -104,10 +104,11 @@ for micro_batches in itertools.islice(whole.data_loader(), 10):  # until a packe
     if masked:
         break
 assert masked
-for index, name in enumerate(whole.flat.names):  # this rank's slices
-    ours = pieces.flat.parameter_view(pieces.flat.grads, index).clone()
-    theirs = whole.flat.parameter_view(whole.flat.grads, index).clone()
-    if whole.flat.metas[name].tensor_reduced(sequence_tensor_parallel=True):
+ours_buffers, their_buffers = pieces.stages.dense.buffers, whole.stages.dense.buffers
+for index, name in enumerate(their_buffers.names):  # this rank's slices
+    ours = ours_buffers.gradients.views[index].clone()
+    theirs = their_buffers.gradients.views[index].clone()
+    if their_buffers.metas[name].tensor_reduced(sequence_tensor_parallel=True):
         # Partial sums over this rank's tokens: of each piece's chunk, or of the whole's.
         dist.all_reduce(ours)
         dist.all_reduce(theirs)

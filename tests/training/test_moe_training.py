@@ -66,7 +66,7 @@ def _recording(run: Any, record: list[list[torch.Tensor]]) -> Callable[[], dict[
     step = run.optimizer_step
 
     def recording() -> dict[str, Any]:
-        record.append([shard.grad.clone() for shard in run.flat.shards.values()])
+        record.append([shard.grad.clone() for shard in run.stages.dense.buffers.shards.values()])
         return step()
 
     return recording

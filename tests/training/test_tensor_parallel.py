@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from fastllm.checkpoint.distributed import STATE_KINDS, SavedCheckpoint
-from fastllm.engine.flat_model import FlatModel
+from fastllm.engine.model_stages import ModelStages
 from fastllm.model import GPTModel
 from fastllm.parallel.dimension import Dimension
 from fastllm.parallel.mesh import ParallelMesh
@@ -154,16 +154,20 @@ def assert_restores_exactly_on_four_tensor_ranks(checkpoint: Path) -> None:
         mesh = ParallelMesh(4, rank, TensorDimension(4, rank), Dimension(), Dimension())
         with torch.device("meta"):
             model = GPTModel(saved.model_config(), mesh)
-        flat = FlatModel(model, compute_dtype=torch.float32, device=torch.device("cpu"), mesh=mesh)
-        state = sharded_state(flat, STATE_KINDS)
+        cpu = torch.device("cpu")
+        stages = ModelStages(model, compute_dtype=torch.float32, device=cpu, mesh=mesh)
+        state = sharded_state(stages, STATE_KINDS)
+        buffers = stages.dense.buffers
         saved.restore(state, STATE_KINDS)
         layout = state.layout()
-        for index, name in enumerate(flat.names):
+        for index, name in enumerate(buffers.names):
             stage, offset, numel = layout.parameter(index)
             for kind in STATE_KINDS:
-                piece = state.shards[stage][kind][offset : offset + numel].view(flat.shapes[name])
+                piece = state.shards[stage][kind][offset : offset + numel].view(
+                    buffers.shapes[name]
+                )
                 slices.setdefault((name, kind), []).append(piece.clone())
-        metas = flat.metas
+        metas = buffers.metas
     for (name, kind), pieces in slices.items():
         split = metas[name].tensor_split
         if split is None:

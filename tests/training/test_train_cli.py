@@ -234,13 +234,13 @@ def test_a_bfloat16_export_holds_the_fp32_masters(dataset: Path, tmp_path: Path)
 
     run = trainer(dataset, tmp_path / "run", "model.distributed.training_dtype=bfloat16")
     run.train_step(next(iter(run.data_loader())))
-    assert all(shard.master_low is not None for shard in run.flat.shards.values())
+    assert all(shard.master_low is not None for shard in run.stages.dense.buffers.shards.values())
     state.export(run, tmp_path / "export", "distributed")
     exported = dict(fastllm.load_model(tmp_path / "export").named_parameters())
-    flat = run.flat
-    for index, name in enumerate(flat.names):
-        stage, offset, numel = flat.layout.parameter(index)
-        start, _ = flat.layout.shard_range(stage, 0)  # one process: the whole stage
-        masters = flat.shards[stage].master_values(offset - start, offset - start + numel)
+    buffers = run.stages.dense.buffers
+    for index, name in enumerate(buffers.names):
+        stage, offset, numel = buffers.layout.parameter(index)
+        start, _ = buffers.layout.shard_range(stage, 0)  # one process: the whole stage
+        masters = buffers.shards[stage].master_values(offset - start, offset - start + numel)
         assert exported[name].dtype == torch.float32
         assert torch.equal(exported[name].detach().reshape(-1), masters), name

@@ -15,8 +15,9 @@ def test_a_dropped_trainer_frees_its_model(dataset: Path, tmp_path: Path) -> Non
     run = trainer(dataset, tmp_path / "run", "training.train_iters=1")
     for micro_batches in run.data_loader():
         run.train_step(micro_batches)
-    held = [weakref.ref(run.flat), *(weakref.ref(p) for p in run.model.parameters())]
-    held += [weakref.ref(run.flat.weights[0]), weakref.ref(run.flat.grads[0])]
-    del run, micro_batches
+    buffers = run.stages.dense.buffers
+    held = [weakref.ref(run.stages), *(weakref.ref(p) for p in run.model.parameters())]
+    held += [weakref.ref(buffers.stages[0].weights), weakref.ref(buffers.grads[0])]
+    del run, micro_batches, buffers
     gc.collect()
     assert [ref for ref in held if ref() is not None] == []

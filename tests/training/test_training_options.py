@@ -76,7 +76,9 @@ def test_recomputation_gives_the_same_losses_and_gradients(
     loss_plain = plain.forward_backward(batch)
     loss_recomputed = recomputed.forward_backward(batch)
     assert loss_recomputed.item() == pytest.approx(loss_plain.item(), rel=1e-6)
-    for ours, theirs in zip(recomputed.flat.grads, plain.flat.grads, strict=True):
+    for ours, theirs in zip(
+        recomputed.stages.dense.buffers.grads, plain.stages.dense.buffers.grads, strict=True
+    ):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
 
 
@@ -190,7 +192,9 @@ def test_compiled_blocks_give_the_same_losses_and_gradients(
         for batch in micro_batches:
             ours, theirs = compiled.forward_backward(batch), eager.forward_backward(batch)
             assert ours.item() == pytest.approx(theirs.item(), rel=1e-5)
-        for ours, theirs in zip(compiled.flat.grads, eager.flat.grads, strict=True):
+        for ours, theirs in zip(
+            compiled.stages.dense.buffers.grads, eager.stages.dense.buffers.grads, strict=True
+        ):
             torch.testing.assert_close(ours, theirs, rtol=1e-3, atol=1e-5)
         compiled.optimizer_step()
         eager.optimizer_step()
@@ -216,7 +220,9 @@ def test_compiled_blocks_match_eager_on_gpu(
         for batch in micro_batches:
             ours, theirs = compiled.forward_backward(batch), eager.forward_backward(batch)
             assert ours.item() == pytest.approx(theirs.item(), rel=2e-2)
-        for ours, theirs in zip(compiled.flat.grads, eager.flat.grads, strict=True):
+        for ours, theirs in zip(
+            compiled.stages.dense.buffers.grads, eager.stages.dense.buffers.grads, strict=True
+        ):
             assert torch.linalg.vector_norm(ours - theirs) <= 0.05 * torch.linalg.vector_norm(
                 theirs
             )
@@ -244,6 +250,10 @@ def test_storing_elementwise_activations_matches_recomputing_them_and_costs_memo
         before = torch.cuda.memory_allocated()
         run.forward_backward(batch)
         peaks[level], runs[level] = torch.cuda.max_memory_allocated() - before, run
-    for ours, theirs in zip(runs["none"].flat.grads, runs["elementwise"].flat.grads, strict=True):
+    for ours, theirs in zip(
+        runs["none"].stages.dense.buffers.grads,
+        runs["elementwise"].stages.dense.buffers.grads,
+        strict=True,
+    ):
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
     assert peaks["none"] > peaks["elementwise"]

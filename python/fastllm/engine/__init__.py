@@ -1,13 +1,13 @@
 """The engine: turns a described model into a trained one. It alone lays out the parameters in
 flat buffers, shards, reduces and gathers them, schedules the step and runs the optimizer; the
-model declares its parameters' metadata and calls the autograd collectives listed below.
+model declares its parameters' metadata and calls the autograd collectives of `parallel`.
 
-- `process_group`, `mesh`: where this process runs; the tensor × data × pipeline mesh and its
-  process groups (sequence-data, expert and expert-data sub-groups included).
-- `tensor_parallel`, `sequence_data_parallel`, `expert_parallel`, `point_to_point`: the
-  autograd collectives the model calls, and the transfers between pipeline ranks.
-- `flat_model`: the parameters as views of per-stage flat buffers (`_native.BufferLayout`);
-  `gradient_buffers`: their fp32 gradients.
+- `stages`: stage arithmetic (which model positions, which pipeline rank, which stages a step
+  reads); `model_stages`: `ModelStages`, the model's parameters as views of per-stage flat
+  buffers, one group of buffers for the dense parameters and one for the experts;
+  `parameter_group`: a group with its gradient hooks and movers; `buffers`: a group's buffers
+  (`_native.BufferLayout`), `gradient_buffers`: their fp32 gradients; `tied_weights`: the tied
+  embedding and head on different pipeline ranks; `weights_io`: whole weights in and out.
 - `data_parallel`, `gradient_reducer`, `weight_refresh`, `weight_gatherer`, `fp8_gather`:
   ZeRO 1-3 over the data group: gradients reduced into shards, weights gathered back.
 - `optimizer`, `learning_rate`, `precision`: AdamW over the shards, the learning-rate

@@ -11,19 +11,20 @@ from __future__ import annotations
 
 import torch
 
-from fastllm.engine.flat_model import FlatModel
+from fastllm.engine.model_stages import ModelStages
 
 
 @torch.no_grad()
-def gather_weights(flat: FlatModel, wait: bool = True) -> None:
+def gather_weights(stages: ModelStages, wait: bool = True) -> None:
     """Every rank's updated shard of the compute weights, into every rank's full buffers (with
     ZeRO-3, gathered copies of the old weights are dropped: stages are gathered when used).
     `wait=False` leaves the stages' all-gathers in flight for their forward passes to wait on."""
-    for part in flat.parts:
-        if part.gatherer is not None:
-            part.gatherer.weights_changed()
-        elif part.refresh is not None:
-            part.refresh.start()
+    for group in stages.groups:
+        if group.gatherer is not None:
+            group.gatherer.weights_changed()
+        elif group.refresh is not None:
+            group.refresh.start()
             if wait:
-                part.refresh.wait_all()
-    flat.sync_tied_copy()
+                group.refresh.wait_all()
+    if stages.tied is not None:
+        stages.tied.sync()

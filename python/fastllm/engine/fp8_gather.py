@@ -17,18 +17,16 @@ whole in bf16 (exports), is gathered in bf16 as before."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from fastllm.engine.buffers import GroupBuffers
 from fastllm_kernels.fp8.amax_history import WEIGHT
 from fastllm_kernels.fp8.quantize import E4M3, FP8_MAX, Fp8Tensor, multiplier_reference
 from fastllm_kernels.fp8.weight import Fp8Weight
-
-if TYPE_CHECKING:
-    from fastllm.engine.flat_model import FlatModel
 
 _FP8_MAX = FP8_MAX[E4M3]
 
@@ -69,13 +67,13 @@ class _Stage:
 
 
 class Fp8Gather:
-    """The FP8 images of one FlatModel's ZeRO-3 stages (made by its WeightGatherer)."""
+    """The FP8 images of one group's ZeRO-3 stages (made by its WeightGatherer)."""
 
-    def __init__(self, flat: FlatModel) -> None:
-        self.flat = flat
+    def __init__(self, buffers: GroupBuffers) -> None:
+        self.buffers = buffers
         self.stages: dict[int, _Stage] = {}
         self.amax_size = 0
-        for stage in flat.owned:
+        for stage in buffers.owned:
             plan = self._plan(stage)
             if plan is not None:
                 self.stages[stage] = plan
@@ -85,15 +83,13 @@ class Fp8Gather:
         """Gathered (or in flight) stages: rows image, columns image, packed other pieces."""
 
     def _plan(self, stage: int) -> _Stage | None:
-        flat = self.flat
+        buffers = self.buffers
         weights: dict[int, _Weight] = {}
-        for index in flat.stage_parameters[stage]:
-            name = flat.names[index]
-            recipe = flat.metas[name].recipe
+        for index, parameter in buffers.stages[stage].views.items():
+            recipe = buffers.metas[buffers.names[index]].recipe
             fp8 = None if recipe is None else recipe.fp8
             if fp8 is None:
                 continue
-            parameter = flat.model.get_parameter(name)
             out, inputs = parameter.shape
             weights[index] = _Weight(fp8, (out, inputs), self.amax_size)
             self.amax_size += weights[index].amaxes
@@ -101,20 +97,20 @@ class Fp8Gather:
             return None
         packed: list[list[tuple[int, int, int]]] = []
         pieces: list[tuple[int, int, int, int, int]] = []
-        for rank in range(flat.data.size):
-            start, _ = flat.layout.shard_range(stage, rank)
+        for rank in range(buffers.data.size):
+            start, _ = buffers.layout.shard_range(stage, rank)
             cursor, runs = 0, []
-            for index, p0, p1, s0, s1 in flat.layout.shard_parameters(stage, rank):
+            for index, p0, p1, s0, s1 in buffers.layout.shard_parameters(stage, rank):
                 if index in weights:
-                    if rank == flat.data.rank:
+                    if rank == buffers.data.rank:
                         pieces.append((index, p0, p1, s0, s1))
                     continue
                 runs.append((start + s0, s1 - s0, cursor))
                 cursor += s1 - s0
             packed.append(runs)
-        size = flat.shards[stage].weight.numel()
+        size = buffers.shards[stage].weight.numel()
         rowwise = not next(iter(weights.values())).fp8.recipe.tensorwise
-        device = flat.device
+        device = buffers.device
 
         def image() -> Tensor:
             return torch.zeros(size, dtype=torch.uint8, device=device)
@@ -132,9 +128,10 @@ class Fp8Gather:
     def quantize(self) -> None:
         """This rank's pieces of every FP8 weight, with the whole weights' scales."""
         self.stale = False
-        amax = torch.zeros(self.amax_size, dtype=torch.float32, device=self.flat.device)
+        buffers = self.buffers
+        amax = torch.zeros(self.amax_size, dtype=torch.float32, device=buffers.device)
         for stage, plan in self.stages.items():
-            shard = self.flat.shards[stage].weight
+            shard = buffers.shards[stage].weight
             for index, p0, p1, s0, s1 in plan.pieces:
                 weight = plan.weights[index]
                 values = shard[s0:s1].float().abs()
@@ -148,11 +145,11 @@ class Fp8Gather:
                     rows, columns = amax[at + r : at + r + n_rows], amax[at + out + c :][:n_cols]
                     torch.maximum(rows, block.amax(1), out=rows)
                     torch.maximum(columns, block.amax(0), out=columns)
-        if self.flat.data.size > 1:
-            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.flat.data.group)
+        if buffers.data.size > 1:
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=buffers.data.group)
         for stage, plan in self.stages.items():
             multipliers = {i: self._multipliers(w, amax) for i, w in plan.weights.items()}
-            shard = self.flat.shards[stage].weight
+            shard = buffers.shards[stage].weight
             for index, p0, p1, s0, s1 in plan.pieces:
                 weight, (row_m, column_m, saturate) = plan.weights[index], multipliers[index]
                 x = shard[s0:s1].float()
@@ -191,9 +188,10 @@ class Fp8Gather:
         """Start gathering `stage`'s images and its other parameters' packed pieces."""
         if self.stale:
             self.quantize()
-        plan, group = self.stages[stage], self.flat.data.group
-        size = plan.rows.numel() * self.flat.data.size
-        device = self.flat.device
+        buffers, plan = self.buffers, self.stages[stage]
+        group, data = buffers.data.group, buffers.data
+        size = plan.rows.numel() * data.size
+        device = buffers.device
         rows = torch.empty(size, dtype=torch.uint8, device=device)
         works = [dist.all_gather_into_tensor(rows, plan.rows, group=group, async_op=True)]
         columns = None
@@ -202,15 +200,13 @@ class Fp8Gather:
             works.append(
                 dist.all_gather_into_tensor(columns, plan.columns, group=group, async_op=True)
             )
-        mine = torch.zeros(plan.packed_size, dtype=self.flat.compute_dtype, device=device)
-        shard_start, _ = self.flat.layout.shard_range(stage, self.flat.data.rank)
-        shard = self.flat.shards[stage].weight
-        for start, length, cursor in plan.packed[self.flat.data.rank]:
+        mine = torch.zeros(plan.packed_size, dtype=buffers.compute_dtype, device=device)
+        shard_start, _ = buffers.layout.shard_range(stage, data.rank)
+        shard = buffers.shards[stage].weight
+        for start, length, cursor in plan.packed[data.rank]:
             offset = start - shard_start
             mine[cursor : cursor + length] = shard[offset : offset + length]
-        packed = torch.empty(
-            plan.packed_size * self.flat.data.size, dtype=mine.dtype, device=device
-        )
+        packed = torch.empty(plan.packed_size * data.size, dtype=mine.dtype, device=device)
         if plan.packed_size:
             works.append(dist.all_gather_into_tensor(packed, mine, group=group, async_op=True))
         self.images[stage] = (rows, columns, packed)
@@ -227,11 +223,11 @@ class Fp8Gather:
                 buffer[start : start + length] = packed[base + cursor : base + cursor + length]
         for index, weight in plan.weights.items():
             assert weight.scale is not None
-            view = self.flat._view(rows.view(E4M3), index)
+            view = self.buffers.view(rows.view(E4M3), index)
             weight.fp8.gathered = Fp8Tensor(view, weight.scale)
             if columns is not None:
                 assert weight.column_scale is not None
-                view = self.flat._view(columns.view(E4M3), index)
+                view = self.buffers.view(columns.view(E4M3), index)
                 weight.fp8.gathered_columns = Fp8Tensor(view, weight.column_scale)
 
     def release(self, stage: int) -> None:

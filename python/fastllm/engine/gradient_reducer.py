@@ -7,43 +7,43 @@ parameters replicated over tensor ranks is first all-reduced over the tensor gro
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from fastllm.engine.flat_model import FlatModel
+from fastllm.engine.buffers import GroupBuffers
 
 
 class GradientReducer:
     """Once every parameter of a stage has its gradient for this backward pass, the stage's full
     gradient is summed over ranks into each rank's shard by an asynchronous reduce-scatter.
 
-    ZeRO-2 (`flat.shard_gradients`): straight into the shard for the step's first micro-batch,
+    ZeRO-2 (`buffers.shard_gradients`): straight into the shard for the step's first micro-batch,
     else into a scratch buffer added to the shard just before the stage that reuses the full
     buffer (stage parity) needs it, or at the end of the pass. ZeRO-1: into a scratch buffer
     copied over the shard's part of the full buffer, only while `armed` (the step's last
     backward pass). Stages finish in the same order on every rank, so the collectives match."""
 
-    def __init__(self, flat: FlatModel) -> None:
-        self.flat = flat
-        self.sharded = flat.shard_gradients
+    def __init__(self, buffers: GroupBuffers) -> None:
+        self.buffers = buffers
+        self.sharded = buffers.shard_gradients
         self.armed = self.sharded
         """Reduce in this backward pass (always with ZeRO-2)."""
-        self.expected = [len(indices) for indices in flat.stage_parameters]
-        self.received = [0] * flat.layout.num_stages
-        # What a reduce-scatter writes: two buffers used in turn (`flat.slot`).
+        self.expected = [len(stage.parameters) for stage in buffers.stages]
+        self.received = [0] * len(buffers.stages)
+        # What a reduce-scatter writes: two buffers used in turn (`buffers.slot`).
         # (None with one data rank: the tensor all-reduce works in place.)
-        shards = flat.shards
-        largest = max(s.grad.numel() for s in shards.values()) if flat.data.size > 1 else 0
-        pool = [torch.empty(largest, dtype=torch.float32, device=flat.device) for _ in range(2)]
+        shards, device = buffers.shards, buffers.device
+        largest = max(s.grad.numel() for s in shards.values()) if buffers.data.size > 1 else 0
+        pool = [torch.empty(largest, dtype=torch.float32, device=device) for _ in range(2)]
         self.scratch = {
-            stage: pool[flat.slot(stage)][: shard.grad.numel()] for stage, shard in shards.items()
+            stage: pool[buffers.slot(stage)][: shard.grad.numel()]
+            for stage, shard in shards.items()
         }
         self.in_flight: dict[int, tuple[Any, int]] = {}
-        """Per scratch buffer (`flat.slot`): the reduce-scatter writing it, and its stage."""
-        self.shard_fresh = [True] * flat.layout.num_stages
+        """Per scratch buffer (`buffers.slot`): the reduce-scatter writing it, and its stage."""
+        self.shard_fresh = [True] * len(buffers.stages)
         """ZeRO-2, per stage: the shard holds no gradient of this step yet."""
         self.reduced = False
         """ZeRO-1: this step's gradients are summed; another backward pass would be lost."""
@@ -64,7 +64,7 @@ class GradientReducer:
                 "a backward pass after this step's gradients were summed over ranks: only the "
                 "step's last micro-batch may be passed with last=True"
             )
-        slot = self.flat.slot(stage)
+        slot = self.buffers.slot(stage)
         pending = self.in_flight.get(slot)
         if self.sharded and pending is not None and pending[1] != stage:
             self._complete(slot)
@@ -81,7 +81,7 @@ class GradientReducer:
             self._reduce_remaining()
             self.reduced = not self.sharded
         else:
-            self.flat.gradients.complete_all()
+            self.buffers.gradients.complete_all()
         self.received = [0] * len(self.received)
 
     def stage_done(self, stage: int, reduce: bool) -> None:
@@ -90,7 +90,7 @@ class GradientReducer:
         if reduce and self.received[stage] < self.expected[stage]:
             self._start(stage)
         elif not reduce:
-            self.flat.gradients.complete(stage)
+            self.buffers.gradients.complete(stage)
         self.received[stage] = 0
 
     def finish_step(self) -> None:
@@ -108,7 +108,7 @@ class GradientReducer:
             self.reduced = True
 
     def _reduce_remaining(self) -> None:
-        for stage in reversed(self.flat.owned):
+        for stage in reversed(self.buffers.owned):
             if self.received[stage] < self.expected[stage]:
                 self._start(stage)
         for slot in list(self.in_flight):
@@ -116,23 +116,25 @@ class GradientReducer:
 
     @torch.no_grad()
     def _start(self, stage: int) -> None:
-        slot = self.flat.slot(stage)
+        buffers = self.buffers
+        slot = buffers.slot(stage)
         if slot in self.in_flight:
             self._complete(slot)
         self.received[stage] = self.expected[stage]
-        flat = self.flat
-        flat.gradients.complete(stage)
-        grads, reduced_end = flat.grads[stage], flat.tensor_reduced_end[stage]
+        buffers.gradients.complete(stage)
+        grads, reduced_end = buffers.grads[stage], buffers.stages[stage].tensor_reduced_end
         work = None
         if reduced_end:  # the replicated parameters' parts, summed over tensor ranks first
-            work = dist.all_reduce(grads[:reduced_end], group=flat.tensor.group, async_op=True)
-        if flat.data.size > 1:
+            work = dist.all_reduce(grads[:reduced_end], group=buffers.tensor.group, async_op=True)
+        if buffers.data.size > 1:
             if work is not None:
                 work.wait()
-            shard = flat.shards[stage]
+            shard = buffers.shards[stage]
             direct = self.sharded and self.shard_fresh[stage]
             target = shard.grad if direct else self.scratch[stage]
-            work = dist.reduce_scatter_tensor(target, grads, group=flat.data.group, async_op=True)
+            work = dist.reduce_scatter_tensor(
+                target, grads, group=buffers.data.group, async_op=True
+            )
         if work is not None:
             self.in_flight[slot] = (work, stage)
 
@@ -140,9 +142,9 @@ class GradientReducer:
     def _complete(self, slot: int) -> None:
         work, stage = self.in_flight.pop(slot)
         work.wait()
-        if self.flat.data.size == 1:  # the shard is the whole buffer, summed in place
+        if self.buffers.data.size == 1:  # the shard is the whole buffer, summed in place
             return
-        shard = self.flat.shards[stage]
+        shard = self.buffers.shards[stage]
         if not self.sharded:
             shard.grad.copy_(self.scratch[stage])  # the rank's range of its full buffer
             return
@@ -150,4 +152,4 @@ class GradientReducer:
             self.shard_fresh[stage] = False
         else:
             shard.grad.add_(self.scratch[stage])
-        self.flat.gradients.consumed(stage)
+        self.buffers.gradients.consumed(stage)

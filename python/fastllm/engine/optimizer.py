@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 from fastllm.config.training import OptimizerConfig
-from fastllm.engine.flat_model import FlatModel, Shard
+from fastllm.engine.buffers import Shard
+from fastllm.engine.model_stages import ModelStages
 from fastllm_kernels.adam import adamw_step_
 
 
@@ -23,8 +24,8 @@ class StepReport:
 
 
 class AdamW:
-    def __init__(self, flat: FlatModel, config: OptimizerConfig) -> None:
-        self.flat, self.config = flat, config
+    def __init__(self, stages: ModelStages, config: OptimizerConfig) -> None:
+        self.stages, self.config = stages, config
         self.step_count = 0
         """Optimizer steps taken (skipped ones excluded); Adam's bias correction uses it."""
 
@@ -35,13 +36,13 @@ class AdamW:
         tensor rank 0). With expert parallelism the data group holds each expert's shards
         once too: an expert group's ranks split the experts, the expert-data ranks their
         shards."""
-        flat = self.flat
-        squares = torch.zeros((), dtype=torch.float32, device=flat.device)
-        counts_replicated = flat.tensor.rank == 0
+        mesh = self.stages.mesh
+        squares = torch.zeros((), dtype=torch.float32, device=self.stages.device)
+        counts_replicated = mesh.tensor.rank == 0
         for shard in self._shards():
             grad = shard.grad if counts_replicated else shard.grad[shard.replicated :]
             squares += torch.linalg.vector_norm(grad, dtype=torch.float32).square()
-        for dimension in (flat.data, flat.tensor, flat.pipeline):
+        for dimension in (mesh.data, mesh.tensor, mesh.pipeline):
             if dimension.size > 1:
                 dist.all_reduce(squares, group=dimension.group)
         return math.sqrt(squares.item()) * grad_scale
@@ -49,13 +50,14 @@ class AdamW:
     @torch.no_grad()
     def step(self, lr: float, loss_scale: float = 1.0) -> StepReport:
         """Update this rank's shards from the gradients (which carry `loss_scale`)."""
-        self.flat.reduce_gradients()
+        self.stages.reduce_gradients()
         norm = self.grad_norm(1.0 / loss_scale)
         if not math.isfinite(norm):
             return StepReport(norm, skipped=True)
         clip = self.config.gradient_norm_clipping
         clip_factor = min(1.0, clip / (norm + 1e-6)) if clip is not None else 1.0
         self.step_count += 1
+        mixed_precision = self.stages.mixed_precision
         for shard in self._shards():
             for start, end, decay in shard.decay_runs:
                 split = shard.master_low is not None
@@ -70,17 +72,17 @@ class AdamW:
                     eps=self.config.epsilon,
                     weight_decay=self.config.weight_decay if decay else 0.0,
                     step=self.step_count,
-                    compute_copy=shard.weight[start:end] if self.flat.mixed_precision else None,
+                    compute_copy=shard.weight[start:end] if mixed_precision else None,
                     grad_scale=clip_factor / loss_scale,
                     master_low=shard.master_low[start:end] if split else None,
                 )
-        if self.flat.mixed_precision:
+        if mixed_precision:
             # The kernel wrote the compute weights behind autograd's back: a new version tells
             # the caches keyed by it (the FP8 weight copies) that they changed.
-            for part in self.flat.parts:
-                for weights in part.weights:
-                    torch.autograd.graph.increment_version(weights)
+            for stage in self.stages.stages:
+                for buffer in stage.buffers:
+                    torch.autograd.graph.increment_version(buffer.weights)
         return StepReport(norm, skipped=False)
 
     def _shards(self) -> list[Shard]:
-        return [shard for part in self.flat.parts for shard in part.shards.values()]
+        return [shard for group in self.stages.groups for shard in group.buffers.shards.values()]

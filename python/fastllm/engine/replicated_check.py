@@ -6,29 +6,29 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fastllm.engine.flat_model import FlatModel
+from fastllm.engine.buffers import GroupBuffers
 
 
 @torch.no_grad()
-def check_replicated(flat: FlatModel) -> None:
+def check_replicated(buffers: GroupBuffers) -> None:
     """Compare this rank's master shards of the replicated parameters with tensor rank 0's;
     raise naming those that differ on any tensor rank."""
-    tensor = flat.tensor
+    tensor = buffers.tensor
     if tensor.size == 1:
         return
     source = dist.get_global_rank(tensor.group, 0)
     drifted: list[str] = []
-    for stage, shard in flat.shards.items():
+    for stage, shard in buffers.shards.items():
         if not shard.replicated:
             continue
         mine = shard.master_values(0, shard.replicated)
         theirs = mine.clone()
         dist.broadcast(theirs, src=source, group=tensor.group)
         differs = (mine != theirs).to(torch.int32)
-        for index, _, _, s0, s1 in flat.layout.shard_parameters(stage, flat.data.rank):
+        for index, _, _, s0, s1 in buffers.layout.shard_parameters(stage, buffers.data.rank):
             if s0 < shard.replicated and bool(differs[s0 : min(s1, shard.replicated)].any()):
-                drifted.append(flat.names[index])
-    found = torch.tensor([len(drifted)], device=flat.device)
+                drifted.append(buffers.names[index])
+    found = torch.tensor([len(drifted)], device=buffers.device)
     dist.all_reduce(found, op=dist.ReduceOp.MAX, group=tensor.group)
     if drifted or found.item():
         names = ", ".join(drifted[:5]) or "(on another tensor rank)"

@@ -13,28 +13,27 @@ needed whole in bf16."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from fastllm.engine.buffers import GroupBuffers
 from fastllm.engine.fp8_gather import Fp8Gather
-from fastllm.engine.pipeline.schedule import stages_read
-
-if TYPE_CHECKING:
-    from fastllm.engine.flat_model import FlatModel
+from fastllm.engine.stages import stages_read
 
 
 class WeightGatherer:
     """Gathers and frees the stages this pipeline rank runs: driven by the stages' forward
     passes (`install_hooks`), or by the pipeline runner's program."""
 
-    def __init__(self, flat: FlatModel) -> None:
-        self.flat = flat
+    def __init__(self, buffers: GroupBuffers, tied_here: bool) -> None:
+        """`tied_here`: the group holds the embedding that the head on this rank reads."""
+        self.group, self.tied_here = buffers, tied_here
         # Aliases of the buffers with their own version counters: gathering into them again
         # must not look to autograd like an in-place change of the weights it saved.
-        self.buffers = [weights.data for weights in flat.weights]
+        self.buffers = [stage.weights.data for stage in buffers.stages]
         self.nbytes = [b.numel() * b.element_size() for b in self.buffers]
         self.gathered: set[int] = set()
         """Stages whose buffer holds (or is receiving) the full weights."""
@@ -44,8 +43,8 @@ class WeightGatherer:
         """Gathered stages whose FP8 weights came as FP8 images (their bf16 values absent)."""
         self.fp8: Fp8Gather | None = None
         """Made at the first gather for a forward or backward pass (the FP8 layers are marked
-        after the flat model is made)."""
-        self.last = flat.layout.num_stages - 1
+        after the buffers are made)."""
+        self.last = len(buffers.stages) - 1
 
     def install_hooks(self, modules: list[list[torch.nn.Module]]) -> None:
         """Gather in the stages' forward and backward passes (one process per pipeline)."""
@@ -55,7 +54,7 @@ class WeightGatherer:
 
     def needs(self, stage: int) -> set[int]:
         """Stages whose weights running `stage` reads."""
-        return stages_read(stage, self.last + 1, self.flat.tied_here)
+        return stages_read(stage, self.last + 1, self.tied_here)
 
     def weights_changed(self) -> None:
         """The shards were written (an optimizer step, a restore): drop the gathered stages,
@@ -71,15 +70,15 @@ class WeightGatherer:
                 return
             self.release(stage)
         if self.fp8 is None and not whole:
-            self.fp8 = Fp8Gather(self.flat)
+            self.fp8 = Fp8Gather(self.group)
         buffer = self.buffers[stage]
         buffer.untyped_storage().resize_(self.nbytes[stage])
         if self.fp8 is not None and stage in self.fp8.stages and not whole:
             self.pending[stage] = self.fp8.gather(stage)
             self.in_fp8.add(stage)
         else:
-            shard = self.flat.shards[stage].weight
-            group = self.flat.data.group
+            shard = self.group.shards[stage].weight
+            group = self.group.data.group
             self.pending[stage] = [
                 dist.all_gather_into_tensor(buffer, shard, group=group, async_op=True)
             ]

@@ -6,31 +6,30 @@ the gathers of later stages overlap the compute of the earlier ones."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from fastllm.engine.flat_model import FlatModel
+from fastllm.engine.buffers import GroupBuffers
 
 
 class WeightRefresh:
-    def __init__(self, flat: FlatModel) -> None:
-        self.flat = flat
+    def __init__(self, buffers: GroupBuffers) -> None:
+        self.buffers = buffers
         self.pending: dict[int, tuple[Any, Tensor]] = {}
         """Per stage: its all-gather in flight, and the copy of this rank's shard it reads (the
         shard is a view of the buffer the gather writes)."""
 
     @torch.no_grad()
     def start(self) -> None:
-        flat = self.flat
+        buffers = self.buffers
         self.wait_all()
-        for stage, shard in flat.shards.items():
+        for stage, shard in buffers.shards.items():
             source = shard.weight.clone()
             work = dist.all_gather_into_tensor(
-                flat.weights[stage], source, group=flat.data.group, async_op=True
+                buffers.stages[stage].weights, source, group=buffers.data.group, async_op=True
             )
             self.pending[stage] = (work, source)
 
@@ -47,7 +46,7 @@ class WeightRefresh:
         """Each stage's forward pass waits for its weights (the last stage's tied head reads
         the embedding's, which the first stage waited for)."""
         for stage, stage_modules in enumerate(modules):
-            if stage in self.flat.shards:
+            if stage in self.buffers.shards:
                 stage_modules[0].register_forward_pre_hook(self._hook(stage))
 
     def _hook(self, stage: int):

@@ -12,7 +12,7 @@ the host, since the collectives take per-rank split sizes.
 An expert's weight gradient on its rank then covers every token the group routed to it, so
 summing it over the ranks that hold the same expert (the expert-data group, `mesh.expert_data`)
 gives the whole batch's: the engine keeps expert parameters in buffers of their own, sharded
-by ZeRO over that group."""
+by ZeRO over that group (ModelStages.experts)."""
 
 from __future__ import annotations
 

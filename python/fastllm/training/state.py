@@ -20,41 +20,45 @@ from fastllm.checkpoint.formats import ModelSource, copy_tokenizer_files, write_
 from fastllm.checkpoint.saver import PARTIAL_SUFFIX, latest
 from fastllm.config import ConfigError
 from fastllm.config.resume_changes import resume_warning
+from fastllm.engine.buffers import ALIGNMENT, GroupBuffers, Shard
 from fastllm.engine.data_parallel import gather_weights
-from fastllm.engine.flat_model import ALIGNMENT, FlatModel, Shard
+from fastllm.engine.model_stages import ModelStages
+from fastllm.engine.weights_io import whole_parameters
 
 if TYPE_CHECKING:
     from fastllm.training.trainer import Trainer
 
 
-def sharded_state(flat: FlatModel, kinds: tuple[str, ...], writable: bool = False) -> ShardedState:
+def sharded_state(
+    stages: ModelStages, kinds: tuple[str, ...], writable: bool = False
+) -> ShardedState:
     """The engine's shards of `kinds`, as views (with expert parallelism, the experts' in
     `experts`); split masters as fp32 copies made now (`writable`, to restore into) or as
     they are saved (`_shard_state`)."""
-    state = _part_state(flat, kinds, writable)
-    if flat.experts is not None:
-        expert = flat.mesh.expert
+    state = _group_state(stages.dense.buffers, kinds, writable)
+    if stages.experts is not None:
+        expert = stages.mesh.expert
         state.expert_size, state.expert_rank = expert.size, expert.rank
-        state.experts = _part_state(flat.experts, kinds, writable)
+        state.experts = _group_state(stages.experts.buffers, kinds, writable)
     return state
 
 
-def _part_state(flat: FlatModel, kinds: tuple[str, ...], writable: bool) -> ShardedState:
+def _group_state(buffers: GroupBuffers, kinds: tuple[str, ...], writable: bool) -> ShardedState:
     return ShardedState(
-        specs=flat.specs,
-        shapes={name: tuple(flat.shapes[name]) for name in flat.names},
-        splits={name: flat.metas[name].tensor_split for name in flat.names},
+        specs=buffers.specs,
+        shapes={name: tuple(buffers.shapes[name]) for name in buffers.names},
+        splits={name: buffers.metas[name].tensor_split for name in buffers.names},
         alignment=ALIGNMENT,
-        tensor_size=flat.tensor.size,
-        tensor_rank=flat.tensor.rank,
-        data_size=flat.data.size,
-        data_rank=flat.data.rank,
+        tensor_size=buffers.tensor.size,
+        tensor_rank=buffers.tensor.rank,
+        data_size=buffers.data.size,
+        data_rank=buffers.data.rank,
         shards={
             stage: {kind: _shard_state(shard, kind, writable) for kind in kinds}
-            for stage, shard in flat.shards.items()
+            for stage, shard in buffers.shards.items()
         },
-        pipeline_size=flat.pipeline.size,
-        pipeline_rank=flat.pipeline.rank,
+        pipeline_size=buffers.pipeline.size,
+        pipeline_rank=buffers.pipeline.rank,
     )
 
 
@@ -67,10 +71,10 @@ def _shard_state(shard: Shard, kind: str, writable: bool) -> Tensor | Callable[[
     return shard.master_values() if writable else shard.master_values
 
 
-def restore_split_masters(flat: FlatModel, state: ShardedState) -> None:
+def restore_split_masters(stages: ModelStages, state: ShardedState) -> None:
     """Store the restored masters of `state` (made `writable`) into the split shards."""
-    for (part, _), flat_part in zip(state.parts(), flat.parts, strict=True):
-        for stage, shard in flat_part.shards.items():
+    for (part, _), group in zip(state.parts(), stages.groups, strict=True):
+        for stage, shard in group.buffers.shards.items():
             if shard.master_low is not None and "master" in part.shards[stage]:
                 masters = part.shards[stage]["master"]
                 assert isinstance(masters, torch.Tensor)
@@ -100,7 +104,7 @@ def save_checkpoint(trainer: Trainer, directory: Path | None = None) -> Path:
     EXPERIMENT_DIR/checkpoint/STEP, pruned to `training.checkpoint.keep`)."""
     snapshot = Snapshot(
         kind="checkpoint",
-        state=sharded_state(trainer.flat, STATE_KINDS),
+        state=sharded_state(trainer.stages, STATE_KINDS),
         config=msgspec.to_builtins(trainer.config),
         counters={
             "step": trainer.step,
@@ -135,11 +139,11 @@ def load_checkpoint(trainer: Trainer, directory: Path, manifest: dict | None = N
     """Restore the full training state, whatever tensor and data sizes wrote it. `manifest` is
     given when the checkpoint was just verified."""
     saved = SavedCheckpoint(directory, manifest)
-    state = sharded_state(trainer.flat, STATE_KINDS, writable=True)
+    state = sharded_state(trainer.stages, STATE_KINDS, writable=True)
     saved.restore(state, STATE_KINDS)
-    restore_split_masters(trainer.flat, state)
-    trainer.flat.sync_weights_from_master()
-    gather_weights(trainer.flat)  # the other ranks' shards of the compute weights
+    restore_split_masters(trainer.stages, state)
+    trainer.stages.sync_weights_from_master()
+    gather_weights(trainer.stages)  # the other ranks' shards of the compute weights
     counters = saved.counters
     trainer.step = counters["step"]
     trainer.optimizer.step_count = counters["optimizer_steps"]
@@ -184,7 +188,7 @@ def export(trainer: Trainer, directory: Path, output_format: str) -> None:
     if output_format == "distributed":
         snapshot = Snapshot(
             kind="export",
-            state=sharded_state(trainer.flat, ("master",)),
+            state=sharded_state(trainer.stages, ("master",)),
             config=msgspec.to_builtins(trainer.config),
             counters={"step": trainer.step},
         )
@@ -199,7 +203,9 @@ def export(trainer: Trainer, directory: Path, output_format: str) -> None:
     # keeps the copies.
     main = trainer.distributed.is_main
     tensors = {
-        name: t.detach().to("cpu", copy=True) for name, t in trainer.flat.whole_parameters() if main
+        name: t.detach().to("cpu", copy=True)
+        for name, t in whole_parameters(trainer.stages)
+        if main
     }
     failure: str | None = None
     if main:

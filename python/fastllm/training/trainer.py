@@ -25,15 +25,16 @@ from fastllm.data import Batch, DataLoader, SampleStream
 from fastllm.engine.activation_offload import apply_activation_offload
 from fastllm.engine.compile import apply_compile
 from fastllm.engine.data_parallel import gather_weights
-from fastllm.engine.flat_model import FlatModel
 from fastllm.engine.fp8 import apply_fp8
 from fastllm.engine.learning_rate import learning_rate
 from fastllm.engine.micro_sequences import KeyValueMemory, PieceCache, cut_into_pieces
+from fastllm.engine.model_stages import ModelStages
 from fastllm.engine.optimizer import AdamW
 from fastllm.engine.pipeline.runner import MicroBatch, PipelineRunner
 from fastllm.engine.precision import DTYPES, LossScaler
 from fastllm.engine.recompute import apply_recompute
 from fastllm.engine.replicated_check import check_replicated
+from fastllm.engine.weights_io import load_full_parameters, whole_shape
 from fastllm.model import GPTModel
 from fastllm.model.init import initializers
 from fastllm.model.mlp import take_expert_load
@@ -66,19 +67,19 @@ class Trainer:
         self.mesh = build_mesh(self.layout, self.distributed.rank).with_deferral(self.deferred)
         with torch.device("meta"):
             self.model = GPTModel(config.model.base_model, self.mesh)
-        stages = config.model.multi_stage
+        multi_stage = config.model.multi_stage
         pipelined = self.layout.pipeline > 1 or self.layout.breadth_first > 1
-        self.flat = FlatModel(
+        self.stages = ModelStages(
             self.model,
             compute_dtype=dtype,
             device=device,
             mesh=self.mesh,
-            zero_stage=stages.zero_stage,
-            layers_per_stage=stages.layers_per_stage,
+            zero_stage=multi_stage.zero_stage,
+            layers_per_stage=multi_stage.layers_per_stage,
             gather_in_forward=not pipelined,
         )
-        apply_recompute(self.model, stages.recompute)
-        self.offload = apply_activation_offload(self.model, stages.offload_activations)
+        apply_recompute(self.model, multi_stage.recompute)
+        self.offload = apply_activation_offload(self.model, multi_stage.offload_activations)
         self.fp8_histories = self._apply_fp8(device)
         if config.training.compile:
             apply_compile(self.model)
@@ -88,17 +89,16 @@ class Trainer:
         if pipelined:
             self.pipeline = PipelineRunner(
                 self.model,
-                self.flat,
+                self.stages,
                 self.layout.step,
-                zero_stage=stages.zero_stage,
-                layers_per_stage=stages.layers_per_stage,
+                zero_stage=multi_stage.zero_stage,
                 activation_shape=(
                     self.layout.micro_batch_size,
                     self.layout.piece_length,
                     config.model.base_model.transformer.hidden_size,
                 ),
             )
-        self.optimizer = AdamW(self.flat, config.optimizer)
+        self.optimizer = AdamW(self.stages, config.optimizer)
         self.scaler = LossScaler(dtype == torch.float16)
         self.step = 0
         """Optimizer steps completed (skipped ones included)."""
@@ -137,7 +137,7 @@ class Trainer:
         pretrained = self.config.pretrained
         if pretrained is not None:
             source = open_model(pretrained.path, pretrained.format)
-            self.flat.load_full_parameters(source.tensors())
+            load_full_parameters(self.stages, source.tensors())
             return
         # Every rank draws the same full fp32 model from the seed, one whole parameter at a time
         # (so a model only ZeRO-3 fits is never whole), and keeps its slice and shard: every
@@ -147,12 +147,12 @@ class Trainer:
 
         def drawn() -> Iterator[tuple[str, torch.Tensor]]:
             for name, fill in initializers(self.model, generator):
-                shape = self.flat.whole_shape(name)
+                shape = whole_shape(self.stages, name)
                 tensor = torch.empty(shape, dtype=torch.float32, device=device)
                 fill(tensor)
                 yield name, tensor
 
-        self.flat.load_full_parameters(drawn())
+        load_full_parameters(self.stages, drawn())
 
     # --- data ---------------------------------------------------------------------------------
 
@@ -270,9 +270,9 @@ class Trainer:
                 "train_step, which runs the step's schedule"
             )
         loss = self._loss(batch)
-        self.flat.start_backward(last)
+        self.stages.start_backward(last)
         (loss * (weight * self.scaler.scale)).backward()
-        self.flat.finish_backward()
+        self.stages.finish_backward()
         return loss.detach()
 
     def optimizer_step(self) -> dict[str, Any]:
@@ -280,19 +280,19 @@ class Trainer:
         lr = learning_rate(
             self.config.optimizer.learning_rate, self.step, self.config.training.train_iters
         )
-        # The step sums the gradients over data ranks first (FlatModel.reduce_gradients); the
+        # The step sums the gradients over data ranks first (ModelStages.reduce_gradients); the
         # micro-batches' weights already normalize that sum (train_step).
         report = self.optimizer.step(lr, self.scaler.scale)
         if self.fp8_histories is not None:
             self.fp8_histories.roll()
         if not report.skipped:
-            gather_weights(self.flat, wait=False)  # each stage's forward pass waits for its own
+            gather_weights(self.stages, wait=False)  # each stage's forward pass waits for its own
             if self.config.model.multi_stage.debug_tensor_parallel:
-                check_replicated(self.flat)
+                check_replicated(self.stages.dense.buffers)
         self.scaler.update(report.skipped)
         self.step += 1
         self.skipped_steps += report.skipped
-        self.flat.zero_grad()
+        self.stages.zero_grad()
         return {"lr": lr, "grad_norm": report.grad_norm, "skipped": report.skipped}
 
     def train_step(self, micro_batches: list[Batch]) -> dict[str, Any]:
@@ -421,7 +421,7 @@ class Trainer:
             f"{total:,} parameters" + (f" ({active:,} active per token)" if active < total else ""),
             f"{distributed.world_size} × {distributed.device.type}",
             f"{config.model.distributed.training_dtype}"
-            + (" (fp32 masters)" if self.flat.mixed_precision else ""),
+            + (" (fp32 masters)" if self.stages.mixed_precision else ""),
             f"batch {batch.batch_size} × {batch.sequence_length} tokens"
             f" ({micro} per micro-batch, {accumulated})",
         ]

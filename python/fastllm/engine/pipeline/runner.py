@@ -23,16 +23,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fastllm.config.layout import StepShape
-from fastllm.engine.flat_model import FlatModel, stage_positions
 from fastllm.engine.micro_sequences import PieceCache, StagedKeyValueMemory
-from fastllm.engine.pipeline.schedule import (
-    Op,
-    Program,
-    Step,
-    build_programs,
-    dependency,
-    stages_read,
-)
+from fastllm.engine.model_stages import ModelStages
+from fastllm.engine.pipeline.schedule import Op, Program, Step, build_programs, dependency
+from fastllm.engine.stages import stages_read
 from fastllm.model.gpt import Context, GPTModel
 from fastllm.parallel import point_to_point
 
@@ -59,36 +53,35 @@ class PipelineRunner:
     def __init__(
         self,
         model: GPTModel,
-        flat: FlatModel,
+        stages: ModelStages,
         shape: StepShape,
         *,
         zero_stage: int,
-        layers_per_stage: int,
         activation_shape: tuple[int, ...],
     ) -> None:
         """`activation_shape`: what a stage hands the next one for one micro-batch (batch,
         sequence on this tensor rank, hidden)."""
-        self.model, self.flat, self.shape = model, flat, shape
+        self.model, self.stages, self.shape = model, stages, shape
         self.num_layers = len(model.layers)
-        self.layers_per_stage = layers_per_stage
+        self.pipeline = stages.mesh.pipeline
         self.activation_shape = activation_shape
-        gatherer = flat.gatherer
+        gatherer = stages.dense.gatherer
         programs = build_programs(
             shape,
             zero_stage=zero_stage,
             gather_weights=gatherer is not None,
             needs=gatherer.needs if gatherer is not None else None,
         )
-        self.program: Program = programs[flat.pipeline.rank]
+        self.program: Program = programs[self.pipeline.rank]
         self.trace: list[Op] | None = None
         """When a list, every op run is appended to it (tests compare it with the program)."""
 
     def _needs(self, stage: int) -> list[int]:
         """The stages whose weights running `stage` reads."""
-        return sorted(stages_read(stage, self.shape.num_stages, self.flat.tied_here))
+        return sorted(stages_read(stage, self.shape.num_stages, self.stages.tied_here))
 
     def _global(self, pipeline_rank: int) -> int:
-        return dist.get_global_rank(self.flat.pipeline.group, pipeline_rank)
+        return dist.get_global_rank(self.pipeline.group, pipeline_rank)
 
     def _context(
         self,
@@ -112,7 +105,7 @@ class PipelineRunner:
         tokens; returns this rank's part of the weighted loss (the last stage's losses and
         every stage's auxiliary losses, each times its piece's weight): summed over the
         pipeline ranks, the step's loss."""
-        flat, shape = self.flat, self.shape
+        stages, shape = self.stages, self.shape
         assert len(micro_batches) == shape.micro_batches
         assert all(len(pieces) == shape.pieces for pieces in micro_batches)
         memories: dict[int, StagedKeyValueMemory | None] = {}
@@ -120,19 +113,19 @@ class PipelineRunner:
         produced: dict[Step, Tensor] = {}
         saved: dict[Step, _Saved] = {}
         sends: list[point_to_point.Sent] = []
-        loss = torch.zeros((), dtype=torch.float32, device=flat.device)
+        loss = torch.zeros((), dtype=torch.float32, device=stages.device)
         last = shape.num_stages - 1
         for op in self.program.ops:
             if self.trace is not None:
                 self.trace.append(op)
             if op.kind == "gather":
-                flat.prefetch_weights(op.stage)
+                stages.prefetch_weights(op.stage)
             elif op.kind == "release":
-                flat.release_weights(op.stage)
+                stages.release_weights(op.stage)
             elif op.kind == "recv":
                 assert op.step is not None
                 buffer = torch.empty(
-                    self.activation_shape, dtype=flat.compute_dtype, device=flat.device
+                    self.activation_shape, dtype=stages.compute_dtype, device=stages.device
                 )
                 produced[op.step] = point_to_point.recv(buffer, self._global(op.peer))
             elif op.kind == "send":
@@ -143,7 +136,7 @@ class PipelineRunner:
                 assert step is not None
                 m, p = step.micro_batch, step.piece
                 for stage in self._needs(step.stage):
-                    flat.wait_for_weights(stage)
+                    stages.wait_for_weights(stage)
                 if m not in memories:
                     memories[m] = StagedKeyValueMemory() if shape.pieces > 1 else None
                 memory = memories[m]
@@ -158,13 +151,13 @@ class PipelineRunner:
                 else:
                     forward = Step(step.stage, m, True, p)
                     self._backward(step, saved.pop(forward), produced, op.reduce, memory)
-                    if step.stage == self.shape.stages_of(flat.pipeline.rank)[0]:
+                    if step.stage == self.shape.stages_of(self.pipeline.rank)[0]:
                         contexts.pop((m, p), None)
                         if p == 0:
                             memories.pop(m, None)
         for sent in sends:
             sent.wait()
-        flat.finish_step_backward()
+        stages.finish_step_backward()
         return loss
 
     def _forward(
@@ -178,9 +171,7 @@ class PipelineRunner:
     ) -> tuple[_Saved, Tensor]:
         """The stage's forward pass: what it saves, and its unweighted loss contribution."""
         input_ids, labels, _ = micro_batch
-        first_position, last_position = stage_positions(
-            step.stage, self.num_layers, self.layers_per_stage
-        )
+        first_position, last_position = self.stages.stages[step.stage].positions
         leaf = None
         if step.stage == 0:
             x = input_ids
@@ -210,7 +201,7 @@ class PipelineRunner:
         reduce: bool,
         memory: StagedKeyValueMemory | None,
     ) -> None:
-        flat = self.flat
+        stages = self.stages
         tensors: list[Tensor] = [saved.output]
         grads: list[Tensor | None] = [None]
         if step.stage != self.shape.num_stages - 1:
@@ -221,14 +212,14 @@ class PipelineRunner:
             tensors.append(saved.auxiliary)
             grads.append(None)
         if memory is not None:
-            first, last = stage_positions(step.stage, self.num_layers, self.layers_per_stage)
+            first, last = stages.stages[step.stage].positions
             layers = range(max(first, 1) - 1, min(last, self.num_layers))
             keys_values, their_grads = memory.backward_roots(layers, step.piece)
             tensors += keys_values
             grads += their_grads
-        flat.arm_reduction(reduce)
+        stages.arm_reduction(reduce)
         torch.autograd.backward(tensors, grads)
-        flat.finish_stage_backward(step.stage, reduce)
+        stages.finish_stage_backward(step.stage, reduce)
         if saved.input is not None:
             assert saved.input.grad is not None
             produced[step] = saved.input.grad
@@ -243,9 +234,9 @@ class PipelineRunner:
         """Forward passes only (validation): each piece of each micro-batch through the stages
         in turn, its activations handed on by blocking transfers in that one global order.
         Returns this rank's part of the weighted loss, as `run` does."""
-        flat, shape = self.flat, self.shape
+        stages, shape = self.stages, self.shape
         last = shape.num_stages - 1
-        loss = torch.zeros((), dtype=torch.float32, device=flat.device)
+        loss = torch.zeros((), dtype=torch.float32, device=stages.device)
         for m, pieces in enumerate(micro_batches):
             memory = StagedKeyValueMemory() if shape.pieces > 1 else None
             for p, piece in enumerate(pieces):
@@ -254,21 +245,23 @@ class PipelineRunner:
                 for stage in range(shape.num_stages):
                     rank, step = shape.rank_of(stage), Step(stage, m, True, p)
                     previous = shape.rank_of(stage - 1) if stage else rank
-                    mine = rank == flat.pipeline.rank
+                    mine = rank == self.pipeline.rank
                     if stage and previous != rank:
                         need = Step(stage - 1, m, True, p)
-                        if previous == flat.pipeline.rank:
+                        if previous == self.pipeline.rank:
                             point_to_point.send(produced.pop(need), self._global(rank))
                         elif mine:
                             buffer = torch.empty(
-                                self.activation_shape, dtype=flat.compute_dtype, device=flat.device
+                                self.activation_shape,
+                                dtype=stages.compute_dtype,
+                                device=stages.device,
                             )
                             produced[need] = point_to_point.recv(buffer, self._global(previous))
                     if not mine:
                         continue
                     for needed in self._needs(stage):
-                        flat.wait_for_weights(needed)
+                        stages.wait_for_weights(needed)
                     _, value = self._forward(step, piece, context, produced, 1.0, last)
                     loss += weights[m][p] * value
-                    flat.release_weights()
+                    stages.release_weights()
         return loss

@@ -162,13 +162,6 @@ def _one_forward_one_backward(shape: StepShape, group: range) -> list[list[Step]
     return orders
 
 
-def stages_read(stage: int, num_stages: int, tied_here: bool) -> set[int]:
-    """The stages whose weights running `stage` reads: itself, and for a head tied to the
-    embedding on the same rank (`tied_here`) stage 0 too; a head on another rank than the
-    embedding reads a copy of its own."""
-    return {stage, 0} if tied_here and stage == num_stages - 1 else {stage}
-
-
 def dependency(step: Step, num_stages: int) -> Step | None:
     """The step whose output `step` reads from another stage (None: the batch itself, or the
     stage's own forward pass)."""

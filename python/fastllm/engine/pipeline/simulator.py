@@ -24,7 +24,8 @@ import msgspec
 from fastllm.config import TrainerConfig
 from fastllm.config.flops import flops_per_token
 from fastllm.config.layout import StepShape, resolve
-from fastllm.engine.pipeline.schedule import Program, Step, build_programs, stages_read
+from fastllm.engine.pipeline.schedule import Program, Step, build_programs
+from fastllm.engine.stages import stages_read
 
 EFFECTIVE_TFLOPS = 550.0
 """Default compute rate: what our dense training sustains on one H200 (56% MFU of 989 TFLOP/s:
@@ -92,7 +93,7 @@ def programs_for(config: TrainerConfig, world_size: int) -> list[Program]:
     shape, zero_stage = layout.step, config.model.multi_stage.zero_stage
     tied = config.model.base_model.tie_word_embeddings
     last = shape.num_stages - 1
-    # As FlatModel.tied_here: the head has no copy of its own when it shares the rank.
+    # As ModelStages.tied_here: the head has no copy of its own when it shares the rank.
     tied_here = tied and shape.rank_of(last) == shape.rank_of(0)
 
     def needs(stage: int) -> set[int]:

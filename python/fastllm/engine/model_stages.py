@@ -1,0 +1,185 @@
+"""The model's parameters in flat buffers, by stage and by group: what the trainer, the pipeline
+runner, the optimizer and the checkpoint state use.
+
+The dense parameters form one group, sharded over the data dimension; with expert parallelism
+the experts' parameters (this rank's share of them) form a second, sharded over the data ranks
+holding the same experts (expert_data). A `Stage` is a model span and its buffer of each group;
+the step's operations act on every group."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fastllm.engine.buffers import GroupBuffers, StageBuffer
+from fastllm.engine.parameter_group import ParameterGroup
+from fastllm.engine.stages import num_stages, stage_modules, stage_of_layer, stage_positions
+from fastllm.engine.tied_weights import tied_weights
+from fastllm.model import GPTModel
+from fastllm.model.parameters import parameter_metas
+from fastllm.parallel.mesh import ParallelMesh
+
+
+@dataclass(frozen=True)
+class Stage:
+    index: int
+    positions: tuple[int, int]
+    """Its first and last model positions (what `GPTModel.run_positions` takes)."""
+    buffers: list[StageBuffer]
+    """Its buffer of each group (`ModelStages.groups`): its parameters' views."""
+
+
+class ModelStages:
+    """Makes `model`'s parameters views of flat buffers and owns those buffers."""
+
+    def __init__(
+        self,
+        model: GPTModel,
+        *,
+        compute_dtype: torch.dtype,
+        device: torch.device,
+        mesh: ParallelMesh | None = None,
+        zero_stage: int = 1,
+        layers_per_stage: int = 1,
+        gather_in_forward: bool = True,
+    ) -> None:
+        """`gather_in_forward`: ZeRO-3 gathers and ZeRO-1/2 refreshes are driven by the stages'
+        forward and backward passes (false: by the pipeline runner's program)."""
+        self.compute_dtype, self.device = compute_dtype, device
+        self.mesh = mesh = mesh or ParallelMesh.single()
+        self.metas = metas = parameter_metas(model)
+        num_layers = model.config.transformer.num_layers
+        expert_parallel = mesh.expert.size > 1
+        names = [name for name, _ in model.named_parameters()]
+        modules = stage_modules(model, layers_per_stage)
+        self.tensor = mesh.tensor
+        deferral = mesh.tensor.deferral if mesh.tensor.split else None
+
+        def make_buffers(experts: bool) -> GroupBuffers:
+            return GroupBuffers(
+                model,
+                [n for n in names if (expert_parallel and metas[n].expert_split) == experts],
+                metas,
+                lambda name: stage_of_layer(metas[name].layer, num_layers, layers_per_stage),
+                data=mesh.expert_data if experts else mesh.data,
+                tensor=mesh.tensor,
+                pipeline=mesh.pipeline,
+                compute_dtype=compute_dtype,
+                device=device,
+                zero_stage=zero_stage,
+            )
+
+        def make_group(buffers: GroupBuffers, tied_here: bool) -> ParameterGroup:
+            return ParameterGroup(
+                buffers,
+                deferral=deferral,
+                tied_here=tied_here,
+                stage_modules=modules if gather_in_forward else None,
+            )
+
+        dense = make_buffers(experts=False)
+        self.tied = tied_weights(model, dense)
+        """The embedding's copy and its gradient, when the head runs on another pipeline rank."""
+        self.tied_here = dense.tied and self.tied is None
+        """The head reads the embedding's own weights (tied, and on this rank)."""
+        self.dense = make_group(dense, self.tied_here)
+        self.experts = make_group(make_buffers(True), False) if expert_parallel else None
+        """With expert parallelism: the experts' parameters, in buffers of their own."""
+        self.groups = [self.dense] if self.experts is None else [self.dense, self.experts]
+        self.stages = [
+            Stage(
+                stage,
+                stage_positions(stage, num_layers, layers_per_stage),
+                [g.buffers.stages[stage] for g in self.groups],
+            )
+            for stage in range(num_stages(num_layers, layers_per_stage))
+        ]
+
+    @property
+    def mixed_precision(self) -> bool:
+        return self.compute_dtype != torch.float32
+
+    def group_of(self, name: str) -> ParameterGroup:
+        """The group that holds parameter `name`."""
+        experts = self.experts
+        return experts if experts is not None and name in experts.buffers.indices else self.dense
+
+    def wait_for_weights(self, stage: int) -> None:
+        """Block until `stage`'s full compute weights are in place (ZeRO-1/2 after a step,
+        ZeRO-3 whenever it runs)."""
+        for group in self.groups:
+            group.wait_for_weights(stage)
+
+    def prefetch_weights(self, stage: int) -> None:
+        """ZeRO-3: start gathering `stage`'s full compute weights (the pipeline runner)."""
+        for group in self.groups:
+            if group.gatherer is not None:
+                group.gatherer.prefetch(stage)
+
+    def release_weights(self, stage: int | None = None) -> None:
+        """ZeRO-3: free `stage`'s gathered weights (every stage's with None)."""
+        for group in self.groups:
+            if group.gatherer is not None:
+                if stage is None:
+                    group.gatherer.keep_only(set())
+                else:
+                    group.gatherer.release(stage)
+
+    def arm_reduction(self, reduce: bool) -> None:
+        """Whether the coming backward pass of a pipeline step reduces its stage."""
+        for group in self.groups:
+            if group.reducer is not None:
+                group.reducer.armed = reduce
+
+    def start_backward(self, last_micro_batch: bool) -> None:
+        """Before a backward pass: whether it is the step's last, in which ZeRO-1 sums the
+        gradients over ranks while the pass runs (else after it, in `reduce_gradients`)."""
+        for group in self.groups:
+            group.start_backward(last_micro_batch)
+
+    def finish_backward(self) -> None:
+        """After each backward pass: reduce the gradients of stages still pending and free the
+        gathered weights (ZeRO-3)."""
+        self.tensor.run_deferred()
+        for group in self.groups:
+            group.finish_backward()
+
+    def finish_stage_backward(self, stage: int, reduce: bool) -> None:
+        """After a pipeline step's backward pass of `stage` (begun with `arm_reduction(reduce)`):
+        run the deferred weight gradients, and start the stage's reduction if it was to be
+        reduced and some parameter got no gradient."""
+        self.tensor.run_deferred()
+        for group in self.groups:
+            group.finish_stage_backward(stage, reduce)
+
+    def finish_step_backward(self) -> None:
+        """After the last backward pass of a pipeline step: wait for the reductions, free the
+        gathered weights (ZeRO-3) and add the tied head's gradient to the embedding's."""
+        self.dense.finish_step_backward()
+        if self.tied is not None:
+            self.tied.reduce_gradient()
+        if self.experts is not None:
+            self.experts.finish_step_backward()
+
+    def reduce_gradients(self) -> None:
+        """Before the optimizer reads the shards: every rank's gradients summed into them, and
+        without reductions the buffers complete (held, and zero where no gradient came, even
+        when no backward pass ran)."""
+        for group in self.groups:
+            group.reduce_gradients()
+
+    def zero_grad(self) -> None:
+        """Start a new step: the next gradients overwrite the buffers and the shards."""
+        for group in self.groups:
+            group.zero_grad()
+
+    @torch.no_grad()
+    def sync_weights_from_master(self) -> None:
+        """Compute weights of this rank's shards from the masters (exactly what the optimizer
+        step writes), so that a restored run computes bit for bit as the original did."""
+        for group in self.groups:
+            group.buffers.weights_from_masters()
+        for group in self.groups:
+            if group.gatherer is not None:
+                group.gatherer.weights_changed()
