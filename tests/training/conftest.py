@@ -39,7 +39,12 @@ def without_triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="session")
 def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("data")
+    return build_dataset(tmp_path_factory.mktemp("data"))
+
+
+def build_dataset(root: Path) -> Path:
+    """root/dataset: the json and email packages' sources, tokenized by a 512-token BPE
+    trained on them (root/tokenizer); the same bytes each time with the same Python."""
     sources = [str(STDLIB / "json"), str(STDLIB / "email")]
     result = run_cli(
         "tokenizer", "train", f"input.path={sources}", "input.extensions=[.py]",
