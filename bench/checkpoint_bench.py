@@ -45,14 +45,14 @@ def main() -> None:
     trainer = Trainer(load_config(TrainerConfig, [ROOT / "examples" / "tiny.yaml"], overrides))
     state = {
         f"{kind}.{i}": getattr(shard, kind)
-        for i, shard in trainer.stages.dense.buffers.shards.items()
+        for i, shard in trainer.engine.stages.dense.buffers.shards.items()
         for kind in ("master", "exp_avg", "exp_avg_sq")
     }
     state_bytes = sum(t.numel() * t.element_size() for t in state.values())
     rows = []
     for repeat in range(args.repeats):
         start = time.perf_counter()
-        trainer.step = repeat + 1
+        trainer.engine.state.step = repeat + 1
         trainer.save_checkpoint()
         blocked = time.perf_counter() - start
         trainer.wait_for_checkpoints()
@@ -72,7 +72,7 @@ def main() -> None:
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT
         ).stdout.strip(),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "parameters": sum(numel for _, numel, *_ in trainer.stages.dense.buffers.specs),
+        "parameters": sum(numel for _, numel, *_ in trainer.engine.stages.dense.buffers.specs),
         "state_bytes": state_bytes,
         "runs": rows,
         "median": median,

@@ -94,7 +94,7 @@ def train(args: argparse.Namespace, work: Path, dataset: Path, recipe: str) -> d
     losses = []
     start = time.perf_counter()
     for micro_batches in trainer.data_loader():
-        losses.append(trainer.train_step(micro_batches)["loss"])
+        losses.append(trainer.engine.train_step(micro_batches)["loss"])
     seconds = time.perf_counter() - start
     memory = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
     del trainer

@@ -60,7 +60,7 @@ def peak_probe(args: argparse.Namespace) -> dict[str, Any]:
     trainer = Trainer(load_trainer_config(args.model, overrides))
     batches = iter(trainer.data_loader())
     for _ in range(args.warmup):
-        trainer.train_step(next(batches))
+        trainer.engine.train_step(next(batches))
     if trainer.distributed.device.type != "cuda":
         return {"skipped": "no CUDA"}
     torch.cuda.synchronize()
@@ -68,7 +68,7 @@ def peak_probe(args: argparse.Namespace) -> dict[str, Any]:
     before = torch.cuda.memory_allocated()
     torch.cuda.memory._record_memory_history(max_entries=1_000_000)
     began = time.perf_counter()
-    trainer.train_step(next(batches))
+    trainer.engine.train_step(next(batches))
     torch.cuda.synchronize()
     step_ms = 1e3 * (time.perf_counter() - began)
     snapshot = torch.cuda.memory._snapshot()

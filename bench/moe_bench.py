@@ -78,7 +78,10 @@ def run_train(spec: dict[str, Any]) -> dict[str, Any]:
     batches = iter(trainer.data_loader())
     cuda = trainer.distributed.device.type == "cuda"
     timing = measure(
-        lambda: trainer.train_step(next(batches))["loss"], spec["warmup"], spec["steps"], cuda
+        lambda: trainer.engine.train_step(next(batches))["loss"],
+        spec["warmup"],
+        spec["steps"],
+        cuda,
     )
     base = config.model.base_model
     return {

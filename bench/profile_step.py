@@ -69,11 +69,11 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     cuda = trainer.distributed.device.type == "cuda"
     batches = iter(trainer.data_loader())
     for _ in range(args.warmup):
-        trainer.train_step(next(batches))
+        trainer.engine.train_step(next(batches))
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with torch_profile(activities=activities, record_shapes=args.ops > 0) as prof:
         for _ in range(args.steps):
-            trainer.train_step(next(batches))
+            trainer.engine.train_step(next(batches))
         if cuda:
             torch.cuda.synchronize()
     if args.trace:
@@ -122,7 +122,7 @@ def _timeline(trainer: Any, batches: Any, args: argparse.Namespace) -> dict[str,
     torch.cuda.synchronize()
     began = time.perf_counter()
     for _ in range(args.steps):
-        trainer.train_step(next(batches))
+        trainer.engine.train_step(next(batches))
     torch.cuda.synchronize()
     result: dict[str, Any] = {"wall_ms_per_step": (time.perf_counter() - began) * 1e3 / args.steps}
     for name, activities in (
@@ -131,7 +131,7 @@ def _timeline(trainer: Any, batches: Any, args: argparse.Namespace) -> dict[str,
     ):
         with torch_profile(activities=activities) as prof:
             for _ in range(args.steps):
-                trainer.train_step(next(batches))
+                trainer.engine.train_step(next(batches))
             torch.cuda.synchronize()
         trace = Path(tempfile.mkdtemp(prefix="fastllm-trace-")) / "trace.json"
         prof.export_chrome_trace(str(trace))

@@ -165,7 +165,7 @@ def run_fastllm(spec: dict[str, Any]) -> dict[str, Any]:
     def step() -> float:
         micro_batches = next(batches)
         counts.append(trained_tokens(micro_batches))  # CPU tensors: no synchronization
-        return trainer.train_step(micro_batches)["loss"]
+        return trainer.engine.train_step(micro_batches)["loss"]
 
     timing = train_bench.measure(step, spec["warmup"], spec["steps"], cuda)
     return {

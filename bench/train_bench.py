@@ -258,9 +258,9 @@ def run_fastllm(spec: dict[str, Any]) -> dict[str, Any]:
 
     def step() -> float:
         if spy.calls:
-            return trainer.train_step(next(batches))["loss"]
+            return trainer.engine.train_step(next(batches))["loss"]
         with spy:  # the first (warm-up) step only: which masks the kernels are asked for
-            return trainer.train_step(next(batches))["loss"]
+            return trainer.engine.train_step(next(batches))["loss"]
 
     timing = measure(step, spec["warmup"], spec["steps"], cuda)
     return {

@@ -34,7 +34,7 @@ assert stages.dense.reducer is not None and released()
 for step in range(2):
     tokens = torch.randint(0, 61, (2, 16), generator=generator)
     labels = torch.roll(tokens, -1, dims=1)
-    stages.start_backward(True)  # the step's last micro-batch: ZeRO-1 sums during the pass
+    stages.arm_reduction(True)  # the step's last backward pass: ZeRO-1 sums during it
     model.loss(tokens, labels).backward()
     stages.finish_backward()
     assert not released(), step

@@ -34,30 +34,34 @@ def test_offloaded_blocks_give_the_same_losses_and_gradients(
     offloaded = trainer(
         dataset, tmp_path / "b", *options, "model.multi_stage.offload_activations=2"
     )
-    assert plain.offload is None and offloaded.offload is not None
+    assert plain.engine.offload is None and offloaded.engine.offload is not None
     prefetched: set[int] = set()
-    prefetch = offloaded.offload._prefetch
+    prefetch = offloaded.engine.offload._prefetch
 
     def counting_prefetch(passes, grad):
         prefetched.update(id(o) for p in passes for o in p.storages.values())
         prefetch(passes, grad)
 
-    monkeypatch.setattr(offloaded.offload, "_prefetch", counting_prefetch)
+    monkeypatch.setattr(offloaded.engine.offload, "_prefetch", counting_prefetch)
     unpacked: list[object] = []
-    unpack = offloaded.offload._unpack
-    monkeypatch.setattr(offloaded.offload, "_unpack", lambda s: unpacked.append(s) or unpack(s))
+    unpack = offloaded.engine.offload._unpack
+    monkeypatch.setattr(
+        offloaded.engine.offload, "_unpack", lambda s: unpacked.append(s) or unpack(s)
+    )
     loader = iter(plain.data_loader())
     for _ in range(2):  # the second step's backward pass fetches into the first's memory
         (batch,) = next(loader)[:1]
-        losses = [run.forward_backward(batch) for run in (plain, offloaded)]
+        losses = [run.engine.forward_backward([batch]) for run in (plain, offloaded)]
         assert losses[1].item() == losses[0].item()
         for ours, theirs in zip(
-            offloaded.stages.dense.buffers.grads, plain.stages.dense.buffers.grads, strict=True
+            offloaded.engine.stages.dense.buffers.grads,
+            plain.engine.stages.dense.buffers.grads,
+            strict=True,
         ):
             assert torch.equal(ours, theirs)
         for run in (plain, offloaded):
-            run.optimizer_step()
-    assert offloaded.offload.offloaded_bytes > 0
+            run.engine.optimizer_step()
+    assert offloaded.engine.offload.offloaded_bytes > 0
     # The blocks after the offloaded ones asked for every storage before the backward pass
     # unpacked it (block 1's output for block 0's, block 2's for both).
     storages = {id(s.storage) for s in unpacked if isinstance(s, activation_offload._Saved)}
@@ -88,13 +92,13 @@ for name, layout in layouts.items():
     loader = iter(plain.data_loader())
     for step in range(3):
         batch = next(loader)
-        losses = [run.train_step(batch)["loss"] for run in (plain, offloaded)]
+        losses = [run.engine.train_step(batch)["loss"] for run in (plain, offloaded)]
         assert losses[1] == losses[0], (name, step, losses)
-        for stage, theirs in plain.stages.dense.buffers.shards.items():  # (ZeRO-3 frees the whole weights)
-            ours = offloaded.stages.dense.buffers.shards[stage]
+        for stage, theirs in plain.engine.stages.dense.buffers.shards.items():  # (ZeRO-3 frees the whole weights)
+            ours = offloaded.engine.stages.dense.buffers.shards[stage]
             assert torch.equal(ours.master_values(), theirs.master_values()), (name, step)
             assert torch.equal(ours.exp_avg_sq, theirs.exp_avg_sq), (name, step)
-    assert offloaded.offload.offloaded_bytes > 0, name
+    assert offloaded.engine.offload.offloaded_bytes > 0, name
 dist.barrier()
 dist.destroy_process_group()
 """
@@ -145,18 +149,19 @@ def test_offload_on_the_gpu_lowers_the_peak_and_keeps_the_step(dataset: Path, tm
     held, losses = {}, {}
     for n, run in runs.items():
         for _ in range(2):  # the second pass finds the pinned host memory cached
-            sent = run.offload.offloaded_bytes if run.offload else 0
+            sent = run.engine.offload.offloaded_bytes if run.engine.offload else 0
             torch.cuda.synchronize()
             start = torch.cuda.memory_allocated()
-            loss = run._loss(batch)
+            ((input_ids, labels, documents),) = run.engine.batches.prepare([batch])[0].pieces
+            loss = run.engine.model.loss(input_ids, labels, document_ids=documents)
             torch.cuda.synchronize()  # the copies are done: their memory is the allocator's
             torch.empty(1, device="cuda")  # which it takes back at its next allocation
             held[n] = torch.cuda.memory_allocated() - start
-            run.stages.start_backward(True)
+            run.engine.stages.arm_reduction(True)
             loss.backward()
-            run.stages.finish_backward()
+            run.engine.stages.finish_backward()
             losses[n] = loss.item()
-            sent = (run.offload.offloaded_bytes if run.offload else 0) - sent
+            sent = (run.engine.offload.offloaded_bytes if run.engine.offload else 0) - sent
     # What the two offloaded blocks stored left the device during the forward pass.
     assert sent > 0 and held[2] <= held[0] - 0.9 * sent, (held, sent)
     assert losses[2] == losses[0]

@@ -13,8 +13,8 @@ from safetensors import safe_open
 
 from fastllm.checkpoint.distributed import rank_file
 from fastllm.config import ConfigError
+from fastllm.engine.checkpointing import FP8_PREFIX
 from fastllm.model.parameters import meta_of, parameter_metas
-from fastllm.training.state import FP8_PREFIX
 from fastllm_kernels.fp8.amax_history import WEIGHT, AmaxHistories
 from fastllm_kernels.fp8.quantize import E4M3, quantize
 from tests.training.conftest import Launched, Layout
@@ -35,7 +35,9 @@ RECIPES = {
 
 
 def _losses(run, steps: int) -> list[float]:
-    return [run.train_step(batch)["loss"] for batch in itertools.islice(run.data_loader(), steps)]
+    return [
+        run.engine.train_step(batch)["loss"] for batch in itertools.islice(run.data_loader(), steps)
+    ]
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -57,14 +59,14 @@ def test_fp8_weights_are_requantized_after_each_optimizer_step(
         dataset, tmp_path / "run", "training.train_iters=2", *BF16,
         "model.distributed.fp8_linear=rowwise",
     )  # fmt: skip
-    layer = run.model.layers[0].mlp.layer_2
+    layer = run.engine.model.layers[0].mlp.layer_2
     weight, fp8 = layer.weight, meta_of(layer, "weight").recipe.fp8
     micro_batches = next(iter(run.data_loader()))
-    run.forward_backward(micro_batches[0])
+    run.engine.forward_backward([micro_batches[0]])
     first = fp8.rows(weight)
-    run.forward_backward(micro_batches[1])
+    run.engine.forward_backward([micro_batches[1]])
     assert fp8.rows(weight) is first, "one quantization per step, not per micro-batch"
-    run.optimizer_step()
+    run.engine.optimizer_step()
     again = fp8.rows(weight)
     expected = quantize(weight.detach(), E4M3, tensorwise=False, rows=True)
     assert not torch.equal(again.data.float(), first.data.float())
@@ -85,7 +87,7 @@ def test_an_fp8_run_resumes_bit_for_bit(dataset: Path, tmp_path: Path, recipe: s
     resumed = trainer(dataset, tmp_path / "second", *options)
     resumed.load_checkpoint(checkpoint)
     if recipe == "delayed":
-        saved, restored = first.fp8_histories, resumed.fp8_histories
+        saved, restored = first.engine.fp8_histories, resumed.engine.fp8_histories
         assert torch.all(saved.history > 0) and all(restored.primed)
         assert torch.equal(restored.history, saved.history)
         assert torch.equal(restored.current, saved.current)
@@ -112,9 +114,11 @@ def test_delayed_scaling_resumes_histories_from_before_the_weights_and_refuses_o
         first.wait_for_checkpoints()
     resumed = trainer(dataset, tmp_path / "second", *options)
     resumed.load_checkpoint(checkpoint)
-    histories = resumed.fp8_histories
+    histories = resumed.engine.fp8_histories
     assert histories.primed == [True, True, False]
-    assert torch.equal(histories.history[:, :WEIGHT], first.fp8_histories.history[:, :WEIGHT])
+    assert torch.equal(
+        histories.history[:, :WEIGHT], first.engine.fp8_histories.history[:, :WEIGHT]
+    )
     assert not histories.history[:, WEIGHT].any()
     _losses(resumed, 1)
     assert all(histories.primed) and torch.all(histories.history[:, WEIGHT, 0] > 0)
@@ -129,12 +133,12 @@ def test_delayed_scaling_rolls_each_steps_amaxes_into_the_history(
     dataset: Path, tmp_path: Path
 ) -> None:
     run = trainer(dataset, tmp_path, "training.train_iters=3", *BF16, *RECIPES["delayed"])
-    histories = run.fp8_histories
+    histories = run.engine.fp8_histories
     micro_batches = iter(run.data_loader())
-    run.train_step(next(micro_batches))
+    run.engine.train_step(next(micro_batches))
     first = histories.history[:, :, 0].clone()
     assert torch.all(first > 0) and not histories.current.any()
-    run.train_step(next(micro_batches))
+    run.engine.train_step(next(micro_batches))
     assert torch.equal(histories.history[:, :, 1], first)
     assert not torch.equal(histories.history[:, :, 0], first)
 
@@ -148,12 +152,12 @@ def test_fp8_marks_the_block_projections_and_leaves_embedding_and_head_bf16(
     dataset: Path, tmp_path: Path
 ) -> None:
     run = trainer(dataset, tmp_path, *BF16, "model.distributed.fp8_linear=rowwise")
-    metas = parameter_metas(run.model)
+    metas = parameter_metas(run.engine.model)
     marked = {name for name, meta in metas.items() if meta.recipe and meta.recipe.fp8}
     projections = ("query_key_value", "dense", "layer_1", "layer_2")
     expected = {
         f"layers.{i}.{module}.{name}.weight"
-        for i in range(len(run.model.layers))
+        for i in range(len(run.engine.model.layers))
         for module, name in zip(("attention",) * 2 + ("mlp",) * 2, projections, strict=True)
     }
     assert marked == expected

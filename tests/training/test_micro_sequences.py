@@ -1,6 +1,6 @@
 """Micro-sequences (`schedule.micro_batch_splits`) against whole sequences: the same losses and
 accumulated gradients (1e-5 relative), with and without document-masked attention, in one
-process, run by the pipeline runner (breadth-first micro-batches, both orders) and on two
+process, each piece a unit of the runner's program (breadth-first micro-batches, both orders) and on two
 tensor ranks with sequence-tensor parallelism. (With pipeline parallelism:
 tests/training/test_pipeline_parallel.py.)"""
 
@@ -32,12 +32,15 @@ def test_four_pieces_give_the_whole_sequences_loss_and_gradients(
     masked = False
     for micro_batches in itertools.islice(whole.data_loader(), 10):  # until a packed sample
         for batch in micro_batches:
-            masked |= whole._attention_documents(batch) is not None
-            expected, got = whole.forward_backward(batch), pieces.forward_backward(batch)
+            masked |= whole.engine.batches._attention_documents(batch) is not None
+            expected = whole.engine.forward_backward([batch])
+            got = pieces.engine.forward_backward([batch])
             assert got.item() == pytest.approx(expected.item(), rel=1e-5)
-        assert_same_gradients(pieces.stages.dense.buffers.grads, whole.stages.dense.buffers.grads)
-        whole.stages.zero_grad()
-        pieces.stages.zero_grad()
+        assert_same_gradients(
+            pieces.engine.stages.dense.buffers.grads, whole.engine.stages.dense.buffers.grads
+        )
+        whole.engine.stages.zero_grad()
+        pieces.engine.stages.zero_grad()
         if masked or not documents:
             break
     assert masked == documents
@@ -64,23 +67,21 @@ def test_pieces_as_units_of_the_pipeline_schedule_give_the_whole_sequences_gradi
         "schedule.breadth_first_micro_batches=2",
         f"schedule.order={order}",
     )
-    assert pieces.pipeline is not None and pieces.layout.micro_batch_splits == 4
+    assert not pieces.engine.runner.whole and pieces.engine.layout.micro_batch_splits == 4
     masked = False
     for micro_batches in itertools.islice(whole.data_loader(), 10):  # until a packed sample
-        masked = any(whole._attention_documents(batch) is not None for batch in micro_batches)
+        masked = any(
+            whole.engine.batches._attention_documents(batch) is not None for batch in micro_batches
+        )
         if masked:
             break
     assert masked
-    shares = whole.token_shares(micro_batches)
-    expected = sum(
-        share * whole.forward_backward(batch, share)
-        for batch, share in zip(micro_batches, shares, strict=True)
+    expected = whole.engine.forward_backward(micro_batches)  # each micro-batch whole, in turn
+    got = pieces.engine.forward_backward(micro_batches)
+    assert got.item() == pytest.approx(expected.item(), rel=1e-5)
+    assert_same_gradients(
+        pieces.engine.stages.dense.buffers.grads, whole.engine.stages.dense.buffers.grads
     )
-    inputs = [pieces._pieces(batch) for batch in micro_batches]
-    weights = pieces._piece_shares(micro_batches, shares)
-    got = pieces.pipeline.run(inputs, weights, 1.0, pieces._context)
-    assert got.item() == pytest.approx(float(expected), rel=1e-5)
-    assert_same_gradients(pieces.stages.dense.buffers.grads, whole.stages.dense.buffers.grads)
 
 
 TENSOR_SCRIPT = """
@@ -97,21 +98,24 @@ whole = trainer(dataset, experiments / "whole", *options)
 pieces = trainer(dataset, experiments / "pieces", *options, "schedule.micro_batch_splits=4")
 masked = False
 for micro_batches in itertools.islice(whole.data_loader(), 10):  # until a packed sample
-    for batch in micro_batches:
-        masked |= whole._attention_documents(batch) is not None
-        expected, got = whole.forward_backward(batch), pieces.forward_backward(batch)
-        torch.testing.assert_close(got, expected, rtol=1e-5, atol=0)
+    whole.engine.stages.zero_grad()
+    pieces.engine.stages.zero_grad()
+    documents = whole.engine.batches._attention_documents
+    masked = any(documents(batch) is not None for batch in micro_batches)
+    expected = whole.engine.forward_backward(micro_batches)
+    got = pieces.engine.forward_backward(micro_batches)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=0)
     if masked:
         break
 assert masked
-ours_buffers, their_buffers = pieces.stages.dense.buffers, whole.stages.dense.buffers
+for run in (whole, pieces):  # ZeRO-1 sums over the tensor ranks, if no backward pass did
+    run.engine.stages.reduce_gradients()
+ours_buffers, their_buffers = pieces.engine.stages.dense.buffers, whole.engine.stages.dense.buffers
 for index, name in enumerate(their_buffers.names):  # this rank's slices
     ours = ours_buffers.gradients.views[index].clone()
     theirs = their_buffers.gradients.views[index].clone()
-    if their_buffers.metas[name].tensor_reduced(sequence_tensor_parallel=True):
-        # Partial sums over this rank's tokens: of each piece's chunk, or of the whole's.
-        dist.all_reduce(ours)
-        dist.all_reduce(theirs)
+    # (The partial sums over each rank's tokens of the tensor-replicated parameters were
+    # summed over the tensor ranks by the step's reduction, in its last backward pass.)
     error = torch.linalg.vector_norm(ours - theirs)
     assert error <= 1e-5 * torch.linalg.vector_norm(theirs) + 1e-7, (name, float(error))
 dist.barrier()

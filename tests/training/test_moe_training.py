@@ -51,10 +51,10 @@ def test_dropless_trains_like_looped_through_the_trainer(
     # Each run's summed gradients, read as its optimizer step starts.
     gradients: list[list[list[torch.Tensor]]] = [[], []]
     for run, record in zip(runs, gradients, strict=True):
-        monkeypatch.setattr(run, "optimizer_step", _recording(run, record))
+        monkeypatch.setattr(run.engine, "optimizer_step", _recording(run, record))
     for steps in zip(*(itertools.islice(run.data_loader(), steps) for run in runs), strict=True):
         pairs = zip(runs, steps, strict=True)
-        losses = [run.train_step(micro_batches)["loss"] for run, micro_batches in pairs]
+        losses = [run.engine.train_step(micro_batches)["loss"] for run, micro_batches in pairs]
         assert losses[0] == pytest.approx(losses[1], rel=1e-5)
         for ours, theirs in zip(gradients[0][-1], gradients[1][-1], strict=True):
             error = torch.linalg.vector_norm(ours - theirs)
@@ -62,11 +62,13 @@ def test_dropless_trains_like_looped_through_the_trainer(
 
 
 def _recording(run: Any, record: list[list[torch.Tensor]]) -> Callable[[], dict[str, Any]]:
-    """`run.optimizer_step` that first appends copies of the shards' gradients to `record`."""
-    step = run.optimizer_step
+    """`run.engine.optimizer_step` that first appends copies of the shards' gradients to `record`."""
+    step = run.engine.optimizer_step
 
     def recording() -> dict[str, Any]:
-        record.append([shard.grad.clone() for shard in run.stages.dense.buffers.shards.values()])
+        record.append(
+            [shard.grad.clone() for shard in run.engine.stages.dense.buffers.shards.values()]
+        )
         return step()
 
     return recording

@@ -152,12 +152,12 @@ def runner_trace(dataset: Path, directory: Path) -> Script:
         ]
         config = load_config(TrainerConfig, ["examples/tiny.yaml"], overrides)
         trainer = Trainer(config)
-        trainer.pipeline.trace = []
+        trainer.engine.runner.trace = []
         loader = trainer.data_loader()
-        trainer.train_step(next(iter(loader)))
-        rank = trainer.mesh.pipeline.rank
+        trainer.engine.train_step(next(iter(loader)))
+        rank = trainer.engine.mesh.pipeline.rank
         expected = programs_for(config, world_size=4)[rank].ops
-        assert [str(op) for op in trainer.pipeline.trace] == [str(op) for op in expected]
+        assert [str(op) for op in trainer.engine.runner.trace] == [str(op) for op in expected]
         assert any(op.kind == "gather" for op in expected)
         Path({str(directory)!r}, f"rank_{{trainer.distributed.rank}}.ok").touch()
         """

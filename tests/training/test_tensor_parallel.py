@@ -15,12 +15,12 @@ import torch
 from safetensors.torch import load_file
 
 from fastllm.checkpoint.distributed import STATE_KINDS, SavedCheckpoint
+from fastllm.engine.checkpointing import sharded_state
 from fastllm.engine.model_stages import ModelStages
 from fastllm.model import GPTModel
 from fastllm.parallel.dimension import Dimension
 from fastllm.parallel.mesh import ParallelMesh
 from fastllm.parallel.tensor import TensorDimension
-from fastllm.training.state import sharded_state
 from tests.data.conftest import run_cli
 from tests.training.conftest import Launched, Layout, train_arguments
 from tests.training.test_data_parallel import final_weights

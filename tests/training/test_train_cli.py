@@ -233,11 +233,13 @@ def test_a_bfloat16_export_holds_the_fp32_masters(dataset: Path, tmp_path: Path)
     from tests.training.test_training_options import trainer
 
     run = trainer(dataset, tmp_path / "run", "model.distributed.training_dtype=bfloat16")
-    run.train_step(next(iter(run.data_loader())))
-    assert all(shard.master_low is not None for shard in run.stages.dense.buffers.shards.values())
+    run.engine.train_step(next(iter(run.data_loader())))
+    assert all(
+        shard.master_low is not None for shard in run.engine.stages.dense.buffers.shards.values()
+    )
     state.export(run, tmp_path / "export", "distributed")
     exported = dict(fastllm.load_model(tmp_path / "export").named_parameters())
-    buffers = run.stages.dense.buffers
+    buffers = run.engine.stages.dense.buffers
     for index, name in enumerate(buffers.names):
         stage, offset, numel = buffers.layout.parameter(index)
         start, _ = buffers.layout.shard_range(stage, 0)  # one process: the whole stage

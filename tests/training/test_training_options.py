@@ -67,17 +67,19 @@ def test_recomputation_gives_the_same_losses_and_gradients(
     recomputed = trainer(dataset, tmp_path / "b", *options, f"model.multi_stage.recompute={level}")
     # The norms' biases start at zero, where a recomputation that dropped them would pass.
     generator = torch.Generator().manual_seed(0)
-    for name, parameter in plain.model.named_parameters():
+    for name, parameter in plain.engine.model.named_parameters():
         if "norm" in name and name.endswith("bias"):
             values = torch.randn(parameter.shape, generator=generator)
             for run in (plain, recomputed):
-                run.model.get_parameter(name).data.copy_(values)
+                run.engine.model.get_parameter(name).data.copy_(values)
     (batch,) = next(iter(plain.data_loader()))[:1]
-    loss_plain = plain.forward_backward(batch)
-    loss_recomputed = recomputed.forward_backward(batch)
+    loss_plain = plain.engine.forward_backward([batch])
+    loss_recomputed = recomputed.engine.forward_backward([batch])
     assert loss_recomputed.item() == pytest.approx(loss_plain.item(), rel=1e-6)
     for ours, theirs in zip(
-        recomputed.stages.dense.buffers.grads, plain.stages.dense.buffers.grads, strict=True
+        recomputed.engine.stages.dense.buffers.grads,
+        plain.engine.stages.dense.buffers.grads,
+        strict=True,
     ):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
 
@@ -89,14 +91,14 @@ def test_float16_scales_the_loss_and_backs_off_on_overflow(dataset: Path, tmp_pa
         "training.train_iters=3",
         "model.distributed.training_dtype=float16",
     )
-    assert run.scaler.enabled and run.scaler.scale == 2.0**16
+    assert run.engine.scaler.enabled and run.engine.scaler.scale == 2.0**16
     steps = iter(run.data_loader())
-    metrics = run.train_step(next(steps))
-    assert not metrics["skipped"] and run.scaler.scale == 2.0**16
-    run.scaler.scale = 2.0**120  # far beyond float16's range: the gradient overflows
-    metrics = run.train_step(next(steps))
-    assert metrics["skipped"] and run.skipped_steps == 1
-    assert run.scaler.scale == 2.0**119
+    metrics = run.engine.train_step(next(steps))
+    assert not metrics["skipped"] and run.engine.scaler.scale == 2.0**16
+    run.engine.scaler.scale = 2.0**120  # far beyond float16's range: the gradient overflows
+    metrics = run.engine.train_step(next(steps))
+    assert metrics["skipped"] and run.engine.state.skipped_steps == 1
+    assert run.engine.scaler.scale == 2.0**119
 
 
 def test_pretrained_hugging_face_weights_initialize_the_run(dataset: Path, tmp_path: Path) -> None:
@@ -108,7 +110,7 @@ def test_pretrained_hugging_face_weights_initialize_the_run(dataset: Path, tmp_p
     )  # fmt: skip
     ids = torch.randint(0, 512, (1, 11))
     with torch.no_grad():
-        torch.testing.assert_close(run.model(ids), model(ids).logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(run.engine.model(ids), model(ids).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_architecture_comes_from_the_checkpoint_when_the_config_sets_none(tmp_path: Path) -> None:
@@ -165,12 +167,17 @@ def test_attention_keeps_within_documents_only_when_asked_and_when_it_matters(
         for b in step
         if any(len(row.unique()) > 1 for row in b.document_ids)
     )
-    assert crossing._attention_documents(mixed) is None
-    assert torch.equal(within._attention_documents(mixed), mixed.document_ids)
+    assert crossing.engine.batches._attention_documents(mixed) is None
+    assert torch.equal(within.engine.batches._attention_documents(mixed), mixed.document_ids)
     single = Batch(mixed.input_ids, mixed.labels, torch.zeros_like(mixed.document_ids))
-    assert within._attention_documents(single) is None  # plain causal attention is the same
+    assert (
+        within.engine.batches._attention_documents(single) is None
+    )  # plain causal attention is the same
     # The two settings really compute different things on packed samples.
-    assert crossing.forward_backward(mixed).item() != within.forward_backward(mixed).item()
+    assert (
+        crossing.engine.forward_backward([mixed]).item()
+        != within.engine.forward_backward([mixed]).item()
+    )
 
 
 @pytest.mark.parametrize(
@@ -190,14 +197,19 @@ def test_compiled_blocks_give_the_same_losses_and_gradients(
     compiled = trainer(dataset, tmp_path / "b", *options, "training.compile=true")
     for micro_batches in itertools.islice(eager.data_loader(), 2):
         for batch in micro_batches:
-            ours, theirs = compiled.forward_backward(batch), eager.forward_backward(batch)
+            ours, theirs = (
+                compiled.engine.forward_backward([batch]),
+                eager.engine.forward_backward([batch]),
+            )
             assert ours.item() == pytest.approx(theirs.item(), rel=1e-5)
         for ours, theirs in zip(
-            compiled.stages.dense.buffers.grads, eager.stages.dense.buffers.grads, strict=True
+            compiled.engine.stages.dense.buffers.grads,
+            eager.engine.stages.dense.buffers.grads,
+            strict=True,
         ):
             torch.testing.assert_close(ours, theirs, rtol=1e-3, atol=1e-5)
-        compiled.optimizer_step()
-        eager.optimizer_step()
+        compiled.engine.optimizer_step()
+        eager.engine.optimizer_step()
 
 
 @pytest.mark.gpu
@@ -218,16 +230,21 @@ def test_compiled_blocks_match_eager_on_gpu(
     assert eager.distributed.device.type == "cuda"
     for micro_batches in itertools.islice(eager.data_loader(), 2):
         for batch in micro_batches:
-            ours, theirs = compiled.forward_backward(batch), eager.forward_backward(batch)
+            ours, theirs = (
+                compiled.engine.forward_backward([batch]),
+                eager.engine.forward_backward([batch]),
+            )
             assert ours.item() == pytest.approx(theirs.item(), rel=2e-2)
         for ours, theirs in zip(
-            compiled.stages.dense.buffers.grads, eager.stages.dense.buffers.grads, strict=True
+            compiled.engine.stages.dense.buffers.grads,
+            eager.engine.stages.dense.buffers.grads,
+            strict=True,
         ):
             assert torch.linalg.vector_norm(ours - theirs) <= 0.05 * torch.linalg.vector_norm(
                 theirs
             )
-        compiled.optimizer_step()
-        eager.optimizer_step()
+        compiled.engine.optimizer_step()
+        eager.engine.optimizer_step()
 
 
 @pytest.mark.gpu
@@ -248,7 +265,7 @@ def test_storing_elementwise_activations_matches_recomputing_them_and_costs_memo
         (batch,) = next(iter(run.data_loader()))[:1]
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
-        run.forward_backward(batch)
+        run.engine.forward_backward([batch])
         peaks[level], runs[level] = torch.cuda.max_memory_allocated() - before, run
     for ours, theirs in zip(
         runs["none"].stages.dense.buffers.grads,

@@ -1,8 +1,8 @@
 """Summing the gradients over data-parallel ranks into each rank's shard, stage by stage, as
 soon as a stage's backward pass is done, overlapping the backward pass of the stages before it.
 ZeRO-2 and 3 do it in every backward pass (the full gradient of a stage lives only that long);
-ZeRO-1 in the last backward pass of a step, or after it when the step's last micro-batch was
-not announced. With tensor parallelism, the prefix of a stage's gradient that belongs to
+ZeRO-1 in the last backward pass of a step (the step's program arms it), or before the
+optimizer step when no backward pass did. With tensor parallelism, the prefix of a stage's gradient that belongs to
 parameters replicated over tensor ranks is first all-reduced over the tensor group."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ class GradientReducer:
     else into a scratch buffer added to the shard just before the stage that reuses the full
     buffer (stage parity) needs it, or at the end of the pass. ZeRO-1: into a scratch buffer
     copied over the shard's part of the full buffer, only while `armed` (the step's last
-    backward pass). Stages finish in the same order on every rank, so the collectives match."""
+    backward pass: `ModelStages.arm_reduction`). Stages finish in the same order on every rank, so the collectives match."""
 
     def __init__(self, buffers: GroupBuffers) -> None:
         self.buffers = buffers
@@ -53,16 +53,11 @@ class GradientReducer:
         self.reduced = False
         self.armed = self.sharded
 
-    def arm(self, last_micro_batch: bool) -> None:
-        """ZeRO-1: reduce during the coming backward pass if it is the step's last."""
-        if not self.sharded:
-            self.armed = last_micro_batch
-
     def before_accumulate(self, stage: int) -> None:
         if self.reduced:
             raise RuntimeError(
                 "a backward pass after this step's gradients were summed over ranks: only the "
-                "step's last micro-batch may be passed with last=True"
+                "step's last backward pass may reduce them (ZeRO-1)"
             )
         slot = self.buffers.slot(stage)
         pending = self.in_flight.get(slot)

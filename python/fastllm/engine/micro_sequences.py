@@ -1,31 +1,15 @@
 """Micro-sequences: a micro-batch's sequences cut into pieces that run one after another, each
 piece's attention reading the keys and values of the pieces before it (Fast-LLM's
-`micro_batch_splits`). Run whole, the keys and values stay in the autograd graph
-(`KeyValueMemory`), so one backward pass over the pieces' losses reaches the earlier pieces
-through them; run stage by stage by the pipeline runner, each piece is a unit of the schedule
-and its backward pass its own (`StagedKeyValueMemory`)."""
+`micro_batch_splits`; `engine.batch` cuts them). When the step's program has one stage (the
+whole model), the keys and values stay in the autograd graph (`KeyValueMemory`), so one
+backward pass over the pieces' losses reaches the earlier pieces through them; run stage by
+stage, each piece is a unit of the schedule and its backward pass its own
+(`StagedKeyValueMemory`)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
-
-
-def cut_into_pieces(
-    input_ids: Tensor, labels: Tensor, documents: Tensor | None, splits: int
-) -> list[tuple[Tensor, Tensor, Tensor | None]]:
-    """The pieces of a micro-batch (batch, sequence): their token ids and labels, and the
-    document ids from the start of the sequences to the end of each piece (what its keys
-    cover)."""
-    length = input_ids.shape[1] // splits
-    return [
-        (
-            input_ids[:, end - length : end],
-            labels[:, end - length : end],
-            None if documents is None else documents[:, :end],
-        )
-        for end in range(length, input_ids.shape[1] + 1, length)
-    ]
 
 
 class KeyValueMemory:
@@ -50,7 +34,7 @@ class KeyValueMemory:
 
 class StagedKeyValueMemory:
     """The keys and values of a micro-batch's pieces when the pieces run stage by stage
-    (pipeline runner): each stage's backward pass of a piece is its own autograd call, so a
+    (the step runner): each stage's backward pass of a piece is its own autograd call, so a
     later piece reads an earlier piece's keys and values as leaves cut from that piece's
     graph; their gradients, added up over the later pieces' backward passes (which the
     schedule runs first), are what the earlier piece's backward pass starts from at those

@@ -1,4 +1,4 @@
-"""The model's parameters in flat buffers, by stage and by group: what the trainer, the pipeline
+"""The model's parameters in flat buffers, by stage and by group: what the engine, the step
 runner, the optimizer and the checkpoint state use.
 
 The dense parameters form one group, sharded over the data dimension; with expert parallelism
@@ -127,19 +127,15 @@ class ModelStages:
                     group.gatherer.release(stage)
 
     def arm_reduction(self, reduce: bool) -> None:
-        """Whether the coming backward pass of a pipeline step reduces its stage."""
+        """Whether the coming backward pass reduces the gradients of its stages (the step's
+        program says: ZeRO-1 in the step's last, ZeRO-2/3 in each micro-batch's last)."""
         for group in self.groups:
             if group.reducer is not None:
                 group.reducer.armed = reduce
 
-    def start_backward(self, last_micro_batch: bool) -> None:
-        """Before a backward pass: whether it is the step's last, in which ZeRO-1 sums the
-        gradients over ranks while the pass runs (else after it, in `reduce_gradients`)."""
-        for group in self.groups:
-            group.start_backward(last_micro_batch)
-
     def finish_backward(self) -> None:
-        """After each backward pass: reduce the gradients of stages still pending and free the
+        """After a backward pass through the whole model (begun with `arm_reduction`): when
+        reducing, reduce the stages still pending and wait for every reduction; free the
         gathered weights (ZeRO-3)."""
         self.tensor.run_deferred()
         for group in self.groups:

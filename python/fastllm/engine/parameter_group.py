@@ -108,10 +108,6 @@ class ParameterGroup:
         if self.gatherer is not None:
             self.gatherer.ensure(stage)
 
-    def start_backward(self, last_micro_batch: bool) -> None:
-        if self.reducer is not None:
-            self.reducer.arm(last_micro_batch)
-
     def finish_backward(self) -> None:
         if self.reducer is not None:
             self.reducer.flush()

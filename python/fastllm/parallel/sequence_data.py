@@ -10,7 +10,7 @@ its last chunk), and their gradients are reduce-scattered back to the chunks' ow
 backward pass; both collectives run while the queries' part of the work is done. Each of its
 chunks attends to the prefix up to its own end. Everything else (ZeRO, the gradient
 reduction over the data group) sees S more data ranks, whose micro-batches are chunks
-weighted by their trained tokens (Trainer.token_shares).
+weighted by their trained tokens (engine.batch).
 
 The kernels know nothing of this: they only learn that the queries may be the last positions
 of the keys (fastllm_kernels.attention)."""

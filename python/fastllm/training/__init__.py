@@ -1,8 +1,9 @@
-"""Training: the `Trainer` (model on flat buffers, optimizer, data position, checkpoints) and
-its loop, for `fastllm train` and custom loops alike.
+"""Training: the loop around an `Engine` (`engine.build`): data loaders from its data position,
+logging, validation, checkpoint and export cadence, signals; for `fastllm train` and custom
+loops alike.
 
 - `trainer`: the `Trainer` and its loop; `setup`: the config checks that need the file system.
-- `state`: checkpoints, exports and resumption of the trainer's state.
+- `state`: when and where checkpoints and exports are written, and resumption.
 - `metrics`, `metrics_file`: what a run reports, and `metrics.jsonl`; `profiling`:
   `training.profile`.
 - `experiment_lock`: one run per experiment directory.

@@ -3,7 +3,8 @@ stages.
 
 - `schedule`: the static schedule of a step (breadth-first or depth-first order) and each
   rank's `Program` derived from it, checked deadlock-free.
-- `runner`: executes one rank's program: its stages' passes, transfers, ZeRO gathers and
-  reductions.
+- `runner`: `StepRunner`, which runs every step (one stage spanning the whole model without
+  pipelining): one rank's program, its stages' passes, transfers, ZeRO gathers and reductions,
+  and the loss weighted by each piece's share of the batch's trained tokens.
 - `simulator`: `fastllm schedule`, the same programs timed under a cost model.
 """

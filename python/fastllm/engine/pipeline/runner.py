@@ -1,40 +1,44 @@
-"""Runs one rank's `Program` of a training step: its stages' forward and backward passes on
-its micro-batches (or their pieces: `schedule.micro_batch_splits`), the transfers of
-activations and input gradients with the neighbouring pipeline ranks, and the ZeRO gathers
-and reductions the program places.
+"""Runs one rank's `Program` of a training step, every step, one stage or many: its stages'
+forward and backward passes on its micro-batches (or their pieces: `schedule.micro_batch_splits`),
+the transfers of activations and input gradients with the neighbouring pipeline ranks, and the
+ZeRO gathers and reductions the program places. The loss is weighted here and only here: each
+piece's loss times its share of the global batch's trained tokens (`engine.batch`) and the loss
+scale.
 
-Each stage is an autograd graph of its own: its input is a leaf that requires a gradient,
-and its backward pass is `torch.autograd.backward` from the received output gradient (the
-last stage: from its loss, weighted by the micro-batch's share of the batch's tokens and the
-loss scale). A stage's saved activations are dropped as soon as its backward pass is done.
-A piece's attention reads the earlier pieces' keys and values from the micro-batch's
-`StagedKeyValueMemory`, and a stage's backward pass of a piece also starts from the gradients
-the later pieces gave its keys and values.
+Without pipeline parallelism or breadth-first micro-batches, the program has one stage spanning
+the whole model (`whole`): the stages' module hooks drive the ZeRO-3 gathers and the ZeRO-1/2
+weight refreshes, a micro-batch is one autograd graph (its pieces' keys and values in a
+`KeyValueMemory`) and its backward pass runs once, at its first piece's backward op, reducing
+the gradients when the program says so (ZeRO-1: the step's last; ZeRO-2/3: every one).
+
+Otherwise each stage is an autograd graph of its own: its input is a leaf that requires a
+gradient, and its backward pass is `torch.autograd.backward` from the received output gradient
+(the last stage: from its weighted loss). A stage's saved activations are dropped as soon as
+its backward pass is done. A piece's attention reads the earlier pieces' keys and values from
+the micro-batch's `StagedKeyValueMemory`, and a stage's backward pass of a piece also starts
+from the gradients the later pieces gave its keys and values.
 Transfers run in the program's order: blocking receives, sends started asynchronously (one
 at a time in that order, never batched: Gloo-safe) and waited for at the end of the step."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from fastllm.config.layout import StepShape
-from fastllm.engine.micro_sequences import PieceCache, StagedKeyValueMemory
+from fastllm.engine.batch import MicroBatch, Piece
+from fastllm.engine.micro_sequences import KeyValueMemory, StagedKeyValueMemory
 from fastllm.engine.model_stages import ModelStages
 from fastllm.engine.pipeline.schedule import Op, Program, Step, build_programs, dependency
 from fastllm.engine.stages import stages_read
 from fastllm.model.gpt import Context, GPTModel
 from fastllm.parallel import point_to_point
 
-MicroBatch = tuple[Tensor, Tensor, Tensor | None]
-"""Token ids, labels and attention document ids (None: plain causal) of a micro-batch or of
-one piece of it (its document ids then from the start of the sequences), on the device."""
-MakeContext = Callable[[MicroBatch, PieceCache | None], Context]
-"""The context of a micro-batch (or piece, with the cache of its micro-batch's pieces)."""
+Memory = KeyValueMemory | StagedKeyValueMemory
 
 
 @dataclass
@@ -49,7 +53,7 @@ class _Saved:
     """Its blocks' auxiliary losses, weighted (MoE routers)."""
 
 
-class PipelineRunner:
+class StepRunner:
     def __init__(
         self,
         model: GPTModel,
@@ -59,63 +63,92 @@ class PipelineRunner:
         zero_stage: int,
         activation_shape: tuple[int, ...],
     ) -> None:
-        """`activation_shape`: what a stage hands the next one for one micro-batch (batch,
-        sequence on this tensor rank, hidden)."""
+        """`shape`: the step's (one stage for the whole model: `whole`). `activation_shape`:
+        what a stage hands the next one for one micro-batch (batch, sequence on this tensor
+        rank, hidden)."""
         self.model, self.stages, self.shape = model, stages, shape
         self.num_layers = len(model.layers)
         self.pipeline = stages.mesh.pipeline
         self.activation_shape = activation_shape
-        gatherer = stages.dense.gatherer
-        programs = build_programs(
-            shape,
-            zero_stage=zero_stage,
-            gather_weights=gatherer is not None,
-            needs=gatherer.needs if gatherer is not None else None,
-        )
-        self.program: Program = programs[self.pipeline.rank]
+        self.whole = shape.num_stages == 1
+        """One stage spanning the whole model; its gathers and refreshes driven by the stages'
+        module hooks (`ModelStages(gather_in_forward=True)`)."""
+        self.zero_stage = zero_stage
+        self._programs: dict[int, Program] = {}
+        """This rank's program by the number of micro-batches it runs."""
+        self.program = self._program(shape.micro_batches)
+        """The program of a step."""
         self.trace: list[Op] | None = None
         """When a list, every op run is appended to it (tests compare it with the program)."""
 
+    def _program(self, micro_batches: int) -> Program:
+        """This rank's program for `micro_batches` (a multiple of the breadth-first ones)."""
+        program = self._programs.get(micro_batches)
+        if program is None:
+            shape = self.shape
+            if micro_batches % shape.breadth_first:
+                raise ValueError(
+                    f"{micro_batches} micro-batches: a multiple of the {shape.breadth_first} "
+                    "breadth-first ones is needed"
+                )
+            shape = replace(shape, depth_first=micro_batches // shape.breadth_first)
+            gatherer = self.stages.dense.gatherer
+            program = build_programs(
+                shape,
+                zero_stage=self.zero_stage,
+                gather_weights=gatherer is not None and not self.whole,
+                needs=gatherer.needs if gatherer is not None else None,
+            )[self.pipeline.rank]
+            self._programs[micro_batches] = program
+        return program
+
     def _needs(self, stage: int) -> list[int]:
-        """The stages whose weights running `stage` reads."""
+        """The stages whose weights running `stage` reads (none to wait for when `whole`: the
+        module hooks wait)."""
+        if self.whole:
+            return []
         return sorted(stages_read(stage, self.shape.num_stages, self.stages.tied_here))
+
+    def _positions(self, stage: int) -> tuple[int, int]:
+        if self.whole:
+            return 0, self.num_layers + 1
+        return self.stages.stages[stage].positions
 
     def _global(self, pipeline_rank: int) -> int:
         return dist.get_global_rank(self.pipeline.group, pipeline_rank)
 
-    def _context(
-        self,
-        pieces: Sequence[MicroBatch],
-        piece: int,
-        memory: StagedKeyValueMemory | None,
-        make_context: MakeContext,
-    ) -> Context:
-        start = piece * pieces[0][0].shape[1]
-        return make_context(pieces[piece], None if memory is None else memory.piece(piece, start))
+    def _memory(self) -> Memory | None:
+        """A micro-batch's keys and values of its pieces (None without pieces)."""
+        if self.shape.pieces == 1:
+            return None
+        return KeyValueMemory() if self.whole else StagedKeyValueMemory()
 
-    def run(
-        self,
-        micro_batches: Sequence[Sequence[MicroBatch]],
-        weights: Sequence[Sequence[float]],
-        loss_scale: float,
-        make_context: MakeContext,
-    ) -> Tensor:
-        """Run the step's program on the micro-batches, each given as its pieces (one without
-        `schedule.micro_batch_splits`), each piece with its share of the batch's trained
-        tokens; returns this rank's part of the weighted loss (the last stage's losses and
-        every stage's auxiliary losses, each times its piece's weight): summed over the
-        pipeline ranks, the step's loss."""
+    def _context(self, pieces: Sequence[Piece], piece: int, memory: Memory | None) -> Context:
+        input_ids, _, documents = pieces[piece]
+        cache = memory
+        if isinstance(memory, StagedKeyValueMemory):
+            cache = memory.piece(piece, piece * input_ids.shape[1])
+        return self.model.context(input_ids, document_ids=documents, cache=cache)
+
+    def run(self, micro_batches: Sequence[MicroBatch], loss_scale: float) -> Tensor:
+        """Run the program of the micro-batches (a step's, or any multiple of the breadth-first
+        ones: the passes without the optimizer step); returns this rank's part of the
+        weighted loss (the last stage's losses and every stage's auxiliary losses, each times
+        its piece's weight): summed over the pipeline and data ranks, the step's loss."""
         stages, shape = self.stages, self.shape
-        assert len(micro_batches) == shape.micro_batches
-        assert all(len(pieces) == shape.pieces for pieces in micro_batches)
-        memories: dict[int, StagedKeyValueMemory | None] = {}
+        assert all(len(m.pieces) == shape.pieces for m in micro_batches)
+        program = self._program(len(micro_batches))
+        memories: dict[int, Memory | None] = {}
         contexts: dict[tuple[int, int], Context] = {}
         produced: dict[Step, Tensor] = {}
         saved: dict[Step, _Saved] = {}
+        pending: list[_Saved] = []
+        """`whole`: the pieces' forward passes whose backward pass runs at the first piece's."""
         sends: list[point_to_point.Sent] = []
         loss = torch.zeros((), dtype=torch.float32, device=stages.device)
         last = shape.num_stages - 1
-        for op in self.program.ops:
+        first_here = shape.stages_of(self.pipeline.rank)[0]
+        for op in program.ops:
             if self.trace is not None:
                 self.trace.append(op)
             if op.kind == "gather":
@@ -138,40 +171,48 @@ class PipelineRunner:
                 for stage in self._needs(step.stage):
                     stages.wait_for_weights(stage)
                 if m not in memories:
-                    memories[m] = StagedKeyValueMemory() if shape.pieces > 1 else None
+                    memories[m] = self._memory()
                 memory = memories[m]
+                pieces, weights = micro_batches[m].pieces, micro_batches[m].weights
                 if step.forward:
                     if (m, p) not in contexts:
-                        contexts[(m, p)] = self._context(micro_batches[m], p, memory, make_context)
-                    scale = weights[m][p] * loss_scale
+                        contexts[(m, p)] = self._context(pieces, p, memory)
+                    scale = weights[p] * loss_scale
                     saved[step], value = self._forward(
-                        step, micro_batches[m][p], contexts[(m, p)], produced, scale, last
+                        step, pieces[p], contexts[(m, p)], produced, scale, last
                     )
-                    loss += weights[m][p] * value
+                    loss += weights[p] * value
                 else:
                     forward = Step(step.stage, m, True, p)
-                    self._backward(step, saved.pop(forward), produced, op.reduce, memory)
-                    if step.stage == self.shape.stages_of(self.pipeline.rank)[0]:
+                    if self.whole:
+                        pending.append(saved.pop(forward))
+                        if p == 0:
+                            self._backward_whole(pending, op.reduce)
+                            pending = []
+                    else:
+                        self._backward(step, saved.pop(forward), produced, op.reduce, memory)
+                    if step.stage == first_here:
                         contexts.pop((m, p), None)
                         if p == 0:
                             memories.pop(m, None)
         for sent in sends:
             sent.wait()
-        stages.finish_step_backward()
+        if not self.whole:
+            stages.finish_step_backward()
         return loss
 
     def _forward(
         self,
         step: Step,
-        micro_batch: MicroBatch,
+        piece: Piece,
         context: Context,
         produced: dict[Step, Tensor],
         scale: float,
         last: int,
     ) -> tuple[_Saved, Tensor]:
         """The stage's forward pass: what it saves, and its unweighted loss contribution."""
-        input_ids, labels, _ = micro_batch
-        first_position, last_position = self.stages.stages[step.stage].positions
+        input_ids, labels, _ = piece
+        first_position, last_position = self._positions(step.stage)
         leaf = None
         if step.stage == 0:
             x = input_ids
@@ -192,6 +233,19 @@ class PipelineRunner:
             return _Saved(leaf, out * scale, auxiliary), value
         produced[step] = out.detach()
         return _Saved(leaf, out, auxiliary), value
+
+    def _backward_whole(self, forwards: list[_Saved], reduce: bool) -> None:
+        """One micro-batch's backward pass through the whole model, from its pieces' weighted
+        losses; with `reduce`, the gradients are summed over data ranks while it runs. (With
+        pieces, ZeRO-1 sums them at the optimizer step instead: the weights' gradient sinks
+        write once per piece, so a stage's writes cannot tell when it is done.)"""
+        tensors = [saved.output for saved in forwards]
+        tensors += [saved.auxiliary for saved in forwards if saved.auxiliary is not None]
+        if len(forwards) > 1 and self.zero_stage == 1:
+            reduce = False
+        self.stages.arm_reduction(reduce)
+        torch.autograd.backward(tensors)
+        self.stages.finish_backward()
 
     def _backward(
         self,
@@ -225,22 +279,18 @@ class PipelineRunner:
             produced[step] = saved.input.grad
 
     @torch.no_grad()
-    def evaluate(
-        self,
-        micro_batches: Sequence[Sequence[MicroBatch]],
-        weights: Sequence[Sequence[float]],
-        make_context: MakeContext,
-    ) -> Tensor:
+    def evaluate(self, micro_batches: Sequence[MicroBatch]) -> Tensor:
         """Forward passes only (validation): each piece of each micro-batch through the stages
         in turn, its activations handed on by blocking transfers in that one global order.
         Returns this rank's part of the weighted loss, as `run` does."""
         stages, shape = self.stages, self.shape
         last = shape.num_stages - 1
         loss = torch.zeros((), dtype=torch.float32, device=stages.device)
-        for m, pieces in enumerate(micro_batches):
-            memory = StagedKeyValueMemory() if shape.pieces > 1 else None
+        for m, micro_batch in enumerate(micro_batches):
+            pieces, weights = micro_batch.pieces, micro_batch.weights
+            memory = self._memory()
             for p, piece in enumerate(pieces):
-                context = self._context(pieces, p, memory, make_context)
+                context = self._context(pieces, p, memory)
                 produced: dict[Step, Tensor] = {}
                 for stage in range(shape.num_stages):
                     rank, step = shape.rank_of(stage), Step(stage, m, True, p)
@@ -262,6 +312,6 @@ class PipelineRunner:
                     for needed in self._needs(stage):
                         stages.wait_for_weights(needed)
                     _, value = self._forward(step, piece, context, produced, 1.0, last)
-                    loss += weights[m][p] * value
+                    loss += weights[p] * value
                     stages.release_weights()
         return loss
