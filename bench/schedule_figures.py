@@ -2,7 +2,7 @@
 breadth-first, depth-first (looped) and depth-first (one stage per rank) schedules against the
 micro-batches per pipeline, with ZeRO-1 and ZeRO-3, and the timelines of one setting. A CPU
 script (no GPU): the cost model's defaults are the H200's compute rate and one 200 Gb/s link
-per GPU (python/fastllm/engine/pipeline/simulator.py).
+per GPU (python/fastllm/engine/schedule/simulator.py).
 
     python bench/schedule_figures.py --out bench/results/schedule-sim
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 from bench_common import pyplot
 
 from fastllm.config import TrainerConfig, load_config
-from fastllm.engine.pipeline.simulator import VARIANTS, draw, predict
+from fastllm.engine.schedule.simulator import VARIANTS, draw, predict
 
 CONFIG = str(Path(__file__).parent.parent / "examples" / "llama3-8b.yaml")
 WORLD = 32  # pipeline 4 × data 8

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from fastllm.checkpoint.errors import CheckpointWriteError
 from fastllm.config import ConfigError
-from fastllm.engine.pipeline.simulator import EFFECTIVE_TFLOPS, LINK_GBPS
+from fastllm.engine.schedule.simulator import EFFECTIVE_TFLOPS, LINK_GBPS
 
 MODEL_FAMILIES = ("gpt",)
 """Model families a config can describe; `gpt` (decoder-only transformers) is the default."""
@@ -170,7 +170,7 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def _schedule(args: argparse.Namespace) -> None:
-    from fastllm.engine.pipeline.simulator import report
+    from fastllm.engine.schedule.simulator import report
 
     config = _load_trainer_config(args)
     rates = {"tflops": args.tflops, "pipeline_gbps": args.pipeline_gbps}

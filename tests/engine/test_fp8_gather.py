@@ -20,7 +20,7 @@ from fastllm_kernels.fp8.amax_history import WEIGHT
 from fastllm_kernels.fp8.quantize import E4M3, DelayedScale, quantize
 from fastllm.engine.weights_io import full_parameters
 from tests.engine.shards import assert_shard_gradients_double, two_rank_stages
-from tests.engine.test_flat_training import tiny_config
+from tests.engine.test_stage_buffers import tiny_config
 
 distributed = setup_distributed()
 cpu = torch.device("cpu")

@@ -16,7 +16,7 @@ from fastllm.engine.stages import (
     stage_positions,
 )
 from fastllm.model import GPTModel
-from tests.engine.test_flat_training import tiny_config
+from tests.engine.test_stage_buffers import tiny_config
 
 
 @pytest.mark.parametrize(("num_layers", "layers_per_stage"), [(1, 1), (4, 1), (5, 2), (6, 3)])

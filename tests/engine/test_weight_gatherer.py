@@ -11,7 +11,7 @@ import torch
 from fastllm.parallel.process_group import setup_distributed
 from fastllm.model import GPTModel, initialize
 from tests.engine.shards import assert_shard_gradients_double, two_rank_stages
-from tests.engine.test_flat_training import tiny_config
+from tests.engine.test_stage_buffers import tiny_config
 
 distributed = setup_distributed()
 config = tiny_config("model.base_model.transformer.num_layers=4", "model.multi_stage.recompute=none")

@@ -8,7 +8,7 @@ import torch
 
 from fastllm.model import GPTModel, initialize
 from fastllm.model.parameters import parameter_metas
-from tests.engine.test_flat_training import model_stages, tiny_config
+from tests.engine.test_stage_buffers import model_stages, tiny_config
 
 PROJECTIONS = ("attention.query_key_value", "attention.dense", "mlp.layer_1", "mlp.layer_2")
 

@@ -145,7 +145,7 @@ def runner_trace(dataset: Path, directory: Path) -> Script:
         f"""
         from pathlib import Path
         from fastllm.config import TrainerConfig, load_config
-        from fastllm.engine.pipeline.simulator import programs_for
+        from fastllm.engine.schedule.simulator import programs_for
         from fastllm.training.trainer import Trainer
         overrides = {arguments(dataset, directory / "run", *PIPELINE_2)[3:]!r} + [
             "model.multi_stage.zero_stage=3", "schedule.breadth_first_micro_batches=2",

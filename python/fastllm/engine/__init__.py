@@ -19,6 +19,6 @@ model declares its parameters' metadata and calls the autograd collectives of `p
 - `recompute`, `activation_offload`, `compile`, `fp8`: applied to a plain model from the outside.
 - `micro_sequences`: sequences cut into pieces that run one after another.
 - `replicated_check`: the check that tensor-replicated parameters stay identical.
-- `pipeline/`: the static schedule of a step, the runner of every step (one stage for the
+- `schedule/`: the static schedule of a step, the runner of every step (one stage for the
   whole model, or the pipeline's) and the simulator.
 """

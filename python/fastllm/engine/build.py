@@ -20,9 +20,9 @@ from fastllm.engine.engine import Engine
 from fastllm.engine.fp8 import apply_fp8
 from fastllm.engine.model_stages import ModelStages
 from fastllm.engine.optimizer import AdamW
-from fastllm.engine.pipeline.runner import StepRunner
 from fastllm.engine.precision import DTYPES, LossScaler
 from fastllm.engine.recompute import apply_recompute
+from fastllm.engine.schedule.runner import StepRunner
 from fastllm.engine.weights_io import load_full_parameters, whole_shape
 from fastllm.model import GPTModel
 from fastllm.model.init import initializers

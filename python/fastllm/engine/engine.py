@@ -31,9 +31,9 @@ from fastllm.engine.data_parallel import gather_weights
 from fastllm.engine.learning_rate import learning_rate
 from fastllm.engine.model_stages import ModelStages
 from fastllm.engine.optimizer import AdamW
-from fastllm.engine.pipeline.runner import StepRunner
 from fastllm.engine.precision import LossScaler
 from fastllm.engine.replicated_check import check_replicated
+from fastllm.engine.schedule.runner import StepRunner
 from fastllm.engine.weights_io import whole_parameters
 from fastllm.model import GPTModel
 from fastllm.model.mlp import take_expert_load

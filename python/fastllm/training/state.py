@@ -54,8 +54,14 @@ def load_checkpoint(trainer: Trainer, directory: Path, manifest: dict | None = N
 
 def export(trainer: Trainer, directory: Path, output_format: str) -> None:
     """Write the model weights: `distributed` (fp32 shards, every rank), else rank 0 writes the
-    whole model in that format (fastllm or a Hugging Face architecture)."""
-    if directory.exists():
+    whole model in that format (fastllm or a Hugging Face architecture). Nothing when the
+    directory exists (a resumed run's earlier export): rank 0 decides for every rank, since it
+    may have written the directory before another rank looks (which then skipped the export's
+    collectives while rank 0 waited in them)."""
+    exists = [directory.exists()]
+    if trainer.distributed.world_size > 1:
+        dist.broadcast_object_list(exists, src=0)
+    if exists[0]:
         return
     dataset = Path(trainer.config.data.path[0])  # its tokenizer files travel with the weights
     if output_format == "distributed":

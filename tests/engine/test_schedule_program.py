@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from fastllm.config.layout import StepShape
-from fastllm.engine.pipeline.schedule import (
+from fastllm.engine.schedule.program import (
     Op,
     Program,
     ScheduleError,

@@ -33,7 +33,7 @@ from fastllm.config.layout import StepShape
 from fastllm.engine.batch import MicroBatch, Piece
 from fastllm.engine.micro_sequences import KeyValueMemory, StagedKeyValueMemory
 from fastllm.engine.model_stages import ModelStages
-from fastllm.engine.pipeline.schedule import Op, Program, Step, build_programs, dependency
+from fastllm.engine.schedule.program import Op, Program, Step, build_programs, dependency
 from fastllm.engine.stages import stages_read
 from fastllm.model.gpt import Context, GPTModel
 from fastllm.parallel import point_to_point

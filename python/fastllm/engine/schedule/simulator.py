@@ -24,7 +24,7 @@ import msgspec
 from fastllm.config import TrainerConfig
 from fastllm.config.flops import flops_per_token
 from fastllm.config.layout import StepShape, resolve
-from fastllm.engine.pipeline.schedule import Program, Step, build_programs
+from fastllm.engine.schedule.program import Program, Step, build_programs
 from fastllm.engine.stages import stages_read
 
 EFFECTIVE_TFLOPS = 550.0
