@@ -70,7 +70,8 @@ class Engine:
         the pieces and the data-parallel split), learning rate, gradient norm and whether the
         update was skipped."""
         loss = self.forward_backward(micro_batches)
-        return {"loss": loss.item(), **self.optimizer_step()}
+        metrics = self.optimizer_step()  # queued before the loss is read: no wait in between
+        return {"loss": loss.item(), **metrics}
 
     def forward_backward(self, micro_batches: Sequence[Batch]) -> Tensor:
         """The forward and backward passes of `micro_batches` (a step's; any number without
