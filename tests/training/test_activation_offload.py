@@ -168,6 +168,8 @@ def test_offload_on_the_gpu_lowers_the_peak_and_keeps_the_step(dataset: Path, tm
     # cuDNN's attention backward sums in no fixed order: a few near-zero entries of 3 M
     # differed by 2.4e-4 (H200, h200-d5c7238).
     for ours, theirs in zip(
-        runs[2].stages.dense.buffers.grads, runs[0].stages.dense.buffers.grads, strict=True
+        runs[2].engine.stages.dense.buffers.grads,
+        runs[0].engine.stages.dense.buffers.grads,
+        strict=True,
     ):
         torch.testing.assert_close(ours, theirs, rtol=1e-2, atol=1e-3)

@@ -24,7 +24,7 @@ from fastllm.parallel.tensor import TensorDimension
 from tests.data.conftest import run_cli
 from tests.training.conftest import Launched, Layout, train_arguments
 from tests.training.test_data_parallel import final_weights
-from tests.training.test_train_cli import losses
+from tests.training.test_train_cli import assert_two_ranks_match_one_process, losses
 
 STEPS = 10
 COMMON = (
@@ -284,3 +284,14 @@ def test_mixture_of_experts_on_two_tensor_ranks_matches_one_process(
         assert result.returncode == 0, result.stderr
     ours, theirs = (load_file(converted[n] / "model.safetensors") for n in ("tp2", "one"))
     assert_close_weights(ours, theirs)
+
+
+def test_zero2_on_one_data_rank_with_accumulation_reduces_the_tensor_sums_once_per_step(
+    dataset: Path, tmp_path: Path
+) -> None:
+    """Two tensor ranks and one data rank under ZeRO-2 keep ZeRO-1's one reduction per step
+    (the replicated parameters' tensor sums) over accumulated micro-batches (a reduction armed
+    by each micro-batch failed the second)."""
+    overrides = ("model.multi_stage.zero_stage=2", "batch.batch_size=8", "batch.micro_batch_size=2")
+    layout = ("model.distributed.tensor_parallel=2",)
+    assert_two_ranks_match_one_process(dataset, tmp_path, overrides, layout)

@@ -268,8 +268,8 @@ def test_storing_elementwise_activations_matches_recomputing_them_and_costs_memo
         run.engine.forward_backward([batch])
         peaks[level], runs[level] = torch.cuda.max_memory_allocated() - before, run
     for ours, theirs in zip(
-        runs["none"].stages.dense.buffers.grads,
-        runs["elementwise"].stages.dense.buffers.grads,
+        runs["none"].engine.stages.dense.buffers.grads,
+        runs["elementwise"].engine.stages.dense.buffers.grads,
         strict=True,
     ):
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)

@@ -126,12 +126,16 @@ class ModelStages:
                 else:
                     group.gatherer.release(stage)
 
-    def arm_reduction(self, reduce: bool) -> None:
+    def arm_reduction(self, reduce: bool, final: bool | None = None) -> None:
         """Whether the coming backward pass reduces the gradients of its stages (the step's
-        program says: ZeRO-1 in the step's last, ZeRO-2/3 in each micro-batch's last)."""
+        program says: ZeRO-1 in the step's last, ZeRO-2/3 in each micro-batch's last). With
+        `final` (a backward pass through the whole model: whether it is the step's last), a
+        group whose gradients are not sharded reduces only then (ZeRO-1 semantics, which a
+        ZeRO-2/3 run over one data rank of the group has), whatever `reduce` says."""
         for group in self.groups:
-            if group.reducer is not None:
-                group.reducer.armed = reduce
+            reducer = group.reducer
+            if reducer is not None:
+                reducer.armed = reduce if final is None or reducer.sharded else final
 
     def finish_backward(self) -> None:
         """After a backward pass through the whole model (begun with `arm_reduction`): when

@@ -187,7 +187,8 @@ class StepRunner:
                     if self.whole:
                         pending.append(saved.pop(forward))
                         if p == 0:
-                            self._backward_whole(pending, op.reduce)
+                            final = step == program.computes()[-1]
+                            self._backward_whole(pending, op.reduce, final)
                             pending = []
                     else:
                         self._backward(step, saved.pop(forward), produced, op.reduce, memory)
@@ -234,16 +235,20 @@ class StepRunner:
         produced[step] = out.detach()
         return _Saved(leaf, out, auxiliary), value
 
-    def _backward_whole(self, forwards: list[_Saved], reduce: bool) -> None:
+    def _backward_whole(self, forwards: list[_Saved], reduce: bool, final: bool) -> None:
         """One micro-batch's backward pass through the whole model, from its pieces' weighted
-        losses; with `reduce`, the gradients are summed over data ranks while it runs. (With
-        pieces, ZeRO-1 sums them at the optimizer step instead: the weights' gradient sinks
-        write once per piece, so a stage's writes cannot tell when it is done.)"""
+        losses; with `reduce`, the gradients are summed over data ranks while it runs, and in
+        the step's `final` one those of groups whose gradients are not sharded (ZeRO-1, or one
+        data rank of a ZeRO-2/3 run). (With pieces, ZeRO-1 sums them at the optimizer step
+        instead: the weights' gradient sinks write once per piece, so a stage's writes cannot
+        tell when it is done.)"""
         tensors = [saved.output for saved in forwards]
         tensors += [saved.auxiliary for saved in forwards if saved.auxiliary is not None]
-        if len(forwards) > 1 and self.zero_stage == 1:
-            reduce = False
-        self.stages.arm_reduction(reduce)
+        if len(forwards) > 1:
+            final = False
+            if self.zero_stage == 1:
+                reduce = False
+        self.stages.arm_reduction(reduce, final)
         torch.autograd.backward(tensors)
         self.stages.finish_backward()
 
