@@ -42,6 +42,14 @@ def layer_norm_reference(x: Tensor, weight: Tensor, bias: Tensor | None, eps: fl
     return y.to(x.dtype)
 
 
+def norm_reference(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float, rms: bool) -> Tensor:
+    """`rms_norm_reference` (`rms`) or `layer_norm_reference`: the norm a fused projection
+    reads."""
+    if rms:
+        return rms_norm_reference(x, weight, eps)
+    return layer_norm_reference(x, weight, bias, eps)
+
+
 _PROGRAMS_PER_SM = 2
 """Backward programs per multiprocessor: enough rows in flight to hide memory latency, few
 enough that the (programs, n_cols) fp32 partial sums stay small. On the H200 the backward

@@ -19,10 +19,9 @@ from fastllm_kernels._dispatch import as_rows, use_triton
 from fastllm_kernels.fp8.norm_linear import fp8_norm_linear
 from fastllm_kernels.linear import linear, weight_gradient
 from fastllm_kernels.norm import (
-    layer_norm_reference,
     norm_backward,
     norm_forward,
-    rms_norm_reference,
+    norm_reference,
 )
 from fastllm_kernels.recipe import WeightRecipe
 
@@ -60,10 +59,7 @@ def norm_linear_reference(
     bias: Tensor | None = None,
     recipe: WeightRecipe | None = None,
 ) -> Tensor:
-    if rms:
-        normed = rms_norm_reference(x, norm_weight, eps)
-    else:
-        normed = layer_norm_reference(x, norm_weight, norm_bias, eps)
+    normed = norm_reference(x, norm_weight, norm_bias, eps, rms)
     return linear(normed, weight, bias, recipe)
 
 

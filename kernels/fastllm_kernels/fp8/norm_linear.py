@@ -20,10 +20,9 @@ from fastllm_kernels.fp8.linear import (
 from fastllm_kernels.fp8.producers import norm_columns, norm_quantized, producer_quantizes
 from fastllm_kernels.fp8.quantize import Fp8Tensor
 from fastllm_kernels.norm import (
-    layer_norm_reference,
     norm_backward,
     norm_forward,
-    rms_norm_reference,
+    norm_reference,
 )
 from fastllm_kernels.recipe import WeightRecipe
 
@@ -43,10 +42,7 @@ def fp8_norm_linear(
         return _Fp8NormLinearFunction.apply(
             x, norm_weight, norm_bias, eps, rms, weight, bias, recipe
         )
-    if rms:
-        normed = rms_norm_reference(x, norm_weight, eps)
-    else:
-        normed = layer_norm_reference(x, norm_weight, norm_bias, eps)
+    normed = norm_reference(x, norm_weight, norm_bias, eps, rms)
     return fp8_linear(normed, weight, bias, recipe)
 
 
