@@ -21,7 +21,7 @@
 #          bash bench/device_run.sh HASH train-1b
 # Another commit's wheels in the same call (a baseline): WHEELS=DIR (carried, default dist)
 # and SITE=DIR (where they are unpacked, default /tmp/site), with its own HASH and TAG.
-# Parts: tests (GPU tests; the data-parallel ones need 2 GPUs), kernels (kernel timings),
+# Parts: tests (GPU tests; the data-parallel ones need 2 GPUs), mistral (Mistral-7B on one GPU), kernels (kernel timings),
 # sustained (bf16 matmul TFLOP/s, clock and power over a minute of load),
 # prepare (16-core scaling), train-1b | train-3b (train_bench + profile), zero-8b (llama-8b
 # ZeRO-2 and 3 on 2 GPUs), profile-8b (one profiled llama-8b step on 2 GPUs), scale-x2 |
@@ -109,6 +109,13 @@ run_part() {
         --timeout 150 --keep-experiments --work /tmp/profile8b --set training.profile.step=4 \
         --commit "$COMMIT" --out "$RES/profile_8b" 2>&1 | tail -8
       cp /tmp/profile8b/exp_gpus_2/profile/rank_*.txt "$RES/profile_8b/" ;;
+    mistral)
+      # Issue 31: the seed's Mistral-7B geometry trained through `fastllm train -c
+      # examples/mistral-7b.yaml` on one GPU (ZeRO-1, 8 sequences of 4096 accumulated a step);
+      # SET: more overrides (FP8: model.distributed.fp8_linear=tensorwise ...).
+      python3 bench/scale_bench.py --gpus 1 --per-gpu-batch 8 --steps 5 --zero-stage 1 \
+        --kill-at-end --timeout 200 ${SET:+--set $SET} --commit "$COMMIT" \
+        --out "$RES/mistral${TAG:+_$TAG}" 2>&1 | tail -6 ;;
     scale-x2)
       # ZERO: the ZeRO stage (scale_bench's default 2 otherwise).
       python3 bench/scale_bench.py --gpus 1 2 --per-gpu-batch 8 --steps 5 --kill-at-end --timeout 150 \

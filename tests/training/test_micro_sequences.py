@@ -123,10 +123,54 @@ dist.destroy_process_group()
 """
 
 
+DATA_SCRIPT = """
+import itertools
+from pathlib import Path
+import torch
+import torch.distributed as dist
+from tests.training.test_training_options import trainer
+
+dataset, experiments = Path(DATASET), Path(EXPERIMENTS)
+for zero in (1, 2, 3):
+    # Two micro-batches a step per data rank: ZeRO-1 sums in the second one's backward pass,
+    # ZeRO-2/3 in both.
+    options = ("batch.cross_document_attention=false", "batch.batch_size=8",
+               f"model.multi_stage.zero_stage={zero}")
+    whole = trainer(dataset, experiments / f"whole{zero}", *options)
+    pieces = trainer(dataset, experiments / f"pieces{zero}", *options,
+                     "schedule.micro_batch_splits=4")
+    assert pieces.engine.runner.whole and pieces.engine.mesh.data.size == 2
+    micro_batches = next(iter(whole.data_loader()))
+    assert len(micro_batches) == 2
+    expected = whole.engine.forward_backward(micro_batches)
+    got = pieces.engine.forward_backward(micro_batches)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=0)
+    if zero == 1:  # summed in the last backward pass, overlapping it; not at the optimizer step
+        assert pieces.engine.stages.dense.reducer.reduced
+    for run in (whole, pieces):
+        run.engine.stages.reduce_gradients()
+    ours, theirs = pieces.engine.stages.dense.buffers, whole.engine.stages.dense.buffers
+    for stage, shard in theirs.shards.items():  # this rank's share of the summed gradients
+        mine, reference = ours.shards[stage].grad, shard.grad
+        error = torch.linalg.vector_norm(mine - reference)
+        assert error <= 1e-5 * torch.linalg.vector_norm(reference) + 1e-7, (zero, stage, float(error))
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
 def layouts(dataset: Path, one_process: Callable[..., Path], root: Path) -> dict[str, Script]:
-    """TENSOR_SCRIPT (run for the fixture `launched`, see conftest.py)."""
-    script = TENSOR_SCRIPT.replace("DATASET", repr(str(dataset)))
-    return {"tensor": Script(2, script.replace("EXPERIMENTS", repr(str(root / "tensor"))))}
+    """TENSOR_SCRIPT and DATA_SCRIPT (run for the fixture `launched`, see conftest.py)."""
+    scripts = {"tensor": TENSOR_SCRIPT, "data": DATA_SCRIPT}
+    return {
+        name: Script(
+            2,
+            script.replace("DATASET", repr(str(dataset))).replace(
+                "EXPERIMENTS", repr(str(root / name))
+            ),
+        )
+        for name, script in scripts.items()
+    }
 
 
 def test_micro_sequences_with_tensor_and_sequence_parallelism_give_the_same_gradients(
@@ -134,6 +178,16 @@ def test_micro_sequences_with_tensor_and_sequence_parallelism_give_the_same_grad
 ) -> None:
     """On two tensor ranks, whose sequence-parallel chunks of a piece are 6 tokens."""
     result = launched["tensor"].result
+    assert result.returncode == 0, result.stderr
+
+
+def test_micro_sequences_on_two_data_ranks_sum_the_same_gradients_with_each_zero_stage(
+    launched: dict[str, Launched],
+) -> None:
+    """Two data ranks, two micro-batches of four pieces each: the gradients summed into each
+    rank's shard equal the whole sequences' (ZeRO-1 sums them in the step's last backward pass,
+    ZeRO-2/3 in each, while it runs)."""
+    result = launched["data"].result
     assert result.returncode == 0, result.stderr
 
 

@@ -30,8 +30,13 @@ class GradientReducer:
         self.sharded = buffers.shard_gradients
         self.armed = self.sharded
         """Reduce in this backward pass (always with ZeRO-2)."""
+        self.uses = 1
+        """The forward passes the coming backward pass runs back through (a micro-batch's
+        pieces, when it runs whole): a gradient sink writes once per use, autograd once."""
         self.expected = [len(stage.parameters) for stage in buffers.stages]
+        """Per stage, its parameters; it is done once it received `expected * uses` writes."""
         self.received = [0] * len(buffers.stages)
+        """Per stage, the writes of this backward pass, each counted in uses."""
         # What a reduce-scatter writes: two buffers used in turn (`buffers.slot`).
         # (None with one data rank: the tensor all-reduce works in place.)
         shards, device = buffers.shards, buffers.device
@@ -64,10 +69,15 @@ class GradientReducer:
         if self.sharded and pending is not None and pending[1] != stage:
             self._complete(slot)
 
-    def parameter_done(self, stage: int) -> None:
-        self.received[stage] += 1
-        if self.armed and self.received[stage] == self.expected[stage]:
+    def parameter_done(self, stage: int, every_use: bool) -> None:
+        """A gradient of a parameter of `stage` was written: its sum over `every_use` (autograd
+        summed the uses first), or over one use (a gradient sink)."""
+        self.received[stage] += self.uses if every_use else 1
+        if self.armed and self.received[stage] == self._complete_count(stage):
             self._start(stage)
+
+    def _complete_count(self, stage: int) -> int:
+        return self.expected[stage] * self.uses
 
     def flush(self) -> None:
         """End of a backward pass: when armed, reduce the stages still pending (a parameter
@@ -82,7 +92,7 @@ class GradientReducer:
     def stage_done(self, stage: int, reduce: bool) -> None:
         """A pipeline step's backward pass of `stage` is over (run with `armed = reduce`):
         when reducing, start it if some parameter got no gradient; count afresh."""
-        if reduce and self.received[stage] < self.expected[stage]:
+        if reduce and self.received[stage] < self._complete_count(stage):
             self._start(stage)
         elif not reduce:
             self.buffers.gradients.complete(stage)
@@ -104,7 +114,7 @@ class GradientReducer:
 
     def _reduce_remaining(self) -> None:
         for stage in reversed(self.buffers.owned):
-            if self.received[stage] < self.expected[stage]:
+            if self.received[stage] < self._complete_count(stage):
                 self._start(stage)
         for slot in list(self.in_flight):
             self._complete(slot)
@@ -115,7 +125,7 @@ class GradientReducer:
         slot = buffers.slot(stage)
         if slot in self.in_flight:
             self._complete(slot)
-        self.received[stage] = self.expected[stage]
+        self.received[stage] = self._complete_count(stage)
         buffers.gradients.complete(stage)
         grads, reduced_end = buffers.grads[stage], buffers.stages[stage].tensor_reduced_end
         work = None

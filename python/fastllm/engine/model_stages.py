@@ -126,16 +126,19 @@ class ModelStages:
                 else:
                     group.gatherer.release(stage)
 
-    def arm_reduction(self, reduce: bool, final: bool | None = None) -> None:
+    def arm_reduction(self, reduce: bool, final: bool | None = None, uses: int = 1) -> None:
         """Whether the coming backward pass reduces the gradients of its stages (the step's
         program says: ZeRO-1 in the step's last, ZeRO-2/3 in each micro-batch's last). With
         `final` (a backward pass through the whole model: whether it is the step's last), a
         group whose gradients are not sharded reduces only then (ZeRO-1 semantics, which a
-        ZeRO-2/3 run over one data rank of the group has), whatever `reduce` says."""
+        ZeRO-2/3 run over one data rank of the group has), whatever `reduce` says. `uses`: the
+        forward passes it runs back through (a whole micro-batch's pieces), each of which
+        writes the gradients of the weights with a gradient sink once."""
         for group in self.groups:
             reducer = group.reducer
             if reducer is not None:
                 reducer.armed = reduce if final is None or reducer.sharded else final
+                reducer.uses = uses
 
     def finish_backward(self) -> None:
         """After a backward pass through the whole model (begun with `arm_reduction`): when

@@ -66,7 +66,9 @@ class ParameterGroup:
             grad, owner = parameter.grad, group()
             if grad is None or owner is None:  # it went to the parameter's sink, or no group
                 return
-            owner.write_gradient(stage, lambda: owner.buffers.gradients.add(index, grad))
+            owner.write_gradient(
+                stage, lambda: owner.buffers.gradients.add(index, grad), every_use=True
+            )
             parameter.grad = None
 
         return hook
@@ -82,8 +84,11 @@ class ParameterGroup:
         deferred = deferral if split else None
 
         def sink(product: GradientProduct) -> None:
+            def add() -> None:
+                buffers.gradients.add_product(index, product)
+
             def write() -> None:
-                self.write_gradient(stage, lambda: buffers.gradients.add_product(index, product))
+                self.write_gradient(stage, add, every_use=False)
 
             if deferred is not None:
                 deferred.defer(write)
@@ -92,15 +97,16 @@ class ParameterGroup:
 
         return sink
 
-    def write_gradient(self, stage: int, add: Callable[[], None]) -> None:
-        """`add()` puts this backward pass's gradient of a parameter of `stage` into its buffer;
-        with data parallelism, the reducer frees the buffer first and reduces it once the stage
-        is done."""
+    def write_gradient(self, stage: int, add: Callable[[], None], every_use: bool) -> None:
+        """`add()` puts this backward pass's gradient of a parameter of `stage` into its buffer
+        (autograd's: summed over `every_use` of the weight; a gradient sink's: one use's); with
+        data parallelism, the reducer frees the buffer first and reduces it once the stage is
+        done."""
         if self.reducer is not None:
             self.reducer.before_accumulate(stage)
         add()
         if self.reducer is not None:
-            self.reducer.parameter_done(stage)
+            self.reducer.parameter_done(stage, every_use)
 
     def wait_for_weights(self, stage: int) -> None:
         if self.refresh is not None:

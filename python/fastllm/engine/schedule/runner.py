@@ -239,16 +239,10 @@ class StepRunner:
         """One micro-batch's backward pass through the whole model, from its pieces' weighted
         losses; with `reduce`, the gradients are summed over data ranks while it runs, and in
         the step's `final` one those of groups whose gradients are not sharded (ZeRO-1, or one
-        data rank of a ZeRO-2/3 run). (With pieces, ZeRO-1 sums them at the optimizer step
-        instead: the weights' gradient sinks write once per piece, so a stage's writes cannot
-        tell when it is done.)"""
+        data rank of a ZeRO-2/3 run)."""
         tensors = [saved.output for saved in forwards]
         tensors += [saved.auxiliary for saved in forwards if saved.auxiliary is not None]
-        if len(forwards) > 1:
-            final = False
-            if self.zero_stage == 1:
-                reduce = False
-        self.stages.arm_reduction(reduce, final)
+        self.stages.arm_reduction(reduce, final, uses=len(forwards))
         torch.autograd.backward(tensors)
         self.stages.finish_backward()
 
