@@ -6,15 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fastllm.config.layout import num_stages, pipeline_rank_of, pipeline_stages
 from fastllm.engine.model_stages import ModelStages
-from fastllm.engine.stages import (
-    num_stages,
-    pipeline_rank_of,
-    pipeline_stages,
-    slot,
-    stage_of_layer,
-    stage_positions,
-)
+from fastllm.engine.stages import slot, stage_of_layer, stage_positions
 from fastllm.model import GPTModel
 from tests.engine.test_stage_buffers import tiny_config
 

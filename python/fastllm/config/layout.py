@@ -18,6 +18,22 @@ if TYPE_CHECKING:
     from fastllm.config.trainer import TrainerConfig
 
 
+def num_stages(num_layers: int, layers_per_stage: int = 1) -> int:
+    """Stages of `layers_per_stage` blocks (the last may have fewer)."""
+    return max(1, -(-num_layers // layers_per_stage))
+
+
+def pipeline_rank_of(stage: int, pipeline: int) -> int:
+    """The pipeline rank that runs `stage`: stage s on rank s mod pipeline (more stages than
+    ranks: the looped placement)."""
+    return stage % pipeline
+
+
+def pipeline_stages(num_stages: int, pipeline: int, rank: int) -> list[int]:
+    """The stages pipeline rank `rank` runs, in order."""
+    return list(range(rank, num_stages, pipeline))
+
+
 @dataclass(frozen=True)
 class StepShape:
     """The shape of one training step, which the pipeline schedule is built from: stages over
@@ -33,7 +49,7 @@ class StepShape:
     """Pieces of each micro-batch (`schedule.micro_batch_splits`)."""
 
     def rank_of(self, stage: int) -> int:
-        return stage % self.pipeline
+        return pipeline_rank_of(stage, self.pipeline)
 
     @property
     def micro_batches(self) -> int:
@@ -44,7 +60,7 @@ class StepShape:
         return range(depth * self.breadth_first, (depth + 1) * self.breadth_first)
 
     def stages_of(self, rank: int) -> list[int]:
-        return list(range(rank, self.num_stages, self.pipeline))
+        return pipeline_stages(self.num_stages, self.pipeline, rank)
 
 
 @dataclass(frozen=True)
@@ -334,6 +350,8 @@ def resolve(config: TrainerConfig, world_size: int) -> RunLayout:
         micro_batch_splits=splits,
         order=config.schedule.order,
         num_stages=num_stages,
-        stages_per_rank=tuple(len(range(r, num_stages, pipeline)) for r in range(pipeline)),
+        stages_per_rank=tuple(
+            len(pipeline_stages(num_stages, pipeline, r)) for r in range(pipeline)
+        ),
         piece_length=piece,
     )

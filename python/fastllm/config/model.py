@@ -7,6 +7,7 @@ from typing import Literal
 
 import msgspec
 
+from fastllm.config.layout import num_stages
 from fastllm.config.section import ConfigError, Section, check_non_negative, check_positive
 
 
@@ -348,7 +349,7 @@ class MultiStageConfig(Section):
             )
 
     def num_stages(self, num_layers: int) -> int:
-        return max(1, -(-num_layers // self.layers_per_stage))
+        return num_stages(num_layers, self.layers_per_stage)
 
 
 class ModelConfig(Section):

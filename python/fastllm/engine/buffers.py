@@ -25,8 +25,9 @@ import torch
 from torch import Tensor
 
 from fastllm import _native
+from fastllm.config.layout import pipeline_stages
 from fastllm.engine.gradient_buffers import GradientBuffers
-from fastllm.engine.stages import pipeline_stages, slot
+from fastllm.engine.stages import slot
 from fastllm.model.parameters import ParameterMeta
 from fastllm.parallel.dimension import Dimension
 from fastllm.parallel.tensor import TensorDimension

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
+from fastllm.config.layout import num_stages
 from fastllm.engine.buffers import GroupBuffers, StageBuffer
 from fastllm.engine.parameter_group import ParameterGroup
-from fastllm.engine.stages import num_stages, stage_modules, stage_of_layer, stage_positions
+from fastllm.engine.stages import stage_modules, stage_of_layer, stage_positions
 from fastllm.engine.tied_weights import tied_weights
 from fastllm.model import GPTModel
 from fastllm.model.parameters import parameter_metas

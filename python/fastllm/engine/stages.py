@@ -3,21 +3,18 @@ stages' weights running one reads.
 
 A stage is `layers_per_stage` blocks (the embedding joins the first, the final norm and the
 head the last): the unit of buffer layout, of data-parallel communication (one reduce-scatter,
-one ZeRO-3 all-gather) and of pipeline placement, stage s on pipeline rank s mod P (more stages
-than ranks: the looped placement)."""
+one ZeRO-3 all-gather) and of pipeline placement (`config.layout.pipeline_rank_of`)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from fastllm.config.layout import num_stages
+
 if TYPE_CHECKING:  # the arithmetic imports no torch: the pipeline simulator (`fastllm --help`)
     import torch
 
     from fastllm.model import GPTModel
-
-
-def num_stages(num_layers: int, layers_per_stage: int = 1) -> int:
-    return max(1, -(-num_layers // layers_per_stage))
 
 
 def stage_of_layer(layer: int, num_layers: int, layers_per_stage: int = 1) -> int:
@@ -49,16 +46,6 @@ def stage_modules(model: GPTModel, layers_per_stage: int) -> list[list[torch.nn.
             stages.append([])
         stages[stage] += modules
     return stages
-
-
-def pipeline_rank_of(stage: int, pipeline_size: int) -> int:
-    """The pipeline rank that runs `stage`."""
-    return stage % pipeline_size
-
-
-def pipeline_stages(num_stages: int, pipeline_size: int, pipeline_rank: int) -> list[int]:
-    """The stages pipeline rank `pipeline_rank` runs, in order."""
-    return list(range(pipeline_rank, num_stages, pipeline_size))
 
 
 def slot(stage: int, pipeline_size: int) -> int:

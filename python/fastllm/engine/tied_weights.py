@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from fastllm.config.layout import pipeline_rank_of
 from fastllm.engine.buffers import GroupBuffers, set_parameter
-from fastllm.engine.stages import pipeline_rank_of
 from fastllm.parallel import point_to_point
 
 

@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from fastllm.config.layout import pipeline_rank_of
 from fastllm.engine.model_stages import ModelStages
 from fastllm.engine.parameter_group import ParameterGroup
-from fastllm.engine.stages import pipeline_rank_of
 from fastllm.model.parameters import full_shape
 
 
