@@ -1,0 +1,28 @@
+"""An export format that cannot express the model stops `fastllm train` before its first step,
+not at its first export."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tests.data.conftest import run_cli
+from tests.training.conftest import train_arguments
+
+
+def test_train_refuses_an_export_format_the_model_cannot_be_written_in(
+    dataset: Path, tmp_path: Path
+) -> None:
+    experiment = tmp_path / "run"
+    result = run_cli(
+        *train_arguments(
+            dataset, experiment, "training.train_iters=2",
+            "training.export.interval=1", "training.export.format=llama",
+        )
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line == (
+        "fastllm: error: training.export.format: llama cannot express the model: "
+        "model.base_model.transformer.normalization.type is 'layer_norm' (llama has rms_norm)"
+    )
+    assert not experiment.exists(), "refused before the run made its directory"
