@@ -39,6 +39,15 @@ def test_config_validate_summarizes_the_model() -> None:
     assert "8.03B parameters" in result.stdout
 
 
+def test_config_validate_counts_parameters_in_readable_units() -> None:
+    result = fastllm("config", "validate", "-c", "examples/tiny.yaml")
+    assert result.returncode == 0, result.stderr
+    assert ": valid; 3.81M parameters, 4 layers" in result.stdout
+    result = fastllm("config", "validate", "-c", "examples/mixtral-8x7b.yaml")
+    assert result.returncode == 0, result.stderr
+    assert "46.7B parameters (12.9B active per token)" in result.stdout
+
+
 def test_bad_config_exits_2_with_the_key_path_and_no_traceback() -> None:
     result = fastllm(
         "config",

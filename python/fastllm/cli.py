@@ -82,9 +82,9 @@ def _config_validate(args: argparse.Namespace) -> None:
     transformer = base_model.transformer
     source = ", ".join(args.config) or "defaults"
     total, active = base_model.num_parameters(), base_model.num_parameters(active=True)
-    active_part = f" ({active / 1e9:.2f}B active per token)" if active < total else ""
+    active_part = f" ({_count(active)} active per token)" if active < total else ""
     print(
-        f"{source}: valid; {total / 1e9:.2f}B parameters{active_part}, "
+        f"{source}: valid; {_count(total)} parameters{active_part}, "
         f"{transformer.num_layers} layers, hidden {transformer.hidden_size}, "
         f"vocabulary {base_model.vocab_size}"
     )
@@ -94,6 +94,14 @@ def _config_validate(args: argparse.Namespace) -> None:
 
         sizes = {"layout": msgspec.to_builtins(layout)}
         sys.stdout.write(yaml.safe_dump(sizes, sort_keys=False, default_flow_style=None))
+
+
+def _count(number: int) -> str:
+    """A count to three significant digits in the largest unit it reaches: 1.31M, 8.03B."""
+    for unit, size in (("T", 10**12), ("B", 10**9), ("M", 10**6), ("K", 10**3)):
+        if number >= size * 0.9995:  # what rounds up to 1000 of a unit is 1 of the next
+            return f"{number / size:.3g}{unit}"
+    return str(number)
 
 
 def _prepare(args: argparse.Namespace) -> None:

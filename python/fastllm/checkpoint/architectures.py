@@ -1,6 +1,7 @@
-"""The Hugging Face architectures fastllm converts, one entry each: what the architecture can
-express, its config keys beyond the common ones, and its MLP's tensors. `hf_config` and
-`hf_weights` do the common part for all of them."""
+"""The Hugging Face architectures fastllm converts, one entry each: its config keys beyond the
+common ones and its MLP's tensors (what it can express is config-level data,
+`config.formats.EXPRESSIBLE`, so that configs are checked against it when loaded).
+`hf_config` and `hf_weights` do the common part for all of them."""
 
 from __future__ import annotations
 
@@ -12,24 +13,12 @@ from fastllm.checkpoint.hf_rules import Rule, concat, same, stack
 from fastllm.config import BaseModelConfig, ConfigError
 from fastllm.config.formats import HF_ARCHITECTURES
 
-_KEY = "model.base_model.transformer."
-Biases = tuple[bool, bool]
-"""(biases on q/k/v, biases elsewhere)."""
-
 
 @dataclass(frozen=True)
 class Architecture:
     name: str
     """Hugging Face `model_type`."""
     hf_class: str
-    layer_norm: bool
-    """LayerNorm with bias (else RMSNorm)."""
-    gated: bool
-    experts: bool
-    window: bool
-    """Has a sliding-window key."""
-    biases: frozenset[Biases]
-    """The bias placements it can express."""
     from_hf: Callable[[dict[str, Any], dict[str, Any]], None]
     """Adjusts the `transformer` section read from the common keys of its config.json."""
     to_hf: Callable[[BaseModelConfig, dict[str, Any]], None]
@@ -96,10 +85,6 @@ def _mixtral_from_hf(hf: dict[str, Any], transformer: dict[str, Any]) -> None:
 
 def _mixtral_to_hf(config: BaseModelConfig, hf: dict[str, Any]) -> None:
     t = config.transformer
-    if t.num_shared_experts:
-        raise ConfigError(_KEY + "num_shared_experts", "Mixtral has no shared experts")
-    if not t.expert_renormalize:
-        raise ConfigError(_KEY + "expert_renormalize", "Mixtral always renormalizes")
     _window_to_hf(config, hf)
     hf["num_local_experts"] = t.num_experts
     hf["num_experts_per_tok"] = t.num_experts_per_token
@@ -143,10 +128,6 @@ def _qwen2_moe_from_hf(hf: dict[str, Any], transformer: dict[str, Any]) -> None:
 def _qwen2_moe_to_hf(config: BaseModelConfig, hf: dict[str, Any]) -> None:
     t = config.transformer
     assert t.ffn_hidden_size is not None
-    if not t.shared_expert_gate:  # implies num_shared_experts > 0
-        raise ConfigError(
-            _KEY + "shared_expert_gate", "Qwen2-MoE has gated shared experts (true, with some)"
-        )
     _qwen2_to_hf(config, hf)
     hf["qkv_bias"] = t.biases_in_attention_qkv
     hf["moe_intermediate_size"] = t.ffn_hidden_size
@@ -199,19 +180,12 @@ def _starcoder2_mlp(config: BaseModelConfig, ours: str, theirs: str) -> Iterator
         yield same(f"{ours}.layer_2.{name}", f"{theirs}.mlp.c_proj.{name}")
 
 
-_NO_BIASES: frozenset[Biases] = frozenset({(False, False)})
-
 ARCHITECTURES = {
     a.name: a
     for a in (
         Architecture(
             "llama",
             "LlamaForCausalLM",
-            layer_norm=False,
-            gated=True,
-            experts=False,
-            window=False,
-            biases=frozenset({(False, False), (True, True)}),
             from_hf=_llama_from_hf,
             to_hf=_llama_to_hf,
             mlp_rules=_gated_mlp,
@@ -219,11 +193,6 @@ ARCHITECTURES = {
         Architecture(
             "mistral",
             "MistralForCausalLM",
-            layer_norm=False,
-            gated=True,
-            experts=False,
-            window=True,
-            biases=_NO_BIASES,
             from_hf=_window_from_hf,
             to_hf=_window_to_hf,
             mlp_rules=_gated_mlp,
@@ -231,11 +200,6 @@ ARCHITECTURES = {
         Architecture(
             "mixtral",
             "MixtralForCausalLM",
-            layer_norm=False,
-            gated=True,
-            experts=True,
-            window=True,
-            biases=_NO_BIASES,
             from_hf=_mixtral_from_hf,
             to_hf=_mixtral_to_hf,
             mlp_rules=_mixtral_mlp,
@@ -243,11 +207,6 @@ ARCHITECTURES = {
         Architecture(
             "qwen2",
             "Qwen2ForCausalLM",
-            layer_norm=False,
-            gated=True,
-            experts=False,
-            window=True,
-            biases=frozenset({(True, False)}),
             from_hf=_qwen2_from_hf,
             to_hf=_qwen2_to_hf,
             mlp_rules=_gated_mlp,
@@ -255,11 +214,6 @@ ARCHITECTURES = {
         Architecture(
             "qwen2_moe",
             "Qwen2MoeForCausalLM",
-            layer_norm=False,
-            gated=True,
-            experts=True,
-            window=True,
-            biases=frozenset({(True, False), (False, False)}),
             from_hf=_qwen2_moe_from_hf,
             to_hf=_qwen2_moe_to_hf,
             mlp_rules=_qwen2_moe_mlp,
@@ -267,11 +221,6 @@ ARCHITECTURES = {
         Architecture(
             "starcoder2",
             "Starcoder2ForCausalLM",
-            layer_norm=True,
-            gated=False,
-            experts=False,
-            window=True,
-            biases=frozenset({(True, True), (False, False)}),
             from_hf=_starcoder2_from_hf,
             to_hf=_starcoder2_to_hf,
             mlp_rules=_starcoder2_mlp,

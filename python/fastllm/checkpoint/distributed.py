@@ -21,6 +21,7 @@ a parameter whole is its E shares concatenated along the first dimension."""
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -251,6 +252,28 @@ class SavedCheckpoint:
             ]
             shares.append(slices[0] if len(slices) == 1 else split.merge(slices))  # type: ignore[union-attr]
         return shares[0] if len(shares) == 1 else torch.cat(shares)
+
+    def whole_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every parameter's shape whole, from the manifest alone (its tensor slices merged,
+        its expert shares concatenated); `ConfigError` where a slice's shape and its element
+        count disagree."""
+        shapes = {}
+        for name, numel, *_ in self.parameters + self.expert_parameters:
+            if name not in self.shapes:
+                raise ConfigError(str(self.directory / MANIFEST), f"{name}: has no shape")
+            shape = list(self.shapes[name])
+            if math.prod(shape) != numel:
+                raise ConfigError(
+                    str(self.directory / MANIFEST),
+                    f"{name}: shape {tuple(shape)} has {math.prod(shape)} elements, not {numel}",
+                )
+            split = self.splits.get(name)
+            if split is not None:
+                shape[split.dim] *= self.tensor_size
+            if name in self.expert_index:
+                shape[0] *= self.expert_size
+            shapes[name] = tuple(shape)
+        return shapes
 
     def full_tensors(self, kind: str = "master") -> Iterator[tuple[str, Tensor]]:
         for name, *_ in self.parameters + self.expert_parameters:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import torch
 import yaml
 from torch import Tensor
 
@@ -54,48 +55,80 @@ class ModelSource:
     """The verified checkpoint or export of a `distributed` directory."""
 
     def tensors(self) -> Iterator[tuple[str, Tensor]]:
-        if self.distributed is not None:
-            yield from self.distributed.full_tensors()
-            return
+        """Every tensor under fastllm's names. Before any is read, the files' headers (or the
+        manifest) are checked against what the config implies: the same tensors, of the same
+        shapes; `ConfigError` naming the first that is not."""
         if self.loaded is not None:
-            yield from self.loaded.items()
-            return
+            return iter(self.loaded.items())
+        if self.distributed is not None:
+            saved = self.distributed
+            _check_shapes(
+                self.directory / MANIFEST,
+                "the manifest's config",
+                parameter_shapes(self.config),
+                {
+                    name: (shape, self.directory / MANIFEST)
+                    for name, shape in saved.whole_shapes().items()
+                },
+            )
+            return saved.full_tensors()
         reader = SafetensorsReader(self.directory)
         if self.format == "fastllm":
-            names = parameter_names(self.config)
-            _check_names(self.directory, set(reader.keys()), set(names))
-            for name in names:
-                yield name, reader.get(name)
-            return
+            expected = parameter_shapes(self.config)
+            _check_shapes(self.directory, "config.yaml", expected, reader.shapes())
+            return ((name, reader.get(name)) for name in expected)
         model_rules = list(rules(self.config, self.format))
-        needed = {name for rule in model_rules for name in rule.theirs}
-        present = set(reader.keys())
-        if self.config.tie_word_embeddings:
-            present.discard("lm_head.weight")  # some tied checkpoints store the copy anyway
-        _check_names(self.directory, present, needed)
+        ours = parameter_shapes(self.config)
+        expected = {}
         for rule in model_rules:
-            yield rule.ours, rule.join([reader.get(name) for name in rule.theirs])
+            meta = torch.empty(ours[rule.ours], device="meta")
+            for name, piece in zip(rule.theirs, rule.split(meta), strict=True):
+                expected[name] = tuple(piece.shape)
+        found = reader.shapes()
+        if self.config.tie_word_embeddings:
+            found.pop("lm_head.weight", None)  # some tied checkpoints store the copy anyway
+        _check_shapes(self.directory, "config.json", expected, found)
+        return (
+            (rule.ours, rule.join([reader.get(name) for name in rule.theirs]))
+            for rule in model_rules
+        )
 
 
-def parameter_names(config: BaseModelConfig) -> list[str]:
-    """fastllm's tensor names for this config, from the model itself (built without memory)."""
-    import torch
-
+def parameter_shapes(config: BaseModelConfig) -> dict[str, tuple[int, ...]]:
+    """fastllm's tensors for this config and their shapes, from the model itself (built
+    without memory)."""
     from fastllm.model import GPTModel
 
     with torch.device("meta"):
-        return list(GPTModel(config).state_dict())
+        return {name: tuple(t.shape) for name, t in GPTModel(config).state_dict().items()}
 
 
-def _check_names(directory: Path, present: set[str], needed: set[str]) -> None:
-    missing, unexpected = sorted(needed - present), sorted(present - needed)
+def _check_shapes(
+    location: Path,
+    implied_by: str,
+    expected: dict[str, tuple[int, ...]],
+    found: dict[str, tuple[tuple[int, ...], Path]],
+) -> None:
+    """The tensors `found` (shape, file) are those `expected`, with their shapes."""
+    missing, unexpected = (
+        sorted(expected.keys() - found.keys()),
+        sorted(found.keys() - expected.keys()),
+    )
     details = [
         f"{what} tensors {names[:5]}{' …' if len(names) > 5 else ''}"
         for what, names in (("missing", missing), ("unexpected", unexpected))
         if names
     ]
     if details:
-        raise ConfigError(str(directory), "does not match its config: " + "; ".join(details))
+        raise ConfigError(str(location), f"does not match {implied_by}: " + "; ".join(details))
+    wrong = [name for name in expected if found[name][0] != expected[name]]
+    if wrong:
+        name = wrong[0]
+        shape, file = found[name]
+        more = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
+        raise ConfigError(
+            str(file), f"{name}: {implied_by} implies {expected[name]}, file has {shape}{more}"
+        )
 
 
 def open_model(directory: str | Path, expected_format: str | None = None) -> ModelSource:
@@ -150,32 +183,36 @@ def write_model(
     dtype: Any = None,
     shard_bytes: int = 4 * 2**30,
 ) -> None:
-    """Write `source` to the new directory `output` in `output_format`, streaming tensors."""
+    """Write `source` to the new directory `output` in `output_format`, streaming tensors.
+    What can be refused (the format, the source's tensors) is checked before `output` is
+    made."""
+    if output_format != "fastllm" and output_format not in ARCHITECTURES:
+        raise ConfigError("output.format", f"unknown format {output_format!r}")
+    hf_config = None
+    if output_format in ARCHITECTURES:
+        hf_config = to_hf_config(source.config, output_format, source.hf_config)
+        for key, value in special_token_ids(source.directory).items():
+            if hf_config.get(key) is None or key not in (source.hf_config or {}):
+                hf_config[key] = value
+    tensors = source.tensors()
     output.mkdir(parents=True)
-    if output_format == "fastllm":
-        writer = ShardedWriter(output, shard_bytes)
-        for name, tensor in source.tensors():
+    writer = ShardedWriter(output, shard_bytes)
+    if hf_config is None:
+        for name, tensor in tensors:
             writer.add(name, tensor if dtype is None else tensor.to(dtype))
         writer.close()
         section = {"model": {"base_model": msgspec.to_builtins(source.config)}}
         (output / "config.yaml").write_text(yaml.safe_dump(section, sort_keys=False))
         metadata = {"format": "fastllm", "hf_config": source.hf_config}
         (output / "metadata.json").write_text(json.dumps(metadata, indent=2) + "\n")
-    elif output_format in ARCHITECTURES:
-        hf_config = to_hf_config(source.config, output_format, source.hf_config)
-        for key, value in special_token_ids(source.directory).items():
-            if hf_config.get(key) is None or key not in (source.hf_config or {}):
-                hf_config[key] = value
-        writer = ShardedWriter(output, shard_bytes)
+    else:
         by_name = {rule.ours: rule for rule in rules(source.config, output_format)}
-        for name, tensor in source.tensors():
+        for name, tensor in tensors:
             rule = by_name[name]
             for their_name, piece in zip(rule.theirs, rule.split(tensor), strict=True):
                 writer.add(their_name, (piece if dtype is None else piece.to(dtype)).clone())
         writer.close()
         (output / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
-    else:
-        raise ConfigError("output.format", f"unknown format {output_format!r}")
     copy_tokenizer_files(source.directory, output)
 
 

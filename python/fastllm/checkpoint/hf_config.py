@@ -6,6 +6,7 @@ from typing import Any
 
 from fastllm.checkpoint.architectures import ARCHITECTURES
 from fastllm.config import BaseModelConfig, ConfigError, build
+from fastllm.config.formats import inexpressible
 
 _ACTIVATIONS = {
     "silu": "silu",
@@ -84,10 +85,6 @@ def from_hf_config(hf: dict[str, Any]) -> tuple[str, BaseModelConfig]:
 def _rotary_to_hf(config: BaseModelConfig) -> dict[str, Any]:
     rotary = config.transformer.rotary
     kind = getattr(type(rotary).__struct_config__, "tag", None)
-    if kind == "none":
-        raise ConfigError(
-            "model.base_model.transformer.rotary", "Hugging Face models need rotary embeddings"
-        )
     fields: dict[str, Any] = {"rope_theta": rotary.theta}  # type: ignore[attr-defined]
     if kind == "llama3":
         fields["rope_scaling"] = {
@@ -119,11 +116,8 @@ def to_hf_config(
     if architecture not in ARCHITECTURES:
         raise ConfigError("output.format", f"unknown architecture {architecture!r}")
     t = config.transformer
-    path = "model.base_model.transformer"
-    problems = _unsupported(config, architecture)
-    if problems:
-        key, message = problems[0]
-        raise ConfigError(f"{path}.{key}", f"{message}, which {architecture} cannot express")
+    if reason := inexpressible(config, architecture):
+        raise ConfigError("output.format", f"{architecture} cannot express the model: {reason}")
     hf: dict[str, Any] = (
         dict(template or {}) if (template or {}).get("model_type") == architecture else {}
     )
@@ -161,25 +155,3 @@ def _context_length(config: BaseModelConfig) -> int:
     rotary = config.transformer.rotary
     original = getattr(rotary, "original_context_length", None)
     return int(original * rotary.scale_factor) if original else 4096  # type: ignore[attr-defined]
-
-
-def _unsupported(config: BaseModelConfig, architecture: str) -> list[tuple[str, str]]:
-    """(key, problem) for each feature of the model that `architecture` has no field for."""
-    t, target = config.transformer, ARCHITECTURES[architecture]
-    problems: list[tuple[str, str]] = []
-    layer_norm = t.normalization.__struct_config__.tag == "layer_norm"
-    if layer_norm != target.layer_norm:
-        problems.append(
-            ("normalization.type", f"the model uses {t.normalization.__struct_config__.tag}")
-        )
-    if t.gated != target.gated:
-        problems.append(("gated", f"the model's MLP is {'gated' if t.gated else 'not gated'}"))
-    if (t.num_experts > 1) != target.experts:
-        problems.append(("num_experts", f"the model has {t.num_experts} experts"))
-    if t.window_size is not None and not target.window:
-        problems.append(("window_size", "the model uses sliding-window attention"))
-    if (t.biases_in_attention_qkv, t.biases_elsewhere) not in target.biases:
-        problems.append(
-            ("add_linear_biases", f"the model has add_linear_biases={t.add_linear_biases!r}")
-        )
-    return problems

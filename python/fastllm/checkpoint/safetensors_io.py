@@ -55,6 +55,19 @@ class SafetensorsReader:
     def keys(self) -> list[str]:
         return list(self.weight_map)
 
+    def shapes(self) -> dict[str, tuple[tuple[int, ...], Path]]:
+        """Every tensor's shape and file, from the files' headers (no tensor is read)."""
+        held = {file: set(self._handle(file).keys()) for file in set(self.weight_map.values())}
+        found = {}
+        for name, file in self.weight_map.items():
+            if name not in held[file]:
+                raise ConfigError(str(self.directory / file), f"lacks {name}, which {INDEX} lists")
+            found[name] = (
+                tuple(self._handle(file).get_slice(name).get_shape()),
+                self.directory / file,
+            )
+        return found
+
     def get(self, name: str) -> Tensor:
         try:
             file = self.weight_map[name]

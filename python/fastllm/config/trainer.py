@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from fastllm.config.data import DataConfig
-from fastllm.config.formats import ModelFormat
+from fastllm.config.formats import HF_ARCHITECTURES, ModelFormat, inexpressible
 from fastllm.config.layout import check_compatible, check_shape
 from fastllm.config.model import ModelConfig
 from fastllm.config.schedule import ScheduleConfig
@@ -51,6 +51,11 @@ class TrainerConfig(Section):
             raise ConfigError(
                 "model.multi_stage.offload_activations",
                 f"is {offload}, more than the model's {layers} blocks",
+            )
+        export = self.training.export.format
+        if export in HF_ARCHITECTURES and (reason := inexpressible(self.model.base_model, export)):
+            raise ConfigError(
+                "training.export.format", f"{export} cannot express the model: {reason}"
             )
         # What needs no number of ranks is refused here, when the config is loaded.
         check_compatible(self)

@@ -37,6 +37,7 @@ class Trainer:
         self.checkpoints = CheckpointSaver(
             self.distributed.rank, self.distributed.world_size, self.distributed.device
         )
+        self._validation_stream: SampleStream | None = None
 
     @property
     def experiment_dir(self) -> Path:
@@ -88,14 +89,21 @@ class Trainer:
     def validation_loss(self) -> float | None:
         """Mean loss over the trained tokens of `training.validation.iterations` batches of the
         validation data."""
-        data, batch = self.config.data, self.config.batch
-        if not data.validation_path:
+        stream = self.validation_stream()
+        if stream is None:
             return None
-        iterations = self.config.training.validation.iterations
-        stream = self.sample_stream(
-            data.validation_path, iterations * batch.batch_size, "data.validation_path"
-        )
         return self.engine.evaluate([b for step in self._loader(stream) for b in step])
+
+    def validation_stream(self) -> SampleStream | None:
+        """The validation samples, made (and their datasets checked) once; None without
+        validation data."""
+        data, batch = self.config.data, self.config.batch
+        if self._validation_stream is None and data.validation_path:
+            iterations = self.config.training.validation.iterations
+            self._validation_stream = self.sample_stream(
+                data.validation_path, iterations * batch.batch_size, "data.validation_path"
+            )
+        return self._validation_stream
 
     # --- checkpoints --------------------------------------------------------------------------
 
@@ -138,6 +146,8 @@ class Trainer:
         _reset_memory_peak(self.distributed.device)
         if main and resumed is not None:
             print(f"fastllm: resumed from {resumed} (step {run.step})", flush=True)
+        if training.validation.interval:  # its datasets are refused now, not at step N
+            self.validation_stream()
         logger = MetricsLogger(
             experiment,
             total_steps=training.train_iters,

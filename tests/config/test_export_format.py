@@ -1,0 +1,77 @@
+"""A training config whose `training.export.format` cannot express its model is refused when it
+is loaded, not at the first export of the run."""
+
+from __future__ import annotations
+
+import pytest
+
+from fastllm.config import ConfigError, TrainerConfig, load_config
+from tests.conftest import ROOT
+
+MOE = (
+    "model.base_model.transformer.num_experts=4",
+    "model.base_model.transformer.num_experts_per_token=2",
+)
+
+
+@pytest.mark.parametrize(
+    ("example", "overrides", "export", "reason"),
+    [
+        ("mixtral-8x7b", (), "llama", "num_experts is 8 (llama has no experts)"),
+        ("llama3-8b", (), "mixtral", "num_experts is 1 (mixtral has experts)"),
+        ("tiny", (), "mistral", "normalization.type is 'layer_norm' (mistral has rms_norm)"),
+        ("mistral-7b", (), "llama", "window_size is 4096 (llama has no sliding window)"),
+        ("mistral-7b", (), "starcoder2", "normalization.type is 'rms_norm'"),
+        (
+            "llama3-8b",
+            ("model.base_model.transformer.rotary={type: none}",),
+            "llama",
+            "rotary.type",
+        ),
+        (
+            "qwen2-7b",
+            ("model.base_model.transformer.add_linear_biases=true",),
+            "qwen2",
+            "add_linear_biases is True (qwen2 has biases only_attn_qkv)",
+        ),
+        (
+            "mixtral-8x7b",
+            ("model.base_model.transformer.expert_renormalize=false",),
+            "mixtral",
+            "expert_renormalize is False",
+        ),
+        ("mixtral-8x7b", (), "qwen2_moe", "num_shared_experts is 0 (qwen2_moe has shared"),
+        (
+            "llama3-8b",
+            (*MOE, "model.base_model.transformer.num_shared_experts=1"),
+            "qwen2_moe",
+            "shared_expert_gate is False (qwen2_moe has gated shared experts)",
+        ),
+    ],
+)
+def test_an_export_format_that_cannot_express_the_model_is_refused_when_loaded(
+    example: str, overrides: tuple[str, ...], export: str, reason: str
+) -> None:
+    path = ROOT / "examples" / f"{example}.yaml"
+    with pytest.raises(ConfigError) as refused:
+        load_config(TrainerConfig, [path], [*overrides, f"training.export.format={export}"])
+    assert refused.value.path == "training.export.format"
+    assert refused.value.message.startswith(f"{export} cannot express the model: ")
+    assert f"model.base_model.transformer.{reason}" in refused.value.message
+
+
+@pytest.mark.parametrize(
+    ("example", "export"),
+    [
+        ("llama3-8b", "llama"),
+        ("mistral-7b", "mistral"),
+        ("mixtral-8x7b", "mixtral"),
+        ("qwen2-7b", "qwen2"),
+        ("starcoder2-3b", "starcoder2"),
+        ("tiny", "starcoder2"),
+        ("mixtral-8x7b", "fastllm"),
+    ],
+)
+def test_each_example_exports_to_its_own_architecture(example: str, export: str) -> None:
+    path = ROOT / "examples" / f"{example}.yaml"
+    load_config(TrainerConfig, [path], [f"training.export.format={export}"])
