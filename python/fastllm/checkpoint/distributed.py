@@ -32,7 +32,7 @@ from torch import Tensor
 
 from fastllm import _native
 from fastllm.config import BaseModelConfig, ConfigError, build
-from fastllm.model.parameters import TensorSplit
+from fastllm.model.parameters import TensorSplit, full_shape
 
 MANIFEST = "manifest.json"
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
@@ -236,6 +236,20 @@ class SavedCheckpoint:
         flat = torch.empty(numel, dtype=torch.float32)
         self._copy_pieces(name, kind, tensor_rank, expert_rank, 0, numel, flat)
         return flat
+
+    def whole_shape(self, name: str) -> tuple[int, ...]:
+        """The shape of parameter `name` whole (as `whole` gives it), from the manifest."""
+        shape = self.shapes[name]
+        if self.tensor_size > 1:
+            shape = full_shape(shape, self.splits.get(name))
+        if name in self.expert_index:
+            shape = (shape[0] * self.expert_size, *shape[1:])
+        return shape
+
+    def whole_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {
+            name: self.whole_shape(name) for name, *_ in self.parameters + self.expert_parameters
+        }
 
     def whole(self, name: str, kind: str = "master") -> Tensor:
         """Parameter `name` whole, its tensor slices merged (and expert shares

@@ -62,7 +62,7 @@ class ModelSource:
             return
         reader = SafetensorsReader(self.directory)
         if self.format == "fastllm":
-            names = parameter_names(self.config)
+            names = list(parameter_shapes(self.config))
             _check_names(self.directory, set(reader.keys()), set(names))
             for name in names:
                 yield name, reader.get(name)
@@ -77,14 +77,15 @@ class ModelSource:
             yield rule.ours, rule.join([reader.get(name) for name in rule.theirs])
 
 
-def parameter_names(config: BaseModelConfig) -> list[str]:
-    """fastllm's tensor names for this config, from the model itself (built without memory)."""
+def parameter_shapes(config: BaseModelConfig) -> dict[str, tuple[int, ...]]:
+    """fastllm's tensor names for this config and their whole shapes, from the model itself
+    (built without memory)."""
     import torch
 
     from fastllm.model import GPTModel
 
     with torch.device("meta"):
-        return list(GPTModel(config).state_dict())
+        return {name: tuple(t.shape) for name, t in GPTModel(config).state_dict().items()}
 
 
 def _check_names(directory: Path, present: set[str], needed: set[str]) -> None:
