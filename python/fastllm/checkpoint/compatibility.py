@@ -1,10 +1,11 @@
 """Whether saved weights fit the model a run builds, checked before any of them is loaded and
-before the run writes anything: the same tensor names and whole shapes and, for a resume, the
-same architecture (every key of `model.base_model`). A mismatch is a `ConfigError` naming the
-config keys to blame with both values (`model.base_model.transformer.ffn_hidden_size:
-checkpoint 512, config 256`), or, where no key explains it, a tensor and both shapes. Every
-rank checks the same files against the same config, so under torchrun they all refuse
-together, before any collective."""
+before the run writes anything: the same tensor names and whole shapes. A mismatch is a
+`ConfigError` naming the keys of `model.base_model` that shape the tensors differently, each
+with both values (`model.base_model.transformer.ffn_hidden_size: checkpoint 512, config 256`),
+or, where no key explains it, a tensor and both shapes. (Keys that leave the tensors as they
+are, such as the rotary scaling or the window, may change: a resume warns of them with the
+other changed keys.) Every rank checks the same files against the same config, so under
+torchrun they all refuse together, before any collective."""
 
 from __future__ import annotations
 
@@ -24,39 +25,57 @@ Shapes = dict[str, tuple[int, ...]]
 
 
 def check_resume(saved: SavedCheckpoint, config: BaseModelConfig) -> None:
-    """A checkpoint resumes only into the model that wrote it: any changed key of
-    `model.base_model` is refused, then any tensor whose name or whole shape differs."""
-    changes = architecture_changes(_saved_architecture(saved), msgspec.to_builtins(config))
-    if changes:
-        raise _refusal(
-            changes,
-            f"a resume keeps the architecture of {saved.directory}: set it back, or train in "
-            "another run.experiment_dir",
-        )
-    _check_tensors(saved.whole_shapes(), parameter_shapes(config), str(saved.directory))
+    """A checkpoint resumes only into a model of its tensors."""
+    where = str(saved.directory)
+    _check_fits(
+        saved.whole_shapes(),
+        _saved_architecture(saved),
+        config,
+        where,
+        f"a resume keeps the tensors of {where}: set it back, or train in another "
+        "run.experiment_dir",
+    )
 
 
 def pretrained_tensors(
     source: ModelSource, config: BaseModelConfig
 ) -> Iterator[tuple[str, Tensor]]:
-    """The tensors of `source` for a model of `config`, checked first: the architecture may
-    differ where the shapes do not (rotary scaling, window, …); a shape that differs is
-    refused, naming the keys of `model.base_model` that make it differ."""
-    expected = parameter_shapes(config)
+    """The tensors of `source` for a model of `config`, checked first (the manifest's shapes
+    for a `distributed` directory, its config's otherwise), then each as it is read (a file
+    that does not match its own config)."""
     found = (
         source.distributed.whole_shapes()
         if source.distributed is not None
         else parameter_shapes(source.config)
     )
     where = str(source.directory)
-    if found != expected:
-        changes = architecture_changes(
-            msgspec.to_builtins(source.config), msgspec.to_builtins(config)
-        )
-        if blamed := [change for change in changes if _shapes_depend_on(change, config, expected)]:
-            raise _refusal(blamed, f"pretrained.path {where} holds a model of other shapes")
-        _check_tensors(found, expected, where)
+    expected = _check_fits(
+        found,
+        msgspec.to_builtins(source.config),
+        config,
+        where,
+        f"pretrained.path {where} holds tensors of other shapes",
+    )
     return _of_expected_shapes(source.tensors(), expected, where)
+
+
+def _check_fits(
+    found: Shapes, saved: dict[str, Any], config: BaseModelConfig, where: str, what: str
+) -> Shapes:
+    """The tensors of `config`'s model, when they are those `found` in `where`; else the
+    refusal naming the changed keys of the saved architecture `saved` that shape them (all
+    changed keys when no one alone does; `what` says why they cannot change), or the first
+    tensor that differs."""
+    expected = parameter_shapes(config)
+    if found == expected:
+        return expected
+    changes = architecture_changes(saved, msgspec.to_builtins(config))
+    if changes:
+        first, *others = [c for c in changes if _shapes_depend_on(c, config, expected)] or changes
+        also = "".join(f"; {change.describe()}" for change in others)
+        raise ConfigError(first.key, f"{first.values()}{also} ({what})")
+    _check_tensors(found, expected, where)
+    return expected
 
 
 def _saved_architecture(saved: SavedCheckpoint) -> dict[str, Any]:
@@ -69,8 +88,8 @@ def _saved_architecture(saved: SavedCheckpoint) -> dict[str, Any]:
 
 
 def _shapes_depend_on(change: Change, config: BaseModelConfig, expected: Shapes) -> bool:
-    """Whether `config` with the checkpoint's value of this one key has other tensors (a key
-    that makes no valid config alone is not blamed: the tensors are named instead)."""
+    """Whether `config` with the checkpoint's value of this one key has other tensors (not
+    when that makes no valid config: such a key is blamed only with all the others)."""
     raw = msgspec.to_builtins(config)
     *parents, last = parse_key(change.key)[len(ARCHITECTURE.split(".")) :]
     section = raw
@@ -84,12 +103,6 @@ def _shapes_depend_on(change: Change, config: BaseModelConfig, expected: Shapes)
         return parameter_shapes(build(BaseModelConfig, raw)) != expected
     except ConfigError:
         return False
-
-
-def _refusal(changes: list[Change], what: str) -> ConfigError:
-    first, *others = changes
-    also = "".join(f"; {change.describe()}" for change in others)
-    return ConfigError(first.key, f"{first.values()}{also} ({what})")
 
 
 def _check_tensors(found: Shapes, expected: Shapes, where: str) -> None:

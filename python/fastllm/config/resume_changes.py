@@ -1,13 +1,14 @@
 """What a resumed run changed in the config its checkpoint was written with.
 
 A checkpoint's manifest holds the config of the run that wrote it. Its tensors mean nothing in
-another model, so a resume that changes the architecture (any key of `model.base_model`) is
-refused, naming each changed key with both values (`architecture_changes`). Resuming with
-another learning rate, data or seed silently continues a different experiment, so the loader
-warns, in one line, about every other changed key outside those a resume may change: the
-length of the run, logging, checkpoint/export/validation/profiling intervals, where files go,
-and how the work is laid out (tensor, sequence and pipeline parallelism, ZeRO stage, stages,
-recomputation, micro-batches, compilation, prefetch)."""
+a model of other shapes, so a resume that changes a key of `model.base_model` that shapes them
+is refused, naming each such key with both values (`architecture_changes`, checked by
+`checkpoint.compatibility`). Resuming with another learning rate, data, seed or any other key
+of the model silently continues a different experiment, so the loader warns, in one line,
+about every changed key outside those a resume may change: the length of the run, logging,
+checkpoint/export/validation/profiling intervals, where files go, and how the work is laid
+out (tensor, sequence and pipeline parallelism, ZeRO stage, stages, recomputation,
+micro-batches, compilation, prefetch)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from typing import Any
 from fastllm.config.overrides import format_key
 
 ARCHITECTURE = "model.base_model"
-"""The section a checkpoint's tensors are shaped by: no resume changes it."""
+"""The section that describes the model, whose keys shape a checkpoint's tensors."""
 
 MAY_CHANGE_ON_RESUME = (
     "run",
