@@ -43,26 +43,6 @@ MAY_CHANGE_ON_RESUME = (
 """Keys (and sections) a resumed run may set differently without a warning."""
 
 
-def changed_keys(saved: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """The full keys whose values differ between two configs (as `msgspec.to_builtins` gives
-    them), except those under `MAY_CHANGE_ON_RESUME`; a section present in one config only
-    counts as one key."""
-    changes: list[Change] = []
-    _compare(saved, new, [], changes)
-    return sorted(change.key for change in changes if not _may_change(change.key))
-
-
-def resume_warning(saved: dict[str, Any], new: dict[str, Any]) -> str | None:
-    """The one-line warning for a resume whose config differs in keys that may not change."""
-    keys = changed_keys(saved, new)
-    if not keys:
-        return None
-    return (
-        "resuming with a config that differs from the checkpoint's in "
-        f"{', '.join(keys)} (the checkpoint's values are in its manifest.json)"
-    )
-
-
 @dataclass(frozen=True)
 class Change:
     """A key whose value differs; `None` for a side where the key is not set at all."""
@@ -86,6 +66,26 @@ def architecture_changes(saved: dict[str, Any], new: dict[str, Any]) -> list[Cha
     key: list[str | int] = [*ARCHITECTURE.split(".")]
     _compare(saved, new, key, changes)
     return changes
+
+
+def changed_keys(saved: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """The full keys whose values differ between two configs (as `msgspec.to_builtins` gives
+    them), except those under `MAY_CHANGE_ON_RESUME`; a section present in one config only
+    counts as one key."""
+    changes: list[Change] = []
+    _compare(saved, new, [], changes)
+    return sorted(change.key for change in changes if not _may_change(change.key))
+
+
+def resume_warning(saved: dict[str, Any], new: dict[str, Any]) -> str | None:
+    """The one-line warning for a resume whose config differs in keys that may not change."""
+    keys = changed_keys(saved, new)
+    if not keys:
+        return None
+    return (
+        "resuming with a config that differs from the checkpoint's in "
+        f"{', '.join(keys)} (the checkpoint's values are in its manifest.json)"
+    )
 
 
 def _show(value: Any) -> str:
