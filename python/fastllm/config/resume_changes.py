@@ -1,17 +1,25 @@
 """What a resumed run changed in the config its checkpoint was written with.
 
-A checkpoint's manifest holds the config of the run that wrote it. Resuming with another
-learning rate, model, data or seed silently continues a different experiment, so the loader
-warns, in one line, about every changed key outside those a resume may change: the length of
-the run, logging, checkpoint/export/validation/profiling intervals, where files go, and how the
-work is laid out (tensor, sequence and pipeline parallelism, ZeRO stage, stages, recomputation,
+A checkpoint's manifest holds the config of the run that wrote it. Its tensors mean nothing in
+a model of other shapes, so a resume that changes a key of `model.base_model` that shapes them
+is refused, naming each such key with both values (`architecture_changes`, checked by
+`checkpoint.compatibility`). Resuming with another learning rate, data, seed or any other key
+of the model silently continues a different experiment, so the loader warns, in one line,
+about every changed key outside those a resume may change: the length of the run, logging,
+checkpoint/export/validation/profiling intervals, where files go, and how the work is laid
+out (tensor, sequence and pipeline parallelism, ZeRO stage, stages, recomputation,
 micro-batches, compilation, prefetch)."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from typing import Any
 
 from fastllm.config.overrides import format_key
+
+ARCHITECTURE = "model.base_model"
+"""The section that describes the model, whose keys shape a checkpoint's tensors."""
 
 MAY_CHANGE_ON_RESUME = (
     "run",
@@ -35,13 +43,38 @@ MAY_CHANGE_ON_RESUME = (
 """Keys (and sections) a resumed run may set differently without a warning."""
 
 
+@dataclass(frozen=True)
+class Change:
+    """A key whose value differs; `None` for a side where the key is not set at all."""
+
+    key: str
+    saved: Any
+    new: Any
+
+    def values(self) -> str:
+        return f"checkpoint {_show(self.saved)}, config {_show(self.new)}"
+
+    def describe(self) -> str:
+        return f"{self.key}: {self.values()}"
+
+
+def architecture_changes(saved: dict[str, Any], new: dict[str, Any]) -> list[Change]:
+    """Every key of two `model.base_model` sections (as `msgspec.to_builtins` gives them) whose
+    values differ, by full key, with both values, in the order of the config's fields (a key
+    before those whose defaults derive from it: `hidden_size` before `kv_channels`)."""
+    changes: list[Change] = []
+    key: list[str | int] = [*ARCHITECTURE.split(".")]
+    _compare(saved, new, key, changes)
+    return changes
+
+
 def changed_keys(saved: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """The full keys whose values differ between two configs (as `msgspec.to_builtins` gives
     them), except those under `MAY_CHANGE_ON_RESUME`; a section present in one config only
     counts as one key."""
-    changes: list[str] = []
+    changes: list[Change] = []
     _compare(saved, new, [], changes)
-    return [key for key in changes if not _may_change(key)]
+    return sorted(change.key for change in changes if not _may_change(change.key))
 
 
 def resume_warning(saved: dict[str, Any], new: dict[str, Any]) -> str | None:
@@ -55,15 +88,18 @@ def resume_warning(saved: dict[str, Any], new: dict[str, Any]) -> str | None:
     )
 
 
-def _compare(saved: Any, new: Any, key: list[str | int], changes: list[str]) -> None:
+def _show(value: Any) -> str:
+    if value is None:
+        return "unset"
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _compare(saved: Any, new: Any, key: list[str | int], changes: list[Change]) -> None:
     if isinstance(saved, dict) and isinstance(new, dict):
-        for name in sorted(saved.keys() | new.keys(), key=str):
-            if name not in saved or name not in new:
-                changes.append(format_key([*key, name]))
-            else:
-                _compare(saved[name], new[name], [*key, name], changes)
+        for name in [*saved, *(name for name in new if name not in saved)]:
+            _compare(saved.get(name), new.get(name), [*key, name], changes)
     elif saved != new:
-        changes.append(format_key(key))
+        changes.append(Change(format_key(key), saved, new))
 
 
 def _may_change(key: str) -> bool:

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import torch
 
+from fastllm.checkpoint.compatibility import pretrained_tensors
 from fastllm.checkpoint.formats import open_model
 from fastllm.config import TrainerConfig
 from fastllm.config.layout import RunLayout, StepShape, resolve
@@ -147,7 +148,7 @@ def _initialize_weights(
     pretrained = config.pretrained
     if pretrained is not None:
         source = open_model(pretrained.path, pretrained.format)
-        load_full_parameters(stages, source.tensors())
+        load_full_parameters(stages, pretrained_tensors(source, config.model.base_model))
         return
     # Every rank draws the same full fp32 model from the seed, one whole parameter at a time
     # (so a model only ZeRO-3 fits is never whole), and keeps its slice and shard: every

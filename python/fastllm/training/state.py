@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import torch.distributed as dist
 
+from fastllm.checkpoint.compatibility import check_resume
 from fastllm.checkpoint.distributed import SavedCheckpoint, Snapshot
 from fastllm.checkpoint.errors import CheckpointWriteError
 from fastllm.checkpoint.formats import ModelSource, copy_tokenizer_files, write_model
@@ -37,19 +38,27 @@ def resume(trainer: Trainer) -> Path | None:
     if found is None:
         return None
     directory, manifest, problems = found
+    saved = _checked(trainer, directory, manifest)
     if trainer.distributed.is_main:
         for problem in problems:
             warnings.warn(f"skipping a bad checkpoint: {problem}", stacklevel=2)
         if changed := resume_warning(manifest["config"], msgspec.to_builtins(trainer.config)):
             warnings.warn(changed, stacklevel=2)
-    load_checkpoint(trainer, directory, manifest)
+    checkpointing.load(trainer.engine, saved)
     return directory
 
 
-def load_checkpoint(trainer: Trainer, directory: Path, manifest: dict | None = None) -> None:
-    """Restore the full training state, whatever tensor and data sizes wrote it. `manifest` is
-    given when the checkpoint was just verified."""
-    checkpointing.load(trainer.engine, SavedCheckpoint(directory, manifest))
+def load_checkpoint(trainer: Trainer, directory: Path) -> None:
+    """Restore the full training state, whatever tensor and data sizes wrote it."""
+    checkpointing.load(trainer.engine, _checked(trainer, directory))
+
+
+def _checked(trainer: Trainer, directory: Path, manifest: dict | None = None) -> SavedCheckpoint:
+    """The checkpoint, refused (`ConfigError`, on every rank alike) when it was written by
+    another architecture. `manifest` is given when the checkpoint was just verified."""
+    saved = SavedCheckpoint(directory, manifest)
+    check_resume(saved, trainer.config.model.base_model)
+    return saved
 
 
 def export(trainer: Trainer, directory: Path, output_format: str) -> None:
