@@ -17,7 +17,7 @@ export VIRTUAL_ENV := $(abspath $(VENV))
 RUST_SOURCES := Cargo.toml $(wildcard Cargo.lock) $(shell find rust -name '*.rs' -o -name Cargo.toml)
 WHEEL_PLATFORMS := $(foreach p,manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64,--platform $(p))
 
-.PHONY: setup demo test lint format wheel reference clean
+.PHONY: setup demo test fuzz lint format wheel reference clean
 
 setup: $(VENV)/.fastllm
 
@@ -44,6 +44,10 @@ test: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q
+
+# The property tests (tests/fuzz) with 20 times the examples `make test` draws: minutes, not seconds.
+fuzz: setup
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests/fuzz --hypothesis-profile=fuzz --hypothesis-show-statistics
 
 format: setup
 	cargo fmt --all

@@ -9,11 +9,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from hypothesis import settings
 
 if TYPE_CHECKING:
     from tests.data.conftest import CliResult
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# The property tests (tests/fuzz) draw `max_examples`/100 times the examples each asks for:
+# within about 30 s each on a CI machine under `make test`, 20 times more under `make fuzz`
+# (--hypothesis-profile=fuzz). No example database is written.
+settings.register_profile("bounded", max_examples=100, deadline=None, database=None)
+settings.register_profile("fuzz", max_examples=2000, deadline=None, database=None)
+settings.load_profile("bounded")
 
 
 @pytest.fixture

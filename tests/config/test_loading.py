@@ -240,3 +240,23 @@ def test_non_finite_floats_and_integers_beyond_64_bits_are_rejected_naming_the_k
     assert "finite" in caught.value.message or "64-bit integer" in caught.value.message
     largest = load_config(TrainerConfig, overrides=["model.distributed.seed=9223372036854775807"])
     assert largest.model.distributed.seed == 2**63 - 1
+
+
+def test_a_union_type_that_is_not_a_name_is_refused_naming_the_key() -> None:
+    # Found by tests/fuzz: a list as the type of a tagged union was a TypeError (unhashable).
+    for value in ("[]", "{a: 1}", "3"):
+        with pytest.raises(ConfigError, match="unknown type") as caught:
+            load_config(
+                TrainerConfig, overrides=[f"model.base_model.transformer.rotary.type={value}"]
+            )
+        assert caught.value.path == "model.base_model.transformer.rotary.type"
+
+
+def test_a_control_character_in_yaml_is_refused_in_one_line(tmp_path: Path) -> None:
+    # Found by tests/fuzz: PyYAML's reader error spans two lines.
+    with pytest.raises(ConfigError) as caught:
+        load_config(TrainerConfig, overrides=["run.experiment_dir=\x1f"])
+    assert "\n" not in str(caught.value) and "#x001f" in str(caught.value)
+    with pytest.raises(ConfigError) as caught:
+        load_config(TrainerConfig, [write(tmp_path, "run: {experiment_dir: a\x07}\n")])
+    assert "\n" not in str(caught.value) and caught.value.path.endswith("config.yaml")

@@ -25,10 +25,11 @@ import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
+import msgspec
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from fastllm import _native
@@ -143,46 +144,114 @@ def verified_manifest(directory: Path) -> dict[str, Any]:
         raise ConfigError("", str(error)) from None
 
 
+_Count = Annotated[int, msgspec.Meta(ge=1)]
+_Size = Annotated[int, msgspec.Meta(ge=0)]
+_Spec = tuple[str, _Size, _Size, bool]
+
+
+class _Split(msgspec.Struct, forbid_unknown_fields=True):
+    dim: _Size
+    segments: list[_Size]
+
+
+class _Layout(msgspec.Struct):
+    """The manifest's fields that place the parameters in the rank files, typed. The manifest
+    has no checksum of its own: damage that leaves valid JSON is caught here, or by
+    `_check_layout` against the shapes, or by `_piece` against the rank files."""
+
+    parameters: list[_Spec]
+    shapes: dict[str, list[_Size]]
+    alignment: _Count
+    world_size: _Count
+    config: dict[str, Any]
+    splits: dict[str, _Split | None] = {}
+    tensor_parallel: _Count = 1
+    pipeline_parallel: _Count = 1
+    data_parallel: _Count | None = None
+    expert_parallel: _Count = 1
+    expert_parameters: list[_Spec] = []
+
+
 class SavedCheckpoint:
     """A checkpoint or export on disk, read piece by piece, its files verified first (or given
-    the `manifest` of a verification just done)."""
+    the `manifest` of a verification just done). A manifest that does not describe its files
+    is a `ConfigError` naming it."""
 
     def __init__(self, directory: Path, manifest: dict[str, Any] | None = None) -> None:
         self.directory = directory
         self.manifest = manifest if manifest is not None else verified_manifest(directory)
-        m = self.manifest
-        self.parameters = [tuple(p) for p in m["parameters"]]
-        self.shapes = {name: tuple(shape) for name, shape in m["shapes"].items()}
+        try:
+            m = msgspec.convert(self.manifest, _Layout)
+        except msgspec.ValidationError as error:
+            raise self._bad_manifest(str(error)) from None
+        self.parameters = [tuple(p) for p in m.parameters]
+        self.shapes = {name: tuple(shape) for name, shape in m.shapes.items()}
         self.splits = {
-            name: TensorSplit.from_builtins(raw) for name, raw in m.get("splits", {}).items()
+            name: TensorSplit.from_builtins(msgspec.to_builtins(raw))
+            for name, raw in m.splits.items()
         }
-        self.tensor_size = m.get("tensor_parallel", 1)
-        self.pipeline_size = m.get("pipeline_parallel", 1)
-        self.data_size = m.get("data_parallel", m["world_size"])
-        self.layout = _native.BufferLayout(
-            self.parameters, alignment=m["alignment"], data_size=self.data_size
-        )
-        self.index = {p[0]: i for i, p in enumerate(self.parameters)}
-        self.expert_size = m.get("expert_parallel", 1)
-        self.expert_parameters = [tuple(p) for p in m.get("expert_parameters", [])]
-        self.expert_layout = (
-            _native.BufferLayout(
-                self.expert_parameters,
-                alignment=m["alignment"],
-                data_size=self.data_size // self.expert_size,
+        self.tensor_size = m.tensor_parallel
+        self.pipeline_size = m.pipeline_parallel
+        self.data_size = m.world_size if m.data_parallel is None else m.data_parallel
+        self.expert_size = m.expert_parallel
+        self.expert_parameters = [tuple(p) for p in m.expert_parameters]
+        self._check_layout(m.world_size)
+        try:
+            self.layout = _native.BufferLayout(
+                self.parameters, alignment=m.alignment, data_size=self.data_size
             )
-            if self.expert_parameters
-            else None
-        )
+            self.expert_layout = (
+                _native.BufferLayout(
+                    self.expert_parameters,
+                    alignment=m.alignment,
+                    data_size=self.data_size // self.expert_size,
+                )
+                if self.expert_parameters
+                else None
+            )
+        except ValueError as error:
+            raise self._bad_manifest(str(error)) from None
+        self.index = {p[0]: i for i, p in enumerate(self.parameters)}
         self.expert_index = {p[0]: i for i, p in enumerate(self.expert_parameters)}
         self._handles: dict[int, Any] = {}
+
+    def _bad_manifest(self, reason: str) -> ConfigError:
+        return ConfigError(str(self.directory / MANIFEST), f"bad manifest: {reason}")
+
+    def _check_layout(self, world_size: int) -> None:
+        """The sizes multiply to the world size, and every parameter has a shape of its size
+        (and a split that fits it)."""
+        sizes = (self.tensor_size, self.data_size, self.pipeline_size)
+        if math.prod(sizes) != world_size or self.data_size % self.expert_size:
+            raise self._bad_manifest(f"sizes {sizes} and world_size {world_size} disagree")
+        for name, numel, _, _ in self.parameters + self.expert_parameters:
+            shape = self.shapes.get(name)
+            if shape is None or math.prod(shape) != numel:
+                raise self._bad_manifest(f"{name!r} has {numel} elements but shape {shape}")
+            split = self.splits.get(name)
+            if (
+                split is not None
+                and self.tensor_size > 1
+                and not (
+                    split.dim < len(shape)
+                    and all(s % self.tensor_size == 0 for s in split.segments)
+                    and sum(split.segments) == shape[split.dim] * self.tensor_size
+                )
+            ):
+                raise self._bad_manifest(f"{name!r} has shape {shape} but split {split}")
 
     @property
     def counters(self) -> dict[str, Any]:
         return self.manifest
 
     def model_config(self) -> BaseModelConfig:
-        return build(BaseModelConfig, self.manifest["config"]["model"]["base_model"])
+        try:
+            raw = self.manifest["config"]["model"]["base_model"]
+            return build(BaseModelConfig, raw)
+        except (KeyError, TypeError):
+            raise self._bad_manifest("no config.model.base_model") from None
+        except ConfigError as error:
+            raise self._bad_manifest(f"config.model.base_model.{error}") from None
 
     def same_layout(self, state: ShardedState) -> bool:
         """Written by ranks laid out as `state`'s are: its RNG streams apply."""
@@ -196,11 +265,23 @@ class SavedCheckpoint:
 
     def _handle(self, rank: int) -> Any:
         if rank not in self._handles:
-            self._handles[rank] = safe_open(self.directory / rank_file(rank), "pt")
+            path = self.directory / rank_file(rank)
+            try:
+                self._handles[rank] = safe_open(path, "pt")
+            except (OSError, SafetensorError) as error:
+                raise ConfigError(str(path), f"cannot be read ({error})") from None
         return self._handles[rank]
 
     def _piece(self, rank: int, key: str, start: int, end: int) -> Tensor:
-        return self._handle(rank).get_slice(key)[start:end]
+        handle = self._handle(rank)
+        if key not in handle.keys():  # noqa: SIM118
+            raise self._bad_manifest(f"{rank_file(rank)} has no tensor {key!r}")
+        piece = handle.get_slice(key)
+        if len(piece.get_shape()) != 1 or piece.get_shape()[0] < end:
+            raise self._bad_manifest(
+                f"{rank_file(rank)}: {key!r} has shape {piece.get_shape()}, not {end} elements"
+            )
+        return piece[start:end]
 
     def rank_tensor(self, rank: int, key: str) -> Tensor | None:
         """A tensor of rank `rank`'s file outside the flat state (RNG states), if present."""

@@ -53,6 +53,12 @@ def parse_yaml(text: str, source: str) -> Any:
         mark = error.problem_mark or error.context_mark
         where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
         raise ConfigError(where, f"invalid YAML: {error.problem or error.context}") from None
+    except yaml.reader.ReaderError as error:  # its text spans two lines
+        raise ConfigError(
+            source,
+            f"invalid YAML: character #x{error.character:04x} at offset {error.position} "
+            f"({error.reason})",
+        ) from None
     except yaml.YAMLError as error:
         raise ConfigError(source, f"invalid YAML: {error}") from None
 
