@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from fastllm.config.bounds import check_bounds
 from fastllm.config.data import DataConfig
 from fastllm.config.formats import ModelFormat
 from fastllm.config.layout import check_compatible, check_shape
@@ -52,6 +53,7 @@ class TrainerConfig(Section):
                 "model.multi_stage.offload_activations",
                 f"is {offload}, more than the model's {layers} blocks",
             )
+        check_bounds(self)
         # What needs no number of ranks is refused here, when the config is loaded.
         check_compatible(self)
         check_shape(self)
