@@ -145,6 +145,9 @@ def _train(args: argparse.Namespace) -> int | None:
     from fastllm.training import Trainer
 
     stopped = Trainer(config).fit()
+    if stopped is not None:  # torchrun signals the other ranks when one exits: not mid-exit
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
     if dist.is_initialized():
         # No rank tears down the group (rank 0 hosts its store) while another still uses it.
         dist.barrier()
