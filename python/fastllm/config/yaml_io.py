@@ -22,7 +22,7 @@ aliases of aliases (a "billion laughs") would otherwise expand into more than me
 class _ConfigLoader(yaml.SafeLoader):
     """SafeLoader that reads `1e-4` as a float (YAML 1.1 wants `1.0e-4`), rejects duplicate
     keys instead of silently keeping the last one, and refuses input past `MAX_DEPTH` and
-    `MAX_NODES` or an alias inside its own anchor (a cycle)."""
+    `MAX_NODES`."""
 
     yaml_implicit_resolvers: ClassVar = {
         k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()
@@ -40,11 +40,8 @@ class _ConfigLoader(yaml.SafeLoader):
         mark = self.peek_event().start_mark
         if self.check_event(yaml.AliasEvent):
             node = super().compose_node(parent, index)
-            if id(node) not in self._expanded:
-                raise yaml.composer.ComposerError(
-                    None, None, "an alias inside its own anchor (a cycle)", mark
-                )
-            self._count(self._expanded[id(node)], mark)
+            # An alias inside its own anchor (a cycle) counts one: the checks refuse it.
+            self._count(self._expanded.get(id(node), 1), mark)
             return node
         self._depth += 1
         if self._depth > MAX_DEPTH:
