@@ -66,3 +66,20 @@ def test_an_error_quotes_at_most_200_characters_of_a_value() -> None:
     assert "model.base_model.vocab_size: expected int, got str: 'xxx" in result.stderr
     assert "… (100,002 characters)" in result.stderr
     assert len(result.stderr) < 500
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("{[1]: 2}\n", ":1:2: invalid YAML: a key must be a scalar"),
+        ("model: {base_model: {transformer: {rotary: {type: [x]}}}}\n", "unknown type ['x']"),
+        ("\x00\n", "invalid YAML: unacceptable character #x0000: special characters are not"),
+    ],
+)
+def test_odd_yaml_is_refused_in_one_line(tmp_path: Path, text: str, message: str) -> None:
+    path = tmp_path / "odd.yaml"
+    path.write_text(text)
+    result = fastllm("config", "validate", "-c", str(path))
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr

@@ -109,7 +109,7 @@ def _check_variant(
     if tag is None:
         chosen = default if default in variants else variants[0]
         value = {tag_field: _tag(chosen), **value}
-    elif tag not in by_tag:
+    elif not isinstance(tag, str) or tag not in by_tag:
         raise ConfigError(
             format_key([*key, tag_field]),
             f"unknown {tag_field} {brief(tag)}; expected one of {', '.join(map(str, by_tag))}"

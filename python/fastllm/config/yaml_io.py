@@ -65,9 +65,11 @@ class _ConfigLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
         for key_node, _ in node.value:
+            mark = key_node.start_mark
+            if not isinstance(key_node, yaml.ScalarNode):  # a list or mapping as a key
+                raise yaml.constructor.ConstructorError(None, None, "a key must be a scalar", mark)
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
-                mark = key_node.start_mark
                 raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}", mark)
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
@@ -96,7 +98,7 @@ def parse_yaml(text: str, source: str) -> Any:
         where = f"{source}:{mark.line + 1}:{mark.column + 1}" if mark else source
         raise ConfigError(where, f"invalid YAML: {error.problem or error.context}") from None
     except yaml.YAMLError as error:
-        raise ConfigError(source, f"invalid YAML: {error}") from None
+        raise ConfigError(source, f"invalid YAML: {' '.join(str(error).split())}") from None
 
 
 def load_yaml_file(path: str | Path) -> dict[str, Any]:
