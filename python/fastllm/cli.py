@@ -145,7 +145,9 @@ def _train(args: argparse.Namespace) -> int | None:
     from fastllm.training import Trainer
 
     stopped = Trainer(config).fit()
-    if stopped is not None:  # torchrun signals the other ranks when one exits: not mid-exit
+    if stopped is not None:
+        # The code stands: torchrun signals the ranks still running when one exits, which
+        # would otherwise kill them in the teardown below.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
     if dist.is_initialized():
