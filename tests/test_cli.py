@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import errno
 import subprocess
 import sys
 from pathlib import Path
@@ -153,3 +154,45 @@ def test_an_internal_error_keeps_its_traceback(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(cli, "_generate", failing)
     with pytest.raises(RuntimeError, match="a bug"):
         cli.main(["generate", "model", "--prompt", "def"])
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--tflops", "-1", "argument --tflops: must be a number > 0 and ≤ 1e6, got -1"),
+        ("--tflops", "1e300", "argument --tflops: must be a number > 0 and ≤ 1e6, got 1e300"),
+        ("--data-gbps", "0", "argument --data-gbps: must be a number > 0 and ≤ 1e6, got 0"),
+        ("--png", "tiny.yaml/steps.png", "--png: examples/tiny.yaml is not a directory"),
+    ],
+)
+def test_schedule_refuses_a_bad_argument_in_one_line(option: str, value: str, message: str) -> None:
+    value = value.replace("tiny.yaml", "examples/tiny.yaml")
+    result = fastllm("schedule", "-c", "examples/tiny.yaml", "--world-size", "2", option, value)
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("error", "message"),
+    [
+        (
+            OSError(errno.ENOSPC, "No space left on device", "out/x"),
+            "out/x: No space left on device",
+        ),
+        (
+            torch.OutOfMemoryError("CUDA out of memory.\nTried to allocate 2 GiB"),
+            "CUDA out of memory. Tried to allocate 2 GiB",
+        ),
+    ],
+)
+def test_the_machine_failing_exits_1_in_one_line(
+    error: Exception, message: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def failing(_args: object) -> None:
+        raise error
+
+    monkeypatch.setattr(cli, "_generate", failing)
+    result = run_cli("generate", "model", "--prompt", "def")
+    assert result.returncode == 1
+    assert result.stderr == f"fastllm: error: {message}\n"

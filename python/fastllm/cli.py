@@ -1,16 +1,25 @@
 """The `fastllm` command line. Each command parses its arguments here and hands the work to the
-module that owns it; heavy imports happen inside the command, so `fastllm --help` stays instant."""
+module that owns it; heavy imports happen inside the command, so `fastllm --help` stays instant.
+
+Exit codes, all set in `main`: 0 the command finished; 1 the machine could not do it (a file
+it could not write, memory it does not have, a device error), one line; 2 the input is wrong
+(config, option, file), one line naming it; 130 and 143 `train` stopped by SIGINT or SIGTERM
+after writing its checkpoint (the shell's codes for those signals: a script's `train && …`
+stops there); anything else is a bug and keeps its traceback."""
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from fastllm.checkpoint.errors import CheckpointWriteError
-from fastllm.config import ConfigError
+from fastllm.config import ConfigError, MachineError
 from fastllm.engine.schedule.simulator import EFFECTIVE_TFLOPS, LINK_GBPS
+
+EXIT_FINISHED, EXIT_MACHINE, EXIT_INPUT = 0, 1, 2
+"""The codes `main` returns besides 128 + a signal's number."""
 
 MODEL_FAMILIES = ("gpt",)
 """Model families a config can describe; `gpt` (decoder-only transformers) is the default."""
@@ -19,7 +28,7 @@ MODEL_FAMILIES = ("gpt",)
 def _config_command(
     commands: argparse._SubParsersAction,
     name: str,
-    handler: Callable[[argparse.Namespace], None],
+    handler: Callable[[argparse.Namespace], int | None],
     **kwargs: str,
 ) -> argparse.ArgumentParser:
     """A command driven by a config: `-c FILE` (repeatable), then [FAMILY] KEY=VALUE overrides."""
@@ -132,7 +141,7 @@ def _tokenizer_train(args: argparse.Namespace) -> None:
     print(f"{output}/tokenizer.json: byte-level BPE, {config.vocab_size} tokens{skipped}")
 
 
-def _train(args: argparse.Namespace) -> None:
+def _train(args: argparse.Namespace) -> int | None:
     from fastllm.config import TrainerConfig, build, load_raw
     from fastllm.training.setup import check_inputs, with_pretrained_architecture
 
@@ -143,11 +152,17 @@ def _train(args: argparse.Namespace) -> None:
 
     from fastllm.training import Trainer
 
-    Trainer(config).fit()
+    stopped = Trainer(config).fit()
+    if stopped is not None:
+        # The code stands: torchrun signals the ranks still running when one exits, which
+        # would otherwise kill them in the teardown below.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
     if dist.is_initialized():
         # No rank tears down the group (rank 0 hosts its store) while another still uses it.
         dist.barrier()
         dist.destroy_process_group()
+    return None if stopped is None else stopped.exit_code
 
 
 def _convert(args: argparse.Namespace) -> None:
@@ -181,6 +196,8 @@ def _schedule(args: argparse.Namespace) -> None:
     from fastllm.engine.schedule.simulator import report
 
     config = _load_trainer_config(args)
+    if args.png is not None and not args.png.parent.is_dir():
+        raise ConfigError("--png", f"{args.png.parent} is not a directory")
     rates = {"tflops": args.tflops, "pipeline_gbps": args.pipeline_gbps}
     print(report(config, args.world_size, args.png, data_gbps=args.data_gbps, **rates))
 
@@ -192,6 +209,18 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _rate(text: str) -> float:
+    """A compute or bandwidth figure for the cost model: positive, and at most a million
+    (thousands of times an H200's; more rounds the predicted times to 0)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 < value <= 1e6:
+        raise argparse.ArgumentTypeError(f"must be a number > 0 and ≤ 1e6, got {text}")
     return value
 
 
@@ -302,15 +331,21 @@ def build_parser() -> argparse.ArgumentParser:
     schedule.add_argument("--world-size", type=_positive_int, required=True, help="ranks")
     schedule.add_argument(
         "--tflops",
-        type=float,
+        type=_rate,
         default=EFFECTIVE_TFLOPS,
         help="compute per GPU (default: an H200's)",
     )
     schedule.add_argument(
-        "--pipeline-gbps", type=float, default=LINK_GBPS, help="GB/s between pipeline ranks"
+        "--pipeline-gbps",
+        type=_rate,
+        default=LINK_GBPS,
+        help="GB/s between pipeline ranks",
     )
     schedule.add_argument(
-        "--data-gbps", type=float, default=LINK_GBPS, help="bus GB/s of data-parallel collectives"
+        "--data-gbps",
+        type=_rate,
+        default=LINK_GBPS,
+        help="bus GB/s of data-parallel collectives",
     )
     schedule.add_argument("--png", type=Path, default=None, help="draw the timelines here")
 
@@ -345,21 +380,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(strays)}")
     if strays:
         args.arguments += strays
-    # A user error (bad config, input or option) is one line and exit code 2, a checkpoint the
-    # machine could not write (disk full, …) one line and 1, Ctrl-C one line and 130 (the
-    # shell's code for SIGINT); anything else is a bug and keeps its traceback.
     try:
-        args.handler(args)
+        return args.handler(args) or EXIT_FINISHED
     except ConfigError as error:
-        print(f"fastllm: error: {error}", file=sys.stderr)
-        return 2
-    except CheckpointWriteError as error:
-        print(f"fastllm: error: {error}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
+        return _fail(str(error), EXIT_INPUT)
+    except MachineError as error:
+        return _fail(str(error), EXIT_MACHINE)
+    except OSError as error:  # a system call failed: disk full, read-only, I/O error, …
+        where = f"{error.filename}: " if error.filename else ""
+        return _fail(f"{where}{error.strerror or error}", EXIT_MACHINE)
+    except MemoryError:
+        return _fail("out of memory", EXIT_MACHINE)
+    except KeyboardInterrupt:  # Ctrl-C outside training's own handling
         print("fastllm: interrupted", file=sys.stderr)
-        return 130
-    return 0
+        return 128 + signal.SIGINT
+    except Exception as error:
+        if not _device_failure(error):
+            raise
+        return _fail(" ".join(str(error).split())[:500], EXIT_MACHINE)
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"fastllm: error: {message}", file=sys.stderr)
+    return code
+
+
+def _device_failure(error: Exception) -> bool:
+    """An accelerator out of memory or failing (torch's own errors; torch is never imported
+    here, only looked up if a command imported it)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(error, torch.OutOfMemoryError | torch.AcceleratorError)
 
 
 if __name__ == "__main__":

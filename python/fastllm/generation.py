@@ -71,6 +71,8 @@ def _device(name: str | None) -> str:
         raise ConfigError(
             "--device", f"{name!r} is not a torch device (cpu, cuda, cuda:1, …)"
         ) from None
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError("--device", f"{name}: fastllm generates on cpu or cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device", f"{name}: no CUDA GPU is available on this machine")
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():

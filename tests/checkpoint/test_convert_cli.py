@@ -73,7 +73,8 @@ def test_convert_refuses_an_existing_output_and_impossible_targets(tmp_path: Pat
     assert "holds a starcoder2 model, not llama" in result.stderr
 
 
-def test_generate_prints_the_same_completion_as_transformers(tmp_path: Path) -> None:
+def save_model_and_tokenizer(directory: Path) -> tuple[transformers.PreTrainedModel, Tokenizer]:
+    """A small Llama in Hugging Face's format with a byte-level BPE beside it."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     trainer = trainers.BpeTrainer(
@@ -81,8 +82,13 @@ def test_generate_prints_the_same_completion_as_transformers(tmp_path: Path) -> 
     )
     tokenizer.train_from_iterator(["def add(a, b):\n    return a + b\n"] * 20, trainer)
     tokenizer.decoder = __import__("tokenizers").decoders.ByteLevel()
-    model = save_hf_model("llama", tmp_path / "hf", vocab_size=tokenizer.get_vocab_size())
-    tokenizer.save(str(tmp_path / "hf" / "tokenizer.json"))
+    model = save_hf_model("llama", directory, vocab_size=tokenizer.get_vocab_size())
+    tokenizer.save(str(directory / "tokenizer.json"))
+    return model, tokenizer
+
+
+def test_generate_prints_the_same_completion_as_transformers(tmp_path: Path) -> None:
+    model, tokenizer = save_model_and_tokenizer(tmp_path / "hf")
     result = fastllm(
         "generate",
         str(tmp_path / "hf"),
@@ -141,3 +147,11 @@ def test_a_broken_hugging_face_directory_is_one_line_naming_the_file(tmp_path: P
     result = run_cli("generate", str(hf), "--prompt", "a", "--device", "cpu")
     assert result.returncode == 2
     assert f"{hf}: has no tokenizer.json" in result.stderr
+
+
+def test_generate_on_the_meta_device_is_one_line(tmp_path: Path) -> None:
+    save_model_and_tokenizer(tmp_path / "hf")
+    result = run_cli("generate", str(tmp_path / "hf"), "--prompt", "def", "--device", "meta")
+    assert result.returncode == 2
+    assert "--device: meta: fastllm generates on cpu or cuda" in result.stderr
+    assert "Traceback" not in result.stderr

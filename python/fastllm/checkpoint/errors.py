@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from fastllm.config import MachineError
 
-class CheckpointWriteError(Exception):
+
+class CheckpointWriteError(MachineError):
     """A checkpoint or export could not be written (disk full, permissions, any OS error): a
     failure of the machine, not of the input. Its partial directory was removed and the
     committed checkpoints were left as they were."""

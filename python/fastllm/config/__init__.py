@@ -1,7 +1,9 @@
 """fastllm's typed configuration: YAML files plus `a.b.c=value` overrides, checked up front.
 
-- `section`: the base of every section and `ConfigError`; `schema`: a raw mapping made typed
-  and checked; `loading`: files and overrides in, a config out (`overrides`, `yaml_io`).
+- `section`: the base of every section, `ConfigError` and `MachineError`; `schema`: a raw
+  mapping made typed and checked; `loading`: files and overrides in, a config out
+  (`overrides`, `yaml_io`, which bounds a file's nesting and aliases); `bounds`: the sizes a
+  run can hold.
 - `trainer`: the root of a training config, made of `model`, `data`, `training` (run,
   training, batch, optimizer) and `schedule`; `resume_changes`: what a resumed run changed.
 - `prepare`, `convert`: the configs of `fastllm prepare`, `tokenizer train` and `convert`;
@@ -15,7 +17,7 @@ from fastllm.config.data import DataConfig
 from fastllm.config.loading import load_config, load_raw
 from fastllm.config.model import BaseModelConfig, ModelConfig, TransformerConfig
 from fastllm.config.schema import build
-from fastllm.config.section import ConfigError, Section
+from fastllm.config.section import ConfigError, MachineError, Section
 from fastllm.config.trainer import TrainerConfig
 from fastllm.config.yaml_io import dump_yaml
 
@@ -23,6 +25,7 @@ __all__ = [
     "BaseModelConfig",
     "ConfigError",
     "DataConfig",
+    "MachineError",
     "ModelConfig",
     "Section",
     "TrainerConfig",

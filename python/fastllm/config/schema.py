@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from fastllm.config.overrides import format_key, parse_key
-from fastllm.config.section import ConfigError, Section
+from fastllm.config.section import ConfigError, Section, brief
 
 S = TypeVar("S", bound=Section)
 
@@ -68,7 +68,7 @@ def _check(tp: Any, value: Any, key: list[str | int], default: Any = None) -> An
             choices = ", ".join(str(c) for c in literals)
             raise ConfigError(
                 format_key(key),
-                f"invalid value {value!r}; expected one of {choices}"
+                f"invalid value {brief(value)}; expected one of {choices}"
                 + _suggest(value, [c for c in literals if isinstance(c, str)]),
             )
         return value
@@ -112,7 +112,7 @@ def _check_variant(
     elif not isinstance(tag, str) or tag not in by_tag:
         raise ConfigError(
             format_key([*key, tag_field]),
-            f"unknown {tag_field} {tag!r}; expected one of {', '.join(map(str, by_tag))}"
+            f"unknown {tag_field} {brief(tag)}; expected one of {', '.join(map(str, by_tag))}"
             + _suggest(str(tag), map(str, by_tag)),
         )
     else:
@@ -163,7 +163,7 @@ def _explain(error: msgspec.ValidationError, raw: Any) -> ConfigError:
         except (KeyError, IndexError, TypeError):
             return ConfigError(format_key(key), message)
     message = message[0].lower() + message[1:]
-    return ConfigError(format_key(key), f"{message.replace('`', '')}: {value!r}")
+    return ConfigError(format_key(key), f"{message.replace('`', '')}: {brief(value)}")
 
 
 def _validate(config: msgspec.Struct, key: list[str | int]) -> None:

@@ -1,4 +1,5 @@
-"""The base of every config section, and the error every config check raises."""
+"""The base of every config section, the error every config check raises, and the error of a
+machine that cannot do what a valid input asks (the command line's exit codes 2 and 1)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,26 @@ class ConfigError(ValueError):
     or a file location (`run.yaml:12:3`) for a file that could not be read."""
 
     def __init__(self, path: str, message: str) -> None:
+        # A key or a message can quote input of any size (a fuzzed key, an expanded alias):
+        # the error stays a readable line.
+        path, message = _cut(path, 200), _cut(message, 2000)
         super().__init__(f"{path}: {message}" if path else message)
         self.path = path
         self.message = message
+
+
+class MachineError(Exception):
+    """The input is valid but this machine cannot do what it asks: a file it cannot write (disk
+    full, read-only), memory it does not have."""
+
+
+def brief(value: object, limit: int = 200) -> str:
+    """`repr(value)`, cut to `limit` characters: an error quotes the value, not all of it."""
+    return _cut(repr(value), limit)
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text):,} characters)"
 
 
 class Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from fastllm.config.bounds import check_bounds
 from fastllm.config.data import DataConfig
 from fastllm.config.formats import HF_ARCHITECTURES, ModelFormat, inexpressible
 from fastllm.config.layout import check_compatible, check_shape
@@ -57,6 +58,7 @@ class TrainerConfig(Section):
             raise ConfigError(
                 "training.export.format", f"{export} cannot express the model: {reason}"
             )
+        check_bounds(self)
         # What needs no number of ranks is refused here, when the config is loaded.
         check_compatible(self)
         check_shape(self)

@@ -6,7 +6,7 @@ micro-batches of a global batch, `evaluate` the loss of batches, `state_dict` /
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,16 +111,21 @@ class Engine:
         return {"lr": lr, "grad_norm": report.grad_norm, "skipped": report.skipped}
 
     @torch.no_grad()
-    def evaluate(self, micro_batches: Sequence[Batch]) -> float:
+    def evaluate(
+        self, micro_batches: Sequence[Batch], stop: Callable[[], bool] | None = None
+    ) -> float | None:
         """Mean loss over the trained tokens of the micro-batches of every data rank (each
-        rank passes its own)."""
+        rank passes its own); None when `stop`, asked by every rank before each micro-batch,
+        said to stop."""
         prepared = self.batches.prepare(micro_batches)
         self.model.eval()
         try:
-            total = self._pipeline_sum(self.runner.evaluate(prepared))
+            loss = self.runner.evaluate(prepared, stop)
         finally:
             self.model.train()
-        return self._data_sum(total).item()
+        if loss is None:
+            return None
+        return self._data_sum(self._pipeline_sum(loss)).item()
 
     def _pipeline_sum(self, value: Tensor) -> Tensor:
         """`value` summed over the pipeline ranks (each holds its stages' part of the loss)."""

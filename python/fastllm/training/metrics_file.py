@@ -12,11 +12,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 from pathlib import Path
 from typing import Any
+
+from fastllm.config import MachineError
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -28,13 +31,22 @@ class MetricsFile:
         self.dropped = _keep_whole_records_up_to(self.path, start_step)
         """Records of steps after `start_step` dropped at opening."""
         self._file = self.path.open("a", encoding="utf-8")
+        self._failed = False
 
     def write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(strict_record(record), allow_nan=False) + "\n")
-        self._file.flush()
+        """Raises `MachineError` when the line cannot be written (disk full, I/O error)."""
+        try:
+            self._file.write(json.dumps(strict_record(record), allow_nan=False) + "\n")
+            self._file.flush()
+        except OSError as error:
+            self._failed = True
+            raise MachineError(f"cannot write {self.path}: {error.strerror}") from None
 
     def close(self) -> None:
-        self._file.close()
+        # After a failed write the unwritten line is still buffered: closing fails again on
+        # it, and that failure was reported already.
+        with contextlib.suppress(OSError) if self._failed else contextlib.nullcontext():
+            self._file.close()
 
 
 def strict_record(record: dict[str, Any]) -> dict[str, Any]:

@@ -31,6 +31,10 @@ def check_inputs(config: TrainerConfig) -> None:
     the ranks torchrun started."""
     if config.run.experiment_dir is None:
         raise ConfigError("run.experiment_dir", "is required to train")
+    experiment = Path(config.run.experiment_dir)
+    existing = next(p for p in (experiment, *experiment.parents) if p.exists())
+    if not existing.is_dir():
+        raise ConfigError("run.experiment_dir", f"{existing} is a file, not a directory")
     if config.training.train_iters <= 0:
         raise ConfigError("training.train_iters", "must be positive to train")
     if not config.data.path:

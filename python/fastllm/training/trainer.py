@@ -9,13 +9,16 @@ from __future__ import annotations
 import math
 import signal
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
 import torch
+import torch.distributed as dist
 
 from fastllm.checkpoint.saver import CheckpointSaver, remove_partials
-from fastllm.config import ConfigError, TrainerConfig
+from fastllm.config import ConfigError, MachineError, TrainerConfig
 from fastllm.config.flops import flops_per_token
 from fastllm.data import DataLoader, SampleStream
 from fastllm.engine.build import build
@@ -25,6 +28,20 @@ from fastllm.training import state
 from fastllm.training.experiment_lock import ExperimentLock
 from fastllm.training.metrics import PEAK_FLOPS, MetricsLogger
 from fastllm.training.profiling import StepProfiler
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """How `fit` ends when SIGINT or SIGTERM stopped it: after `step`, whose checkpoint is
+    committed (none when it stopped before its first step)."""
+
+    signal: signal.Signals
+    step: int
+
+    @property
+    def exit_code(self) -> int:
+        """The shell's code of a process the signal ended: 130 for SIGINT, 143 for SIGTERM."""
+        return 128 + self.signal
 
 
 class Trainer:
@@ -86,13 +103,14 @@ class Trainer:
         )
 
     @torch.no_grad()
-    def validation_loss(self) -> float | None:
+    def validation_loss(self, stop: Callable[[], bool] | None = None) -> float | None:
         """Mean loss over the trained tokens of `training.validation.iterations` batches of the
-        validation data."""
+        validation data. None when there is none, or when `stop` (asked by every rank at the
+        same points: after the sampling, then between micro-batches) said to stop."""
         stream = self.validation_stream()
-        if stream is None:
+        if stream is None or (stop is not None and stop()):
             return None
-        return self.engine.evaluate([b for step in self._loader(stream) for b in step])
+        return self.engine.evaluate([b for step in self._loader(stream) for b in step], stop)
 
     def validation_stream(self) -> SampleStream | None:
         """The validation samples, made (and their datasets checked) once; None without
@@ -125,13 +143,16 @@ class Trainer:
 
     # --- the loop -----------------------------------------------------------------------------
 
-    def fit(self) -> None:
+    def fit(self) -> Stopped | None:
         """Train to `training.train_iters`, resuming from the newest checkpoint, logging,
-        validating, checkpointing and exporting at their intervals. SIGINT/SIGTERM write a
-        checkpoint and stop cleanly."""
+        validating, checkpointing and exporting at their intervals. SIGINT/SIGTERM (on any
+        rank) end the current step or validation, write a checkpoint and return `Stopped`."""
         config, training = self.config, self.config.training
         experiment = self.experiment_dir
-        experiment.mkdir(parents=True, exist_ok=True)
+        try:
+            experiment.mkdir(parents=True, exist_ok=True)
+        except OSError as error:  # `fastllm train` refused a file in the way (check_inputs)
+            raise MachineError(f"cannot create {experiment}: {error.strerror}") from None
         lock = ExperimentLock.acquire(experiment)
         main = self.distributed.is_main
         if main:  # what a killed run was writing; no other run writes here while we hold the lock
@@ -157,7 +178,7 @@ class Trainer:
             wandb_project=training.logs.wandb_project,
             config=msgspec.to_builtins(config),
         )
-        stop = _StopSignal()
+        stop = _StopSignal(self.distributed)
         tokens_per_step = config.batch.batch_size * config.batch.sequence_length
         flops = flops_per_token(config.model.base_model, config.batch.sequence_length)
         peak = PEAK_FLOPS.get(self.distributed.device.type)
@@ -166,14 +187,22 @@ class Trainer:
         profiler = StepProfiler(
             training.profile, experiment / "profile", self.distributed.rank, self.distributed.device
         )
+        first_step = run.step
         try:
-            for micro_batches in self.data_loader() if run.step < training.train_iters else []:
+            # Building a sampling index is one call into Rust, which no signal interrupts:
+            # a stop requested meanwhile is taken before the first step.
+            loader = self.data_loader() if run.step < training.train_iters else []
+            for micro_batches in loader if not stop.agree() else []:
                 profiler.before(run.step + 1)
                 metrics = engine.train_step(micro_batches)
                 profiler.after(run.step)
                 window.append(metrics["loss"])
                 step, last = run.step, run.step >= training.train_iters
-                if step % training.logs.interval == 0 or last or stop.requested:
+                stop.agree()
+                validating = bool(training.validation.interval) and (
+                    step % training.validation.interval == 0
+                )
+                if step % training.logs.interval == 0 or last or stop.agreed:
                     if self.distributed.device.type == "cuda":
                         torch.cuda.synchronize()
                     elapsed = time.perf_counter() - window_start
@@ -195,24 +224,24 @@ class Trainer:
                         "consumed_samples": run.consumed_samples,
                     }
                     record.update(engine.expert_load(len(window)))
-                    if training.validation.interval and step % training.validation.interval == 0:
-                        record["validation_loss"] = self.validation_loss()
+                    if validating and (loss := self.validation_loss(stop.agree)) is not None:
+                        record["validation_loss"] = loss
                     logger.log(step, record)
                     _reset_memory_peak(self.distributed.device)
                     window, window_start = [], time.perf_counter()
-                elif training.validation.interval and step % training.validation.interval == 0:
-                    logger.log(step, {"validation_loss": self.validation_loss()})
+                elif validating and (loss := self.validation_loss(stop.agree)) is not None:
+                    logger.log(step, {"validation_loss": loss})
                 if training.export.interval and step % training.export.interval == 0:
                     state.export(self, experiment / "export" / str(step), training.export.format)
                 checkpoint = training.checkpoint
                 at_end = last and checkpoint.at_end
                 if (
                     at_end
-                    or stop.requested
+                    or stop.agreed
                     or (checkpoint.interval and step % checkpoint.interval == 0)
                 ):
                     self.save_checkpoint()
-                if last or stop.requested:
+                if last or stop.agreed:
                     break
         finally:
             profiler.close()
@@ -222,24 +251,44 @@ class Trainer:
                 logger.close()
                 stop.restore()
                 lock.release()
-        if stop.requested and main:
-            print(
-                f"fastllm: stopped by {stop.requested} at step {run.step}; checkpoint written",
-                flush=True,
-            )
+        if stop.agreed is None or run.step >= training.train_iters:
+            return None  # a signal during the last step came too late to stop anything
+        if main:
+            saved = "checkpoint written" if run.step > first_step else "nothing new to save"
+            print(f"fastllm: stopped by {stop.agreed.name} at step {run.step}; {saved}", flush=True)
+        return Stopped(stop.agreed, run.step)
 
 
 class _StopSignal:
-    """SIGINT/SIGTERM (preemption) request a checkpoint and a clean stop after the current step."""
+    """SIGINT/SIGTERM (preemption) request a checkpoint and a clean stop. The ranks of a job
+    get a signal at different moments, so they stop where they `agree` on it: after the same
+    step or at the same point of a validation, never one rank in a collective the others left."""
 
-    def __init__(self) -> None:
-        self.requested: str | None = None
+    def __init__(self, distributed: Distributed) -> None:
+        self.requested: signal.Signals | None = None
+        """The signal this rank got."""
+        self.agreed: signal.Signals | None = None
+        """The signal some rank got, as of the last `agree`: the same on every rank."""
+        self._distributed = distributed
         self._previous = {
             sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)
         }
 
     def _handle(self, signum: int, _frame: object) -> None:
-        self.requested = signal.Signals(signum).name
+        self.requested = self.requested or signal.Signals(signum)
+
+    def agree(self) -> bool:
+        """Whether any rank got a signal; every rank calls it at the same points. With several
+        ranks this is a one-number all-reduce over the world (small beside a step)."""
+        if self.agreed is not None:
+            return True
+        if self._distributed.world_size == 1:
+            self.agreed = self.requested
+        else:
+            got = torch.tensor([self.requested or 0], device=self._distributed.device)
+            dist.all_reduce(got, op=dist.ReduceOp.MAX, group=dist.group.WORLD)
+            self.agreed = signal.Signals(int(got.item())) if got.item() else None
+        return self.agreed is not None
 
     def restore(self) -> None:
         for sig, handler in self._previous.items():

@@ -22,7 +22,7 @@ at a time in that order, never batched: Gloo-safe) and waited for at the end of 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -278,14 +278,19 @@ class StepRunner:
             produced[step] = saved.input.grad
 
     @torch.no_grad()
-    def evaluate(self, micro_batches: Sequence[MicroBatch]) -> Tensor:
+    def evaluate(
+        self, micro_batches: Sequence[MicroBatch], stop: Callable[[], bool] | None = None
+    ) -> Tensor | None:
         """Forward passes only (validation): each piece of each micro-batch through the stages
         in turn, its activations handed on by blocking transfers in that one global order.
-        Returns this rank's part of the weighted loss, as `run` does."""
+        Returns this rank's part of the weighted loss, as `run` does; None when `stop`, asked
+        before each micro-batch (by every rank: all run this loop), said to stop."""
         stages, shape = self.stages, self.shape
         last = shape.num_stages - 1
         loss = torch.zeros((), dtype=torch.float32, device=stages.device)
         for m, micro_batch in enumerate(micro_batches):
+            if stop is not None and stop():
+                return None
             pieces, weights = micro_batch.pieces, micro_batch.weights
             memory = self._memory()
             for p, piece in enumerate(pieces):
