@@ -73,7 +73,7 @@ def test_an_error_quotes_at_most_200_characters_of_a_value() -> None:
     [
         ("{[1]: 2}\n", ":1:2: invalid YAML: a key must be a scalar"),
         ("model: {base_model: {transformer: {rotary: {type: [x]}}}}\n", "unknown type ['x']"),
-        ("\x00\n", "invalid YAML: unacceptable character #x0000: special characters are not"),
+        ("\x00\n", "invalid YAML: character #x0000 at offset 0 (special characters are not"),
     ],
 )
 def test_odd_yaml_is_refused_in_one_line(tmp_path: Path, text: str, message: str) -> None:

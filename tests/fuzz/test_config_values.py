@@ -52,14 +52,16 @@ def config_keys(cls: type[msgspec.Struct], prefix: str = "", needs: tuple[str, .
 KEYS = config_keys(TrainerConfig)
 
 # Values of every YAML type, the awkward ones included: huge and negative integers, NaN and
-# infinities, long and non-ASCII strings, nested lists and mappings.
+# infinities, long and non-ASCII strings, nested lists and mappings. (No subnormal draws: a
+# CPU engine built earlier in the process flushes denormals, which hypothesis refuses; the
+# list below still passes the smallest one, 5e-324, as a value.)
 scalars = (
     st.none()
     | st.booleans()
     | st.integers()
     | st.integers(min_value=-(2**70), max_value=2**70)
     | st.sampled_from([0, -1, 1, 2**31, 2**63 - 1, 2**63, -(2**63) - 1, 10**30])
-    | st.floats()
+    | st.floats(allow_subnormal=False)
     | st.sampled_from([float("nan"), float("inf"), float("-inf"), 1e308, 5e-324, -0.0])
     | st.text(max_size=20)
     | st.text(min_size=200, max_size=2000)
@@ -86,7 +88,10 @@ def typed_values(tp: Any) -> st.SearchStrategy[Any]:
         elif variant is int:
             options.append(st.integers(min_value=-4, max_value=2**40) | st.integers())
         elif variant is float:
-            options.append(st.floats(min_value=-10, max_value=1e6) | st.floats())
+            options.append(
+                st.floats(min_value=-10, max_value=1e6, allow_subnormal=False)
+                | st.floats(allow_subnormal=False)
+            )
         elif variant is str:
             options.append(st.text(max_size=30))
     return st.one_of(options) if options else values
