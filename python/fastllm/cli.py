@@ -10,6 +10,7 @@ from pathlib import Path
 
 from fastllm.checkpoint.errors import CheckpointWriteError
 from fastllm.config import ConfigError
+from fastllm.data.errors import DataWriteError
 from fastllm.engine.schedule.simulator import EFFECTIVE_TFLOPS, LINK_GBPS
 
 MODEL_FAMILIES = ("gpt",)
@@ -337,15 +338,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(strays)}")
     if strays:
         args.arguments += strays
-    # A user error (bad config, input or option) is one line and exit code 2, a checkpoint the
-    # machine could not write (disk full, …) one line and 1, Ctrl-C one line and 130 (the
+    # A user error (bad config, input or option) is one line and exit code 2, a checkpoint or
+    # dataset the machine could not write (disk full, …) one line and 1, Ctrl-C one line and 130 (the
     # shell's code for SIGINT); anything else is a bug and keeps its traceback.
     try:
         args.handler(args)
     except ConfigError as error:
         print(f"fastllm: error: {error}", file=sys.stderr)
         return 2
-    except CheckpointWriteError as error:
+    except (CheckpointWriteError, DataWriteError) as error:
         print(f"fastllm: error: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

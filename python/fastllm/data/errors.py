@@ -1,0 +1,9 @@
+"""Errors of data work that the command line shows as one line (nothing heavy imported here, so
+that `fastllm --help` stays instant)."""
+
+from __future__ import annotations
+
+
+class DataWriteError(Exception):
+    """`prepare` could not write its output (disk full, permissions, any OS error there): a
+    failure of the machine, not of the input. Nothing was left at the output."""
