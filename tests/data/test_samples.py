@@ -285,7 +285,9 @@ def test_a_flipped_token_id_fails_training_with_exit_2_whatever_metadata_json_sa
     (shard,) = damaged.glob("*.bin")
     document = flip_token(shard, 60000)
     result = run_cli(
-        *train_arguments(damaged, tmp_path / "run", "model.base_model.vocab_size=4096")
+        *train_arguments(
+            damaged, tmp_path / "run", "model.base_model.vocab_size=4096", "training.train_iters=2"
+        )
     )
     assert result.returncode == 2, result.stderr
     assert result.stderr.startswith("fastllm: error: data.path[0]: ")
