@@ -16,8 +16,9 @@ from fastllm import _native
 STUB = ast.parse(Path(_native.__file__).with_name("_native.pyi").read_text())
 STUB_CLASSES = {node.name: node for node in STUB.body if isinstance(node, ast.ClassDef)}
 STUB_FUNCTIONS = {node.name: node for node in STUB.body if isinstance(node, ast.FunctionDef)}
-# PyO3 sets these on every class; a stub does not restate them.
-CLASS_BOILERPLATE = {"__doc__", "__module__", "__new__"}
+# PyO3 sets these on every class (and Python `__weakref__` on an exception class PyO3 creates); a
+# stub does not restate them.
+CLASS_BOILERPLATE = {"__doc__", "__module__", "__new__", "__weakref__"}
 
 
 def public(names: Any) -> set[str]:
@@ -57,7 +58,7 @@ def test_the_stub_lists_every_member_of_a_class(name: str) -> None:
     cls, stub = getattr(_native, name), methods(STUB_CLASSES[name])
     members = vars(cls).keys() - CLASS_BOILERPLATE
     getters = {
-        member for member, value in vars(cls).items() if type(value) is types.GetSetDescriptorType
+        member for member in members if type(vars(cls)[member]) is types.GetSetDescriptorType
     }
     assert stub.keys() - {"__init__"} == members
     assert {member for member, node in stub.items() if is_property(node)} == getters

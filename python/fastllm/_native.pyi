@@ -19,6 +19,9 @@ def version() -> str:
 
 # Data: prepared token datasets and the samples drawn from them.
 
+class TokenRangeError(ValueError):
+    """A dataset holds a token id outside the model's vocabulary."""
+
 class TokenDataset:
     """A memory-mapped Megatron indexed dataset (`prefix.bin` + `prefix.idx`)."""
 
@@ -38,9 +41,9 @@ class TokenDataset:
     def has_loss_spans(self) -> bool:
         """Whether a `.spans` sidecar masks tokens from the loss."""
 
-    def cached_max_token_id(self, cache_dir: _Path) -> int | None:
-        """The largest token id of the `.bin` file (None without tokens): one scan, cached in
-        `cache_dir` for later calls."""
+    def check_token_range(self, vocab_size: int, cache_dir: _Path) -> None:
+        """Raise TokenRangeError naming the first document with an id outside `0..vocab_size`:
+        the id range of the `.bin` file is scanned once, then read from `cache_dir`."""
 
     def document_lengths(self) -> NDArray[np.int32]:
         """Token count of every document."""
@@ -85,10 +88,12 @@ class SampleSource:
         threads: int = 0,
         fim: FimOptions | None = None,
         tokenizer: _Path | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         """`prefixes`: the `.bin`/`.idx` prefixes of every dataset (shard) to draw from;
         `truncate` cuts documents at sample boundaries instead of packing them; `threads` 0: all
-        cores; `tokenizer`: the datasets' tokenizer.json, for character-level FIM."""
+        cores; `tokenizer`: the datasets' tokenizer.json, for character-level FIM; `vocab_size`:
+        the model's, when every token filled in must lie below it (else TokenRangeError)."""
 
     def __len__(self) -> int: ...
     @property
@@ -124,12 +129,17 @@ class PrepareJob:
     def progress(self) -> _PrepareProgress:
         """Counters so far."""
 
+    def warnings(self) -> list[str]:
+        """What the job met that it leaves to the user, one line each (a staging directory of
+        another machine's run, which it may not remove)."""
+
     def cancel(self) -> None:
         """Ask the job to stop; it then fails, leaving no output behind."""
 
     def wait(self, timeout: float) -> str | None:
         """The report as JSON once the job has finished, or None if it is still running after
-        `timeout` seconds. Raises the job's error."""
+        `timeout` seconds. Raises the job's error: OSError when the machine could not write the
+        output, ValueError for bad inputs or options."""
 
 def start_prepare(
     *,

@@ -216,6 +216,49 @@ def test_a_template_that_cannot_render_is_an_error(
     assert not (tmp_path / "out").exists()
 
 
+# ChatML that spins for ever on a user turn "spin" and writes 10 GB on one of "flood".
+UNBOUNDED = (
+    "{%- for message in messages %}"
+    "{%- if message['content'] == 'spin' %}"
+    "{%- for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    "{%- elif message['content'] == 'flood' %}"
+    "{%- for i in range(100000) %}{{ 'x' * 100000 }}{% endfor %}"
+    "{%- endif %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['role'] == 'assistant' %}{% generation %}{{ message['content'] }}"
+    "{% endgeneration %}{% else %}{{ message['content'] }}{% endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+)
+
+
+def test_a_template_that_loops_without_end_or_floods_is_a_bad_record_within_its_limit(
+    tokenizers: dict[str, Path], tmp_path: Path
+) -> None:
+    template = tmp_path / "unbounded.jinja"
+    template.write_text(UNBOUNDED)
+    answer = {"role": "assistant", "content": "Fine."}
+    conversations = [
+        [{"role": "user", "content": "Hi"}, answer],
+        [{"role": "user", "content": "spin"}, answer],
+        [{"role": "user", "content": "flood"}, answer],
+        [{"role": "user", "content": "Bye"}, answer],
+    ]
+    path = write_chat_jsonl(tmp_path / "chat.jsonl", conversations)
+    chat_template = f"input.chat_template={template}"
+    output = prepare(path, tokenizers["qwen2"], tmp_path / "out", chat_template)
+    report = json.loads((output / "metadata.json").read_text())
+    assert report["documents"] == 2 and report["bad_records"] == 2
+    for line, quoted in zip((2, 3), report["first_bad_records"], strict=True):
+        assert quoted.startswith(f"{path}:{line}: the chat template exceeds its limit"), quoted
+    result = run_cli(
+        "prepare", f"input.path={path}", f"tokenizer.path={tokenizers['qwen2']}", chat_template,
+        f"output.path={tmp_path / 'strict'}", "--strict",
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert f"{path}:2: the chat template exceeds its limit" in result.stderr
+
+
 def test_loader_labels_are_masked_token_by_token_as_assistant_masks(
     tokenizers: dict[str, Path], prepared: dict[str, Path], tmp_path: Path
 ) -> None:

@@ -410,21 +410,92 @@ def test_an_input_without_a_valid_record_exits_2_writing_nothing(
     assert leftovers(output) == []
 
 
-def test_partial_directories_of_dead_runs_are_removed_by_the_next_run(
+def owner_record(pid: int, **other: str) -> str:
+    """The record a staging directory holds: this machine's and pid namespace's, unless
+    `other` says otherwise."""
+    owner = {
+        "host": Path("/proc/sys/kernel/hostname").read_text().strip(),
+        "boot_id": Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
+        "pid_namespace": os.readlink("/proc/self/ns/pid"),
+        "pid": pid,
+    }
+    return json.dumps(owner | other)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc says who runs")
+def test_staging_directories_of_dead_local_runs_are_removed_those_of_other_hosts_kept_and_reported(
     tokenizer: TrainedTokenizer, tmp_path: Path
 ) -> None:
     output = tmp_path / "out"
     dead = subprocess.Popen([sys.executable, "-c", ""])
     dead.wait()
+    alive = os.getppid()  # pytest's parent still runs
     staged = {
-        "dead": tmp_path / f".out.partial-{dead.pid}-0",
-        "alive": tmp_path / f".out.partial-{os.getppid()}-3",  # pytest's parent still runs
-        "other output": tmp_path / f".outer.partial-{dead.pid}-0",
+        "dead": (tmp_path / f".out.partial-{dead.pid}-0", owner_record(dead.pid)),
+        "alive": (tmp_path / f".out.partial-{alive}-3", owner_record(alive)),
+        # The same pid, dead here, but another node's (shared storage) or container's.
+        "other host": (
+            tmp_path / f".out.partial-{dead.pid}-1",
+            owner_record(dead.pid, host="node-17", boot_id="0d1e"),
+        ),
+        "other namespace": (
+            tmp_path / f".out.partial-{dead.pid}-2",
+            owner_record(dead.pid, pid_namespace="pid:[1]"),
+        ),
+        "no record": (tmp_path / f".out.partial-{dead.pid}-4", None),
+        "other output": (tmp_path / f".outer.partial-{dead.pid}-0", owner_record(dead.pid)),
     }
-    for directory in staged.values():
+    for directory, record in staged.values():
         directory.mkdir()
         (directory / "shard_00000.bin").write_bytes(b"\0" * 1024)
-    dataset = prepare(STDLIB / "json", tokenizer.path, output, "input.extensions=[.py]")
-    assert not staged["dead"].exists()
-    assert staged["alive"].is_dir() and staged["other output"].is_dir()
-    assert read_dataset(dataset)
+        if record is not None:
+            (directory / ".staging-owner.json").write_text(record)
+    result = run_cli(
+        "prepare", f"input.path={STDLIB / 'json'}", "input.extensions=[.py]",
+        f"tokenizer.path={tokenizer.path}", f"output.path={output}",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert not staged["dead"][0].exists()
+    for name in ("alive", "other host", "other namespace", "no record", "other output"):
+        assert staged[name][0].is_dir(), name
+    warnings = [line for line in result.stderr.splitlines() if "warning" in line]
+    assert len(warnings) == 3, result.stderr
+    assert f"fastllm: warning: {staged['other host'][0]}: staging directory kept: written by " \
+        f"process {dead.pid} on node-17" in result.stderr  # fmt: skip
+    assert f"{staged['other namespace'][0]}: staging directory kept" in result.stderr
+    assert (
+        f"{staged['no record'][0]}: staging directory kept: it records no writer" in result.stderr
+    )
+    assert read_dataset(output)
+    assert not (output / ".staging-owner.json").exists()
+
+
+@contextlib.contextmanager
+def file_size_limit(limit: int) -> Iterator[None]:
+    """Writes past `limit` bytes fail (EFBIG, "File too large") as on a full disk."""
+    import resource
+
+    previous = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # else the write kills the process
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, previous[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, previous)
+        signal.signal(signal.SIGXFSZ, handler)
+
+
+def test_prepare_exits_1_when_the_machine_cannot_write_the_output(
+    tokenizer: TrainedTokenizer, tmp_path: Path
+) -> None:
+    inputs = write_jsonl(tmp_path / "in.jsonl", [f.read_text() for f in stdlib_files("json")])
+    output = tmp_path / "out"
+    with file_size_limit(4096):
+        result = run_cli(
+            "prepare", f"input.path={inputs}", f"tokenizer.path={tokenizer.path}",
+            f"output.path={output}",
+        )  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.startswith("fastllm: error: ") and "File too large" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not output.exists() and leftovers(output) == []

@@ -3,6 +3,7 @@ data-parallel ranks split steps exactly, resuming continues exactly, blending fo
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 from collections import Counter
@@ -14,8 +15,8 @@ import torch
 
 from fastllm.config import ConfigError
 from fastllm.config.data import DataConfig
-from fastllm.data import DataLoader, Samples, SampleStream
-from tests.data.conftest import TrainedTokenizer, prepare, write_jsonl
+from fastllm.data import DataLoader, Samples, SampleStream, TokenDataset
+from tests.data.conftest import TrainedTokenizer, prepare, run_cli, write_jsonl
 from tests.data.megatron import read_dataset
 
 
@@ -240,34 +241,77 @@ def foreign_copy(dataset: Path, directory: Path) -> Path:
     return directory
 
 
-def test_token_ids_beyond_the_vocabulary_are_refused_naming_the_bin_without_metadata(
+def flip_token(shard: Path, value: int, *, keep_stat: bool = False) -> int:
+    """Sets the token in the middle of `shard` (a uint16 `.bin`) to `value`; returns its
+    document. `keep_stat`: the file keeps its size and modification time, as a cache key sees
+    it."""
+    stat = shard.stat()
+    tokens = np.fromfile(shard, dtype=np.uint16)
+    position = len(tokens) // 2
+    tokens[position] = value
+    tokens.tofile(shard)
+    if keep_stat:
+        os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    index = TokenDataset(shard.with_suffix(""))
+    return int(np.searchsorted(np.cumsum(index.document_lengths()), position, side="right"))
+
+
+def test_token_ids_beyond_the_vocabulary_are_refused_naming_the_bin_and_document(
     dataset: Path, tokenizer: TrainedTokenizer, tmp_path: Path
 ) -> None:
     foreign = foreign_copy(dataset, tmp_path / "foreign")
     vocab_size = tokenizer.reference.get_vocab_size()
     cache = tmp_path / "cache"
     stream(foreign, cache, sequence_length=32, num_samples=4, vocab_size=vocab_size)
-    assert len(list(cache.glob("max_token_*.txt"))) == 1, "the scan is cached beside the index"
+    assert len(list(cache.glob("token_range_*.txt"))) == 1, "the scan is cached beside the index"
     (shard,) = foreign.glob("*.bin")
-    tokens = np.fromfile(shard, dtype=np.uint16)
-    tokens[len(tokens) // 2] = vocab_size
-    tokens.tofile(shard)
+    document = flip_token(shard, vocab_size)
     with pytest.raises(ConfigError) as raised:
         stream(foreign, cache, sequence_length=32, num_samples=4, vocab_size=vocab_size)
     assert raised.value.path == "data.path[0]"
     assert (
-        f"{shard} holds token id {vocab_size} but model.base_model.vocab_size is {vocab_size}"
-        in str(raised.value)
+        f"{shard}: document {document} holds token id {vocab_size}, outside 0..{vocab_size} "
+        "(model.base_model.vocab_size)" in str(raised.value)
     )
 
 
-def test_a_prepared_dataset_is_checked_from_the_ids_its_metadata_records(
+def test_a_flipped_token_id_fails_training_with_exit_2_whatever_metadata_json_says(
+    dataset: Path, tmp_path: Path
+) -> None:
+    from tests.training.conftest import train_arguments
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(dataset, damaged)
+    (shard,) = damaged.glob("*.bin")
+    document = flip_token(shard, 60000)
+    result = run_cli(
+        *train_arguments(
+            damaged, tmp_path / "run", "model.base_model.vocab_size=4096", "training.train_iters=2"
+        )
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("fastllm: error: data.path[0]: ")
+    assert f"{shard}: document {document} holds token id 60000, outside 0..4096" in result.stderr
+
+
+def test_every_batch_is_checked_against_the_vocabulary_past_a_cached_range(
     dataset: Path, tokenizer: TrainedTokenizer, tmp_path: Path
 ) -> None:
-    cache = tmp_path / "cache"
-    vocab_size = tokenizer.reference.get_vocab_size()
-    stream(dataset, cache, sequence_length=32, num_samples=4, vocab_size=vocab_size)
-    assert cache.is_dir() and not list(cache.glob("max_token_*.txt")), "no scan"
+    damaged = tmp_path / "damaged"
+    shutil.copytree(dataset, damaged)
+    cache, vocab_size = tmp_path / "cache", tokenizer.reference.get_vocab_size()
+    epoch = TokenDataset(damaged).num_tokens // 32 + 1  # samples reading every token
+    options = {"sequence_length": 32, "num_samples": epoch, "vocab_size": vocab_size}
+    stream(damaged, cache, **options)
+    (shard,) = damaged.glob("*.bin")
+    # Changed in place behind the cached range's back (same size and time): the batch check
+    # alone stands between the id and the embedding.
+    document = flip_token(shard, 60000, keep_stat=True)
+    samples = stream(damaged, cache, **options)
+    with pytest.raises(ConfigError) as raised:
+        samples.read(0, len(samples))
+    assert raised.value.path == "data.path"
+    assert f"{shard}: document {document} holds token id 60000" in str(raised.value)
 
 
 def test_an_invalid_metadata_json_is_refused_naming_the_file(dataset: Path, tmp_path: Path) -> None:

@@ -5,6 +5,7 @@
 - `dataset`: a prepared dataset (shards + metadata) or a Megatron `.bin`/`.idx` prefix.
 - `samples`: the run's sample stream: datasets cut into samples, blended, FIM-transformed.
 - `loader`: one data-parallel rank's batches, prepared ahead in pinned memory.
+- `errors`: what a failed write of prepare raises.
 
 The names are imported on first use, so that `fastllm prepare` (which lives here too) starts
 without importing torch."""

@@ -24,23 +24,13 @@ class TokenDataset:
         self._shards = [_native.TokenDataset(prefix) for prefix in self.prefixes]
         self._starts = np.cumsum([0] + [len(shard) for shard in self._shards])
 
-    def max_token_ids(self, cache_dir: str | Path) -> list[tuple[Path, int | None]]:
-        """Each shard's `.bin` and its largest token id (None without tokens): as metadata.json
-        records it, else found by a scan cached in `cache_dir` (datasets made elsewhere, or
-        prepared before prepare recorded it)."""
-        recorded = {
-            shard["name"]: shard["max_token_id"]
-            for shard in self.metadata.get("shards", [])
-            if isinstance(shard, dict) and _is_token_id(shard.get("max_token_id", False))
-        }
-        found = []
-        for prefix, shard in zip(self.prefixes, self._shards, strict=True):
-            if prefix.name in recorded:
-                largest = recorded[prefix.name]
-            else:
-                largest = shard.cached_max_token_id(str(cache_dir))
-            found.append((Path(f"{prefix}.bin"), largest))
-        return found
+    def check_token_range(self, vocab_size: int, cache_dir: str | Path) -> None:
+        """Raise `_native.TokenRangeError` naming the first shard and document with an id
+        outside `0..vocab_size`. Each shard's id range is scanned (memory-mapped, in Rust) and
+        cached in `cache_dir` per file size and modification time; metadata.json is not trusted
+        for it, since a `.bin` damaged after prepare still matches its metadata."""
+        for shard in self._shards:
+            shard.check_token_range(vocab_size, str(cache_dir))
 
     def __len__(self) -> int:
         return int(self._starts[-1])
@@ -81,11 +71,6 @@ class TokenDataset:
         index %= len(self)
         shard = int(np.searchsorted(self._starts, index, side="right")) - 1
         return shard, index - int(self._starts[shard])
-
-
-def _is_token_id(value: object) -> bool:
-    """A recorded largest id: a non-negative integer, or None for a shard without tokens."""
-    return value is None or (type(value) is int and value >= 0)
 
 
 def read_metadata(path: Path) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from typing import Any
 from fastllm import _native
 from fastllm.config import ConfigError
 from fastllm.config.prepare import PrepareConfig
+from fastllm.data.errors import DataWriteError
 
 
 def prepare(
@@ -55,6 +56,8 @@ def prepare(
         raise
     finally:
         bar.close(job.progress())
+        for warning in job.warnings():
+            print(f"fastllm: warning: {warning}", file=sys.stderr)
     return report
 
 
@@ -64,6 +67,8 @@ def _wait(job: Any, timeout: float | None, cancelled: bool = False) -> dict[str,
     except (OSError, ValueError) as error:
         if cancelled:
             return None
+        if isinstance(error, OSError):  # the machine could not write the output
+            raise DataWriteError(str(error)) from None
         raise ConfigError("prepare", str(error)) from None
     return None if text is None else json.loads(text)
 

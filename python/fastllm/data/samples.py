@@ -42,14 +42,17 @@ class SampleStream:
         vocab_size: int | None = None,
     ) -> None:
         """`vocab_size`: the model's; a dataset whose tokenizer has more tokens, or that holds a
-        token id beyond it, is refused."""
+        token id outside it, is refused (before sampling, and again in every batch read)."""
         if not paths:
             raise ConfigError(key, "no dataset given")
         datasets = []
         for i, path in enumerate(paths):
             try:
                 datasets.append(TokenDataset(path))
-                largest = datasets[-1].max_token_ids(cache_dir) if vocab_size else []
+                if vocab_size is not None:
+                    datasets[-1].check_token_range(vocab_size, cache_dir)
+            except _native.TokenRangeError as error:
+                raise ConfigError(f"{key}[{i}]", _beyond_vocabulary(error)) from None
             except (OSError, ValueError) as error:
                 raise ConfigError(f"{key}[{i}]", str(error)) from None
             tokens = datasets[-1].metadata.get("vocab_size")
@@ -59,13 +62,6 @@ class SampleStream:
                     f"{path} holds token ids up to {tokens - 1} (a {tokens}-token tokenizer) but "
                     f"model.base_model.vocab_size is {vocab_size}",
                 )
-            for bin_file, token_id in largest:
-                if token_id is not None and token_id >= vocab_size:
-                    raise ConfigError(
-                        f"{key}[{i}]",
-                        f"{bin_file} holds token id {token_id} but model.base_model.vocab_size "
-                        f"is {vocab_size}",
-                    )
         for i, dataset in enumerate(datasets):
             _check_loss_spans(dataset, f"{key}[{i}]")
             if config.fim and dataset.has_loss_spans:
@@ -78,6 +74,7 @@ class SampleStream:
         shard_weights = _shard_weights(datasets, weights)
         fim, tokenizer = _fim_options(config.fim, datasets, key) if config.fim else (None, None)
         self.datasets = datasets
+        self.key = key
         try:  # a weight of 0 or an empty dataset in the blend, found while building the index
             self._source = _native.SampleSource(
                 [str(p) for p in prefixes],
@@ -90,6 +87,7 @@ class SampleStream:
                 threads=min(8, os.cpu_count() or 1),
                 fim=fim,
                 tokenizer=tokenizer,
+                vocab_size=vocab_size,
             )
         except ValueError as error:
             raise ConfigError(key, str(error)) from None
@@ -110,10 +108,17 @@ class SampleStream:
         tokens = np.empty(shape, dtype=np.int64)
         document_ids = np.empty(shape, dtype=np.int32)
         loss_mask = np.empty(shape, dtype=np.uint8)
-        self._source.fill(
-            first, tokens.reshape(-1), document_ids.reshape(-1), loss_mask.reshape(-1)
-        )
+        try:  # a token outside the vocabulary (the range checked up front came from a cache)
+            self._source.fill(
+                first, tokens.reshape(-1), document_ids.reshape(-1), loss_mask.reshape(-1)
+            )
+        except _native.TokenRangeError as error:
+            raise ConfigError(self.key, _beyond_vocabulary(error)) from None
         return Samples(tokens, document_ids, loss_mask)
+
+
+def _beyond_vocabulary(error: _native.TokenRangeError) -> str:
+    return f"{error} (model.base_model.vocab_size)"
 
 
 def _check_loss_spans(dataset: TokenDataset, key: str) -> None:

@@ -1,7 +1,8 @@
 //! Conversations rendered with a tokenizer's chat template as `transformers`'
 //! `apply_chat_template` renders them, and which characters of the result are trained on.
 //!
-//! The template is Jinja, rendered by minijinja set up as transformers sets up Jinja: blocks
+//! The template is Jinja, rendered by minijinja set up as transformers sets up Jinja (in a
+//! sandbox: no file or environment access, and a budget of work per rendering): blocks
 //! trimmed and left-stripped, loop controls, `raise_exception`, transformers' `tojson` (Python's
 //! `json.dumps`), the Python string and dict methods (`.strip()`, `.items()` …), messages with
 //! their keys in the order written, and the tokenizer's special tokens as variables.
@@ -49,6 +50,12 @@ const SPECIAL_TOKENS: [&str; 7] = [
     "cls_token",
     "mask_token",
 ];
+/// The work one rendering may do, in minijinja's fuel: about one unit per instruction and per
+/// 64 bytes of data created (output included), so about 4M instructions or 256 MB, some
+/// hundred milliseconds. Real templates spend a few hundred units per message; a template that
+/// loops without end or writes a huge output (a template comes with a tokenizer, from anyone)
+/// stops there, and its conversation is a bad record, instead of hanging or exhausting memory.
+const RENDER_FUEL: u64 = 1 << 22;
 /// transformers copies a message's reasoning under all these names.
 const REASONING_FIELDS: [&str; 3] = ["reasoning_content", "thinking", "reasoning"];
 
@@ -125,6 +132,7 @@ impl ChatTemplate {
             .build()
             .expect("the default delimiters are valid");
         env.set_syntax(syntax);
+        env.set_fuel(Some(RENDER_FUEL));
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function(
             "raise_exception",
@@ -232,7 +240,14 @@ impl ChatTemplate {
         let template = self.env.get_template("chat").expect("added at creation");
         let marked = template
             .render(Value::from(minijinja::value::Serde(&context)))
-            .map_err(|error| format!("the chat template fails: {}", describe(&error)))?;
+            .map_err(|error| match error.kind() {
+                ErrorKind::OutOfFuel => format!(
+                    "the chat template exceeds its limit of {RENDER_FUEL} units of work per \
+                     rendering (about as many instructions, or 64 bytes each of output and \
+                     data): a loop without end or a huge output"
+                ),
+                _ => format!("the chat template fails: {}", describe(&error)),
+            })?;
         if !self.has_generation_blocks {
             return Ok((marked, Vec::new()));
         }

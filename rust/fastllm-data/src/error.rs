@@ -61,6 +61,14 @@ pub enum DataError {
         dtype: TokenDtype,
     },
 
+    #[error("{path}: document {document} holds token id {token}, outside 0..{vocab_size}")]
+    BeyondVocabulary {
+        path: PathBuf,
+        document: usize,
+        token: i64,
+        vocab_size: u64,
+    },
+
     #[error("{path}: a document of {length} tokens exceeds the format's limit of 2^31 - 1")]
     DocumentTooLong { path: PathBuf, length: usize },
 
@@ -315,6 +323,13 @@ pub enum PrepareError {
 }
 
 impl PrepareError {
+    /// Whether the machine could not write the output (disk full, permissions, any OS error
+    /// there), rather than the inputs or options being wrong: every I/O error of `prepare` that
+    /// is not an input's is the output's.
+    pub fn is_write_failure(&self) -> bool {
+        matches!(self, Self::Io { .. } | Self::Data(DataError::Io { .. }))
+    }
+
     pub(crate) fn io(path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> Self {
         let path = path.into();
         move |source| Self::Io { path, source }

@@ -23,7 +23,6 @@ mod fim;
 mod indexed;
 mod input;
 mod loss_spans;
-mod max_token;
 mod prepare;
 mod random;
 mod sample_source;
@@ -31,6 +30,7 @@ mod sampling;
 mod sampling_cache;
 mod stable_hash;
 mod token;
+mod token_range;
 mod tokenizer;
 
 pub use blending::BlendingIndex;

@@ -47,6 +47,10 @@ pub struct SampleSourceConfig {
     pub cache_dir: PathBuf,
     /// Most threads one [`SampleSource::fill`] uses; 0 for one per available core.
     pub threads: usize,
+    /// The model's vocabulary: every token copied into a batch is checked to lie in
+    /// `0..vocab_size`, so that a bad id is an error naming its document, never an
+    /// out-of-range embedding lookup. `None` checks nothing.
+    pub vocab_size: Option<u64>,
 }
 
 /// Samples of one or more datasets, written into caller-provided batch buffers.
@@ -66,6 +70,7 @@ pub struct SampleSource {
     sample_length: usize,
     padding_token: i64,
     threads: usize,
+    vocab_size: Option<u64>,
 }
 
 impl SampleSource {
@@ -149,6 +154,7 @@ impl SampleSource {
             num_samples: config.num_samples,
             sample_length: config.sequence_length as usize + 1,
             threads,
+            vocab_size: config.vocab_size,
         })
     }
 
@@ -298,6 +304,9 @@ impl SampleSource {
             source
                 .tokens(piece.document as usize, piece.offset as usize, range.len())?
                 .copy_to(&mut tokens[range.clone()]);
+            if let Some(vocab_size) = self.vocab_size {
+                check_vocabulary(&tokens[range.clone()], vocab_size, source, piece.document)?;
+            }
             document_ids[range.clone()].fill(id as i32);
             loss_mask[range.clone()].fill(1);
             if let Some(spans) = source.loss_spans() {
@@ -321,6 +330,32 @@ impl SampleSource {
         loss_mask[real..].fill(0);
         Ok(())
     }
+}
+
+/// Fails unless every token lies in `0..vocab_size`: one branch-free pass over the copied
+/// tokens (a negative id wraps to a huge u64), the search only on failure.
+fn check_vocabulary(
+    tokens: &[i64],
+    vocab_size: u64,
+    source: &IndexedDataset,
+    document: u32,
+) -> Result<(), DataError> {
+    if tokens
+        .iter()
+        .fold(true, |all, &t| all & ((t as u64) < vocab_size))
+    {
+        return Ok(());
+    }
+    let token = *tokens
+        .iter()
+        .find(|&&t| t as u64 >= vocab_size)
+        .expect("a token is outside the vocabulary");
+    Err(DataError::BeyondVocabulary {
+        path: source.bin_path().to_owned(),
+        document: document as usize,
+        token,
+        vocab_size,
+    })
 }
 
 fn index(

@@ -121,6 +121,56 @@ impl SamplingIndex {
         Ok(index)
     }
 
+    /// Why reading a sample of this index would index out of bounds, if it would. A built index
+    /// never does; a loaded one passed a checksum, which detects accidents, not a file written
+    /// to pass it, so its content is checked before it is trusted.
+    pub(crate) fn check_bounds(&self) -> Result<(), &'static str> {
+        let lengths = &self.document_lengths;
+        let length_of = |position: usize| {
+            let document = *self.order.get(position)?;
+            lengths.get(document as usize).copied()
+        };
+        if (0..self.order.len()).any(|position| length_of(position).is_none_or(|l| l == 0)) {
+            return Err("it visits a document that is out of range or empty");
+        }
+        let samples = self.config.num_samples;
+        if self.config.mode == SamplingMode::Truncated {
+            return match self.order.len() >= samples && self.start_positions.is_empty() {
+                true => Ok(()),
+                false => Err("it has too few documents for its samples"),
+            };
+        }
+        if samples == 0 {
+            return Ok(());
+        }
+        if self.start_positions.len() != samples || self.start_offsets.len() != samples {
+            return Err("it has too few sample starts");
+        }
+        // Starts in stream order, each inside its document; then every sample has its tokens
+        // once the last one has.
+        let mut previous = (0, 0);
+        for start in self.start_positions.iter().zip(&self.start_offsets) {
+            let (position, offset) = (*start.0, *start.1);
+            let inside = usize::try_from(position)
+                .ok()
+                .and_then(length_of)
+                .is_some_and(|length| offset < length);
+            if !inside || (position, offset) < previous {
+                return Err("a sample starts out of order or outside its document");
+            }
+            previous = (position, offset);
+        }
+        let (position, offset) = previous;
+        let left: u64 = self.order[position as usize..]
+            .iter()
+            .map(|&document| u64::from(lengths[document as usize]))
+            .sum();
+        if left - u64::from(offset) < u64::from(self.sample_length()) {
+            return Err("its documents end before its last sample");
+        }
+        Ok(())
+    }
+
     /// Number of samples.
     pub fn len(&self) -> usize {
         self.config.num_samples

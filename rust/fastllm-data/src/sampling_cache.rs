@@ -62,7 +62,7 @@ impl SamplingIndex {
     }
 
     /// Reads an index written by [`save`](Self::save), checking its format version, size, inputs
-    /// hash and payload checksum.
+    /// hash and payload checksum, and that no sample of it reads out of bounds.
     pub fn load(path: impl AsRef<Path>) -> Result<Self, DataError> {
         let path = path.as_ref();
         let bytes = fs::read(path).map_err(DataError::io(path))?;
@@ -114,6 +114,7 @@ impl SamplingIndex {
         if index.payload_checksum() != checksum {
             return Err(corrupt("checksum mismatch"));
         }
+        index.check_bounds().map_err(corrupt)?;
         Ok(index)
     }
 
@@ -199,4 +200,51 @@ fn read_le<T, const N: usize>(bytes: &[u8], from_bytes: impl Fn([u8; N]) -> T) -
         .chunks_exact(N)
         .map(|chunk| from_bytes(chunk.try_into().expect("chunks_exact yields N bytes")))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A cache whose content reads out of bounds, yet with a valid checksum (as anyone can
+    /// write one), is rebuilt, not trusted.
+    #[test]
+    fn a_cache_that_reads_out_of_bounds_is_rebuilt() {
+        let dir = tempfile::tempdir().unwrap();
+        let lengths: Vec<u32> = (0..30).map(|d| 1 + d % 9).collect();
+        for mode in [SamplingMode::Packed, SamplingMode::Truncated] {
+            let config = SamplingConfig {
+                sequence_length: 8,
+                num_samples: 20,
+                seed: 3,
+                mode,
+            };
+            let (built, _) = SamplingIndex::load_or_build(dir.path(), &lengths, config).unwrap();
+            let path = dir
+                .path()
+                .join(format!("sampling_{:016x}.bin", built.inputs_hash()));
+            let mut damages: Vec<fn(&mut SamplingIndex)> =
+                vec![|index| index.order[3] = 1000, |index| {
+                    index.order.truncate(index.order.len() / 2)
+                }];
+            if mode == SamplingMode::Packed {
+                damages.push(|index| index.start_offsets[5] = 10_000);
+                damages.push(|index| index.start_positions[19] = u64::MAX);
+                damages.push(|index| index.start_positions.swap(4, 12));
+            }
+            for damage in damages {
+                let mut damaged = built.clone();
+                damage(&mut damaged);
+                damaged.save(&path).unwrap();
+                assert!(matches!(
+                    SamplingIndex::load(&path),
+                    Err(DataError::CorruptCache { .. })
+                ));
+                let (index, status) =
+                    SamplingIndex::load_or_build(dir.path(), &lengths, config).unwrap();
+                assert_eq!(status, CacheStatus::Built);
+                assert!(index == built);
+            }
+        }
+    }
 }

@@ -180,18 +180,42 @@ impl<'a> TokenSlice<'a> {
         }
     }
 
-    /// The largest token, or `None` when there are none.
-    pub fn max(&self) -> Option<i64> {
-        fn largest<T: Copy + Ord + Into<i64>>(tokens: &[T]) -> Option<i64> {
-            tokens.iter().copied().max().map(Into::into)
+    /// The smallest and the largest token, or `None` when there are none.
+    pub fn min_max(&self) -> Option<(i64, i64)> {
+        fn bounds<T: Copy + Ord + Into<i64>>(tokens: &[T]) -> Option<(i64, i64)> {
+            let first = *tokens.first()?;
+            let (min, max) = tokens
+                .iter()
+                .fold((first, first), |(min, max), &t| (min.min(t), max.max(t)));
+            Some((min.into(), max.into()))
         }
         match self {
-            Self::U8(t) => largest(t),
-            Self::I8(t) => largest(t),
-            Self::I16(t) => largest(t),
-            Self::U16(t) => largest(t),
-            Self::I32(t) => largest(t),
-            Self::I64(t) => largest(t),
+            Self::U8(t) => bounds(t),
+            Self::I8(t) => bounds(t),
+            Self::I16(t) => bounds(t),
+            Self::U16(t) => bounds(t),
+            Self::I32(t) => bounds(t),
+            Self::I64(t) => bounds(t),
+        }
+    }
+
+    /// The position and value of the first token outside `0..vocab_size`, if any.
+    pub fn first_beyond(&self, vocab_size: u64) -> Option<(usize, i64)> {
+        fn find<T: Copy + Into<i64>>(tokens: &[T], vocab_size: u64) -> Option<(usize, i64)> {
+            // A negative id wraps to a huge u64: one comparison covers both ends.
+            tokens
+                .iter()
+                .map(|&t| t.into())
+                .enumerate()
+                .find(|&(_, t)| t as u64 >= vocab_size)
+        }
+        match self {
+            Self::U8(t) => find(t, vocab_size),
+            Self::I8(t) => find(t, vocab_size),
+            Self::I16(t) => find(t, vocab_size),
+            Self::U16(t) => find(t, vocab_size),
+            Self::I32(t) => find(t, vocab_size),
+            Self::I64(t) => find(t, vocab_size),
         }
     }
 

@@ -426,19 +426,19 @@ fn an_unfinished_write_leaves_no_index_behind() {
 }
 
 #[test]
-fn the_largest_token_id_is_scanned_once_then_read_from_the_cache() {
+fn the_token_range_is_scanned_once_then_read_from_the_cache() {
     let dir = tempfile::tempdir().unwrap();
     let prefix = dir.path().join("data");
     let cases = [
         (
             TokenDtype::U16,
             vec![vec![3, 65_535, 0], vec![], vec![9]],
-            Some(65_535),
+            Some((0, 65_535)),
         ),
         (
             TokenDtype::I32,
             vec![vec![-5, 70_000], vec![12]],
-            Some(70_000),
+            Some((-5, 70_000)),
         ),
         (TokenDtype::U8, vec![vec![], vec![]], None),
     ];
@@ -446,8 +446,8 @@ fn the_largest_token_id_is_scanned_once_then_read_from_the_cache() {
         let cache = dir.path().join(format!("cache-{i}"));
         write_dataset(&prefix, dtype, &documents);
         let dataset = IndexedDataset::open(&prefix).unwrap();
-        assert_eq!(dataset.all_tokens().max(), expected);
-        assert_eq!(dataset.cached_max_token_id(&cache).unwrap(), expected);
+        assert_eq!(dataset.all_tokens().min_max(), expected);
+        assert_eq!(dataset.cached_token_range(&cache).unwrap(), expected);
         let entries: Vec<PathBuf> = fs::read_dir(&cache)
             .unwrap()
             .map(|entry| entry.unwrap().path())
@@ -455,15 +455,50 @@ fn the_largest_token_id_is_scanned_once_then_read_from_the_cache() {
         let [entry] = &entries[..] else {
             panic!("one cache entry: {entries:?}")
         };
-        let text = expected.map_or("none".to_owned(), |id| id.to_string());
+        let text = expected.map_or("none".to_owned(), |(min, max)| format!("{min} {max}"));
         assert_eq!(fs::read_to_string(entry).unwrap(), format!("{text}\n"));
-        // A second call reads the cache, not `.bin`.
-        fs::write(entry, "41\n").unwrap();
-        assert_eq!(dataset.cached_max_token_id(&cache).unwrap(), Some(41));
+        // A second call reads the cache, not `.bin`; a garbled one is scanned again.
+        fs::write(entry, "1 41\n").unwrap();
+        assert_eq!(dataset.cached_token_range(&cache).unwrap(), Some((1, 41)));
+        fs::write(entry, "41 1\n").unwrap();
+        assert_eq!(dataset.cached_token_range(&cache).unwrap(), expected);
     }
     // The same path rewritten (another size) is scanned again.
     let cache = dir.path().join("cache-0");
     write_dataset(&prefix, TokenDtype::U16, &[vec![1, 2]]);
     let dataset = IndexedDataset::open(&prefix).unwrap();
-    assert_eq!(dataset.cached_max_token_id(&cache).unwrap(), Some(2));
+    assert_eq!(dataset.cached_token_range(&cache).unwrap(), Some((1, 2)));
+}
+
+#[test]
+fn an_id_outside_the_vocabulary_is_found_naming_its_document() {
+    let dir = tempfile::tempdir().unwrap();
+    let prefix = dir.path().join("data");
+    let cache = dir.path().join("cache");
+    for (documents, vocab_size, expected) in [
+        (vec![vec![1, 2], vec![], vec![4095]], 4096, None),
+        (
+            vec![vec![1, 2], vec![], vec![3, 60_000]],
+            4096,
+            Some((2, 60_000)),
+        ),
+        (vec![vec![1, -7], vec![9]], 4096, Some((0, -7))),
+    ] {
+        write_dataset(&prefix, TokenDtype::I32, &documents);
+        let dataset = IndexedDataset::open(&prefix).unwrap();
+        let found = match dataset.check_token_range(vocab_size, &cache) {
+            Ok(()) => None,
+            Err(DataError::BeyondVocabulary {
+                path,
+                document,
+                token,
+                vocab_size: size,
+            }) => {
+                assert_eq!((path, size), (dataset.bin_path().to_owned(), vocab_size));
+                Some((document, token))
+            }
+            Err(error) => panic!("{error}"),
+        };
+        assert_eq!(found, expected);
+    }
 }

@@ -75,6 +75,7 @@ fn character_spans_mask_the_tokens_of_their_text_through_sampling() {
         weights: None,
         cache_dir: dir.path().join("cache"),
         threads: 1,
+        vocab_size: None,
     };
     let source = SampleSource::new(vec![dataset], config, None).unwrap();
     let length = source.sample_length();

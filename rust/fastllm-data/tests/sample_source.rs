@@ -60,6 +60,7 @@ fn source_config(dir: &Path, num_samples: usize, mode: SamplingMode) -> SampleSo
         weights: None,
         cache_dir: dir.join("cache"),
         threads: 1,
+        vocab_size: None,
     }
 }
 
@@ -320,6 +321,7 @@ fn thread_count_does_not_change_the_output() {
         let config = SampleSourceConfig {
             sequence_length,
             threads,
+            vocab_size: None,
             ..source_config(dir.path(), 5000, SamplingMode::Packed)
         };
         let source = SampleSource::new(datasets, config, fim).unwrap();
@@ -395,4 +397,35 @@ fn out_of_range_samples_and_bad_buffers_are_errors() {
         ),
         Err(DataError::NoDatasets)
     ));
+}
+
+#[test]
+fn a_token_outside_the_vocabulary_fails_the_batch_naming_its_document() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut docs = documents(0, 40);
+    docs[17][1] = 60_000;
+    let prefix = write_dataset(dir.path(), "data", &docs, TokenDtype::U16);
+    for (vocab_size, fails) in [(60_001, false), (60_000, true), (4096, true)] {
+        let config = SampleSourceConfig {
+            vocab_size: Some(vocab_size),
+            ..source_config(dir.path(), 200, SamplingMode::Packed)
+        };
+        let source =
+            SampleSource::new(open_all(std::slice::from_ref(&prefix)), config, None).unwrap();
+        let error = fill(&source, 0, 200).err();
+        assert_eq!(error.is_some(), fails, "vocabulary of {vocab_size}");
+        if let Some(error) = error {
+            let DataError::BeyondVocabulary {
+                path,
+                document,
+                token,
+                ..
+            } = &error
+            else {
+                panic!("{error}")
+            };
+            assert_eq!((document, token), (&17, &60_000));
+            assert_eq!(path, &dir.path().join("data.bin"));
+        }
+    }
 }

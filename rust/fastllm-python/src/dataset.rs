@@ -40,10 +40,15 @@ impl TokenDataset {
         self.inner.dtype().to_string()
     }
 
-    /// The largest token id of the `.bin` file (None without tokens): one scan, cached in
-    /// `cache_dir` for later calls.
-    fn cached_max_token_id(&self, py: Python<'_>, cache_dir: PathBuf) -> PyResult<Option<i64>> {
-        py.detach(|| self.inner.cached_max_token_id(&cache_dir))
+    /// Raise TokenRangeError naming the first document with an id outside `0..vocab_size`:
+    /// the id range of the `.bin` file is scanned once, then read from `cache_dir`.
+    fn check_token_range(
+        &self,
+        py: Python<'_>,
+        vocab_size: u64,
+        cache_dir: PathBuf,
+    ) -> PyResult<()> {
+        py.detach(|| self.inner.check_token_range(vocab_size, &cache_dir))
             .map_err(data_error)
     }
 

@@ -37,5 +37,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(prepare::start_prepare, m)?)?;
     m.add_class::<samples::SampleSource>()?;
     m.add_class::<samples::FimOptions>()?;
+    m.add(
+        "TokenRangeError",
+        m.py().get_type::<errors::TokenRangeError>(),
+    )?;
     Ok(())
 }

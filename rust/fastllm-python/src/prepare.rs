@@ -51,10 +51,11 @@ fn train_on(name: &str) -> PyResult<TrainOn> {
     }
 }
 
+/// `OSError` when the machine could not write the output, `ValueError` for bad inputs or options.
 fn prepare_error(error: PrepareError) -> PyErr {
-    match error {
-        PrepareError::Io { .. } => PyOSError::new_err(error.to_string()),
-        _ => PyValueError::new_err(error.to_string()),
+    match error.is_write_failure() {
+        true => PyOSError::new_err(error.to_string()),
+        false => PyValueError::new_err(error.to_string()),
     }
 }
 
@@ -129,6 +130,12 @@ impl PrepareJob {
         counters.set_item("total_bytes", self.progress.total_bytes())?;
         counters.set_item("bad_records", self.progress.bad_records())?;
         Ok(counters)
+    }
+
+    /// What the job met that it leaves to the user, one line each (a staging directory of
+    /// another machine's run, which it may not remove).
+    fn warnings(&self) -> Vec<String> {
+        self.progress.warnings()
     }
 
     /// Ask the job to stop; it then fails, leaving no output behind.

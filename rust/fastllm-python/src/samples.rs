@@ -67,9 +67,10 @@ pub struct SampleSource {
 
 #[pymethods]
 impl SampleSource {
-    /// `prefixes`: the `.bin`/`.idx` prefixes of every dataset (shard) to draw from.
+    /// `prefixes`: the `.bin`/`.idx` prefixes of every dataset (shard) to draw from;
+    /// `vocab_size`: the model's, when every token filled in must lie below it.
     #[new]
-    #[pyo3(signature = (prefixes, *, sequence_length, num_samples, seed, truncate, weights, cache_dir, threads=0, fim=None, tokenizer=None))]
+    #[pyo3(signature = (prefixes, *, sequence_length, num_samples, seed, truncate, weights, cache_dir, threads=0, fim=None, tokenizer=None, vocab_size=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -83,6 +84,7 @@ impl SampleSource {
         threads: usize,
         fim: Option<FimOptions>,
         tokenizer: Option<PathBuf>,
+        vocab_size: Option<u64>,
     ) -> PyResult<Self> {
         let mode = if truncate {
             SamplingMode::Truncated
@@ -97,6 +99,7 @@ impl SampleSource {
             weights,
             cache_dir,
             threads,
+            vocab_size,
         };
         let inner = py.detach(|| -> Result<Source, PyErr> {
             let datasets = prefixes

@@ -95,7 +95,7 @@ pub fn prepare(
         train_on: options.train_on,
     };
 
-    let partial = PartialDir::create(&options.output)?;
+    let partial = PartialDir::create(&options.output, progress)?;
     let vocab_size = tokenizer.vocab_size() as u64;
     let dtype = TokenDtype::for_vocab_size(vocab_size);
     let workers = match options.workers {
@@ -183,12 +183,13 @@ fn copy_tokenizer_files(
     dataset: &Path,
 ) -> Result<(), PrepareError> {
     let json = tokenizer.json_path();
-    std::fs::copy(json, dataset.join("tokenizer.json")).map_err(PrepareError::io(json))?;
+    let copy = dataset.join("tokenizer.json");
+    std::fs::copy(json, &copy).map_err(PrepareError::io(&copy))?;
     let settings = json.with_file_name("tokenizer_config.json");
     let target = dataset.join("tokenizer_config.json");
     match template {
         None if settings.is_file() => {
-            std::fs::copy(&settings, &target).map_err(PrepareError::io(&settings))?;
+            std::fs::copy(&settings, &target).map_err(PrepareError::io(&target))?;
         }
         None => {}
         Some(template) => {

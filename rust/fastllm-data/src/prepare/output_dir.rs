@@ -1,5 +1,7 @@
 //! The output directory appears complete or not at all: everything is written into a hidden
-//! sibling, which is renamed into place once complete and removed on any failure.
+//! sibling (the staging directory), which is renamed into place once complete and removed on
+//! any failure. Staging directories of killed runs are removed by a later run that can tell
+//! their writer is gone; the output may be on storage shared by several machines.
 
 use std::ffi::OsStr;
 use std::fs;
@@ -8,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::metadata::METADATA_FILE;
+use super::progress::Progress;
 use crate::PrepareError;
 
 /// Numbers the partial directories of one process, so concurrent runs never share one.
@@ -39,6 +42,10 @@ pub(super) fn check_output(output: &Path, overwrite: bool) -> Result<(), Prepare
     Ok(())
 }
 
+/// Inside a staging directory: who writes it (host, boot, pid namespace, pid), so that only a
+/// run that can tell its writer is gone removes it. Taken out before the rename into place.
+const OWNER_FILE: &str = ".staging-owner.json";
+
 /// The hidden directory the output is written into; removed when dropped uncommitted.
 pub(super) struct PartialDir {
     path: PathBuf,
@@ -47,27 +54,36 @@ pub(super) struct PartialDir {
 }
 
 impl PartialDir {
-    /// Creates `.NAME.partial-PID-N` next to `output`, first removing those of processes that
-    /// are gone (killed runs: a partial dataset can be hundreds of MB).
-    pub fn create(output: &Path) -> Result<Self, PrepareError> {
-        let number = NEXT_PARTIAL.fetch_add(1, Ordering::Relaxed);
-        let path = sibling(output, &format!("partial-{}-{number}", std::process::id()))?;
-        let parent = path.parent().expect("a sibling has a parent");
+    /// Creates `.NAME.partial-PID-N` next to `output`, recording who writes it, after removing
+    /// those of this machine's runs that are gone (killed runs: a partial dataset can be
+    /// hundreds of MB) and reporting to `progress` those it cannot tell are gone.
+    pub fn create(output: &Path, progress: &Progress) -> Result<Self, PrepareError> {
+        let parent = parent_of(output);
         fs::create_dir_all(parent).map_err(PrepareError::io(parent))?;
-        remove_dead_partials(output)?;
-        if let Err(error) = fs::create_dir(&path) {
-            if error.kind() != io::ErrorKind::AlreadyExists {
-                return Err(PrepareError::io(&path)(error));
+        let owner = Owner::current();
+        clean_staging(output, owner.as_ref(), progress)?;
+        // A name in use belongs to another process with our pid (another pid namespace, or
+        // another machine on shared storage): take the next number, never its directory.
+        let path = loop {
+            let number = NEXT_PARTIAL.fetch_add(1, Ordering::Relaxed);
+            let path = sibling(output, &format!("partial-{}-{number}", std::process::id()))?;
+            match fs::create_dir(&path) {
+                Ok(()) => break path,
+                Err(error) if error.kind() == io::ErrorKind::AlreadyExists => continue,
+                Err(error) => return Err(PrepareError::io(&path)(error)),
             }
-            // Left by a dead process that had our process id.
-            fs::remove_dir_all(&path).map_err(PrepareError::io(&path))?;
-            fs::create_dir(&path).map_err(PrepareError::io(&path))?;
-        }
-        Ok(Self {
+        };
+        let partial = Self {
             path,
             output: output.to_owned(),
             committed: false,
-        })
+        };
+        if let Some(owner) = owner {
+            let record = partial.path.join(OWNER_FILE);
+            let text = serde_json::to_string(&owner).expect("an owner serializes");
+            fs::write(&record, text).map_err(PrepareError::io(&record))?;
+        }
+        Ok(partial)
     }
 
     pub fn path(&self) -> &Path {
@@ -78,6 +94,13 @@ impl PartialDir {
     /// now that the new one is complete.
     pub fn commit(mut self, overwrite: bool) -> Result<(), PrepareError> {
         check_output(&self.output, overwrite)?;
+        let record = self.path.join(OWNER_FILE);
+        match fs::remove_file(&record) {
+            Err(error) if error.kind() != io::ErrorKind::NotFound => {
+                return Err(PrepareError::io(&record)(error))
+            }
+            _ => {}
+        }
         let output = &self.output;
         if fs::symlink_metadata(output).is_ok() {
             let old = sibling(output, &format!("old-{}", std::process::id()))?;
@@ -107,10 +130,55 @@ impl Drop for PartialDir {
     }
 }
 
-/// Removes the `.NAME.partial-PID-N` siblings of `output` whose process no longer runs. A
-/// process id in use again by an unrelated process keeps its directory: better garbage than a
-/// live run's files lost. Only on Linux, where `/proc` says which processes run.
-fn remove_dead_partials(output: &Path) -> Result<(), PrepareError> {
+/// The process writing a staging directory. A pid means something only on its own machine
+/// (boot) and in its own pid namespace: a run elsewhere on shared storage, or in another
+/// container, cannot see that process in its `/proc`.
+#[derive(Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+struct Owner {
+    host: String,
+    boot_id: String,
+    pid_namespace: String,
+    pid: u32,
+}
+
+impl Owner {
+    /// This process; `None` where the system does not say (not Linux), and then no staging
+    /// directory is ever removed.
+    fn current() -> Option<Self> {
+        let read = |path: &str| Some(fs::read_to_string(path).ok()?.trim().to_owned());
+        Some(Self {
+            host: read("/proc/sys/kernel/hostname")?,
+            boot_id: read("/proc/sys/kernel/random/boot_id")?,
+            pid_namespace: fs::read_link("/proc/self/ns/pid")
+                .ok()?
+                .to_string_lossy()
+                .into_owned(),
+            pid: std::process::id(),
+        })
+    }
+
+    fn read(staging: &Path) -> Option<Self> {
+        serde_json::from_slice(&fs::read(staging.join(OWNER_FILE)).ok()?).ok()
+    }
+
+    /// Whether `self` ran where `me` runs, so that `/proc` tells whether it still does.
+    fn is_local_to(&self, me: &Self) -> bool {
+        (&self.host, &self.boot_id, &self.pid_namespace)
+            == (&me.host, &me.boot_id, &me.pid_namespace)
+    }
+}
+
+/// Removes the `.NAME.partial-*` siblings of `output` whose run is gone: recorded on this
+/// machine, in this pid namespace, by a process that no longer runs. A process id in use again
+/// by an unrelated process keeps its directory: better garbage than a live run's files lost.
+/// Those written elsewhere (another host or container), or without a record (a prepare older
+/// than the record, or one just starting), are kept and reported: no process table here says
+/// whether their run is over.
+fn clean_staging(
+    output: &Path,
+    me: Option<&Owner>,
+    progress: &Progress,
+) -> Result<(), PrepareError> {
     let (parent, Some(name)) = (parent_of(output), output.file_name()) else {
         return Ok(());
     };
@@ -120,22 +188,35 @@ fn remove_dead_partials(output: &Path) -> Result<(), PrepareError> {
     let prefix = prefix.as_encoded_bytes();
     for entry in fs::read_dir(parent).map_err(PrepareError::io(parent))? {
         let entry = entry.map_err(PrepareError::io(parent))?;
-        let file_name = entry.file_name();
-        let Some(rest) = file_name.as_encoded_bytes().strip_prefix(prefix) else {
+        if !entry.file_name().as_encoded_bytes().starts_with(prefix) {
             continue;
-        };
-        let pid = std::str::from_utf8(rest)
-            .ok()
-            .and_then(|rest| rest.split_once('-'))
-            .and_then(|(pid, _)| pid.parse::<u32>().ok());
-        if pid.is_some_and(|pid| pid != std::process::id() && !process_runs(pid)) {
-            let path = entry.path();
-            match fs::remove_dir_all(&path) {
-                // Another run of prepare removed it first.
-                Err(error) if error.kind() == io::ErrorKind::NotFound => {}
-                result => result.map_err(PrepareError::io(&path))?,
-            }
         }
+        let path = entry.path();
+        let owner = Owner::read(&path);
+        let kept = match (&owner, me) {
+            (Some(owner), Some(me)) if owner.is_local_to(me) => {
+                if owner.pid != me.pid && !process_runs(owner.pid) {
+                    match fs::remove_dir_all(&path) {
+                        // Another run of prepare removed it first.
+                        Err(error) if error.kind() == io::ErrorKind::NotFound => {}
+                        result => result.map_err(PrepareError::io(&path))?,
+                    }
+                }
+                continue;
+            }
+            (Some(owner), _) => format!(
+                "written by process {} on {} (boot {}, pid namespace {}), which this run \
+                 cannot see",
+                owner.pid, owner.host, owner.boot_id, owner.pid_namespace
+            ),
+            (None, _) => "it records no writer (a prepare older than this one's, or one just \
+                          starting)"
+                .to_owned(),
+        };
+        progress.warn(format!(
+            "{}: staging directory kept: {kept}; remove it once no prepare writes it",
+            path.display()
+        ));
     }
     Ok(())
 }

@@ -59,8 +59,18 @@ pub(super) struct EncodedDocuments {
 /// A document that does not fit the format; the writer reports it with the shard it would go in.
 #[derive(Clone, Copy, Debug)]
 pub(super) enum Unstorable {
-    TooLong { length: usize },
-    TokenOutOfRange { value: i64 },
+    TooLong {
+        length: usize,
+    },
+    TokenOutOfRange {
+        value: i64,
+    },
+    /// An id the tokenizer's own vocabulary does not have (a broken tokenizer): no model made
+    /// for that vocabulary could read it.
+    BeyondVocabulary {
+        token: u32,
+        vocab_size: u64,
+    },
 }
 
 impl EncodedDocuments {
@@ -75,19 +85,28 @@ impl EncodedDocuments {
         }
     }
 
-    /// Adds a document of `tokens`, of which the `masked` spans are not trained on.
+    /// Adds a document of `tokens`, of which the `masked` spans are not trained on; every id
+    /// must lie below `vocab_size`.
     pub fn push(
         &mut self,
         tokens: &[u32],
         masked: &[[u32; 2]],
         dtype: TokenDtype,
+        vocab_size: u64,
     ) -> Result<(), Unstorable> {
         let length = tokens.len();
         let length = i32::try_from(length).map_err(|_| Unstorable::TooLong { length })?;
+        let max_id = tokens.iter().copied().max().unwrap_or(0);
+        if !tokens.is_empty() && u64::from(max_id) >= vocab_size {
+            return Err(Unstorable::BeyondVocabulary {
+                token: max_id,
+                vocab_size,
+            });
+        }
         encode_tokens(dtype, tokens, &mut self.tokens)
             .map_err(|value| Unstorable::TokenOutOfRange { value })?;
         self.lengths.push(length);
-        self.max_ids.push(tokens.iter().copied().max().unwrap_or(0));
+        self.max_ids.push(max_id);
         self.span_counts.push(masked.len() as u32);
         self.spans.extend_from_slice(masked);
         let masked_tokens: u64 = masked.iter().map(|[b, e]| u64::from(e - b)).sum();
@@ -253,11 +272,12 @@ fn tokenize(
         }
         // Past an unstorable document only encoding errors matter: they fail the batch first.
         if tokenized.unstorable.is_none() {
-            if let Err(unstorable) =
-                tokenized
-                    .documents
-                    .push(&scratch.tokens, &scratch.masked, dtype)
-            {
+            if let Err(unstorable) = tokenized.documents.push(
+                &scratch.tokens,
+                &scratch.masked,
+                dtype,
+                encoder.tokenizer.vocab_size() as u64,
+            ) {
                 tokenized.unstorable = Some(unstorable);
             }
         }
@@ -300,6 +320,24 @@ fn sink_in_order(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_id_beyond_the_tokenizers_vocabulary_is_never_stored() {
+        let mut documents = EncodedDocuments::with_capacity(0, 0);
+        documents
+            .push(&[1, 599], &[], TokenDtype::U16, 600)
+            .unwrap();
+        let refused = documents.push(&[1, 600, 2], &[], TokenDtype::U16, 600);
+        assert!(matches!(
+            refused,
+            Err(Unstorable::BeyondVocabulary {
+                token: 600,
+                vocab_size: 600
+            })
+        ));
+        assert_eq!(documents.lengths, [2]);
+        assert_eq!(documents.tokens.len(), 4);
+    }
 
     #[test]
     fn small_inputs_are_cut_into_several_batches_per_worker() {

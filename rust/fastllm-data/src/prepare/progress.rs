@@ -1,4 +1,5 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Mutex;
 
 /// How far a running [`prepare`](crate::prepare) is, readable from any thread, and the switch
 /// that stops it.
@@ -10,6 +11,7 @@ pub struct Progress {
     total_bytes: AtomicU64,
     bad_records: AtomicU64,
     cancelled: AtomicBool,
+    warnings: Mutex<Vec<String>>,
 }
 
 impl Progress {
@@ -49,6 +51,15 @@ impl Progress {
 
     pub fn is_cancelled(&self) -> bool {
         self.cancelled.load(Ordering::Relaxed)
+    }
+
+    /// What the run met that it leaves to the user (a staging directory it may not remove).
+    pub fn warnings(&self) -> Vec<String> {
+        self.warnings.lock().expect("not poisoned").clone()
+    }
+
+    pub(super) fn warn(&self, warning: String) {
+        self.warnings.lock().expect("not poisoned").push(warning);
     }
 
     pub(super) fn set_total_bytes(&self, bytes: u64) {

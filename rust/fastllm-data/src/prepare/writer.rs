@@ -192,6 +192,12 @@ impl<'scope, 'env> DatasetWriter<'scope, 'env> {
                 value,
                 dtype: self.dtype,
             },
+            Unstorable::BeyondVocabulary { token, vocab_size } => DataError::BeyondVocabulary {
+                path,
+                document: shard.documents as usize,
+                token: token.into(),
+                vocab_size,
+            },
         })
     }
 
@@ -325,7 +331,7 @@ mod tests {
         let batch = |documents: &[Vec<u32>]| {
             let mut encoded = EncodedDocuments::with_capacity(0, 0);
             for document in documents {
-                encoded.push(document, &[], dtype).unwrap();
+                encoded.push(document, &[], dtype, u64::MAX).unwrap();
             }
             TokenizedBatch {
                 documents: encoded,
