@@ -49,12 +49,9 @@ class SampleStream:
         for i, path in enumerate(paths):
             try:
                 datasets.append(TokenDataset(path))
-                if vocab_size is not None:
-                    datasets[-1].check_token_range(vocab_size, cache_dir)
-            except _native.TokenRangeError as error:
-                raise ConfigError(f"{key}[{i}]", _beyond_vocabulary(error)) from None
             except (OSError, ValueError) as error:
                 raise ConfigError(f"{key}[{i}]", str(error)) from None
+            # The tokenizer its metadata names says why ids do not fit; the scan finds any id.
             tokens = datasets[-1].metadata.get("vocab_size")
             if vocab_size is not None and tokens is not None and tokens > vocab_size:
                 raise ConfigError(
@@ -62,6 +59,13 @@ class SampleStream:
                     f"{path} holds token ids up to {tokens - 1} (a {tokens}-token tokenizer) but "
                     f"model.base_model.vocab_size is {vocab_size}",
                 )
+            try:
+                if vocab_size is not None:
+                    datasets[-1].check_token_range(vocab_size, cache_dir)
+            except _native.TokenRangeError as error:
+                raise ConfigError(f"{key}[{i}]", _beyond_vocabulary(error)) from None
+            except (OSError, ValueError) as error:
+                raise ConfigError(f"{key}[{i}]", str(error)) from None
         for i, dataset in enumerate(datasets):
             _check_loss_spans(dataset, f"{key}[{i}]")
             if config.fim and dataset.has_loss_spans:
