@@ -22,6 +22,10 @@ TINY = ("-c", "examples/tiny.yaml")
             "than 2**40",
         ),
         ("batch.sequence_length=100000000", "batch.sequence_length: 100,000,000 tokens"),
+        (  # a step's program of ten million micro-batches ran the machine out of memory
+            "batch.batch_size=10000000 batch.micro_batch_size=1",
+            "batch.micro_batch_size: batch_size / micro_batch_size = 10,000,000 micro-batches",
+        ),
         ("training.train_iters=1000000000000", "training.train_iters: train_iters × batch_size"),
         ("training.validation.iterations=10000000000", "training.validation.iterations:"),
         ("model.base_model.transformer.num_layers=100000000", "model.base_model: 69,107,201,"),
@@ -29,7 +33,7 @@ TINY = ("-c", "examples/tiny.yaml")
     ],
 )
 def test_sizes_past_their_bounds_are_refused_with_the_bound(override: str, message: str) -> None:
-    result = fastllm("config", "validate", *TINY, override)
+    result = fastllm("config", "validate", *TINY, *override.split())
     assert result.returncode == 2
     assert message in result.stderr
     assert "Traceback" not in result.stderr

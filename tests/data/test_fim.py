@@ -143,3 +143,42 @@ def test_a_dataset_with_a_larger_vocabulary_than_the_fim_tokenizer_is_refused(
     (copy / "metadata.json").write_text(json.dumps(metadata))
     with pytest.raises(ConfigError, match=r"vocabulary of 100000 tokens but the FIM tokenizer"):
         stream(copy, tmp_path / "cache", FimConfig(rate=0.5, split="character"))
+
+
+def test_a_fim_tokenizer_larger_than_the_model_is_refused_naming_it(
+    dataset: Path, tmp_path: Path
+) -> None:
+    """The ids FIM inserts (its sentinels; with character splits any token it re-encodes)
+    never reach the batches' range check: the tokenizer must fit the model, also when the
+    dataset's ids do and its metadata records no vocabulary size."""
+    import json
+    import shutil
+
+    from tokenizers import Tokenizer
+
+    from fastllm.config import ConfigError
+    from fastllm.data import TokenDataset
+
+    copy = tmp_path / "unsized"
+    shutil.copytree(dataset, copy)
+    metadata = json.loads((copy / "metadata.json").read_text())
+    del metadata["vocab_size"]
+    (copy / "metadata.json").write_text(json.dumps(metadata))
+    tokenizer = Tokenizer.from_file(str(copy / "tokenizer.json"))
+    tokenizer.add_special_tokens(["<|beyond|>"])  # one id past every id of the documents
+    tokenizer.save(str(copy / "tokenizer.json"))
+    data = TokenDataset(copy)
+    fits = max(int(data[i].max()) for i in range(len(data))) + 1
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    assert fits < size
+    config = DataConfig(path=[str(copy)], fim=FimConfig(rate=0.5, split="character"))
+    with pytest.raises(ConfigError, match=rf"has {size} tokens but .*vocab_size is {fits}"):
+        SampleStream(
+            [str(copy)],
+            config,
+            sequence_length=LENGTH,
+            num_samples=COUNT,
+            seed=7,
+            cache_dir=tmp_path / "cache",
+            vocab_size=fits,
+        )

@@ -123,3 +123,24 @@ def test_a_full_disk_under_metrics_exits_1_naming_the_file(dataset: Path, tmp_pa
         == f"fastllm: error: cannot write {experiment / 'metrics.jsonl'}: No space left on device"
     )
     assert "Traceback" not in result.stderr
+
+
+def test_a_sampling_index_beyond_the_memory_exits_1_in_one_line(
+    dataset: Path, tmp_path: Path
+) -> None:
+    """Ten billion sequences a step (in 10,000 micro-batches) pass the size bounds, but their
+    sampling index does not fit this machine: one line and 1, not an abort in the Rust
+    allocator (134)."""
+    result = run_cli(
+        *train_arguments(
+            dataset,
+            tmp_path / "run",
+            "training.train_iters=1",
+            "training.validation.iterations=1",
+            "batch.batch_size=10000000000",
+            "batch.micro_batch_size=1000000",
+        )
+    )
+    assert result.returncode == 1, result.stderr
+    assert "data.path: the sampling index of 10,000,000,000 samples needs about" in result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1

@@ -17,9 +17,15 @@ MAX_SEQUENCE_LENGTH = 2**24
 a whole run stay below 2**60, in a signed 64-bit integer wherever they are counted."""
 MAX_TOKENS_PER_BATCH = 2**40
 """A step's tokens (the largest runs take about 2**24): its token ids alone would take 8 TiB."""
+INDEX_BYTES_PER_SAMPLE = 32
+"""An upper estimate of the sampling index's memory per sequence: its start and offset (12
+bytes), its dataset and place in the blend (12) and its share of the document order."""
 MAX_SAMPLES = 2**36
 """Sequences the run draws, training or validation (15T tokens at 8k per sequence are about
-2**31): the sampling index holds 16 bytes per sequence, 1 TiB at this bound."""
+2**31): their sampling index would take 2 TiB at this bound."""
+MAX_MICRO_BATCHES = 2**20
+"""Micro-batches a step accumulates on one rank (batch_size / micro_batch_size; the largest
+runs accumulate about 2**7): the step's program holds a few ops for each."""
 MAX_PARAMETERS = 2**42
 """4.4 trillion parameters: their AdamW state alone (16 bytes each) would take 64 TiB."""
 
@@ -41,6 +47,14 @@ def check_bounds(config: TrainerConfig) -> None:
         MAX_TOKENS_PER_BATCH,
         "8 TiB of token ids per step at the bound",
     )
+    micro_batches = batch.batch_size // (batch.micro_batch_size or batch.batch_size)
+    _at_most(
+        "batch.micro_batch_size",
+        f"batch_size / micro_batch_size = {micro_batches:,} micro-batches a step",
+        micro_batches,
+        MAX_MICRO_BATCHES,
+        "the step's program holds a few ops for each micro-batch",
+    )
     for key, steps in (
         ("training.train_iters", training.train_iters),
         ("training.validation.iterations", training.validation.iterations),
@@ -50,7 +64,8 @@ def check_bounds(config: TrainerConfig) -> None:
             f"{key.rsplit('.', 1)[1]} × batch_size = {steps * batch.batch_size:,} sequences",
             steps * batch.batch_size,
             MAX_SAMPLES,
-            "the sampling index takes 16 bytes per sequence: 1 TiB at the bound",
+            f"the sampling index takes up to {INDEX_BYTES_PER_SAMPLE} bytes per sequence: "
+            "2 TiB at the bound",
         )
     parameters = config.model.base_model.num_parameters()
     _at_most(

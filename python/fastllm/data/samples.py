@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 
 from fastllm import _native
-from fastllm.config import ConfigError
+from fastllm.config import ConfigError, MachineError
+from fastllm.config.bounds import INDEX_BYTES_PER_SAMPLE
 from fastllm.config.data import DataConfig, FimConfig
 from fastllm.data.dataset import TokenDataset
 
@@ -25,6 +26,31 @@ class Samples:
         np.ndarray
     )  # (count, sample_length) int32, index of the document within the sample
     loss_mask: np.ndarray  # (count, sample_length) uint8, 0 on padding and masked tokens
+
+
+def check_index_fits(num_samples: int, key: str) -> None:
+    """`MachineError` when the sampling index of `num_samples` cannot fit this machine's available
+    memory: refused here in one line, not as an abort inside the Rust allocator."""
+    need = num_samples * INDEX_BYTES_PER_SAMPLE
+    available = available_memory()
+    if available is not None and need > available:
+        raise MachineError(
+            f"{key}: the sampling index of {num_samples:,} samples needs about "
+            f"{need / 2**30:,.1f} GiB, more than the {available / 2**30:,.1f} GiB of memory "
+            "available (training.train_iters × batch.batch_size samples)"
+        )
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to a new allocation (Linux's MemAvailable); None elsewhere."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 class SampleStream:
@@ -45,6 +71,7 @@ class SampleStream:
         token id outside it, is refused (before sampling, and again in every batch read)."""
         if not paths:
             raise ConfigError(key, "no dataset given")
+        check_index_fits(num_samples, key)
         datasets = []
         for i, path in enumerate(paths):
             try:
@@ -76,7 +103,9 @@ class SampleStream:
                 )
         prefixes = [prefix for dataset in datasets for prefix in dataset.prefixes]
         shard_weights = _shard_weights(datasets, weights)
-        fim, tokenizer = _fim_options(config.fim, datasets, key) if config.fim else (None, None)
+        fim, tokenizer = (
+            _fim_options(config.fim, datasets, key, vocab_size) if config.fim else (None, None)
+        )
         self.datasets = datasets
         self.key = key
         try:  # a weight of 0 or an empty dataset in the blend, found while building the index
@@ -152,10 +181,12 @@ def _shard_weights(datasets: list[TokenDataset], weights: list[float] | None) ->
 
 
 def _fim_options(
-    config: FimConfig, datasets: list[TokenDataset], key: str
+    config: FimConfig, datasets: list[TokenDataset], key: str, vocab_size: int | None
 ) -> tuple[object, str | None]:
     """FIM applies the first dataset's tokenizer to the whole blend: the others must have
-    been made with the same one."""
+    been made with the same one. The ids it inserts (its special tokens, and with character
+    splits any token of the tokenizer) must fit the model's `vocab_size`: the batches' range
+    check covers the ids copied from documents only."""
     from tokenizers import Tokenizer
 
     dataset = datasets[0]
@@ -167,6 +198,13 @@ def _fim_options(
             "data.fim", f"{dataset.path}: its tokenizer.json is needed for the FIM tokens"
         )
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    if vocab_size is not None and size > vocab_size:
+        raise ConfigError(
+            "data.fim",
+            f"the FIM tokenizer {tokenizer_file} has {size} tokens but "
+            f"model.base_model.vocab_size is {vocab_size}",
+        )
     digest = dataset.metadata.get("tokenizer", {}).get("sha256")
     for i, other in enumerate(datasets):
         vocab_size = other.metadata.get("vocab_size")
