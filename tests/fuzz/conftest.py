@@ -13,7 +13,7 @@ import pytest
 from hypothesis import settings
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from tests.data.conftest import run_cli, write_jsonl
+from tests.data.conftest import prepare, run_cli, write_jsonl
 
 SOURCES = Path(__file__).resolve().parents[2] / "python" / "fastllm" / "config"
 
@@ -51,14 +51,8 @@ def small_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tokenizer.train_from_iterator(texts, trainer)
     (root / "tokenizer").mkdir()
     tokenizer.save(str(root / "tokenizer" / "tokenizer.json"))
-    result = run_cli(
-        "prepare",
-        f"input.path={write_jsonl(root / 'documents.jsonl', texts)}",
-        f"tokenizer.path={root / 'tokenizer'}",
-        f"output.path={root / 'dataset'}",
-    )
-    assert result.returncode == 0, result.stderr
-    return root / "dataset"
+    inputs = write_jsonl(root / "documents.jsonl", texts)
+    return prepare(inputs, root / "tokenizer", root / "dataset")
 
 
 @pytest.fixture(scope="session")

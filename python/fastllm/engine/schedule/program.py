@@ -329,9 +329,15 @@ def check_deadlock_free(programs: Sequence[Program]) -> None:
         if all(position[r] == len(p.ops) for r, p in enumerate(programs)):
             return
         if not moved:
-            stuck = [
-                f"rank {r} at {p.ops[position[r]]}"
-                for r, p in enumerate(programs)
-                if position[r] < len(p.ops)
-            ]
-            raise ScheduleError(f"the pipeline schedule would deadlock: {'; '.join(stuck)}")
+            raise ScheduleError(
+                f"the pipeline schedule would deadlock: {waiting_ops(programs, position)}"
+            )
+
+
+def waiting_ops(programs: Sequence[Program], position: Sequence[int]) -> str:
+    """Where each unfinished rank's program waits (`position`: each rank's next op)."""
+    return "; ".join(
+        f"rank {r} at {p.ops[position[r]]}"
+        for r, p in enumerate(programs)
+        if position[r] < len(p.ops)
+    )

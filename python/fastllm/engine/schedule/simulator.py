@@ -24,7 +24,7 @@ import msgspec
 from fastllm.config import TrainerConfig
 from fastllm.config.flops import flops_per_token
 from fastllm.config.layout import StepShape, resolve
-from fastllm.engine.schedule.program import Program, Step, build_programs
+from fastllm.engine.schedule.program import Program, Step, build_programs, waiting_ops
 from fastllm.engine.stages import stages_read
 
 EFFECTIVE_TFLOPS = 550.0
@@ -220,12 +220,9 @@ def simulate(shape: StepShape, programs: Sequence[Program], costs: CostModel) ->
                 position[rank] += 1
                 progressed = True
         if not progressed:
-            stuck = [
-                f"rank {r} at {p.ops[position[r]]}"
-                for r, p in enumerate(programs)
-                if position[r] < len(p.ops)
-            ]
-            raise RuntimeError(f"the simulated programs wait on each other: {'; '.join(stuck)}")
+            raise RuntimeError(
+                f"the simulated programs wait on each other: {waiting_ops(programs, position)}"
+            )
     for rank in range(ranks):
         transfers = [free for pair, free in link.items() if rank in pair]
         end = max(compute[rank], data[rank], *transfers)
