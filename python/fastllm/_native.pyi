@@ -5,7 +5,7 @@ Type checkers and editors read this file; tests/test_native_stubs.py keeps it eq
 """
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TypeAlias, TypedDict
 
 import numpy as np
@@ -21,6 +21,9 @@ def version() -> str:
 
 class TokenRangeError(ValueError):
     """A dataset holds a token id outside the model's vocabulary."""
+
+class Cancelled(Exception):
+    """Work stopped at the caller's request before it finished; it left nothing behind."""
 
 class TokenDataset:
     """A memory-mapped Megatron indexed dataset (`prefix.bin` + `prefix.idx`)."""
@@ -89,11 +92,14 @@ class SampleSource:
         fim: FimOptions | None = None,
         tokenizer: _Path | None = None,
         vocab_size: int | None = None,
+        stop: Callable[[], bool] | None = None,
     ) -> None:
         """`prefixes`: the `.bin`/`.idx` prefixes of every dataset (shard) to draw from;
         `truncate` cuts documents at sample boundaries instead of packing them; `threads` 0: all
         cores; `tokenizer`: the datasets' tokenizer.json, for character-level FIM; `vocab_size`:
-        the model's, when every token filled in must lie below it (else TokenRangeError)."""
+        the model's, when every token filled in must lie below it (else TokenRangeError);
+        `stop`: asked every 50 ms while the indices are built, after Python's signal handlers
+        ran: once it returns true the build stops with `Cancelled`, caching nothing."""
 
     def __len__(self) -> int: ...
     @property

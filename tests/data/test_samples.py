@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import random
 import shutil
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import torch
 from fastllm.config import ConfigError
 from fastllm.config.data import DataConfig
 from fastllm.data import DataLoader, Samples, SampleStream, TokenDataset
+from fastllm.data.errors import BuildStopped
 from tests.data.conftest import TrainedTokenizer, prepare, run_cli, write_jsonl
 from tests.data.megatron import read_dataset
 
@@ -322,3 +324,22 @@ def test_an_invalid_metadata_json_is_refused_naming_the_file(dataset: Path, tmp_
         with pytest.raises(ConfigError) as raised:
             stream(damaged, tmp_path / "cache", sequence_length=32, num_samples=4)
         assert f"{damaged / 'metadata.json'}: invalid metadata" in str(raised.value)
+
+
+def test_a_stop_asked_for_during_the_index_build_ends_it_within_its_first_tenth(
+    dataset: Path, tmp_path: Path
+) -> None:
+    # 60M packed samples take seconds to index; the stop is asked for on the third look
+    # (about 100 ms in) and must end the build long before it would have finished.
+    looks = []
+    started = time.monotonic()
+    with pytest.raises(BuildStopped):
+        stream(
+            dataset, tmp_path / "cache", sequence_length=48, num_samples=60_000_000,
+            stop=lambda: looks.append(time.monotonic()) or len(looks) >= 3,
+        )  # fmt: skip
+    assert time.monotonic() - looks[-1] < 0.1, "stopped at once"
+    assert time.monotonic() - started < 1.0
+    assert not list((tmp_path / "cache").glob("sampling_*")), "no index was cached"
+    built = stream(dataset, tmp_path / "cache", sequence_length=48, num_samples=1000, stop=list)
+    assert len(built) == 1000, "a build that was not stopped is whole"

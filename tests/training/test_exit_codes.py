@@ -12,9 +12,15 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+import torch
+
+from fastllm.checkpoint.safetensors_io import ShardedWriter
+from fastllm.training.trainer import Stopped
 from tests.conftest import ROOT
 from tests.data.conftest import run_cli
 from tests.training.conftest import train_arguments
+from tests.training.test_training_options import trainer
 
 LONG = "training.train_iters=100000"
 
@@ -72,6 +78,34 @@ def test_sigterm_during_a_long_validation_stops_within_seconds(
     assert time.monotonic() - sent < 30
     assert process.returncode == 143, err
     assert committed_steps(experiment) == [2]
+
+
+def test_sigterm_while_the_sampling_index_is_built_exits_143_within_seconds(
+    dataset: Path, tmp_path: Path
+) -> None:
+    # 120M samples take 5 s and more to index; the signal comes just after the model is
+    # built, while the index is being built, and stops it within about 50 ms (then the
+    # process exits, which takes most of a second).
+    experiment = tmp_path / "run"
+    arguments = train_arguments(dataset, experiment, "training.train_iters=30000000")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "fastllm.cli", *arguments],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert process.stdout is not None
+    described = process.stdout.readline()  # the model, printed before the index is built
+    assert "parameters" in described, process.communicate()
+    time.sleep(0.3)
+    process.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    try:
+        out, err = process.communicate(timeout=30)
+    finally:
+        process.kill()
+    assert process.returncode == 143, err
+    assert time.monotonic() - sent < 2.5
+    assert "stopped by SIGTERM at step 0; nothing new to save" in out, out
+    assert not list(experiment.glob("cache/sampling/sampling_*")), "no index was cached"
 
 
 def test_sigterm_to_every_rank_of_torchrun_exits_143_without_a_traceback(
@@ -144,3 +178,29 @@ def test_a_sampling_index_beyond_the_memory_exits_1_in_one_line(
     assert result.returncode == 1, result.stderr
     assert "data.path: the sampling index of 10,000,000,000 samples needs about" in result.stderr
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_signal_during_an_export_abandons_it_and_checkpoints_the_step(
+    dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The signal lands while the first tensor is written (a 7B model's export takes minutes):
+    # the export stops before its next tensor, leaves nothing, and the step is checkpointed.
+    experiment = tmp_path / "run"
+    run = trainer(
+        dataset, experiment, LONG, "training.export.interval=1", "training.export.format=starcoder2"
+    )
+    add = ShardedWriter.add
+    written = []
+
+    def add_then_signal(writer: ShardedWriter, name: str, tensor: torch.Tensor) -> None:
+        add(writer, name, tensor)
+        written.append(name)
+        if len(written) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(ShardedWriter, "add", add_then_signal)
+    stopped = run.fit()
+    assert stopped == Stopped(signal.SIGTERM, 1)
+    assert len(written) == 1, "no tensor written after the signal"
+    assert list((experiment / "export").iterdir()) == []
+    assert committed_steps(experiment) == [1]

@@ -3,6 +3,7 @@ validation dataset that cannot be read) stops `fastllm train` before its first s
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from tests.data.conftest import run_cli
@@ -46,3 +47,37 @@ def test_train_refuses_an_unreadable_validation_dataset_before_its_first_step(
     )
     metrics = experiment / "metrics.jsonl"
     assert not metrics.exists() or not metrics.read_text().strip(), "refused before step 1"
+
+
+def test_a_malformed_tokenizer_config_is_refused_before_training_when_exporting_to_hf(
+    dataset: Path, tmp_path: Path
+) -> None:
+    # The export reads the dataset's tokenizer_config.json for bos/eos ids: hours in, a
+    # traceback; now refused at start naming the file.
+    copy = tmp_path / "data"
+    shutil.copytree(dataset, copy)
+    (copy / "tokenizer_config.json").write_text("{not json")
+    result = run_cli(
+        *train_arguments(
+            copy, tmp_path / "run", "training.train_iters=2",
+            "training.export.interval=2", "training.export.format=starcoder2",
+        )
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith(
+        f"fastllm: error: data.path[0]: {copy / 'tokenizer_config.json'}: Expecting"
+    ), result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_cadences_the_run_never_reaches_are_warned_about(dataset: Path, tmp_path: Path) -> None:
+    result = run_cli(
+        *train_arguments(
+            dataset, tmp_path / "run", "training.train_iters=2", "training.export.interval=5"
+        )
+    )
+    assert result.returncode == 0, result.stderr
+    assert (
+        "fastllm: warning: training.export.interval is 5, past training.train_iters (2): "
+        "no export is written"
+    ) in result.stderr

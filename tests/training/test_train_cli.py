@@ -238,6 +238,7 @@ def test_a_bfloat16_export_holds_the_fp32_masters(dataset: Path, tmp_path: Path)
         shard.master_low is not None for shard in run.engine.stages.dense.buffers.shards.values()
     )
     state.export(run, tmp_path / "export", "distributed")
+    run.wait_for_checkpoints()  # written in the background, as checkpoints are
     exported = dict(fastllm.load_model(tmp_path / "export").named_parameters())
     buffers = run.engine.stages.dense.buffers
     for index, name in enumerate(buffers.names):

@@ -17,3 +17,8 @@ class CheckpointWriteError(MachineError):
         super().__init__(f"cannot write {directory}: {reason}")
         self.directory = directory
         self.reason = reason
+
+
+class WriteStopped(Exception):
+    """Writing a model was stopped at the caller's request (a training run's stop signal)
+    between two tensors; the caller removes what was written."""

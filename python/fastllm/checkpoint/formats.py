@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ from torch import Tensor
 
 from fastllm.checkpoint.architectures import ARCHITECTURES
 from fastllm.checkpoint.distributed import MANIFEST, SavedCheckpoint
+from fastllm.checkpoint.errors import WriteStopped
 from fastllm.checkpoint.hf_config import from_hf_config, to_hf_config
 from fastllm.checkpoint.hf_weights import rules
 from fastllm.checkpoint.safetensors_io import SafetensorsReader, ShardedWriter
@@ -175,6 +176,15 @@ def _json_object(path: Path) -> dict[str, Any]:
     return value
 
 
+def _until_stopped(
+    tensors: Iterator[tuple[str, Tensor]], stop: Callable[[], bool]
+) -> Iterator[tuple[str, Tensor]]:
+    for name, tensor in tensors:
+        if stop():
+            raise WriteStopped(f"stopped before writing {name}")
+        yield name, tensor
+
+
 def write_model(
     source: ModelSource,
     output: Path,
@@ -182,10 +192,12 @@ def write_model(
     *,
     dtype: Any = None,
     shard_bytes: int = 4 * 2**30,
+    stop: Callable[[], bool] | None = None,
 ) -> None:
     """Write `source` to the new directory `output` in `output_format`, streaming tensors.
     What can be refused (the format, the source's tensors) is checked before `output` is
-    made."""
+    made. `stop` is asked before each tensor: once it returns true, `WriteStopped` is raised
+    and `output` is left incomplete for the caller to remove."""
     if output_format != "fastllm" and output_format not in ARCHITECTURES:
         raise ConfigError("output.format", f"unknown format {output_format!r}")
     hf_config = None
@@ -195,6 +207,8 @@ def write_model(
             if hf_config.get(key) is None or key not in (source.hf_config or {}):
                 hf_config[key] = value
     tensors = source.tensors()
+    if stop is not None:
+        tensors = _until_stopped(tensors, stop)
     output.mkdir(parents=True)
     writer = ShardedWriter(output, shard_bytes)
     if hf_config is None:
@@ -216,17 +230,26 @@ def write_model(
     copy_tokenizer_files(source.directory, output)
 
 
-def special_token_ids(directory: Path) -> dict[str, int | None]:
+def special_token_ids(directory: Path, key: str = "input.path") -> dict[str, int | None]:
     """bos/eos ids for a Hugging Face config.json, from the tokenizer files in `directory`
-    (None where unknown, so that transformers' defaults of another vocabulary never apply)."""
+    (None where unknown, so that transformers' defaults of another vocabulary never apply).
+    `ConfigError` under `key` naming the file that cannot be read."""
     ids: dict[str, int | None] = {"bos_token_id": None, "eos_token_id": None}
     settings, vocabulary = directory / "tokenizer_config.json", directory / "tokenizer.json"
     if not (settings.is_file() and vocabulary.is_file()):
         return ids
     from tokenizers import Tokenizer
 
-    tokenizer = Tokenizer.from_file(str(vocabulary))
-    config = json.loads(settings.read_text())
+    try:
+        tokenizer = Tokenizer.from_file(str(vocabulary))
+    except Exception as error:  # the tokenizers crate raises a bare Exception
+        raise ConfigError(key, f"{vocabulary}: not a tokenizer ({str(error)[:200]})") from None
+    try:
+        config = json.loads(settings.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ConfigError(key, f"{settings}: {error}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(key, f"{settings}: not a JSON object")
     for name in ("bos", "eos"):
         token = config.get(f"{name}_token")
         if isinstance(token, dict):

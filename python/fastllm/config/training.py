@@ -169,3 +169,22 @@ class OptimizerConfig(Section):
                 raise ConfigError(key, f"must be in [0, 1), got {getattr(self, key)}")
         check_positive(self.epsilon, "epsilon")
         check_positive(self.gradient_norm_clipping, "gradient_norm_clipping")
+
+
+def unreached_cadences(training: TrainingConfig) -> list[str]:
+    """One line for each cadence that the run ends before reaching (a likely mistake: an
+    export every 2000 steps of a 1000-step run writes none)."""
+    cadences = [
+        ("training.export.interval", training.export.interval, "no export is written"),
+        ("training.validation.interval", training.validation.interval, "nothing is validated"),
+        ("training.profile.step", training.profile.step, "nothing is profiled"),
+    ]
+    if not training.checkpoint.at_end:
+        cadences.append(
+            ("training.checkpoint.interval", training.checkpoint.interval, "none is written")
+        )
+    return [
+        f"{key} is {value}, past training.train_iters ({training.train_iters}): {outcome}"
+        for key, value, outcome in cadences
+        if value is not None and value > training.train_iters > 0
+    ]

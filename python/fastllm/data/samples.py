@@ -5,6 +5,7 @@ splits and resumes exact."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from fastllm.config import ConfigError, MachineError
 from fastllm.config.bounds import INDEX_BYTES_PER_SAMPLE
 from fastllm.config.data import DataConfig, FimConfig
 from fastllm.data.dataset import TokenDataset
+from fastllm.data.errors import BuildStopped
 
 
 @dataclass
@@ -66,9 +68,12 @@ class SampleStream:
         weights: list[float] | None = None,
         key: str = "data.path",
         vocab_size: int | None = None,
+        stop: Callable[[], bool] | None = None,
     ) -> None:
         """`vocab_size`: the model's; a dataset whose tokenizer has more tokens, or that holds a
-        token id outside it, is refused (before sampling, and again in every batch read)."""
+        token id outside it, is refused (before sampling, and again in every batch read).
+        `stop`: asked every 50 ms while the sampling indices are built (a minute and more for
+        a long run's); once it returns true the build ends with `BuildStopped`."""
         if not paths:
             raise ConfigError(key, "no dataset given")
         check_index_fits(num_samples, key)
@@ -121,7 +126,10 @@ class SampleStream:
                 fim=fim,
                 tokenizer=tokenizer,
                 vocab_size=vocab_size,
+                stop=stop,
             )
+        except _native.Cancelled:
+            raise BuildStopped(key) from None
         except ValueError as error:
             raise ConfigError(key, str(error)) from None
         self.sample_length = self._source.sample_length

@@ -51,3 +51,8 @@ def check_inputs(config: TrainerConfig) -> None:
             "training.validation.interval", "is set but data.validation_path is empty"
         )
     resolve(config, int(os.environ.get("WORLD_SIZE", "1")))
+    export = config.training.export
+    if export.interval and export.format != "distributed":  # read at the first export
+        from fastllm.checkpoint.formats import special_token_ids
+
+        special_token_ids(Path(config.data.path[0]), "data.path[0]")

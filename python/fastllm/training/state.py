@@ -4,7 +4,9 @@ engine's state (`engine.checkpointing` converts it), and the newest checkpoint r
 from __future__ import annotations
 
 import shutil
+import signal
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -13,7 +15,7 @@ import torch.distributed as dist
 
 from fastllm.checkpoint.compatibility import check_resume
 from fastllm.checkpoint.distributed import SavedCheckpoint, Snapshot
-from fastllm.checkpoint.errors import CheckpointWriteError
+from fastllm.checkpoint.errors import CheckpointWriteError, WriteStopped
 from fastllm.checkpoint.formats import ModelSource, copy_tokenizer_files, write_model
 from fastllm.checkpoint.saver import PARTIAL_SUFFIX, latest
 from fastllm.config.resume_changes import resume_warning
@@ -61,17 +63,25 @@ def _checked(trainer: Trainer, directory: Path, manifest: dict | None = None) ->
     return saved
 
 
-def export(trainer: Trainer, directory: Path, output_format: str) -> None:
-    """Write the model weights: `distributed` (fp32 shards, every rank), else rank 0 writes the
-    whole model in that format (fastllm or a Hugging Face architecture). Nothing when the
-    directory exists (a resumed run's earlier export): rank 0 decides for every rank, since it
-    may have written the directory before another rank looks (which then skipped the export's
-    collectives while rank 0 waited in them)."""
+def export(
+    trainer: Trainer,
+    directory: Path,
+    output_format: str,
+    stop: Callable[[], signal.Signals | None] | None = None,
+) -> signal.Signals | None:
+    """Write the model weights: `distributed` (fp32 shards, every rank, in the background like a
+    checkpoint), else rank 0 writes the whole model in that format (fastllm or a Hugging Face
+    architecture), asking `stop` (its signal, if it got one) before each tensor. Returns the
+    signal that stopped the export, on every rank; the partial export is then removed.
+
+    Nothing when the directory exists (a resumed run's earlier export): rank 0 decides for every
+    rank, since it may have written the directory before another rank looks (which then
+    skipped the export's collectives while rank 0 waited in them)."""
     exists = [directory.exists()]
     if trainer.distributed.world_size > 1:
         dist.broadcast_object_list(exists, src=0)
     if exists[0]:
-        return
+        return None
     dataset = Path(trainer.config.data.path[0])  # its tokenizer files travel with the weights
     if output_format == "distributed":
         snapshot = Snapshot(
@@ -85,8 +95,7 @@ def export(trainer: Trainer, directory: Path, output_format: str) -> None:
             directory,
             before_commit=lambda partial: copy_tokenizer_files(dataset, partial),
         )
-        trainer.checkpoints.wait()
-        return
+        return None
     # Every rank takes part (tensor slices are gathered, ZeRO-3 gathers each stage); rank 0
     # keeps the copies.
     main = trainer.distributed.is_main
@@ -96,19 +105,25 @@ def export(trainer: Trainer, directory: Path, output_format: str) -> None:
         if main
     }
     failure: str | None = None
+    stopped: signal.Signals | None = None
     if main:
         source = ModelSource(dataset, "fastllm", trainer.config.model.base_model, loaded=tensors)
         partial = directory.with_name(f".{directory.name}{PARTIAL_SUFFIX}")
         shutil.rmtree(partial, ignore_errors=True)
+        asked = None if stop is None else lambda: stop() is not None
         try:
-            write_model(source, partial, output_format)
+            write_model(source, partial, output_format, stop=asked)
             partial.rename(directory)
+        except WriteStopped:
+            shutil.rmtree(partial, ignore_errors=True)
+            stopped = stop() if stop is not None else None
         except OSError as error:  # disk full, …: every rank stops, as for a checkpoint
             shutil.rmtree(partial, ignore_errors=True)
             failure = str(error)
     if trainer.distributed.world_size > 1:  # also holds the other ranks until it is written
-        message = [failure]
+        message = [(failure, stopped)]
         dist.broadcast_object_list(message, src=0)
-        failure = message[0]
+        failure, stopped = message[0]
     if failure is not None:
         raise CheckpointWriteError(directory, failure)
+    return stopped

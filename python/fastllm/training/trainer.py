@@ -21,6 +21,7 @@ from fastllm.checkpoint.saver import CheckpointSaver, remove_partials
 from fastllm.config import ConfigError, MachineError, TrainerConfig
 from fastllm.config.flops import flops_per_token
 from fastllm.data import DataLoader, SampleStream
+from fastllm.data.errors import BuildStopped
 from fastllm.engine.build import build
 from fastllm.engine.engine import Engine
 from fastllm.parallel.process_group import Distributed
@@ -64,7 +65,14 @@ class Trainer:
 
     # --- data ---------------------------------------------------------------------------------
 
-    def sample_stream(self, paths: list[str], num_samples: int, key: str) -> SampleStream:
+    def sample_stream(
+        self,
+        paths: list[str],
+        num_samples: int,
+        key: str,
+        stop: Callable[[], bool] | None = None,
+    ) -> SampleStream:
+        """The samples of `paths`; `stop` ends the building of its indices (`BuildStopped`)."""
         data = self.config.data
         cache = data.cache_dir or str(self.experiment_dir / "cache" / "sampling")
         return SampleStream(
@@ -77,14 +85,17 @@ class Trainer:
             weights=data.weights if key == "data.path" else None,
             key=key,
             vocab_size=self.config.model.base_model.vocab_size,
+            stop=stop,
         )
 
-    def data_loader(self) -> DataLoader:
-        """Training batches from the current data position to the end of training."""
+    def data_loader(self, stop: Callable[[], bool] | None = None) -> DataLoader:
+        """Training batches from the current data position to the end of training; `stop`
+        ends the building of the sampling index (`BuildStopped`)."""
         stream = self.sample_stream(
             self.config.data.path,
             self.config.training.train_iters * self.config.batch.batch_size,
             "data.path",
+            stop,
         )
         return self._loader(stream, self.engine.state.consumed_samples)
 
@@ -112,14 +123,14 @@ class Trainer:
             return None
         return self.engine.evaluate([b for step in self._loader(stream) for b in step], stop)
 
-    def validation_stream(self) -> SampleStream | None:
+    def validation_stream(self, stop: Callable[[], bool] | None = None) -> SampleStream | None:
         """The validation samples, made (and their datasets checked) once; None without
-        validation data."""
+        validation data. `stop` ends the building of the sampling index (`BuildStopped`)."""
         data, batch = self.config.data, self.config.batch
         if self._validation_stream is None and data.validation_path:
             iterations = self.config.training.validation.iterations
             self._validation_stream = self.sample_stream(
-                data.validation_path, iterations * batch.batch_size, "data.validation_path"
+                data.validation_path, iterations * batch.batch_size, "data.validation_path", stop
             )
         return self._validation_stream
 
@@ -167,8 +178,6 @@ class Trainer:
         _reset_memory_peak(self.distributed.device)
         if main and resumed is not None:
             print(f"fastllm: resumed from {resumed} (step {run.step})", flush=True)
-        if training.validation.interval:  # its datasets are refused now, not at step N
-            self.validation_stream()
         logger = MetricsLogger(
             experiment,
             total_steps=training.train_iters,
@@ -189,9 +198,12 @@ class Trainer:
         )
         first_step = run.step
         try:
-            # Building a sampling index is one call into Rust, which no signal interrupts:
-            # a stop requested meanwhile is taken before the first step.
-            loader = self.data_loader() if run.step < training.train_iters else []
+            try:  # the sampling indices (minutes for a long run's) stop on this rank's signal
+                if training.validation.interval:  # its datasets are refused now, not at step N
+                    self.validation_stream(stop.asked)
+                loader = self.data_loader(stop.asked) if run.step < training.train_iters else []
+            except BuildStopped:
+                loader = []
             for micro_batches in loader if not stop.agree() else []:
                 profiler.before(run.step + 1)
                 metrics = engine.train_step(micro_batches)
@@ -232,7 +244,9 @@ class Trainer:
                 elif validating and (loss := self.validation_loss(stop.agree)) is not None:
                     logger.log(step, {"validation_loss": loss})
                 if training.export.interval and step % training.export.interval == 0:
-                    state.export(self, experiment / "export" / str(step), training.export.format)
+                    directory = experiment / "export" / str(step)
+                    if signum := state.export(self, directory, training.export.format, stop.got):
+                        stop.agreed = signum  # the same on every rank: the exporter's
                 checkpoint = training.checkpoint
                 at_end = last and checkpoint.at_end
                 if (
@@ -276,6 +290,14 @@ class _StopSignal:
 
     def _handle(self, signum: int, _frame: object) -> None:
         self.requested = self.requested or signal.Signals(signum)
+
+    def asked(self) -> bool:
+        """Whether this rank got a signal (for work of this rank alone: no agreement)."""
+        return self.requested is not None
+
+    def got(self) -> signal.Signals | None:
+        """The signal this rank got, if any (no agreement)."""
+        return self.requested
 
     def agree(self) -> bool:
         """Whether any rank got a signal; every rank calls it at the same points. With several

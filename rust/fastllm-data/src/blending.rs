@@ -1,6 +1,6 @@
 //! Blending several datasets into one sample stream by weight.
 
-use crate::DataError;
+use crate::{Cancel, DataError};
 
 /// Which dataset, and which of its samples, each blended sample comes from.
 ///
@@ -21,6 +21,15 @@ impl BlendingIndex {
     /// Blends `num_samples` samples from datasets weighted by `weights`, which need not sum to
     /// one but must each be finite and positive.
     pub fn build(weights: &[f64], num_samples: usize) -> Result<Self, DataError> {
+        Self::build_unless_cancelled(weights, num_samples, &Cancel::default())
+    }
+
+    /// [`BlendingIndex::build`] that `cancel` stops.
+    pub(crate) fn build_unless_cancelled(
+        weights: &[f64],
+        num_samples: usize,
+        cancel: &Cancel,
+    ) -> Result<Self, DataError> {
         if weights.is_empty() {
             return Err(DataError::NoDatasets);
         }
@@ -40,6 +49,7 @@ impl BlendingIndex {
         let mut dataset_indices = Vec::with_capacity(num_samples);
         let mut sample_indices = Vec::with_capacity(num_samples);
         for sample in 0..num_samples {
+            cancel.check_at(sample)?;
             let target = (sample + 1) as f64;
             let mut chosen = 0;
             let mut largest_deficit = f64::NEG_INFINITY;

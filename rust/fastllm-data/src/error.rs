@@ -152,6 +152,9 @@ pub enum DataError {
         document_ids: usize,
         loss_mask: usize,
     },
+
+    #[error("stopped before the index was built")]
+    Cancelled,
 }
 
 impl DataError {

@@ -17,6 +17,7 @@
 
 mod atomic_file;
 mod blending;
+mod cancel;
 mod chat;
 mod error;
 mod fim;
@@ -34,6 +35,7 @@ mod token_range;
 mod tokenizer;
 
 pub use blending::BlendingIndex;
+pub use cancel::Cancel;
 pub use chat::{ChatTemplate, RenderedChat, TrainOn};
 pub use error::{ChatError, DataError, InputError, PrepareError, TokenizerError};
 pub use fim::{Fim, FimConfig, FimSplit, TextCodec};

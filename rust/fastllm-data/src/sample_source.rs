@@ -19,7 +19,7 @@ use std::path::Path;
 
 use crate::fim::{Fim, FimSplit};
 use crate::{
-    BlendingIndex, DataError, IndexedDataset, LossSpans, SamplingConfig, SamplingIndex,
+    BlendingIndex, Cancel, DataError, IndexedDataset, LossSpans, SamplingConfig, SamplingIndex,
     SamplingMode,
 };
 
@@ -75,11 +75,12 @@ pub struct SampleSource {
 
 impl SampleSource {
     /// Blends `datasets` (building or reusing their sampling indices in `config.cache_dir`) and
-    /// applies `fim`, if any, to every sample.
+    /// applies `fim`, if any, to every sample; `cancel` stops the building of the indices.
     pub fn new(
         datasets: Vec<IndexedDataset>,
         config: SampleSourceConfig,
         fim: Option<Fim>,
+        cancel: &Cancel,
     ) -> Result<Self, DataError> {
         if datasets.is_empty() {
             return Err(DataError::NoDatasets);
@@ -97,7 +98,11 @@ impl SampleSource {
                 .weights
                 .clone()
                 .unwrap_or_else(|| datasets.iter().map(|d| d.num_tokens() as f64).collect());
-            Some(BlendingIndex::build(&weights, config.num_samples)?)
+            Some(BlendingIndex::build_unless_cancelled(
+                &weights,
+                config.num_samples,
+                cancel,
+            )?)
         } else {
             None
         };
@@ -127,10 +132,10 @@ impl SampleSource {
                 mode: config.mode,
             };
             let (index, trained) = match dataset.loss_spans() {
-                None => (index(&config.cache_dir, dataset, sampling)?, None),
+                None => (index(&config.cache_dir, dataset, sampling, cancel)?, None),
                 Some(spans) => {
                     let (index, trained, skipped) =
-                        trained_index(&config.cache_dir, dataset, spans, sampling)?;
+                        trained_index(&config.cache_dir, dataset, spans, sampling, cancel)?;
                     skipped_samples += skipped;
                     (index, Some(trained))
                 }
@@ -362,8 +367,9 @@ fn index(
     cache_dir: &Path,
     dataset: &IndexedDataset,
     sampling: SamplingConfig,
+    cancel: &Cancel,
 ) -> Result<SamplingIndex, DataError> {
-    SamplingIndex::load_or_build(cache_dir, dataset.document_lengths(), sampling)
+    SamplingIndex::load_or_build(cache_dir, dataset.document_lengths(), sampling, cancel)
         .map(|(index, _)| index)
 }
 
@@ -374,6 +380,7 @@ fn trained_index(
     dataset: &IndexedDataset,
     spans: &LossSpans,
     sampling: SamplingConfig,
+    cancel: &Cancel,
 ) -> Result<(SamplingIndex, Vec<usize>, u64), DataError> {
     let needed = sampling.num_samples;
     let limit = needed.saturating_mul(MAX_UNTRAINED_RATIO);
@@ -386,9 +393,11 @@ fn trained_index(
                 num_samples: drawn,
                 ..sampling
             },
+            cancel,
         )?;
         let mut trained = Vec::with_capacity(needed);
         for sample in 0..drawn {
+            cancel.check_at(sample)?;
             if trained.len() == needed {
                 break;
             }

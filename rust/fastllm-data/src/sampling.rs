@@ -6,7 +6,7 @@
 //! depend on `num_samples`.
 
 use crate::random::{mix, SplitMix64};
-use crate::DataError;
+use crate::{Cancel, DataError};
 
 /// How documents fill samples.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -62,12 +62,17 @@ impl SamplingIndex {
         document_lengths: &[T],
         config: SamplingConfig,
     ) -> Result<Self, DataError> {
-        Self::build_from(checked_lengths(document_lengths)?, config)
+        Self::build_from(
+            checked_lengths(document_lengths)?,
+            config,
+            &Cancel::default(),
+        )
     }
 
     pub(crate) fn build_from(
         document_lengths: Vec<u32>,
         config: SamplingConfig,
+        cancel: &Cancel,
     ) -> Result<Self, DataError> {
         if config.sequence_length == 0 || config.sequence_length == u32::MAX {
             return Err(DataError::BadSequenceLength {
@@ -102,20 +107,27 @@ impl SamplingIndex {
                     .sum();
                 let expected_visits = needed * documents.len() as u128 / epoch_tokens + 1;
                 let mut covered = 0u128;
-                index.order =
-                    visiting_order(&documents, config.seed, expected_visits as usize, |d| {
-                        covered += u128::from(lengths[d as usize]);
-                        covered >= needed
-                    });
+                let enough = |d: u32| {
+                    covered += u128::from(lengths[d as usize]);
+                    covered >= needed
+                };
+                index.order = visiting_order(
+                    &documents,
+                    config.seed,
+                    expected_visits as usize,
+                    enough,
+                    cancel,
+                )?;
                 (index.start_positions, index.start_offsets) =
-                    packed_starts(&index.order, &index.document_lengths, config);
+                    packed_starts(&index.order, &index.document_lengths, config, cancel)?;
             }
             SamplingMode::Truncated => {
                 let mut visits = 0;
-                index.order = visiting_order(&documents, config.seed, num_samples, |_| {
+                let enough = |_| {
                     visits += 1;
                     visits == num_samples
-                });
+                };
+                index.order = visiting_order(&documents, config.seed, num_samples, enough, cancel)?;
             }
         }
         Ok(index)
@@ -280,7 +292,7 @@ pub(crate) fn checked_lengths<T: Copy + Into<i64>>(lengths: &[T]) -> Result<Vec<
 }
 
 /// `documents` epoch after epoch, each epoch shuffled with its own seed, until `enough` returns
-/// true for the document just visited.
+/// true for the document just visited, or `cancel` stops it.
 ///
 /// Forward Fisher–Yates fixes position `i` of an epoch at step `i`, so stopping early yields a
 /// prefix of the full shuffle: more samples never change the earlier ones.
@@ -289,7 +301,8 @@ fn visiting_order(
     seed: u64,
     expected_visits: usize,
     mut enough: impl FnMut(u32) -> bool,
-) -> Vec<u32> {
+    cancel: &Cancel,
+) -> Result<Vec<u32>, DataError> {
     let mut order = Vec::with_capacity(expected_visits);
     let mut permutation = Vec::with_capacity(documents.len());
     for epoch in 0u64.. {
@@ -297,11 +310,12 @@ fn visiting_order(
         permutation.extend_from_slice(documents);
         let mut rng = SplitMix64::new(mix(seed) ^ mix(epoch.wrapping_add(1)));
         for i in 0..permutation.len() {
+            cancel.check_at(order.len())?;
             let j = i + rng.below((permutation.len() - i) as u64) as usize;
             permutation.swap(i, j);
             order.push(permutation[i]);
             if enough(permutation[i]) {
-                return order;
+                return Ok(order);
             }
         }
     }
@@ -309,12 +323,18 @@ fn visiting_order(
 }
 
 /// Where each packed sample starts: sample `i` starts at stream token `i × sequence_length`.
-fn packed_starts(order: &[u32], lengths: &[u32], config: SamplingConfig) -> (Vec<u64>, Vec<u32>) {
+fn packed_starts(
+    order: &[u32],
+    lengths: &[u32],
+    config: SamplingConfig,
+    cancel: &Cancel,
+) -> Result<(Vec<u64>, Vec<u32>), DataError> {
     let num_samples = config.num_samples;
     let mut positions = Vec::with_capacity(num_samples);
     let mut offsets = Vec::with_capacity(num_samples);
     let (mut position, mut offset) = (0usize, 0u32);
     for sample in 0..num_samples {
+        cancel.check_at(sample)?;
         positions.push(position as u64);
         offsets.push(offset);
         if sample + 1 == num_samples {
@@ -333,5 +353,5 @@ fn packed_starts(order: &[u32], lengths: &[u32], config: SamplingConfig) -> (Vec
             offset = 0;
         }
     }
-    (positions, offsets)
+    Ok((positions, offsets))
 }

@@ -13,7 +13,7 @@ use std::path::Path;
 use crate::atomic_file::write_atomically;
 use crate::sampling::{checked_lengths, SamplingConfig, SamplingIndex, SamplingMode};
 use crate::stable_hash::StableHasher;
-use crate::DataError;
+use crate::{Cancel, DataError};
 
 const MAGIC: &[u8; 8] = b"FLLMSMPL";
 /// Bump when the file layout or the sampling algorithm changes: caches of other versions are
@@ -119,11 +119,12 @@ impl SamplingIndex {
     }
 
     /// Reuses `cache_dir/sampling_HASH.bin` when it holds a valid index for exactly these
-    /// inputs, and otherwise builds the index and saves it there.
+    /// inputs, and otherwise builds the index (unless `cancel` stops it) and saves it there.
     pub fn load_or_build<T: Copy + Into<i64>>(
         cache_dir: impl AsRef<Path>,
         document_lengths: &[T],
         config: SamplingConfig,
+        cancel: &Cancel,
     ) -> Result<(Self, CacheStatus), DataError> {
         let cache_dir = cache_dir.as_ref();
         let lengths = checked_lengths(document_lengths)?;
@@ -137,7 +138,7 @@ impl SamplingIndex {
                 return Ok((index, CacheStatus::Reused));
             }
         }
-        let index = Self::build_from(lengths, config)?;
+        let index = Self::build_from(lengths, config, cancel)?;
         fs::create_dir_all(cache_dir).map_err(DataError::io(cache_dir))?;
         index.save(&path)?;
         Ok((index, CacheStatus::Built))
@@ -219,7 +220,9 @@ mod tests {
                 seed: 3,
                 mode,
             };
-            let (built, _) = SamplingIndex::load_or_build(dir.path(), &lengths, config).unwrap();
+            let (built, _) =
+                SamplingIndex::load_or_build(dir.path(), &lengths, config, &Cancel::default())
+                    .unwrap();
             let path = dir
                 .path()
                 .join(format!("sampling_{:016x}.bin", built.inputs_hash()));
@@ -241,7 +244,8 @@ mod tests {
                     Err(DataError::CorruptCache { .. })
                 ));
                 let (index, status) =
-                    SamplingIndex::load_or_build(dir.path(), &lengths, config).unwrap();
+                    SamplingIndex::load_or_build(dir.path(), &lengths, config, &Cancel::default())
+                        .unwrap();
                 assert_eq!(status, CacheStatus::Built);
                 assert!(index == built);
             }

@@ -7,8 +7,8 @@ use std::fs;
 use std::path::Path;
 
 use fastllm_data::{
-    prepare, ChatTemplate, DataError, IndexedDataset, Progress, SampleSource, SampleSourceConfig,
-    SamplingMode, TrainOn,
+    prepare, Cancel, ChatTemplate, DataError, IndexedDataset, Progress, SampleSource,
+    SampleSourceConfig, SamplingMode, TrainOn,
 };
 use text_fixtures::{options, read_metadata, write_tokenizer};
 
@@ -77,7 +77,7 @@ fn character_spans_mask_the_tokens_of_their_text_through_sampling() {
         threads: 1,
         vocab_size: None,
     };
-    let source = SampleSource::new(vec![dataset], config, None).unwrap();
+    let source = SampleSource::new(vec![dataset], config, None, &Cancel::default()).unwrap();
     let length = source.sample_length();
     let (mut tokens, mut ids, mut mask) = (
         vec![0; 3 * length],

@@ -1,9 +1,9 @@
 use std::path::{Path, PathBuf};
 
 use fastllm_data::{
-    BlendingIndex, DataError, Fim, FimConfig, FimSplit, IndexedDataset, IndexedDatasetWriter,
-    SampleSource, SampleSourceConfig, SamplingConfig, SamplingIndex, SamplingMode, TextCodec,
-    TokenDtype,
+    BlendingIndex, Cancel, DataError, Fim, FimConfig, FimSplit, IndexedDataset,
+    IndexedDatasetWriter, SampleSource, SampleSourceConfig, SamplingConfig, SamplingIndex,
+    SamplingMode, TextCodec, TokenDtype,
 };
 
 const EOS: i64 = 3;
@@ -131,7 +131,7 @@ fn batches_match_the_documents_the_indices_name() {
             weights: Some(weights.to_vec()),
             ..source_config(dir.path(), 60, mode)
         };
-        let source = SampleSource::new(datasets, config, None).unwrap();
+        let source = SampleSource::new(datasets, config, None, &Cancel::default()).unwrap();
         assert_eq!((source.len(), source.sample_length()), (60, 17));
         let batch = fill(&source, 0, 60).unwrap();
 
@@ -200,7 +200,7 @@ fn blending_follows_the_weights_or_else_the_token_counts() {
             weights: weights.clone(),
             ..source_config(dir.path(), 1000, SamplingMode::Packed)
         };
-        let source = SampleSource::new(datasets, config, None).unwrap();
+        let source = SampleSource::new(datasets, config, None, &Cancel::default()).unwrap();
         let batch = fill(&source, 0, 1000).unwrap();
         let from_second = batch
             .tokens
@@ -223,7 +223,7 @@ fn document_ids_restart_every_sample_and_step_at_piece_boundaries() {
         IndexedDataset::open(write_dataset(dir.path(), "d", &docs, TokenDtype::U16)).unwrap();
     let lengths: Vec<i32> = dataset.document_lengths().to_vec();
     let config = source_config(dir.path(), 50, SamplingMode::Packed);
-    let source = SampleSource::new(vec![dataset], config, None).unwrap();
+    let source = SampleSource::new(vec![dataset], config, None, &Cancel::default()).unwrap();
     let batch = fill(&source, 0, 50).unwrap();
     let index = SamplingIndex::build(
         &lengths,
@@ -259,7 +259,7 @@ fn truncated_samples_mask_their_padding() {
     let dataset =
         IndexedDataset::open(write_dataset(dir.path(), "d", &docs, TokenDtype::I32)).unwrap();
     let config = source_config(dir.path(), 2, SamplingMode::Truncated);
-    let source = SampleSource::new(vec![dataset], config, None).unwrap();
+    let source = SampleSource::new(vec![dataset], config, None, &Cancel::default()).unwrap();
     let batch = fill(&source, 0, 2).unwrap();
     let mut samples: Vec<(&[i64], &[i32], &[u8])> = batch
         .tokens
@@ -289,7 +289,7 @@ fn fim_through_fill_is_the_same_whatever_the_batch() {
             let datasets = open_all(&prefixes);
             let fim = Fim::new(fim_config(split), Some(Box::new(CharCodec))).unwrap();
             let config = source_config(dir.path(), 24, SamplingMode::Packed);
-            SampleSource::new(datasets, config, Some(fim)).unwrap()
+            SampleSource::new(datasets, config, Some(fim), &Cancel::default()).unwrap()
         };
         let source = make();
         let whole = fill(&source, 0, 24).unwrap();
@@ -324,7 +324,7 @@ fn thread_count_does_not_change_the_output() {
             vocab_size: None,
             ..source_config(dir.path(), 5000, SamplingMode::Packed)
         };
-        let source = SampleSource::new(datasets, config, fim).unwrap();
+        let source = SampleSource::new(datasets, config, fim, &Cancel::default()).unwrap();
         let batch = fill(&source, 100, count).unwrap();
         (batch.tokens, batch.document_ids, batch.loss_mask)
     };
@@ -351,6 +351,7 @@ fn out_of_range_samples_and_bad_buffers_are_errors() {
         open_all(&prefixes[..1]),
         source_config(dir.path(), 8, SamplingMode::Packed),
         None,
+        &Cancel::default(),
     )
     .unwrap();
     assert!(fill(&source, 6, 2).is_ok());
@@ -383,7 +384,7 @@ fn out_of_range_samples_and_bad_buffers_are_errors() {
         ..source_config(dir.path(), 8, SamplingMode::Packed)
     };
     assert!(matches!(
-        SampleSource::new(open_all(&prefixes), config, None),
+        SampleSource::new(open_all(&prefixes), config, None, &Cancel::default()),
         Err(DataError::WeightCountMismatch {
             weights: 1,
             datasets: 2
@@ -393,7 +394,8 @@ fn out_of_range_samples_and_bad_buffers_are_errors() {
         SampleSource::new(
             Vec::new(),
             source_config(dir.path(), 8, SamplingMode::Packed),
-            None
+            None,
+            &Cancel::default(),
         ),
         Err(DataError::NoDatasets)
     ));
@@ -410,8 +412,13 @@ fn a_token_outside_the_vocabulary_fails_the_batch_naming_its_document() {
             vocab_size: Some(vocab_size),
             ..source_config(dir.path(), 200, SamplingMode::Packed)
         };
-        let source =
-            SampleSource::new(open_all(std::slice::from_ref(&prefix)), config, None).unwrap();
+        let source = SampleSource::new(
+            open_all(std::slice::from_ref(&prefix)),
+            config,
+            None,
+            &Cancel::default(),
+        )
+        .unwrap();
         let error = fill(&source, 0, 200).err();
         assert_eq!(error.is_some(), fails, "vocabulary of {vocab_size}");
         if let Some(error) = error {
@@ -428,4 +435,21 @@ fn a_token_outside_the_vocabulary_fails_the_batch_naming_its_document() {
             assert_eq!(path, &dir.path().join("data.bin"));
         }
     }
+}
+
+#[test]
+fn a_cancelled_build_stops_and_caches_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let prefixes = [
+        write_dataset(dir.path(), "a", &documents(0, 40), TokenDtype::U16),
+        write_dataset(dir.path(), "b", &documents(1, 40), TokenDtype::U16),
+    ];
+    let cancel = Cancel::default();
+    cancel.cancel();
+    for datasets in [&prefixes[..1], &prefixes[..]] {
+        let config = source_config(dir.path(), 100_000, SamplingMode::Packed);
+        let result = SampleSource::new(open_all(datasets), config, None, &cancel);
+        assert!(matches!(result, Err(DataError::Cancelled)));
+    }
+    assert!(!dir.path().join("cache").exists(), "no index was cached");
 }

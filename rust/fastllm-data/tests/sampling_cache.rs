@@ -1,7 +1,7 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use fastllm_data::{CacheStatus, DataError, SamplingConfig, SamplingIndex, SamplingMode};
+use fastllm_data::{CacheStatus, Cancel, DataError, SamplingConfig, SamplingIndex, SamplingMode};
 
 fn lengths() -> Vec<u32> {
     (0..40).map(|d| (d * 7919) % 23).collect()
@@ -40,9 +40,11 @@ fn save_then_load_gives_the_same_index() {
 #[test]
 fn a_valid_cache_is_reused() {
     let dir = tempfile::tempdir().unwrap();
-    let (built, status) = SamplingIndex::load_or_build(dir.path(), &lengths(), config()).unwrap();
+    let (built, status) =
+        SamplingIndex::load_or_build(dir.path(), &lengths(), config(), &Cancel::default()).unwrap();
     assert_eq!(status, CacheStatus::Built);
-    let (reused, status) = SamplingIndex::load_or_build(dir.path(), &lengths(), config()).unwrap();
+    let (reused, status) =
+        SamplingIndex::load_or_build(dir.path(), &lengths(), config(), &Cancel::default()).unwrap();
     assert_eq!(status, CacheStatus::Reused);
     assert!(built == reused);
     let name = format!("sampling_{:016x}.bin", built.inputs_hash());
@@ -52,7 +54,7 @@ fn a_valid_cache_is_reused() {
 #[test]
 fn changing_any_input_rebuilds() {
     let dir = tempfile::tempdir().unwrap();
-    SamplingIndex::load_or_build(dir.path(), &lengths(), config()).unwrap();
+    SamplingIndex::load_or_build(dir.path(), &lengths(), config(), &Cancel::default()).unwrap();
 
     let mut other_lengths = lengths();
     other_lengths[17] += 1;
@@ -91,7 +93,8 @@ fn changing_any_input_rebuilds() {
         .unwrap()
         .inputs_hash()];
     for (lengths, config) in variants {
-        let (index, status) = SamplingIndex::load_or_build(dir.path(), &lengths, config).unwrap();
+        let (index, status) =
+            SamplingIndex::load_or_build(dir.path(), &lengths, config, &Cancel::default()).unwrap();
         assert_eq!(status, CacheStatus::Built, "{config:?}");
         assert!(
             index == SamplingIndex::build(&lengths, config).unwrap(),
@@ -106,13 +109,15 @@ fn changing_any_input_rebuilds() {
 fn signed_and_unsigned_lengths_share_a_cache() {
     let dir = tempfile::tempdir().unwrap();
     let signed: Vec<i32> = lengths().iter().map(|&l| l as i32).collect();
-    SamplingIndex::load_or_build(dir.path(), &signed, config()).unwrap();
-    let (_, status) = SamplingIndex::load_or_build(dir.path(), &lengths(), config()).unwrap();
+    SamplingIndex::load_or_build(dir.path(), &signed, config(), &Cancel::default()).unwrap();
+    let (_, status) =
+        SamplingIndex::load_or_build(dir.path(), &lengths(), config(), &Cancel::default()).unwrap();
     assert_eq!(status, CacheStatus::Reused);
 }
 
 fn cached_file(dir: &Path) -> PathBuf {
-    let (index, _) = SamplingIndex::load_or_build(dir, &lengths(), config()).unwrap();
+    let (index, _) =
+        SamplingIndex::load_or_build(dir, &lengths(), config(), &Cancel::default()).unwrap();
     dir.join(format!("sampling_{:016x}.bin", index.inputs_hash()))
 }
 
@@ -137,7 +142,8 @@ fn a_corrupt_cache_is_detected_and_rebuilt() {
         );
 
         let (index, status) =
-            SamplingIndex::load_or_build(dir.path(), &lengths(), config()).unwrap();
+            SamplingIndex::load_or_build(dir.path(), &lengths(), config(), &Cancel::default())
+                .unwrap();
         assert_eq!(status, CacheStatus::Built, "byte {at}");
         assert!(index == SamplingIndex::build(&lengths(), config()).unwrap());
         assert_eq!(fs::read(&path).unwrap(), good, "the cache is repaired");

@@ -2,16 +2,21 @@
 //! blending, FIM), written straight into numpy buffers that Python owns.
 
 use std::path::PathBuf;
+use std::thread;
+use std::time::Duration;
 
 use fastllm_data::{
-    Fim, FimConfig, FimSplit, IndexedDataset, SampleSource as Source, SampleSourceConfig,
+    Cancel, Fim, FimConfig, FimSplit, IndexedDataset, SampleSource as Source, SampleSourceConfig,
     SamplingMode,
 };
 use numpy::{PyArray1, PyArrayMethods};
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
 use crate::errors::data_error;
+
+/// How often a stoppable build looks at Python's signals and its `stop` callable.
+const STOP_POLL: Duration = Duration::from_millis(50);
 
 /// Fill-in-the-middle settings with the special tokens already resolved to ids.
 #[pyclass(frozen, module = "fastllm._native", from_py_object)]
@@ -60,6 +65,42 @@ impl FimOptions {
     }
 }
 
+/// Runs `work` on another thread while this one, every [`STOP_POLL`], runs Python's signal
+/// handlers and asks `stop`; once `stop` says so (or a handler raises, the error then being
+/// returned) `work`'s flag is raised and its result, a `Cancelled` error, returned.
+fn stoppable<T: Send>(
+    py: Python<'_>,
+    stop: &Bound<'_, PyAny>,
+    work: impl FnOnce(&Cancel) -> PyResult<T> + Send,
+) -> PyResult<T> {
+    let cancel = Cancel::default();
+    thread::scope(|scope| {
+        let worker = scope.spawn(|| work(&cancel));
+        let mut raised = None;
+        while !worker.is_finished() {
+            py.detach(|| thread::sleep(STOP_POLL));
+            if cancel.is_cancelled() {
+                continue;
+            }
+            match py.check_signals().and_then(|()| stop.call0()?.is_truthy()) {
+                Ok(false) => {}
+                Ok(true) => cancel.cancel(),
+                Err(error) => {
+                    cancel.cancel();
+                    raised = Some(error);
+                }
+            }
+        }
+        let result = py
+            .detach(|| worker.join())
+            .map_err(|_| PyRuntimeError::new_err("the sampling thread panicked"))?;
+        match raised {
+            Some(error) => Err(error),
+            None => result,
+        }
+    })
+}
+
 #[pyclass(frozen, module = "fastllm._native")]
 pub struct SampleSource {
     inner: Source,
@@ -68,9 +109,11 @@ pub struct SampleSource {
 #[pymethods]
 impl SampleSource {
     /// `prefixes`: the `.bin`/`.idx` prefixes of every dataset (shard) to draw from;
-    /// `vocab_size`: the model's, when every token filled in must lie below it.
+    /// `vocab_size`: the model's, when every token filled in must lie below it;
+    /// `stop`: called every 50 ms while the indices are built (after Python's signal
+    /// handlers ran): once it returns true the build stops with `Cancelled`.
     #[new]
-    #[pyo3(signature = (prefixes, *, sequence_length, num_samples, seed, truncate, weights, cache_dir, threads=0, fim=None, tokenizer=None, vocab_size=None))]
+    #[pyo3(signature = (prefixes, *, sequence_length, num_samples, seed, truncate, weights, cache_dir, threads=0, fim=None, tokenizer=None, vocab_size=None, stop=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -85,6 +128,7 @@ impl SampleSource {
         fim: Option<FimOptions>,
         tokenizer: Option<PathBuf>,
         vocab_size: Option<u64>,
+        stop: Option<Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let mode = if truncate {
             SamplingMode::Truncated
@@ -101,7 +145,7 @@ impl SampleSource {
             threads,
             vocab_size,
         };
-        let inner = py.detach(|| -> Result<Source, PyErr> {
+        let build = |cancel: &Cancel| -> Result<Source, PyErr> {
             let datasets = prefixes
                 .iter()
                 .map(IndexedDataset::open)
@@ -114,8 +158,12 @@ impl SampleSource {
                     Fim::new(options.config, codec).map_err(data_error)
                 })
                 .transpose()?;
-            Source::new(datasets, config, fim).map_err(data_error)
-        })?;
+            Source::new(datasets, config, fim, cancel).map_err(data_error)
+        };
+        let inner = match stop {
+            None => py.detach(|| build(&Cancel::default()))?,
+            Some(stop) => stoppable(py, &stop, build)?,
+        };
         Ok(Self { inner })
     }
 
