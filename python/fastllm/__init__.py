@@ -6,7 +6,8 @@ the collectives the model calls), `model` (the one transformer), `checkpoint` (c
 on disk, Hugging Face conversion), `engine` (flat buffers, sharding, the step's schedule, the
 optimizer), `training` (the `Trainer` and its
 loop). On top: `cli` (the `fastllm` command), `api` (`load_model`), `hf` (fastllm models as
-`transformers` models), `generation` (`fastllm generate`), `demo` (`make demo`). `_native` is
+`transformers` models), `generation` (`fastllm generate`), `demo` (`make demo`), `cli_reference` (the command-line
+reference page). `_native` is
 the Rust extension (typed in `_native.pyi`); the Triton kernels are the `fastllm_kernels`
 package.
 

@@ -50,7 +50,7 @@ def test_a_broken_link_fails_the_strict_build(
         encoding="utf-8",
     )
     config = load_config(
-        str(ROOT / "mkdocs.yml"), docs_dir=str(docs), site_dir=str(tmp_path / "site")
+        str(ROOT / "mkdocs.yml"), docs_dir=str(docs), site_dir=str(tmp_path / "site"), strict=True
     )
     with caplog.at_level(logging.WARNING), pytest.raises(Abort):
         build(config)
