@@ -17,7 +17,7 @@ export VIRTUAL_ENV := $(abspath $(VENV))
 RUST_SOURCES := Cargo.toml $(wildcard Cargo.lock) $(shell find rust -name '*.rs' -o -name Cargo.toml)
 WHEEL_PLATFORMS := $(foreach p,manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64,--platform $(p))
 
-.PHONY: setup demo test fuzz lint format wheel reference clean
+.PHONY: setup demo test fuzz lint format wheel reference docs clean
 
 setup: $(VENV)/.fastllm
 
@@ -54,8 +54,15 @@ format: setup
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
+# The generated pages of docs/reference (config keys, compatibility table, command line); tests
+# fail when a committed one is stale.
 reference: setup
-	$(BIN)/python -m fastllm.config.reference README.md
+	$(BIN)/python -m fastllm.config.reference docs/reference
+	$(BIN)/python -m fastllm.cli_reference docs/reference
+
+# The documentation site, into site/; strict: a broken link or a docstring warning fails it.
+docs: setup
+	$(BIN)/mkdocs build --strict
 
 # Wheels to carry to the GPU machine (Python 3.12 there): fastllm (abi3), fastllm-kernels, msgspec.
 wheel: setup
@@ -66,4 +73,4 @@ wheel: setup
 	ls -1 dist
 
 clean:
-	rm -rf $(VENV) dist
+	rm -rf $(VENV) dist site

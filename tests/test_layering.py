@@ -24,7 +24,7 @@ FLOORS = [
     {"checkpoint"},
     {"engine"},
     {"training"},
-    {"cli", "api", "hf", "generation", "demo", "__init__"},
+    {"cli", "cli_reference", "api", "hf", "generation", "demo", "__init__"},
 ]
 """Each package's floor; a top-level module of `fastllm` is its own package."""
 

@@ -4,11 +4,11 @@ Packages, from the configuration up to the loop: `config` (the typed config tree
 `data` (prepared datasets, the sample stream, `fastllm prepare`), `parallel` (the mesh and
 the collectives the model calls), `model` (the one transformer), `checkpoint` (checkpoints
 on disk, Hugging Face conversion), `engine` (flat buffers, sharding, the step's schedule, the
-optimizer), `training` (the `Trainer` and its
-loop). On top: `cli` (the `fastllm` command), `api` (`load_model`), `hf` (fastllm models as
-`transformers` models), `generation` (`fastllm generate`), `demo` (`make demo`). `_native` is
-the Rust extension (typed in `_native.pyi`); the Triton kernels are the `fastllm_kernels`
-package.
+optimizer), `training` (the `Trainer` and its loop). On top: `cli` (the `fastllm` command),
+`cli_reference` (the command-line reference page), `api` (`load_model`), `hf` (fastllm
+models as `transformers` models), `generation` (`fastllm generate`), `demo` (`make demo`).
+`_native` is the Rust extension (typed in `_native.pyi`); the Triton kernels are the
+`fastllm_kernels` package.
 
 `import fastllm` stays light (no torch) so that the command line answers at once; the heavy
 parts are imported by the modules that need them (`fastllm.load_model` imports them lazily).

@@ -15,6 +15,11 @@ from fastllm.model import GPTModel
 
 
 class FastLLMConfig(PretrainedConfig):
+    """The `transformers` config of a wrapped model: `base_model` is fastllm's
+    `model.base_model` section as plain data; the usual `transformers` names
+    (`num_hidden_layers`, `hidden_size`, `num_attention_heads`, `num_key_value_heads`,
+    `head_dim`, `vocab_size`) are copied from it for the generation utilities that read them."""
+
     model_type = "fastllm"
 
     def __init__(self, base_model: dict[str, Any] | None = None, **kwargs: Any) -> None:
@@ -37,6 +42,10 @@ class FastLLMConfig(PretrainedConfig):
 
 
 class FastLLMForCausalLM(PreTrainedModel, GenerationMixin):
+    """A fastllm `GPTModel` as a `transformers` causal language model, so that `generate()`
+    (with a `DynamicCache` of keys and values) and the rest of `transformers`' tooling run on
+    it. Make one with `wrap`; one sequence at a time (a padded batch is refused)."""
+
     config_class = FastLLMConfig
     base_model_prefix = "model"
     _supports_cache_class = True
@@ -49,7 +58,9 @@ class FastLLMForCausalLM(PreTrainedModel, GenerationMixin):
 
     @classmethod
     def wrap(cls, model: GPTModel, **config: Any) -> FastLLMForCausalLM:
-        """Wrap an existing model (its weights are shared, not copied)."""
+        """`model` as a `transformers` model, on its device and dtype, in eval mode: the weights
+        are shared, not copied. `config` adds or overrides `PretrainedConfig` attributes
+        (`eos_token_id=...`)."""
         wrapper = cls(FastLLMConfig(msgspec.to_builtins(model.config), **config), model)
         first = next(model.parameters())
         return wrapper.to(device=first.device, dtype=first.dtype).eval()
@@ -67,6 +78,9 @@ class FastLLMForCausalLM(PreTrainedModel, GenerationMixin):
         labels: torch.Tensor | None = None,
         **_: Any,
     ) -> CausalLMOutputWithPast:
+        """Logits of `input_ids` (batch, tokens), extending `cache` (or `past_key_values`) when
+        `use_cache` is not False; with `labels`, also the mean cross-entropy of each position's
+        next-token prediction. A `NotImplementedError` for an `attention_mask` with a zero."""
         if attention_mask is not None and not bool(attention_mask.all()):
             raise NotImplementedError(
                 "padded batches are not supported: generate one prompt at a time"

@@ -8,7 +8,8 @@
   training, batch, optimizer) and `schedule`; `resume_changes`: what a resumed run changed.
 - `prepare`, `convert`: the configs of `fastllm prepare`, `tokenizer train` and `convert`;
   `formats`: the model formats fastllm reads and writes.
-- `reference`: the README's config reference, generated from the field docs.
+- `reference`: the generated reference pages (the config keys from the field docs, the
+  `layout.COMPATIBILITY` table).
 
 Importing this package must stay cheap: it never imports torch.
 """

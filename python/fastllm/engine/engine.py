@@ -44,6 +44,11 @@ from fastllm_kernels.fp8.amax_history import AmaxHistories
 
 @dataclass
 class Engine:
+    """A model that trains on this process, made by `build(config)`: the model with its
+    parameters as views of sharded flat buffers, the step's program, AdamW, the loss scale and
+    the `state` counters. Every rank of the run makes its own and calls the same methods in the
+    same order."""
+
     config: TrainerConfig
     distributed: Distributed
     layout: RunLayout
@@ -61,14 +66,15 @@ class Engine:
     optimizer: AdamW
     scaler: LossScaler
     state: TrainingState
+    """Where the run is: optimizer steps, consumed samples, skipped steps."""
 
     # --- steps --------------------------------------------------------------------------------
 
     def train_step(self, micro_batches: Sequence[Batch]) -> dict[str, Any]:
-        """One optimizer step over this rank's micro-batches of a global batch: its loss (the
-        mean over the trained tokens of the whole global batch, whatever the micro-batching,
-        the pieces and the data-parallel split), learning rate, gradient norm and whether the
-        update was skipped."""
+        """One optimizer step over this rank's micro-batches of a global batch. Returns `loss`
+        (the mean over the trained tokens of the whole global batch, whatever the
+        micro-batching, the pieces and the data-parallel split), `lr`, `grad_norm` and
+        `skipped` (whether the update was skipped for a gradient that was not finite)."""
         loss = self.forward_backward(micro_batches)
         metrics = self.optimizer_step()  # queued before the loss is read: no wait in between
         return {"loss": loss.item(), **metrics}

@@ -46,6 +46,11 @@ class Stopped:
 
 
 class Trainer:
+    """The run of a `TrainerConfig` on this process: `fit` trains it as `fastllm train` does; a
+    custom loop takes the parts (`engine`, `data_loader`, `save_checkpoint`, `resume`).
+    Making one builds the engine (`engine.build.build`): under `torchrun` it joins the process
+    group from the launcher's environment, unless `distributed` is given."""
+
     def __init__(self, config: TrainerConfig, distributed: Distributed | None = None) -> None:
         self.config = config
         self.engine: Engine = build(config, distributed)
@@ -59,6 +64,7 @@ class Trainer:
 
     @property
     def experiment_dir(self) -> Path:
+        """`run.experiment_dir`; a `ConfigError` when it is not set."""
         if self.config.run.experiment_dir is None:
             raise ConfigError("run.experiment_dir", "is required to train")
         return Path(self.config.run.experiment_dir)
@@ -146,6 +152,8 @@ class Trainer:
         self.checkpoints.wait()
 
     def load_checkpoint(self, directory: Path) -> None:
+        """Restore the whole training state from the checkpoint in `directory`, whatever layout
+        wrote it; a `ConfigError` when another architecture wrote it."""
         state.load_checkpoint(self, directory)
 
     def resume(self) -> Path | None:
