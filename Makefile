@@ -64,9 +64,13 @@ reference: setup
 docs: setup
 	$(BIN)/mkdocs build --strict
 
-# Wheels to carry to the GPU machine (Python 3.12 there): fastllm (abi3), fastllm-kernels, msgspec.
+# Wheels for an install without Rust (docs/install.md), built afresh into dist/: fastllm (abi3,
+# CPython >= 3.11; manylinux_2_34, glibc >= 2.34, which maturin's audit of the extension's symbols
+# checks) and fastllm-kernels; then msgspec for the GPU machine's Python 3.12 (bench/device_run.sh).
+# tests/test_install.py runs the two build lines below and installs what they build.
 wheel: setup
-	$(BIN)/maturin build --release --quiet --out dist
+	rm -rf dist
+	$(BIN)/maturin build --release --compatibility manylinux_2_34 --quiet --out dist
 	$(BIN)/python -m pip wheel -q --no-deps --no-build-isolation -w dist ./kernels
 	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
 		--implementation cp $(WHEEL_PLATFORMS) -d dist msgspec

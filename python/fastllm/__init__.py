@@ -17,10 +17,23 @@ parts are imported by the modules that need them (`fastllm.load_model` imports t
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-try:
-    __version__ = version("fastllm")
-except PackageNotFoundError:  # running from a source tree that was never installed
-    __version__ = "0+unknown"
+
+def _version() -> str:
+    """The installed distribution's version; from a source tree that was never installed (only
+    PYTHONPATH set), the Rust extension's, which is the same string: both come from the
+    workspace Cargo.toml (maturin reads it into the wheel's metadata); "0+unknown" if neither."""
+    try:
+        return version("fastllm")
+    except PackageNotFoundError:
+        pass
+    try:
+        from fastllm._native import version as native_version
+    except ImportError:
+        return "0+unknown"
+    return native_version()
+
+
+__version__ = _version()
 
 
 def load_model(*args: Any, **kwargs: Any) -> Any:
