@@ -55,8 +55,9 @@ pack() { tar -czf "$OUT/results.tgz.part" -C "$RES" . && mv "$OUT/results.tgz.pa
 run_part() {
   case $1 in
     tests)
-      # TESTS: a pytest -k expression, to run only some of them; TESTS_S: their time limit.
-      timeout "${TESTS_S:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/training \
+      # TESTS: a pytest -k expression, to run only some of them; TEST_PATHS: the folders (both
+      # take more than 290 s); TESTS_S: their time limit.
+      timeout "${TESTS_S:-200}" python3 -m pytest -q -m gpu -p no:cacheprovider ${TEST_PATHS:-tests/kernels tests/training} \
         ${TESTS:+-k "$TESTS"} >"$RES/gpu_tests${TAG:+_$TAG}.log" 2>&1
       grep -E "^(FAILED|ERROR)|^E  |passed|failed" "$RES/gpu_tests${TAG:+_$TAG}.log" | tail -40 ;;
     sustained)
