@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -28,6 +29,10 @@ QUICKSTART_SHIMS = {
     "python": f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n',
 }
 
+# Commands of the quick start whose output the page shows word for word (the others depend on
+# the Python installation and the CPU).
+EXACT_OUTPUTS = ("fastllm tokenizer train", "fastllm convert")
+
 # Lines of docs/fine-tuning.md's blocks that no test runs, and why.
 FINE_TUNING_NOT_RUN = {
     'hf download meta-llama/Llama-3.2-1B-Instruct --local-dir hf/Llama-3.2-1B-Instruct --exclude "original/*"': (
@@ -38,7 +43,8 @@ FINE_TUNING_NOT_RUN = {
 
 
 def test_the_quickstart_page_runs_as_written(tmp_path: Path) -> None:
-    blocks = bash_blocks(DOCS / "quickstart.md")
+    page = DOCS / "quickstart.md"
+    blocks = bash_blocks(page)
     assert len(blocks) >= 6, "the quick start lost its steps"
     shutil.copytree(ROOT / "examples", tmp_path / "examples")
     shims = tmp_path / ".shims"
@@ -67,6 +73,14 @@ def test_the_quickstart_page_runs_as_written(tmp_path: Path) -> None:
     assert f"training.train_iters={steps[-1]}" in train
     assert (run / "checkpoint" / str(steps[-1]) / "manifest.json").is_file()
     assert (tmp_path / "exp" / "demo" / "hf" / "config.json").is_file()
+    # The outputs the page shows for EXACT_OUTPUTS are theirs.
+    shown = re.findall(
+        r"^```bash\n([^`]*)^```\n\n```text\n([^`]*)^```", page.read_text(), re.MULTILINE
+    )
+    exact = [(command, text) for command, text in shown if command.startswith(EXACT_OUTPUTS)]
+    assert len(exact) == len(EXACT_OUTPUTS)
+    for command, text in exact:
+        assert outputs[blocks.index(command)].split("\n", 1)[1] == text, command
     # `generate` prints the prompt and its completion.
     generate = next(i for i, b in enumerate(blocks) if b.startswith("fastllm generate"))
     prompt = shlex.split(blocks[generate])[shlex.split(blocks[generate]).index("--prompt") + 1]
