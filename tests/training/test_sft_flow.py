@@ -1,18 +1,18 @@
-"""The README's walk-through "Fine-tune a Hugging Face model on conversations", command by
-command, on a tiny Llama and a chat dataset small enough for a CPU."""
+"""The user guide's walk-through docs/fine-tuning.md, its `fastllm` commands read from the page
+and run one by one, on a tiny Llama and a chat dataset small enough for a CPU
+(tests/docs/test_pages_run.py checks that every other line of the page is listed as not run)."""
 
 from __future__ import annotations
 
-import re
 import shlex
 from pathlib import Path
 
 import torch
 import transformers
 
-from tests.conftest import ROOT
 from tests.data.chat_fixtures import CONVERSATIONS, write_chat_jsonl, write_tokenizer
 from tests.data.conftest import run_cli
+from tests.docs.pages import DOCS, bash_blocks
 from tests.model.hf_models import save_hf_model
 
 # The run is shrunk to the tiny model: 4 steps, short packed sequences, fp32 on the CPU.
@@ -24,18 +24,20 @@ TINY_RUN = [
 ]  # fmt: skip
 
 
-def readme_commands() -> list[list[str]]:
-    """The `fastllm` commands of the README section, as argument lists."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Fine-tune a Hugging Face model on conversations", 1)[1]
-    block = re.search(r"```bash\n(.*?)```", section, re.DOTALL)
-    assert block, "the section has a bash block"
+PAGE = DOCS / "fine-tuning.md"
+
+
+def page_commands() -> list[list[str]]:
+    """The `fastllm` commands of the page's ```bash blocks, in order, as argument lists."""
     return [
-        shlex.split(line)[1:] for line in block.group(1).splitlines() if line.startswith("fastllm ")
+        shlex.split(line)[1:]
+        for block in bash_blocks(PAGE)
+        for line in block.splitlines()
+        if line.startswith("fastllm ")
     ]
 
 
-def test_the_readme_fine_tuning_walk_through_runs(tmp_path: Path) -> None:
+def test_the_fine_tuning_page_runs(tmp_path: Path) -> None:
     hf = write_tokenizer(tmp_path / "hf", "llama3")
     vocab_size = transformers.AutoTokenizer.from_pretrained(hf).vocab_size + 16
     save_hf_model("llama", hf, vocab_size=vocab_size, bos_token_id=1, eos_token_id=4)
@@ -47,7 +49,7 @@ def test_the_readme_fine_tuning_walk_through_runs(tmp_path: Path) -> None:
         "exp/sft-llama3-1b/export/2000": str(tmp_path / "exp" / "export" / "4"),
         "hf/sft": str(tmp_path / "sft"),
     }
-    prepare, train, convert, generate = readme_commands()
+    prepare, train, convert, generate = page_commands()
     for command in (prepare, convert, generate):
         command[:] = [_substituted(argument, places) for argument in command]
     train += [
