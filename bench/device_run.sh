@@ -117,6 +117,16 @@ run_part() {
       python3 bench/scale_bench.py --gpus 1 --per-gpu-batch 8 --steps 5 --zero-stage 1 \
         --kill-at-end --timeout 200 ${SET:+--set $SET} --commit "$COMMIT" \
         --out "$RES/mistral${TAG:+_$TAG}" 2>&1 | tail -6 ;;
+    oom-8b)
+      # Issue 34: llama3-8b's example on one GPU does not fit (16 bytes a parameter and the
+      # activations): the one line `fastllm train` ends with, and its exit code.
+      python3 -c "import sys; from pathlib import Path; sys.path.insert(0, 'bench')
+from bench_common import write_random_dataset
+write_random_dataset(Path('/tmp/oom8b/data'), vocab_size=128256, tokens=200_000, document_length=None, seed=1)"
+      python3 -m fastllm.cli train -c examples/llama3-8b.yaml "data.path=[/tmp/oom8b/data]" \
+        run.experiment_dir=/tmp/oom8b/run training.train_iters=2 batch.batch_size=2 \
+        training.checkpoint.at_end=false >"$RES/oom_8b.out" 2>"$RES/oom_8b.err"
+      echo "exit code $?" | tee -a "$RES/oom_8b.err"; tail -c 2000 "$RES/oom_8b.err" ;;
     scale-x2)
       # ZERO: the ZeRO stage (scale_bench's default 2 otherwise).
       python3 bench/scale_bench.py --gpus 1 2 --per-gpu-batch 8 --steps 5 --kill-at-end --timeout 150 \

@@ -159,11 +159,18 @@ def _train(args: argparse.Namespace) -> int | None:
     check_inputs(config)
     if os.environ.get("RANK", "0") == "0":
         _warn_unreached(config)
+    import torch
     import torch.distributed as dist
 
     from fastllm.training import Trainer
+    from fastllm.training.out_of_memory import out_of_memory
 
-    stopped = Trainer(config).fit()
+    trainer = None
+    try:
+        trainer = Trainer(config)
+        stopped = trainer.fit()
+    except torch.OutOfMemoryError as error:
+        raise out_of_memory(config, error, trainer and trainer.engine) from None
     if stopped is not None:
         # The code stands: torchrun signals the ranks still running when one exits, which
         # would otherwise kill them in the teardown below.

@@ -70,6 +70,11 @@ class GradientBuffers:
             for s in stages
         ]
 
+    @property
+    def held_bytes(self) -> int:
+        """Bytes the buffers hold once every stage has a gradient (pooled: the two buffers)."""
+        return 2 * max(self.nbytes, default=0) if self.pooled else sum(self.nbytes)
+
     def add(self, index: int, grad: Tensor) -> None:
         self._hold(self.stage_of[index])
         if self.fresh[index]:
