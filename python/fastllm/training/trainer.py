@@ -24,6 +24,7 @@ from fastllm.data import DataLoader, SampleStream
 from fastllm.data.errors import BuildStopped
 from fastllm.engine.build import build
 from fastllm.engine.engine import Engine
+from fastllm.engine.memory import buffer_memory
 from fastllm.parallel.process_group import Distributed
 from fastllm.training import state
 from fastllm.training.experiment_lock import ExperimentLock
@@ -181,7 +182,7 @@ class Trainer:
         engine, run = self.engine, self.engine.state
         if main:
             setup = _memory_gib(self.distributed.device)
-            memory = "" if setup is None else f", {setup:.1f} GiB after setup"
+            memory = "" if setup is None else f", {setup:.1f} GiB after setup ({_held(engine)})"
             print(f"fastllm: {self.engine.describe()}{memory}", flush=True)
         _reset_memory_peak(self.distributed.device)
         if main and resumed is not None:
@@ -323,6 +324,16 @@ class _StopSignal:
     def restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+def _held(engine: Engine) -> str:
+    """What this rank's parameter buffers hold by kind, once the step has written the
+    gradients (the rest of a step's peak is activations and workspace)."""
+    memory = buffer_memory(engine.stages)
+    return (
+        f"buffers: {memory.weights / 2**30:.1f} GiB of weights, {memory.gradients / 2**30:.1f} "
+        f"of gradients, {memory.optimizer / 2**30:.1f} of masters and Adam moments"
+    )
 
 
 def _memory_gib(device: torch.device, reserved: bool = False) -> float | None:
