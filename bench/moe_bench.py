@@ -9,7 +9,7 @@ same active FLOPs.
           hidden 4096, expert ffn 14336);
           fine:    64 experts, top-8, hidden 2048, expert ffn 1024, 16 heads, --fine-layers blocks.
           Each (geometry, path) runs in a fresh process (train_bench.spawn). MFU counts the
-          active parameters only (fastllm.training.metrics.flops_per_token).
+          active parameters only (fastllm.config.flops.flops_per_token).
 - layer:  MixtureOfExperts (router, dispatch, grouped matmuls, combine) on 8192 tokens against
           the gated MLP of width top-k × expert ffn (the same matmul FLOPs, router aside), bf16,
           median of CUDA-event timings; and the GPU kernels of one dropless forward + backward.
