@@ -15,7 +15,8 @@ _Path: TypeAlias = str | os.PathLike[str]
 _InputFormat: TypeAlias = Literal["auto", "jsonl", "chat", "parquet", "text", "files"]
 
 def version() -> str:
-    """Version of the Rust extension (equal to the Python package's unless the build is stale)."""
+    """Version of the Rust extension (the Python package's, unless the extension imported was
+    built from another version)."""
 
 # Data: prepared token datasets and the samples drawn from them.
 

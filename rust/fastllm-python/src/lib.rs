@@ -14,8 +14,8 @@ mod tokenizer;
 
 use pyo3::prelude::*;
 
-/// Version of the Rust extension; `fastllm --version` shows it beside the Python package's, so a
-/// stale build (Python sources updated, extension not rebuilt) shows at once.
+/// Version of the Rust extension; `fastllm --version` shows it beside the Python package's, so an
+/// extension built from another version than the installed package shows at once.
 #[pyfunction]
 fn version() -> &'static str {
     env!("CARGO_PKG_VERSION")
