@@ -127,6 +127,24 @@ write_random_dataset(Path('/tmp/oom8b/data'), vocab_size=128256, tokens=200_000,
         run.experiment_dir=/tmp/oom8b/run training.train_iters=2 batch.batch_size=2 \
         training.checkpoint.at_end=false >"$RES/oom_8b.out" 2>"$RES/oom_8b.err"
       echo "exit code $?" | tee -a "$RES/oom_8b.err"; tail -c 2000 "$RES/oom_8b.err" ;;
+    freeze-1b)
+      # Issue 34: llama-1b trained whole, then with the embedding, the head and blocks 0-7 of 16
+      # frozen (model.freeze), on the same random tokens: the start-up line's buffers by kind,
+      # tokens/s and peak memory of each (steps 5-12 of 12, logged every 4).
+      python3 -c "import sys; from pathlib import Path; sys.path.insert(0, 'bench')
+from bench_common import write_random_dataset
+write_random_dataset(Path('/tmp/freeze1b/data'), vocab_size=128256, tokens=8_000_000, document_length=None, seed=1)"
+      for run in whole frozen; do
+        extra=()
+        [ "$run" = frozen ] && extra=(model.freeze.embeddings=true model.freeze.head=true "model.freeze.blocks=[0,8]")
+        python3 -m fastllm.cli train -c examples/llama3-1b.yaml "data.path=[/tmp/freeze1b/data]" \
+          run.experiment_dir=/tmp/freeze1b/$run training.train_iters=12 batch.batch_size=8 \
+          batch.micro_batch_size=2 batch.sequence_length=4096 training.logs.interval=4 \
+          training.checkpoint.at_end=false training.export.interval=null "${extra[@]}" \
+          >"$RES/freeze_1b_$run.out" 2>"$RES/freeze_1b_$run.err"
+        echo "$run: exit code $?"; grep -E "parameters|step 12/" "$RES/freeze_1b_$run.out"
+        cp /tmp/freeze1b/$run/metrics.jsonl "$RES/freeze_1b_$run.metrics.jsonl"
+      done ;;
     scale-x2)
       # ZERO: the ZeRO stage (scale_bench's default 2 otherwise).
       python3 bench/scale_bench.py --gpus 1 2 --per-gpu-batch 8 --steps 5 --kill-at-end --timeout 150 \

@@ -207,11 +207,15 @@ class BufferLayout:
     rank. Sizes and offsets count elements."""
 
     def __init__(
-        self, parameters: Sequence[tuple[str, int, int, bool]], alignment: int, data_size: int
+        self,
+        parameters: Sequence[tuple[str, int, int, bool]],
+        alignment: int,
+        data_size: int,
+        num_stages: int | None = None,
     ) -> None:
         """Lay out `parameters`, `(name, numel, stage, weight_decay)` in model order, each
         starting at a multiple of `alignment` elements, every stage split into `data_size` equal
-        shards."""
+        shards; stages without parameters are empty, up to `num_stages` when given."""
 
     @property
     def alignment(self) -> int:

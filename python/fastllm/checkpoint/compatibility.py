@@ -9,7 +9,7 @@ torchrun they all refuse together, before any collective."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import msgspec
@@ -24,8 +24,11 @@ from fastllm.config.resume_changes import ARCHITECTURE, Change, architecture_cha
 Shapes = dict[str, tuple[int, ...]]
 
 
-def check_resume(saved: SavedCheckpoint, config: BaseModelConfig) -> None:
-    """A checkpoint resumes only into a model of its tensors."""
+def check_resume(
+    saved: SavedCheckpoint, config: BaseModelConfig, frozen: Collection[str] = ()
+) -> None:
+    """A checkpoint resumes only into a model of its tensors: those of `config`'s model but
+    the `frozen` ones, which checkpoints do not hold."""
     where = str(saved.directory)
     _check_fits(
         saved.whole_shapes(),
@@ -34,6 +37,7 @@ def check_resume(saved: SavedCheckpoint, config: BaseModelConfig) -> None:
         where,
         f"a resume keeps the tensors of {where}: set it back, or train in another "
         "run.experiment_dir",
+        omit=frozenset(frozen),
     )
 
 
@@ -60,18 +64,24 @@ def pretrained_tensors(
 
 
 def _check_fits(
-    found: Shapes, saved: dict[str, Any], config: BaseModelConfig, where: str, what: str
+    found: Shapes,
+    saved: dict[str, Any],
+    config: BaseModelConfig,
+    where: str,
+    what: str,
+    omit: frozenset[str] = frozenset(),
 ) -> Shapes:
     """The tensors of `config`'s model, when they are those `found` in `where`; else the
     refusal naming the changed keys of the saved architecture `saved` that shape them (all
     changed keys when no one alone does; `what` says why they cannot change), or the first
-    tensor that differs."""
-    expected = parameter_shapes(config)
+    tensor that differs. `omit`: tensors `config`'s model has that `found` need not."""
+    expected = {n: s for n, s in parameter_shapes(config).items() if n not in omit}
     if found == expected:
         return expected
     changes = architecture_changes(saved, msgspec.to_builtins(config))
     if changes:
-        first, *others = [c for c in changes if _shapes_depend_on(c, config, expected)] or changes
+        depend = [c for c in changes if _shapes_depend_on(c, config, expected, omit)]
+        first, *others = depend or changes
         also = "".join(f"; {change.describe()}" for change in others)
         raise ConfigError(first.key, f"{first.values()}{also} ({what})")
     _check_tensors(found, expected, where)
@@ -87,7 +97,9 @@ def _saved_architecture(saved: SavedCheckpoint) -> dict[str, Any]:
         return saved.manifest["config"]["model"]["base_model"]
 
 
-def _shapes_depend_on(change: Change, config: BaseModelConfig, expected: Shapes) -> bool:
+def _shapes_depend_on(
+    change: Change, config: BaseModelConfig, expected: Shapes, omit: frozenset[str]
+) -> bool:
     """Whether `config` with the checkpoint's value of this one key has other tensors (not
     when that makes no valid config: such a key is blamed only with all the others)."""
     raw = msgspec.to_builtins(config)
@@ -100,7 +112,8 @@ def _shapes_depend_on(change: Change, config: BaseModelConfig, expected: Shapes)
     else:
         section[last] = change.saved
     try:
-        return parameter_shapes(build(BaseModelConfig, raw)) != expected
+        shapes = parameter_shapes(build(BaseModelConfig, raw))
+        return {n: s for n, s in shapes.items() if n not in omit} != expected
     except ConfigError:
         return False
 

@@ -8,9 +8,12 @@ are consecutive ranks of the data group. Imports no torch."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from fastllm.config.section import ConfigError
 
@@ -164,9 +167,26 @@ _OFFLOAD = _enabled("model.multi_stage.offload_activations")
 _SPLITS = _above_one("schedule.micro_batch_splits")
 _FP8 = _other_than("model.distributed.fp8_linear", "none")
 _ONE_PASS = "one forward pass of the blocks at a time, run eagerly"
+_FROZEN = Condition("model.freeze", lambda freeze: freeze.any, "model.freeze, any parameter frozen")
+_NOT_YET_FROZEN = "frozen parameters are not yet tested with it"
 _GRAPHS = "their collectives would break the compiled graphs"
 
 COMPATIBILITY: tuple[Incompatibility, ...] = (
+    Incompatibility(_FROZEN, _above_one("model.distributed.tensor_parallel"), _NOT_YET_FROZEN),
+    Incompatibility(_FROZEN, _above_one("model.distributed.pipeline_parallel"), _NOT_YET_FROZEN),
+    Incompatibility(_FROZEN, _above_one("model.distributed.expert_parallel"), _NOT_YET_FROZEN),
+    Incompatibility(_FROZEN, _FP8, _NOT_YET_FROZEN),
+    Incompatibility(_FROZEN, _COMPILE, _NOT_YET_FROZEN),
+    Incompatibility(
+        _FROZEN,
+        Condition(
+            "training.export",
+            lambda export: export.interval is not None and export.format == "distributed",
+            "training.export.format=distributed with an interval",
+        ),
+        "a distributed export holds the trained shards only; export as fastllm or a Hugging "
+        "Face format",
+    ),
     Incompatibility(_COMPILE, _above_one("model.distributed.tensor_parallel"), _GRAPHS),
     Incompatibility(_COMPILE, _above_one("model.distributed.sequence_data_parallel"), _GRAPHS),
     Incompatibility(_COMPILE, _FP8, "the FP8 layers run their own kernels"),
@@ -216,7 +236,9 @@ def check_compatible(config: TrainerConfig) -> None:
 
 
 def _show(value: Any) -> str:
-    """A value as YAML writes it."""
+    """A value as YAML writes it (a section as flow-style JSON)."""
+    if isinstance(value, msgspec.Struct):
+        return json.dumps(msgspec.to_builtins(value))
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 

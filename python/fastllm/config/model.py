@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Literal
 
 import msgspec
@@ -211,6 +212,12 @@ class BaseModelConfig(Section):
         """Parameters of the model; with `active`, only those one token uses (its
         num_experts_per_token routed experts, not all of them); without the input and output
         embeddings when `embeddings` is false, as MFU formulas count them."""
+        counts = self.parameter_counts(active=active)
+        layers = self.transformer.num_layers * counts.block + counts.final_norm
+        return layers + (counts.embedding + counts.head if embeddings else 0)
+
+    def parameter_counts(self, *, active: bool = False) -> ParameterCounts:
+        """The parameters of each part of the model (`active`: as in `num_parameters`)."""
         t = self.transformer
         assert t.kv_channels is not None and t.ffn_hidden_size is not None, "validate() first"
         h, kv = t.hidden_size, t.kv_channels
@@ -229,11 +236,26 @@ class BaseModelConfig(Section):
             router = h * t.num_experts + (h if t.shared_expert_gate else 0)
             mlp = (experts + t.num_shared_experts) * expert + router
         norm = 2 * h if isinstance(t.normalization, LayerNormConfig) else h
-        layers = t.num_layers * (attention + mlp + 2 * norm) + norm
-        if not embeddings:
-            return layers
-        heads = 1 if self.tie_word_embeddings else 2
-        return layers + heads * self.vocab_size * h
+        return ParameterCounts(
+            embedding=self.vocab_size * h,
+            head=0 if self.tie_word_embeddings else self.vocab_size * h,
+            block=attention + mlp + 2 * norm,
+            block_norms=2 * norm,
+            final_norm=norm,
+        )
+
+
+@dataclass(frozen=True)
+class ParameterCounts:
+    """The parameters of each part of a model."""
+
+    embedding: int
+    head: int
+    """0 when the head is the embedding (tied)."""
+    block: int
+    """One transformer block's, its norms included."""
+    block_norms: int
+    final_norm: int
 
 
 class DistributedConfig(Section):
@@ -352,6 +374,24 @@ class MultiStageConfig(Section):
         return num_stages(num_layers, self.layers_per_stage)
 
 
+class FreezeConfig(Section):
+    embeddings: bool = False
+    """The input embedding (with `tie_word_embeddings`, the head too: set `head` alike)."""
+    head: bool = False
+    """The output head."""
+    norms: bool = False
+    """Every normalization layer's weights (and biases), the final norm's too."""
+    blocks: list[int] | None = None
+    """`[first, end)`: transformer blocks frozen whole, counted from 0 (none: no block)."""
+
+    @property
+    def any(self) -> bool:
+        return self.embeddings or self.head or self.norms or self.blocks is not None
+
+    def frozen_blocks(self) -> range:
+        return range(*self.blocks) if self.blocks is not None else range(0)
+
+
 class ModelConfig(Section):
     base_model: BaseModelConfig = msgspec.field(default_factory=BaseModelConfig)
     """The architecture."""
@@ -359,3 +399,42 @@ class ModelConfig(Section):
     """Precision, seeding and the parallel layout."""
     multi_stage: MultiStageConfig = msgspec.field(default_factory=MultiStageConfig)
     """How the model's memory is traded against compute."""
+    freeze: FreezeConfig = msgspec.field(default_factory=FreezeConfig)
+    """Parameters that do not train: they hold only their weights (no gradient, no fp32
+    master, no Adam moments), are never reduced, and count in neither the gradient norm nor
+    the optimizer step. Checkpoints hold the trained parameters only: a resume reads the
+    frozen ones again from `pretrained` (or draws them from the seed), as the run began."""
+
+    def validate(self) -> None:
+        freeze, base = self.freeze, self.base_model
+        if base.tie_word_embeddings and freeze.embeddings != freeze.head:
+            raise ConfigError(
+                "freeze.head",
+                f"is {str(freeze.head).lower()} but freeze.embeddings is "
+                f"{str(freeze.embeddings).lower()}: with tie_word_embeddings they are one tensor",
+            )
+        if freeze.blocks is not None:
+            layers = base.transformer.num_layers
+            if len(freeze.blocks) != 2 or not 0 <= freeze.blocks[0] < freeze.blocks[1] <= layers:
+                raise ConfigError(
+                    "freeze.blocks",
+                    f"must be [first, end) with 0 <= first < end <= num_layers ({layers}), "
+                    f"got {freeze.blocks}",
+                )
+            everything = freeze.embeddings and freeze.head and freeze.norms
+            if everything and freeze.blocks == [0, layers]:
+                raise ConfigError("freeze", "freezes every parameter: nothing would train")
+
+    def num_frozen_parameters(self) -> int:
+        """Parameters `freeze` holds fixed."""
+        freeze, counts = self.freeze, self.base_model.parameter_counts()
+        blocks = len(freeze.frozen_blocks())
+        frozen = blocks * counts.block
+        if freeze.norms:
+            layers = self.base_model.transformer.num_layers
+            frozen += (layers - blocks) * counts.block_norms + counts.final_norm
+        if freeze.embeddings:
+            frozen += counts.embedding
+        if freeze.head:
+            frozen += counts.head
+        return frozen

@@ -31,6 +31,7 @@ MAY_CHANGE_ON_RESUME = (
     "training.profile",
     "training.compile",
     "model.multi_stage",
+    "model.freeze",  # any change is refused before (training.state), never warned about
     "model.distributed.tensor_parallel",
     "model.distributed.sequence_tensor_parallel",
     "model.distributed.pipeline_parallel",

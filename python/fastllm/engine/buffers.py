@@ -108,8 +108,13 @@ class GroupBuffers:
         compute_dtype: torch.dtype,
         device: torch.device,
         zero_stage: int,
+        num_stages: int,
+        trainable: bool = True,
     ) -> None:
+        """`num_stages`: the model's (a stage may hold none of `names`: an empty buffer).
+        `trainable` false: frozen parameters, weights only (ZeRO-3 still shards them)."""
         self.compute_dtype, self.device = compute_dtype, device
+        self.trainable = trainable
         self.data, self.tensor, self.pipeline = data, tensor, pipeline
         """`data`: the dimension the shards and gradient sums span."""
         self.shard_gradients = zero_stage >= 2 and data.size > 1
@@ -136,7 +141,9 @@ class GroupBuffers:
             for name in self.names
         ]
         """(name, numel, stage, weight decay) of every parameter, in layout order."""
-        self.layout = _native.BufferLayout(self.specs, alignment=ALIGNMENT, data_size=data.size)
+        self.layout = _native.BufferLayout(
+            self.specs, alignment=ALIGNMENT, data_size=data.size, num_stages=num_stages
+        )
         num_stages = self.layout.num_stages
         self.owned = pipeline_stages(num_stages, pipeline.size, pipeline.rank)
         """The stages this pipeline rank runs: only their buffers exist here."""
@@ -148,6 +155,18 @@ class GroupBuffers:
             self._stage_buffer(model, s, stage_parameters[s], reduced) for s in range(num_stages)
         ]
         """Every stage's buffer, those of other pipeline ranks' stages empty."""
+        self.shards: dict[int, Shard] = {}
+        """This data rank's shard of each stage this pipeline rank runs (trainable only)."""
+        self.weight_shards: dict[int, Tensor] = {}
+        """This data rank's shard of each stage's compute weights (what ZeRO-3 gathers)."""
+        if not trainable:
+            if self.shard_weights:
+                for stage in self.owned:
+                    start, end = self.layout.shard_range(stage, data.rank)
+                    self.weight_shards[stage] = torch.zeros(
+                        end - start, dtype=compute_dtype, device=device
+                    )
+            return
         self.gradients = GradientBuffers(
             [self.layout.stage_size(s) if s in self.owned else 0 for s in range(num_stages)],
             [stage_parameters[s] if s in self.owned else [] for s in range(num_stages)],
@@ -162,7 +181,7 @@ class GroupBuffers:
         self.shards = {
             s: self._shard(s, self._prefix_end(stage_parameters[s], replicated)) for s in self.owned
         }
-        """This data rank's shard of each stage this pipeline rank runs."""
+        self.weight_shards = {s: shard.weight for s, shard in self.shards.items()}
         for stage in self.owned:  # views of the gradients are made: transient ones let go
             self.gradients.consumed(stage)
 
@@ -214,7 +233,7 @@ class GroupBuffers:
         optimizer step writes)."""
         if not self.mixed_precision:
             return
-        for shard in self.shards.values():
+        for shard in self.shards.values():  # none when frozen
             if shard.master is not None:  # split masters hold the weights already
                 shard.weight.copy_(shard.master)
 
@@ -241,7 +260,7 @@ class GroupBuffers:
             self.layout.stage_size(stage), dtype=self.compute_dtype, device=self.device
         )
         for index in parameters:
-            view = torch.nn.Parameter(self.view(buffer.weights, index))
+            view = torch.nn.Parameter(self.view(buffer.weights, index), self.trainable)
             set_parameter(model, self.names[index], view)
             buffer.views[index] = view
         if self.shard_weights:

@@ -1,7 +1,7 @@
 """`build(config)`: the one seam where a config becomes an `Engine`. Every plug-in is applied
-here, in this order, each by one call: the mesh, the model on the meta device, its stages and
-their buffers, recomputation, activation offload, FP8, compilation, the step's program, the
-optimizer, and the initial or pretrained weights."""
+here, in this order, each by one call: the mesh, the model on the meta device, the frozen
+parameters marked, its stages and their buffers, recomputation, activation offload, FP8,
+compilation, the step's program, the optimizer, and the initial or pretrained weights."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from fastllm.engine.recompute import apply_recompute
 from fastllm.engine.schedule.runner import StepRunner
 from fastllm.engine.weights_io import load_full_parameters, whole_shape
 from fastllm.model import GPTModel
+from fastllm.model.freeze import apply_freeze
 from fastllm.model.init import initializers
 from fastllm.parallel.mesh import build_mesh
 from fastllm.parallel.process_group import Distributed, setup_distributed
@@ -46,6 +47,7 @@ def build(config: TrainerConfig, distributed: Distributed | None = None) -> Engi
     mesh = build_mesh(layout, distributed.rank).with_deferral(DeferredWork())
     with torch.device("meta"):
         model = GPTModel(config.model.base_model, mesh)
+    apply_freeze(model, config.model.freeze)
     whole = _whole_model_steps(layout)
     stages = ModelStages(
         model,

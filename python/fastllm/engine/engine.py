@@ -235,8 +235,11 @@ class Engine:
         )
         base = config.model.base_model
         total, active = base.num_parameters(), base.num_parameters(active=True)
+        frozen = config.model.num_frozen_parameters()
         parts = [
-            f"{total:,} parameters" + (f" ({active:,} active per token)" if active < total else ""),
+            f"{total:,} parameters"
+            + (f" ({active:,} active per token)" if active < total else "")
+            + (f", {frozen:,} of them frozen" if frozen else ""),
             f"{distributed.world_size} × {distributed.device.type}",
             f"{config.model.distributed.training_dtype}"
             + (" (fp32 masters)" if self.stages.mixed_precision else ""),

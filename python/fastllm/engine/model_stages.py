@@ -57,10 +57,12 @@ class ModelStages:
         self.tensor = mesh.tensor
         deferral = mesh.tensor.deferral if mesh.tensor.split else None
 
+        trained = [name for name in names if not metas[name].frozen]
+
         def make_buffers(experts: bool) -> GroupBuffers:
             return GroupBuffers(
                 model,
-                [n for n in names if (expert_parallel and metas[n].expert_split) == experts],
+                [n for n in trained if (expert_parallel and metas[n].expert_split) == experts],
                 metas,
                 lambda name: stage_of_layer(metas[name].layer, num_layers, layers_per_stage),
                 data=mesh.expert_data if experts else mesh.data,
@@ -69,6 +71,7 @@ class ModelStages:
                 compute_dtype=compute_dtype,
                 device=device,
                 zero_stage=zero_stage,
+                num_stages=num_stages(num_layers, layers_per_stage),
             )
 
         def make_group(buffers: GroupBuffers, tied_here: bool) -> ParameterGroup:
@@ -88,6 +91,34 @@ class ModelStages:
         self.experts = make_group(make_buffers(True), False) if expert_parallel else None
         """With expert parallelism: the experts' parameters, in buffers of their own."""
         self.groups = [self.dense] if self.experts is None else [self.dense, self.experts]
+        """The groups that train: what the optimizer steps, reduces and checkpoints."""
+        frozen = [name for name in names if metas[name].frozen]
+        self.frozen = (
+            ParameterGroup(
+                GroupBuffers(
+                    model,
+                    frozen,
+                    metas,
+                    lambda name: stage_of_layer(metas[name].layer, num_layers, layers_per_stage),
+                    data=mesh.data,
+                    tensor=mesh.tensor,
+                    pipeline=mesh.pipeline,
+                    compute_dtype=compute_dtype,
+                    device=device,
+                    zero_stage=zero_stage,
+                    num_stages=num_stages(num_layers, layers_per_stage),
+                    trainable=False,
+                ),
+                deferral=None,
+                tied_here=any(metas[name].tied for name in frozen),
+                stage_modules=modules if gather_in_forward else None,
+            )
+            if frozen
+            else None
+        )
+        """The frozen parameters (`model.freeze`): weights only, gathered with ZeRO-3."""
+        self.all_groups = self.groups if self.frozen is None else [*self.groups, self.frozen]
+        """Every group: the trained ones and the frozen one."""
         self.stages = [
             Stage(
                 stage,
@@ -103,24 +134,26 @@ class ModelStages:
 
     def group_of(self, name: str) -> ParameterGroup:
         """The group that holds parameter `name`."""
-        experts = self.experts
-        return experts if experts is not None and name in experts.buffers.indices else self.dense
+        for group in self.all_groups[1:]:
+            if name in group.buffers.indices:
+                return group
+        return self.dense
 
     def wait_for_weights(self, stage: int) -> None:
         """Block until `stage`'s full compute weights are in place (ZeRO-1/2 after a step,
         ZeRO-3 whenever it runs)."""
-        for group in self.groups:
+        for group in self.all_groups:
             group.wait_for_weights(stage)
 
     def prefetch_weights(self, stage: int) -> None:
         """ZeRO-3: start gathering `stage`'s full compute weights (the pipeline runner)."""
-        for group in self.groups:
+        for group in self.all_groups:
             if group.gatherer is not None:
                 group.gatherer.prefetch(stage)
 
     def release_weights(self, stage: int | None = None) -> None:
         """ZeRO-3: free `stage`'s gathered weights (every stage's with None)."""
-        for group in self.groups:
+        for group in self.all_groups:
             if group.gatherer is not None:
                 if stage is None:
                     group.gatherer.keep_only(set())
@@ -184,6 +217,6 @@ class ModelStages:
         step writes), so that a restored run computes bit for bit as the original did."""
         for group in self.groups:
             group.buffers.weights_from_masters()
-        for group in self.groups:
+        for group in self.all_groups:
             if group.gatherer is not None:
                 group.gatherer.weights_changed()

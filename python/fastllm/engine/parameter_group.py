@@ -35,10 +35,11 @@ class ParameterGroup:
         modules, whose forward passes then drive the gathers and refreshes (None: the pipeline
         runner's program does)."""
         self.buffers = buffers
+        trainable = buffers.trainable  # a frozen group only has weights to gather
         needs_reducer = buffers.data.size > 1 or any(s.tensor_reduced_end for s in buffers.stages)
-        self.reducer = GradientReducer(buffers) if needs_reducer else None
+        self.reducer = GradientReducer(buffers) if trainable and needs_reducer else None
         self._hooks = []
-        for stage in buffers.owned:
+        for stage in buffers.owned if trainable else []:
             for index, parameter in buffers.stages[stage].views.items():
                 hook = self._accumulate_hook(index)
                 self._hooks.append(parameter.register_post_accumulate_grad_hook(hook))
@@ -49,9 +50,8 @@ class ParameterGroup:
         self.gatherer = WeightGatherer(buffers, tied_here) if buffers.shard_weights else None
         if self.gatherer is not None and stage_modules is not None:
             self.gatherer.install_hooks(stage_modules)
-        self.refresh = (
-            WeightRefresh(buffers) if buffers.data.size > 1 and not buffers.shard_weights else None
-        )
+        refreshed = trainable and buffers.data.size > 1 and not buffers.shard_weights
+        self.refresh = WeightRefresh(buffers) if refreshed else None
         if self.refresh is not None and stage_modules is not None:
             self.refresh.install_hooks(stage_modules)
 

@@ -77,7 +77,7 @@ class WeightGatherer:
             self.pending[stage] = self.fp8.gather(stage)
             self.in_fp8.add(stage)
         else:
-            shard = self.group.shards[stage].weight
+            shard = self.group.weight_shards[stage]
             group = self.group.data.group
             self.pending[stage] = [
                 dist.all_gather_into_tensor(buffer, shard, group=group, async_op=True)

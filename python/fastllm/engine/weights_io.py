@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fastllm.config.layout import pipeline_rank_of
+from fastllm.engine.buffers import GroupBuffers
 from fastllm.engine.model_stages import ModelStages
 from fastllm.engine.parameter_group import ParameterGroup
 from fastllm.model.parameters import full_shape
@@ -24,7 +25,7 @@ def load_full_parameters(stages: ModelStages, tensors: Iterator[tuple[str, Tenso
     for name, tensor in tensors:
         seen.add(name)
         _load(stages, name, local(stages, name, tensor))
-    missing = {name for group in stages.groups for name in group.buffers.names} - seen
+    missing = {name for group in stages.all_groups for name in group.buffers.names} - seen
     if missing:
         raise KeyError(f"no values given for parameters {sorted(missing)[:5]}")
     stages.sync_weights_from_master()
@@ -39,12 +40,29 @@ def _load(stages: ModelStages, name: str, tensor: Tensor) -> None:
             tied.load(tensor)
         return
     index = buffers.indices[name]
+    if not buffers.trainable:  # weights only: the values rounded to the compute dtype
+        _load_frozen(buffers, index, tensor)
+        return
     if not buffers.shard_weights:
         weights = buffers.stages[buffers.layout.parameter(index)[0]].weights
         buffers.view(weights, index).copy_(buffers.compute_weights(tensor))
     for shard, (param_start, param_end, shard_start, _) in buffers.pieces(index):
         piece = tensor.reshape(-1)[param_start:param_end].to(buffers.device, torch.float32)
         shard.set_master(shard_start, piece)
+
+
+def _load_frozen(buffers: GroupBuffers, index: int, tensor: Tensor) -> None:
+    stage = buffers.layout.parameter(index)[0]
+    values = tensor.to(buffers.device, buffers.compute_dtype)
+    if not buffers.shard_weights:
+        buffers.view(buffers.stages[stage].weights, index).copy_(values)
+        return
+    for i, param_start, param_end, shard_start, shard_end in buffers.layout.shard_parameters(
+        stage, buffers.data.rank
+    ):
+        if i == index:
+            piece = values.reshape(-1)[param_start:param_end]
+            buffers.weight_shards[stage][shard_start:shard_end].copy_(piece)
 
 
 def local(stages: ModelStages, name: str, whole: Tensor) -> Tensor:
@@ -104,7 +122,7 @@ def whole_parameters(stages: ModelStages) -> Iterator[tuple[str, Tensor]]:
     gathered: every rank of the tensor and expert groups (and with ZeRO-3 of the data
     group) must iterate to the end."""
     tensor_dimension, expert = stages.mesh.tensor, stages.mesh.expert
-    for group in stages.groups:
+    for group in stages.all_groups:
         for name, tensor in full_parameters(group):
             split = stages.metas[name].tensor_split
             if split is not None and tensor_dimension.size > 1:

@@ -71,6 +71,8 @@ class ParameterMeta:
     layer: int = 0
     """Position in the model: 0 the embedding, 1 … num_layers the blocks, num_layers + 1 the
     final norm and the head. The engine groups layers into stages."""
+    frozen: bool = False
+    """It does not train (`model.freeze`): weights only, in buffers of their own."""
     recipe: WeightRecipe | None = field(default=None, compare=False)
     """A projection's weight: the recipe its layer passes to the kernels' ops with it, made
     empty with the layer; the engine fills it in (a gradient sink, FP8)."""
@@ -92,6 +94,14 @@ def describe(module: torch.nn.Module, name: str, **meta: Any) -> None:
 def meta_of(module: torch.nn.Module, name: str) -> ParameterMeta:
     """The meta `describe` attached to `module`'s parameter `name`."""
     return module.__dict__["parameter_meta"][name]
+
+
+def freeze(module: torch.nn.Module) -> None:
+    """Every parameter of `module` (and its children) frozen."""
+    for child in module.modules():
+        metas = child.__dict__.get("parameter_meta", {})
+        for name, meta in metas.items():
+            metas[name] = dataclasses.replace(meta, frozen=True)
 
 
 def set_layer(module: torch.nn.Module, layer: int) -> None:

@@ -3,6 +3,7 @@ engine's state (`engine.checkpointing` converts it), and the newest checkpoint r
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import warnings
@@ -18,6 +19,8 @@ from fastllm.checkpoint.distributed import SavedCheckpoint, Snapshot
 from fastllm.checkpoint.errors import CheckpointWriteError, WriteStopped
 from fastllm.checkpoint.formats import ModelSource, copy_tokenizer_files, write_model
 from fastllm.checkpoint.saver import PARTIAL_SUFFIX, latest
+from fastllm.config import ConfigError
+from fastllm.config.model import FreezeConfig
 from fastllm.config.resume_changes import resume_warning
 from fastllm.engine import checkpointing
 
@@ -59,7 +62,10 @@ def _checked(trainer: Trainer, directory: Path, manifest: dict | None = None) ->
     """The checkpoint, refused (`ConfigError`, on every rank alike) when it was written by
     another architecture. `manifest` is given when the checkpoint was just verified."""
     saved = SavedCheckpoint(directory, manifest)
-    check_resume(saved, trainer.config.model.base_model)
+    model = trainer.config.model
+    _check_same_freeze(saved, model.freeze)
+    frozen = _frozen_names(trainer)
+    check_resume(saved, model.base_model, frozen)
     return saved
 
 
@@ -127,3 +133,24 @@ def export(
     if failure is not None:
         raise CheckpointWriteError(directory, failure)
     return stopped
+
+
+def _frozen_names(trainer: Trainer) -> list[str]:
+    frozen = trainer.engine.stages.frozen
+    return [] if frozen is None else frozen.buffers.names
+
+
+def _check_same_freeze(saved: SavedCheckpoint, freeze: FreezeConfig) -> None:
+    """A checkpoint holds the parameters its run trained: another `model.freeze` is refused,
+    naming the key (checkpoints written before `freeze` existed froze nothing)."""
+    written = saved.manifest["config"].get("model", {}).get("freeze")
+    before = msgspec.to_builtins(FreezeConfig() if written is None else written)
+    now = msgspec.to_builtins(freeze)
+    for key in now:
+        if before.get(key) != now[key]:
+            raise ConfigError(
+                f"model.freeze.{key}",
+                f"checkpoint {json.dumps(before.get(key))}, config {json.dumps(now[key])} (the "
+                "checkpoint holds the parameters its run trained: set it back, or train in "
+                "another run.experiment_dir)",
+            )

@@ -198,7 +198,9 @@ class Trainer:
         )
         stop = _StopSignal(self.distributed)
         tokens_per_step = config.batch.batch_size * config.batch.sequence_length
-        flops = flops_per_token(config.model.base_model, config.batch.sequence_length)
+        flops = flops_per_token(
+            config.model.base_model, config.batch.sequence_length, config.model.freeze
+        )
         peak = PEAK_FLOPS.get(self.distributed.device.type)
         window: list[float] = []
         window_start = time.perf_counter()

@@ -27,17 +27,6 @@ pub enum LayoutError {
         previous: u32,
     },
 
-    #[error(
-        "parameter {name:?} (index {index}) is in stage {stage} but stage {expected} has no \
-         parameters: stages must be numbered 0, 1, 2, … without gaps"
-    )]
-    StageSkipped {
-        name: String,
-        index: usize,
-        stage: u32,
-        expected: u32,
-    },
-
     #[error("alignment {alignment} × data-parallel size {data_size} does not fit 64 bits")]
     ShardAlignmentOverflow { alignment: u64, data_size: u32 },
 

@@ -10,7 +10,8 @@ use crate::{LayoutError, Shard};
 pub struct ParameterSpec {
     pub name: String,
     pub numel: u64,
-    /// Stages are numbered 0, 1, 2, … in model order, so the list's stages never decrease.
+    /// Stages are numbered 0, 1, 2, … in model order, so the list's stages never decrease; a
+    /// stage none of the parameters is in is an empty buffer.
     pub stage: u32,
     pub weight_decay: bool,
 }
@@ -101,29 +102,20 @@ impl Layout {
             }
             let current = placed.last().map(|previous| previous.stage);
             if current != Some(spec.stage) {
-                let expected = match current {
-                    None => 0,
-                    Some(previous) if spec.stage < previous => {
-                        return Err(LayoutError::StageOutOfOrder {
-                            name: spec.name,
-                            index,
-                            stage: spec.stage,
-                            previous,
-                        });
-                    }
-                    // Cannot overflow: `spec.stage` is above `previous`.
-                    Some(previous) => previous + 1,
-                };
-                if spec.stage != expected {
-                    return Err(LayoutError::StageSkipped {
+                if let Some(previous) = current.filter(|&previous| spec.stage < previous) {
+                    return Err(LayoutError::StageOutOfOrder {
                         name: spec.name,
                         index,
                         stage: spec.stage,
-                        expected,
+                        previous,
                     });
                 }
                 if let Some(stage) = current {
                     builder.finish_stage(stage, stage_start..index, end)?;
+                }
+                // Stages without parameters (all frozen, say) are empty buffers.
+                while builder.stages.len() < spec.stage as usize {
+                    builder.empty_stage(index);
                 }
                 stage_start = index;
                 end = 0;
@@ -152,6 +144,27 @@ impl Layout {
             by_name,
             num_elements: builder.num_elements,
         })
+    }
+
+    /// The same layout with empty stages appended up to `num_stages` (a model's stages past
+    /// the last that holds one of these parameters).
+    pub fn padded_to(mut self, num_stages: u32) -> Result<Self, LayoutError> {
+        if (num_stages as usize) < self.stages.len() {
+            return Err(LayoutError::StageOutOfRange {
+                stage: self.stages.len() as u32 - 1,
+                num_stages: num_stages as usize,
+            });
+        }
+        let end = self.parameters.len();
+        self.stages.resize(
+            num_stages as usize,
+            Stage {
+                parameters: end..end,
+                size: 0,
+                shard_size: 0,
+            },
+        );
+        Ok(self)
     }
 
     pub fn config(&self) -> LayoutConfig {
@@ -232,6 +245,15 @@ struct Builder {
 }
 
 impl Builder {
+    /// A stage without parameters, before the parameter at `index`.
+    fn empty_stage(&mut self, index: usize) {
+        self.stages.push(Stage {
+            parameters: index..index,
+            size: 0,
+            shard_size: 0,
+        });
+    }
+
     /// Pads the stage whose last parameter ends at `end` and counts it in the total.
     fn finish_stage(
         &mut self,

@@ -143,7 +143,7 @@ fn rejects_duplicate_names() {
 }
 
 #[test]
-fn rejects_stages_out_of_order_or_with_gaps() {
+fn rejects_stages_out_of_order() {
     let parameters = vec![
         spec("a", 1, 0, true),
         spec("b", 1, 1, true),
@@ -160,26 +160,36 @@ fn rejects_stages_out_of_order_or_with_gaps() {
         }
     );
     assert!(out_of_order.to_string().contains("\"c\""));
-    let gap = vec![spec("a", 1, 0, true), spec("b", 1, 2, true)];
-    assert_eq!(
-        error(gap, config(1, 1)),
-        LayoutError::StageSkipped {
-            name: "b".to_owned(),
-            index: 1,
-            stage: 2,
-            expected: 1
-        }
-    );
-    let late_start = vec![spec("a", 1, 1, true)];
-    assert_eq!(
-        error(late_start, config(1, 1)),
-        LayoutError::StageSkipped {
-            name: "a".to_owned(),
-            index: 0,
-            stage: 1,
-            expected: 0
-        }
-    );
+}
+
+#[test]
+fn stages_without_parameters_are_empty_buffers() {
+    // Frozen parameters leave stages of the trained ones empty: before, between and after.
+    let parameters = vec![spec("a", 3, 1, true), spec("b", 5, 3, true)];
+    let layout = Layout::new(parameters, config(4, 2))
+        .unwrap()
+        .padded_to(6)
+        .unwrap();
+    let sizes: Vec<(u64, u64)> = layout
+        .stages()
+        .iter()
+        .map(|stage| (stage.size, stage.shard_size))
+        .collect();
+    assert_eq!(sizes, [(0, 0), (8, 4), (0, 0), (8, 4), (0, 0), (0, 0)]);
+    let stages: Vec<_> = layout
+        .stages()
+        .iter()
+        .map(|s| s.parameters.clone())
+        .collect();
+    assert_eq!(stages, [0..0, 0..1, 1..1, 1..2, 2..2, 2..2]);
+    assert_eq!(layout.shard(2, 1).unwrap().range(), 0..0);
+    assert!(matches!(
+        layout.padded_to(3),
+        Err(LayoutError::StageOutOfRange {
+            stage: 5,
+            num_stages: 3
+        })
+    ));
 }
 
 #[test]

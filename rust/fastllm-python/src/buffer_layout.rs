@@ -25,12 +25,15 @@ enum ParameterKey {
 #[pymethods]
 impl BufferLayout {
     /// Lay out `parameters`, `(name, numel, stage, weight_decay)` in model order, each starting
-    /// at a multiple of `alignment` elements, every stage split into `data_size` equal shards.
+    /// at a multiple of `alignment` elements, every stage split into `data_size` equal shards;
+    /// stages without parameters are empty, up to `num_stages` when given.
     #[new]
+    #[pyo3(signature = (parameters, alignment, data_size, num_stages=None))]
     fn new(
         parameters: Vec<(String, u64, u32, bool)>,
         alignment: u64,
         data_size: u32,
+        num_stages: Option<u32>,
     ) -> PyResult<Self> {
         let parameters = parameters
             .into_iter()
@@ -45,7 +48,10 @@ impl BufferLayout {
             alignment,
             data_size,
         };
-        let inner = fastllm_memory::Layout::new(parameters, config).map_err(layout_error)?;
+        let mut inner = fastllm_memory::Layout::new(parameters, config).map_err(layout_error)?;
+        if let Some(num_stages) = num_stages {
+            inner = inner.padded_to(num_stages).map_err(layout_error)?;
+        }
         Ok(Self { inner })
     }
 
