@@ -83,3 +83,13 @@ def test_the_buffers_by_kind_count_every_element_of_this_rank(
             gradients=4 * elements,
             optimizer=optimizer_bytes * elements,
         )
+
+
+def test_the_buffers_by_kind_count_frozen_weights_as_weights(dataset: Path, tmp_path: Path) -> None:
+    run = make_trainer(dataset, tmp_path / "run", "model.freeze.norms=true")
+    dense, frozen = run.engine.stages.dense.buffers, run.engine.stages.frozen.buffers
+    trained = sum(dense.layout.stage_size(s) for s in dense.owned)
+    held = sum(frozen.layout.stage_size(s) for s in frozen.owned)
+    assert buffer_memory(run.engine.stages) == BufferMemory(
+        weights=4 * (trained + held), gradients=4 * trained, optimizer=8 * trained
+    )

@@ -13,8 +13,8 @@ from fastllm.engine.model_stages import ModelStages
 @dataclass(frozen=True)
 class BufferMemory:
     weights: int
-    """The compute weights this rank keeps (ZeRO-3: its shards; a stage gathered to run
-    takes its whole size more while it runs)."""
+    """The compute weights this rank keeps, frozen ones included (ZeRO-3: its shards; a stage
+    gathered to run takes its whole size more while it runs)."""
     gradients: int
     """The fp32 gradients once a step's backward pass wrote them (ZeRO-2/3: the two pooled
     stage buffers and this rank's shards)."""
@@ -37,6 +37,14 @@ def buffer_memory(stages: ModelStages) -> BufferMemory:
             if buffers.mixed_precision:  # in fp32 training the masters are the weights
                 state.append(shard.master)
             optimizer += sum(_bytes(t) for t in state if t is not None)
+    if stages.frozen is not None:
+        frozen = stages.frozen.buffers
+        held = (
+            frozen.weight_shards.values()
+            if frozen.shard_weights
+            else (frozen.stages[s].weights for s in frozen.owned)
+        )
+        weights += sum(_bytes(t) for t in held)
     return BufferMemory(weights, gradients, optimizer)
 
 
