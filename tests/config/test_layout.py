@@ -119,8 +119,6 @@ ROW_SETTINGS = {
         ("schedule.micro_batch_splits=2", "model.distributed.sequence_data_parallel=2"),
     ("schedule.micro_batch_splits", "model.multi_stage.recompute"):
         ("schedule.micro_batch_splits=2", "model.multi_stage.recompute=full"),
-    ("model.freeze", "model.distributed.tensor_parallel"):
-        ("model.freeze.blocks=[0,1]", "model.distributed.tensor_parallel=2"),
     ("model.freeze", "model.distributed.pipeline_parallel"):
         ("model.freeze.blocks=[0,1]", "model.distributed.pipeline_parallel=2"),
     ("model.freeze", "model.distributed.expert_parallel"):

@@ -34,20 +34,29 @@ FOUR_STEPS = (
 
 
 def layouts(dataset: Path, one_process: Callable[..., Path], root: Path) -> dict[str, Layout]:
-    """Two data ranks at ZeRO-1 and ZeRO-3 (trained for the fixture `launched`)."""
+    """Two data ranks at ZeRO-1 and ZeRO-3, and two tensor ranks with sequence-tensor
+    parallelism (trained for the fixture `launched`)."""
     return {
-        f"zero{stage}": Layout(2, (*FROZEN, *FOUR_STEPS, f"model.multi_stage.zero_stage={stage}"))
-        for stage in (1, 3)
+        **{
+            f"zero{stage}": Layout(
+                2, (*FROZEN, *FOUR_STEPS, f"model.multi_stage.zero_stage={stage}")
+            )
+            for stage in (1, 3)
+        },
+        "tensor": Layout(2, (*FROZEN, *FOUR_STEPS, *TENSOR)),
     }
 
 
-@pytest.mark.parametrize("zero_stage", [1, 3])
-def test_two_data_ranks_with_frozen_parameters_match_one_process(
-    launched: dict[str, Launched], one_process: Callable[..., Path], zero_stage: int
+TENSOR = ("model.distributed.tensor_parallel=2", "model.distributed.sequence_tensor_parallel=true")
+
+
+@pytest.mark.parametrize("layout", ["zero1", "zero3", "tensor"])
+def test_two_ranks_with_frozen_parameters_match_one_process(
+    launched: dict[str, Launched], one_process: Callable[..., Path], layout: str
 ) -> None:
-    # ZeRO-3 gathers the frozen weights' shards like the trained ones'; the export holds
-    # every weight, frozen ones included.
-    single, double = one_process(*FROZEN, *FOUR_STEPS), launched[f"zero{zero_stage}"].succeeded()
+    # ZeRO-3 gathers the frozen weights' shards like the trained ones'; tensor ranks hold
+    # slices of them; the export holds every weight, frozen ones included.
+    single, double = one_process(*FROZEN, *FOUR_STEPS), launched[layout].succeeded()
     expected, got = losses(single), losses(double)
     assert sorted(got) == sorted(expected) == [1, 2, 3, 4]
     for step, loss in expected.items():
@@ -137,8 +146,8 @@ def test_a_resume_with_other_frozen_parameters_is_refused_naming_the_key(
     ("overrides", "message"),
     [
         (
-            ("model.distributed.tensor_parallel=2",),
-            "model.freeze: not supported yet with model.distributed.tensor_parallel > 1",
+            ("model.distributed.pipeline_parallel=2",),
+            "model.freeze: not supported yet with model.distributed.pipeline_parallel > 1",
         ),
         (
             ("training.export.interval=2", "training.export.format=distributed"),

@@ -172,7 +172,6 @@ _NOT_YET_FROZEN = "frozen parameters are not yet tested with it"
 _GRAPHS = "their collectives would break the compiled graphs"
 
 COMPATIBILITY: tuple[Incompatibility, ...] = (
-    Incompatibility(_FROZEN, _above_one("model.distributed.tensor_parallel"), _NOT_YET_FROZEN),
     Incompatibility(_FROZEN, _above_one("model.distributed.pipeline_parallel"), _NOT_YET_FROZEN),
     Incompatibility(_FROZEN, _above_one("model.distributed.expert_parallel"), _NOT_YET_FROZEN),
     Incompatibility(_FROZEN, _FP8, _NOT_YET_FROZEN),

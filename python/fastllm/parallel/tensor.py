@@ -40,8 +40,12 @@ class DeferredWork:
         self._work.append(work)
 
     def run(self) -> None:
-        while self._work:
-            self._work.pop(0)()
+        # Gradient arithmetic is never differentiated; outside autograd's backward pass (after
+        # it, when no collective ran the work: a frozen first block leaves the first trained
+        # layer's input without a gradient, so nothing follows it) grad mode is on.
+        with torch.no_grad():
+            while self._work:
+                self._work.pop(0)()
 
 
 @dataclass(frozen=True)
