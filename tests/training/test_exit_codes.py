@@ -39,6 +39,18 @@ def start(command: list[str], experiment: Path) -> subprocess.Popen[str]:
     return process
 
 
+def terminated(process: subprocess.Popen[str]) -> tuple[str, str, float]:
+    """`process` sent SIGTERM: its stdout, stderr and the seconds it took to exit (killed
+    after 30)."""
+    process.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    try:
+        out, err = process.communicate(timeout=30)
+    finally:
+        process.kill()
+    return out, err, time.monotonic() - sent
+
+
 def committed_steps(experiment: Path) -> list[int]:
     directory = experiment / "checkpoint"
     return [int(c.name) for c in directory.iterdir() if (c / "manifest.json").is_file()]
@@ -69,13 +81,8 @@ def test_sigterm_during_a_long_validation_stops_within_seconds(
     )  # fmt: skip
     process = start([sys.executable, "-m", "fastllm.cli", *arguments], experiment)
     time.sleep(2)  # step 2 and into its validation
-    process.send_signal(signal.SIGTERM)
-    sent = time.monotonic()
-    try:
-        _, err = process.communicate(timeout=30)
-    finally:
-        process.kill()
-    assert time.monotonic() - sent < 30
+    _, err, seconds = terminated(process)
+    assert seconds < 30
     assert process.returncode == 143, err
     assert committed_steps(experiment) == [2]
 
@@ -96,14 +103,9 @@ def test_sigterm_while_the_sampling_index_is_built_exits_143_within_seconds(
     described = process.stdout.readline()  # the model, printed before the index is built
     assert "parameters" in described, process.communicate()
     time.sleep(0.3)
-    process.send_signal(signal.SIGTERM)
-    sent = time.monotonic()
-    try:
-        out, err = process.communicate(timeout=30)
-    finally:
-        process.kill()
+    out, err, seconds = terminated(process)
     assert process.returncode == 143, err
-    assert time.monotonic() - sent < 2.5
+    assert seconds < 2.5
     assert "stopped by SIGTERM at step 0; nothing new to save" in out, out
     assert not list(experiment.glob("cache/sampling/sampling_*")), "no index was cached"
 

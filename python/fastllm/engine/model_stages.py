@@ -19,6 +19,7 @@ from fastllm.engine.stages import stage_modules, stage_of_layer, stage_positions
 from fastllm.engine.tied_weights import tied_weights
 from fastllm.model import GPTModel
 from fastllm.model.parameters import parameter_metas
+from fastllm.parallel.dimension import Dimension
 from fastllm.parallel.mesh import ParallelMesh
 
 
@@ -59,20 +60,25 @@ class ModelStages:
 
         trained = [name for name in names if not metas[name].frozen]
 
-        def make_buffers(experts: bool) -> GroupBuffers:
+        def make_buffers(group: list[str], data: Dimension, trainable: bool = True) -> GroupBuffers:
             return GroupBuffers(
                 model,
-                [n for n in trained if (expert_parallel and metas[n].expert_split) == experts],
+                group,
                 metas,
                 lambda name: stage_of_layer(metas[name].layer, num_layers, layers_per_stage),
-                data=mesh.expert_data if experts else mesh.data,
+                data=data,
                 tensor=mesh.tensor,
                 pipeline=mesh.pipeline,
                 compute_dtype=compute_dtype,
                 device=device,
                 zero_stage=zero_stage,
                 num_stages=num_stages(num_layers, layers_per_stage),
+                trainable=trainable,
             )
+
+        def trained_buffers(experts: bool) -> GroupBuffers:
+            group = [n for n in trained if (expert_parallel and metas[n].expert_split) == experts]
+            return make_buffers(group, mesh.expert_data if experts else mesh.data)
 
         def make_group(buffers: GroupBuffers, tied_here: bool) -> ParameterGroup:
             return ParameterGroup(
@@ -82,40 +88,22 @@ class ModelStages:
                 stage_modules=modules if gather_in_forward else None,
             )
 
-        dense = make_buffers(experts=False)
+        dense = trained_buffers(experts=False)
         self.tied = tied_weights(model, dense)
         """The embedding's copy and its gradient, when the head runs on another pipeline rank."""
         self.tied_here = dense.tied and self.tied is None
         """The head reads the embedding's own weights (tied, and on this rank)."""
         self.dense = make_group(dense, self.tied_here)
-        self.experts = make_group(make_buffers(True), False) if expert_parallel else None
+        self.experts = make_group(trained_buffers(True), False) if expert_parallel else None
         """With expert parallelism: the experts' parameters, in buffers of their own."""
         self.groups = [self.dense] if self.experts is None else [self.dense, self.experts]
         """The groups that train: what the optimizer steps, reduces and checkpoints."""
         frozen = [name for name in names if metas[name].frozen]
-        self.frozen = (
-            ParameterGroup(
-                GroupBuffers(
-                    model,
-                    frozen,
-                    metas,
-                    lambda name: stage_of_layer(metas[name].layer, num_layers, layers_per_stage),
-                    data=mesh.data,
-                    tensor=mesh.tensor,
-                    pipeline=mesh.pipeline,
-                    compute_dtype=compute_dtype,
-                    device=device,
-                    zero_stage=zero_stage,
-                    num_stages=num_stages(num_layers, layers_per_stage),
-                    trainable=False,
-                ),
-                deferral=None,
-                tied_here=any(metas[name].tied for name in frozen),
-                stage_modules=modules if gather_in_forward else None,
-            )
-            if frozen
-            else None
-        )
+        if frozen:  # no gradient sinks are made for them: the deferral goes unused
+            buffers = make_buffers(frozen, mesh.data, trainable=False)
+            self.frozen: ParameterGroup | None = make_group(buffers, buffers.tied)
+        else:
+            self.frozen = None
         """The frozen parameters (`model.freeze`): weights only, gathered with ZeRO-3."""
         self.all_groups = self.groups if self.frozen is None else [*self.groups, self.frozen]
         """Every group: the trained ones and the frozen one."""
