@@ -15,6 +15,9 @@ export PATH := $(abspath $(BIN)):$(HOME)/.cargo/bin:$(PATH)
 export VIRTUAL_ENV := $(abspath $(VENV))
 
 RUST_SOURCES := Cargo.toml $(wildcard Cargo.lock) $(shell find rust -name '*.rs' -o -name Cargo.toml)
+# PyPI's large wheels (torch's CUDA libraries, ~400 MB each) are sometimes cut off mid-download:
+# pip resumes them, and the whole install is tried three times before set-up fails.
+PIP_NETWORK := --retries 10 --timeout 60
 WHEEL_PLATFORMS := $(foreach p,manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64,--platform $(p))
 
 .PHONY: setup demo test fuzz lint format wheel reference docs clean
@@ -24,8 +27,11 @@ setup: $(VENV)/.fastllm
 # Third-party packages: torch (a CUDA build from PyPI; it runs on the CPU too), triton, …
 $(VENV)/.requirements: requirements.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -r requirements.txt
+	$(BIN)/python -m pip install -q $(PIP_NETWORK) --upgrade pip
+	for attempt in 1 2 3; do \
+	  $(BIN)/python -m pip install -q $(PIP_NETWORK) --resume-retries 30 -r requirements.txt && break; \
+	  test $$attempt -lt 3 && echo "pip install failed (attempt $$attempt of 3), trying again" >&2 || exit 1; \
+	done
 	touch $@
 
 # fastllm (Rust extension built in release mode, Python sources live) and fastllm-kernels.
