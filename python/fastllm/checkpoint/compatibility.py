@@ -20,6 +20,7 @@ from fastllm.checkpoint.formats import ModelSource, parameter_shapes
 from fastllm.config import BaseModelConfig, ConfigError, build
 from fastllm.config.overrides import parse_key
 from fastllm.config.resume_changes import ARCHITECTURE, Change, architecture_changes
+from fastllm.model.lora import is_adapter
 
 Shapes = dict[str, tuple[int, ...]]
 
@@ -43,15 +44,19 @@ def check_resume(
 
 def pretrained_tensors(
     source: ModelSource, config: BaseModelConfig
-) -> Iterator[tuple[str, Tensor]]:
-    """The tensors of `source` for a model of `config`: its config's tensors (the manifest's
-    shapes for a `distributed` directory) must be the model's, and `source.tensors()` checks
-    its files against its config before reading any."""
+) -> tuple[Iterator[tuple[str, Tensor]], list[str]]:
+    """The tensors of `source` for a model of `config`, and the names of the model's LoRA
+    adapters it lacks (all of them, or none: a base model to fine-tune with new adapters, or
+    a model with its adapters). Its config's tensors (the manifest's shapes for a
+    `distributed` directory) must be the model's, and `source.tensors()` checks its files
+    against its config before reading any."""
     found = (
         source.distributed.whole_shapes()
         if source.distributed is not None
         else parameter_shapes(source.config)
     )
+    adapters = [name for name in parameter_shapes(config) if is_adapter(name)]
+    missing = [] if any(name in found for name in adapters) else adapters
     where = str(source.directory)
     _check_fits(
         found,
@@ -59,8 +64,9 @@ def pretrained_tensors(
         config,
         where,
         f"pretrained.path {where} holds tensors of other shapes",
+        omit=frozenset(missing),
     )
-    return source.tensors()
+    return source.tensors(), missing
 
 
 def _check_fits(

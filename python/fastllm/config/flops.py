@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastllm.config.model import BaseModelConfig, FreezeConfig
+from fastllm.config.model import BaseModelConfig, FreezeConfig, LoRAConfig
 
 
 def flops_per_token(
@@ -12,26 +12,30 @@ def flops_per_token(
     but the embedding lookup; of a mixture of experts only the experts a token is routed to)
     + 12 × layers × heads × head size × sequence (attention, counted whole).
 
-    Frozen parameters (`freeze`) need no weight gradient: 4 × their count (the forward pass
-    and the input gradient), and 2 × (the forward pass alone, attention's third) in the
-    frozen blocks before any trained parameter, where the backward pass stops."""
+    Frozen parameters (`freeze`, and under LoRA with `freeze_others` all but the adapters)
+    need no weight gradient: 4 × their count (the forward pass and the input gradient), and
+    2 × (the forward pass alone, attention's third) in the frozen blocks before any trained
+    parameter, where the backward pass stops. LoRA adapters count 6 × their parameters."""
     t = config.transformer
     assert t.kv_channels is not None
     freeze = freeze or FreezeConfig()
+    others = isinstance(config.peft, LoRAConfig) and config.peft.freeze_others
     counts = config.parameter_counts(active=True)
     attention = 12 * t.num_attention_heads * t.kv_channels * sequence_length
-    norms = 4 if freeze.norms else 6
+    norms = 4 if freeze.norms or others else 6
     frozen_blocks = freeze.frozen_blocks()
-    before_training = freeze.embeddings  # nothing before it trains: no backward pass there
+    before_training = freeze.embeddings or others  # no backward pass before a trained one
     total = 0.0
     for block in range(t.num_layers):
-        before_training = before_training and block in frozen_blocks
+        frozen = block in frozen_blocks
+        before_training = before_training and frozen
         if before_training:
-            total += 2 * counts.block + attention / 3
-        elif block in frozen_blocks:
-            total += 4 * counts.block + attention
+            total += 2 * (counts.block + counts.adapters) + attention / 3
+        elif frozen:
+            total += 4 * (counts.block + counts.adapters) + attention
         else:
-            total += 6 * (counts.block - counts.block_norms) + norms * counts.block_norms
-            total += attention
+            weights = counts.block - counts.block_norms
+            total += (4 if others else 6) * weights + norms * counts.block_norms
+            total += 6 * counts.adapters + attention
     head = config.vocab_size * t.hidden_size  # tied or not, the head multiplies
-    return total + norms * counts.final_norm + (4 if freeze.head else 6) * head
+    return total + norms * counts.final_norm + (4 if freeze.head or others else 6) * head

@@ -168,23 +168,39 @@ _SPLITS = _above_one("schedule.micro_batch_splits")
 _FP8 = _other_than("model.distributed.fp8_linear", "none")
 _ONE_PASS = "one forward pass of the blocks at a time, run eagerly"
 _FROZEN = Condition("model.freeze", lambda freeze: freeze.any, "model.freeze, any parameter frozen")
+_LORA_FROZEN = Condition(
+    "model.base_model.peft",
+    lambda peft: getattr(peft, "freeze_others", False),  # LoRA's (config.model imports this)
+    "model.base_model.peft, LoRA with freeze_others",
+)
 _NOT_YET_FROZEN = "frozen parameters are not yet tested with it"
 _GRAPHS = "their collectives would break the compiled graphs"
+_DISTRIBUTED_EXPORT = Condition(
+    "training.export",
+    lambda export: export.interval is not None and export.format == "distributed",
+    "training.export.format=distributed with an interval",
+)
 
 COMPATIBILITY: tuple[Incompatibility, ...] = (
-    Incompatibility(_FROZEN, _above_one("model.distributed.pipeline_parallel"), _NOT_YET_FROZEN),
-    Incompatibility(_FROZEN, _above_one("model.distributed.expert_parallel"), _NOT_YET_FROZEN),
-    Incompatibility(_FROZEN, _FP8, _NOT_YET_FROZEN),
-    Incompatibility(_FROZEN, _COMPILE, _NOT_YET_FROZEN),
-    Incompatibility(
-        _FROZEN,
-        Condition(
-            "training.export",
-            lambda export: export.interval is not None and export.format == "distributed",
-            "training.export.format=distributed with an interval",
-        ),
-        "a distributed export holds the trained shards only; export as fastllm or a Hugging "
-        "Face format",
+    *(
+        row
+        for frozen in (_FROZEN, _LORA_FROZEN)
+        for row in (
+            Incompatibility(
+                frozen, _above_one("model.distributed.pipeline_parallel"), _NOT_YET_FROZEN
+            ),
+            Incompatibility(
+                frozen, _above_one("model.distributed.expert_parallel"), _NOT_YET_FROZEN
+            ),
+            Incompatibility(frozen, _FP8, _NOT_YET_FROZEN),
+            Incompatibility(frozen, _COMPILE, _NOT_YET_FROZEN),
+            Incompatibility(
+                frozen,
+                _DISTRIBUTED_EXPORT,
+                "a distributed export holds the trained shards only; export as fastllm or a "
+                "Hugging Face format",
+            ),
+        )
     ),
     Incompatibility(_COMPILE, _above_one("model.distributed.tensor_parallel"), _GRAPHS),
     Incompatibility(_COMPILE, _above_one("model.distributed.sequence_data_parallel"), _GRAPHS),

@@ -197,6 +197,59 @@ class TransformerConfig(Section):
         return self.add_linear_biases in (True, "everywhere")
 
 
+LoraLayer = Literal["query", "key", "value", "key_value", "dense", "mlp_1", "mlp_2"]
+
+
+class PeftConfig(Section, tag_field="type"):
+    """Parameter-efficient fine-tuning: adapters added to the model's projections."""
+
+
+class NoPeftConfig(PeftConfig, tag="none"):
+    """No adapters."""
+
+
+class LoRAConfig(PeftConfig, tag="lora"):
+    """LoRA (Hu et al. 2021), as PEFT computes it: each adapted projection W gets
+    x ↦ W x + (alpha / rank) · B A dropout(x), with A (rank × in) drawn Kaiming-uniform and
+    B (out × rank) zero, so training starts from the base model; W + BA is never formed."""
+
+    rank: int = 8
+    """Rank of each adapter (PEFT's `r`)."""
+    alpha: float = 8.0
+    """The adapter's output is scaled by alpha / rank (PEFT's `lora_alpha`)."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input only (PEFT's `lora_dropout`)."""
+    layers: list[LoraLayer] = msgspec.field(default_factory=lambda: ["query", "value"])
+    """The projections adapted in every block (Fast-LLM's names): query, key, value (q_proj,
+    k_proj, v_proj; key_value is both key and value), dense (o_proj), mlp_1 (the MLP's input:
+    gate_proj and up_proj when gated), mlp_2 (its output, down_proj). Not the MLPs of a
+    mixture of experts."""
+    freeze_others: bool = True
+    """Every parameter but the adapters frozen (as `model.freeze` freezes)."""
+
+    def validate(self) -> None:
+        check_positive(self.rank, "rank")
+        check_positive(self.alpha, "alpha")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError("dropout", f"must be in [0, 1), got {self.dropout}")
+        if not self.layers:
+            raise ConfigError("layers", "names no projection: add at least one, or type: none")
+        if len(set(self.adapted())) != len(self.adapted()):
+            raise ConfigError("layers", f"names a projection twice: {self.layers}")
+
+    def adapted(self) -> list[str]:
+        """`layers` with key_value spelled out as key and value."""
+        return [
+            part
+            for layer in self.layers
+            for part in (("key", "value") if layer == "key_value" else (layer,))
+        ]
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
 class BaseModelConfig(Section):
     transformer: TransformerConfig = msgspec.field(default_factory=TransformerConfig)
     """The stack of transformer blocks."""
@@ -204,16 +257,27 @@ class BaseModelConfig(Section):
     """Rows of the embedding and of the output head."""
     tie_word_embeddings: bool = True
     """Share the input embedding with the output head."""
+    peft: NoPeftConfig | LoRAConfig = msgspec.field(default_factory=NoPeftConfig)
+    """Adapters (`type: lora`) trained in place of, or beside, the model's weights."""
 
     def validate(self) -> None:
         check_positive(self.vocab_size, "vocab_size")
+        peft = self.peft
+        if isinstance(peft, LoRAConfig) and self.transformer.num_experts > 1:
+            mlp = [layer for layer in peft.layers if layer in ("mlp_1", "mlp_2")]
+            if mlp:
+                raise ConfigError(
+                    "peft.layers",
+                    f"{mlp}: LoRA on the MLPs of a mixture of experts is not supported yet "
+                    f"(num_experts {self.transformer.num_experts}); adapt attention only",
+                )
 
     def num_parameters(self, *, embeddings: bool = True, active: bool = False) -> int:
         """Parameters of the model; with `active`, only those one token uses (its
         num_experts_per_token routed experts, not all of them); without the input and output
         embeddings when `embeddings` is false, as MFU formulas count them."""
         counts = self.parameter_counts(active=active)
-        layers = self.transformer.num_layers * counts.block + counts.final_norm
+        layers = self.transformer.num_layers * (counts.block + counts.adapters) + counts.final_norm
         return layers + (counts.embedding + counts.head if embeddings else 0)
 
     def parameter_counts(self, *, active: bool = False) -> ParameterCounts:
@@ -236,12 +300,29 @@ class BaseModelConfig(Section):
             router = h * t.num_experts + (h if t.shared_expert_gate else 0)
             mlp = (experts + t.num_shared_experts) * expert + router
         norm = 2 * h if isinstance(t.normalization, LayerNormConfig) else h
+        adapters = 0
+        if isinstance(self.peft, LoRAConfig):
+            outputs = {
+                "query": (h, q_size),
+                "key": (h, kv_size),
+                "value": (h, kv_size),
+                "dense": (q_size, h),
+                "mlp_1": (h, mlp_inputs * t.ffn_hidden_size),
+                "mlp_2": (t.ffn_hidden_size, h),
+            }
+            rank = self.peft.rank
+            for layer in self.peft.adapted():
+                fan_in, fan_out = outputs[layer]
+                # gate and up have an adapter each, both reading the same input
+                copies = mlp_inputs if layer == "mlp_1" else 1
+                adapters += rank * (copies * fan_in + fan_out)
         return ParameterCounts(
             embedding=self.vocab_size * h,
             head=0 if self.tie_word_embeddings else self.vocab_size * h,
             block=attention + mlp + 2 * norm,
             block_norms=2 * norm,
             final_norm=norm,
+            adapters=adapters,
         )
 
 
@@ -253,9 +334,11 @@ class ParameterCounts:
     head: int
     """0 when the head is the embedding (tied)."""
     block: int
-    """One transformer block's, its norms included."""
+    """One transformer block's, its norms included, its LoRA adapters not."""
     block_norms: int
     final_norm: int
+    adapters: int = 0
+    """One transformer block's LoRA adapters."""
 
 
 class DistributedConfig(Section):
@@ -422,14 +505,28 @@ class ModelConfig(Section):
                     f"got {freeze.blocks}",
                 )
             everything = freeze.embeddings and freeze.head and freeze.norms
-            if everything and freeze.blocks == [0, layers]:
+            if (everything or self.others_frozen) and freeze.blocks == [0, layers]:
                 raise ConfigError("freeze", "freezes every parameter: nothing would train")
 
+    @property
+    def others_frozen(self) -> bool:
+        """LoRA's `freeze_others`: every parameter but the adapters frozen."""
+        peft = self.base_model.peft
+        return isinstance(peft, LoRAConfig) and peft.freeze_others
+
+    @property
+    def any_frozen(self) -> bool:
+        return self.freeze.any or self.others_frozen
+
     def num_frozen_parameters(self) -> int:
-        """Parameters `freeze` holds fixed."""
-        freeze, counts = self.freeze, self.base_model.parameter_counts()
+        """Parameters `freeze` (and LoRA's `freeze_others`) hold fixed."""
+        freeze, base = self.freeze, self.base_model
+        counts = base.parameter_counts()
         blocks = len(freeze.frozen_blocks())
-        frozen = blocks * counts.block
+        if self.others_frozen:
+            layers = base.transformer.num_layers
+            return base.num_parameters() - (layers - blocks) * counts.adapters
+        frozen = blocks * (counts.block + counts.adapters)
         if freeze.norms:
             layers = self.base_model.transformer.num_layers
             frozen += (layers - blocks) * counts.block_norms + counts.final_norm

@@ -5,7 +5,8 @@ compilation, the step's program, the optimizer, and the initial or pretrained we
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
+from itertools import chain
 
 import torch
 
@@ -47,7 +48,7 @@ def build(config: TrainerConfig, distributed: Distributed | None = None) -> Engi
     mesh = build_mesh(layout, distributed.rank).with_deferral(DeferredWork())
     with torch.device("meta"):
         model = GPTModel(config.model.base_model, mesh)
-    apply_freeze(model, config.model.freeze)
+    apply_freeze(model, config.model.freeze, config.model.base_model.peft)
     whole = _whole_model_steps(layout)
     stages = ModelStages(
         model,
@@ -147,20 +148,23 @@ def _apply_fp8(
 def _initialize_weights(
     config: TrainerConfig, model: GPTModel, stages: ModelStages, device: torch.device
 ) -> None:
-    pretrained = config.pretrained
-    if pretrained is not None:
-        source = open_model(pretrained.path, pretrained.format)
-        load_full_parameters(stages, pretrained_tensors(source, config.model.base_model))
-        return
     # Every rank draws the same full fp32 model from the seed, one whole parameter at a time
     # (so a model only ZeRO-3 fits is never whole), and keeps its slice and shard: every
     # layout starts from the weights of the single-process run.
     generator = torch.Generator(device).manual_seed(config.model.distributed.seed)
 
-    def drawn() -> Iterator[tuple[str, torch.Tensor]]:
+    def drawn(names: Collection[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         for name, fill in initializers(model, generator):
+            if names is not None and name not in names:
+                continue
             tensor = torch.empty(whole_shape(stages, name), dtype=torch.float32, device=device)
             fill(tensor)
             yield name, tensor
 
-    load_full_parameters(stages, drawn())
+    pretrained = config.pretrained
+    if pretrained is None:
+        load_full_parameters(stages, drawn())
+        return
+    source = open_model(pretrained.path, pretrained.format)
+    tensors, new_adapters = pretrained_tensors(source, config.model.base_model)
+    load_full_parameters(stages, chain(tensors, drawn(set(new_adapters))))

@@ -7,7 +7,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fastllm.config.model import TransformerConfig
+from fastllm.config.model import LoRAConfig, TransformerConfig
+from fastllm.model.lora import adapter_of
 from fastllm.model.normalization import Normalization
 from fastllm.model.parameters import TensorSplit, describe
 from fastllm.parallel.sequence_data import KeyValueGather, SequenceDataDimension
@@ -30,6 +31,7 @@ class Attention(torch.nn.Module):
         layer_index: int,
         tensor: TensorDimension | None = None,
         sequence_data: SequenceDataDimension | None = None,
+        lora: LoRAConfig | None = None,
     ) -> None:
         super().__init__()
         assert config.kv_channels is not None
@@ -68,6 +70,10 @@ class Attention(torch.nn.Module):
             recipe=self.dense_recipe,
         )
         describe(self.dense, "bias", weight_decay=False, sequence_tensor_parallel_replicated=True)
+        self.query_key_value_lora = adapter_of(
+            lora, ("query", "key", "value"), hidden, (q_size, kv_size, kv_size), tensor
+        )
+        self.dense_lora = adapter_of(lora, ("dense",), q_size, (hidden,), tensor, row_parallel=True)
 
     def forward(
         self,
@@ -86,9 +92,7 @@ class Attention(torch.nn.Module):
         if self.sequence_data.split:
             q, k, v = self._project_gathering_keys(x, norm, cos, sin)
         else:
-            weight, bias = self.query_key_value.weight, self.query_key_value.bias
-            qkv = norm.project(x, weight, bias, self.qkv_recipe)
-            q, k, v = split_qkv_rotary(qkv, self.heads, self.kv_heads, cos, sin)
+            q, k, v = split_qkv_rotary(self._qkv(x, norm), self.heads, self.kv_heads, cos, sin)
         if self.sequence_data.split:
             out = self._attend_by_chunk(q, k, v, document_ids)
         elif cache is None:
@@ -98,10 +102,21 @@ class Attention(torch.nn.Module):
         else:
             out = self._attend_with_cache(q, k, v, cache, document_ids)
         out = out.reshape(batch, length, self.q_size)
-        if not self.tensor.split:
-            return linear(out, self.dense.weight, self.dense.bias, self.dense_recipe)
-        dense = linear(out, self.dense.weight, recipe=self.dense_recipe)
-        return leave(dense, self.tensor, self.dense.bias)
+        bias = None if self.tensor.split else self.dense.bias  # `leave` adds it after the sum
+        dense = linear(out, self.dense.weight, bias, self.dense_recipe)
+        if self.dense_lora is not None:
+            dense = self.dense_lora.add_to(dense, out)
+        return leave(dense, self.tensor, self.dense.bias) if self.tensor.split else dense
+
+    def _qkv(self, x: Tensor, norm: Normalization) -> Tensor:
+        """The q/k/v projection of norm(x), with its adapters' update (which read norm(x)
+        itself, so the norm is not fused into the projection then)."""
+        weight, bias = self.query_key_value.weight, self.query_key_value.bias
+        if self.query_key_value_lora is None:
+            return norm.project(x, weight, bias, self.qkv_recipe)
+        normed = norm(x)
+        qkv = linear(normed, weight, bias, self.qkv_recipe)
+        return self.query_key_value_lora.add_to(qkv, normed)
 
     def _project_gathering_keys(
         self, x: Tensor, norm: Normalization, cos: Tensor | None, sin: Tensor | None
@@ -109,13 +124,13 @@ class Attention(torch.nn.Module):
         """q of this chunk, k and v of the causal prefix: keys and values are projected first,
         so that their all-gather runs while the queries are projected and rotated (a weight
         whose recipe is not `sliceable` is projected once, and the gather runs during the
-        queries' rotary). (The two row slices of the projection's weight are projected without
+        queries' rotary; so is one with adapters). (The two row slices of the projection's weight are projected without
         its recipe: they get their gradients through autograd, not its gradient sink.)"""
         batch, length, _ = x.shape
         weight, bias = self.query_key_value.weight, self.query_key_value.bias
-        whole = not self.qkv_recipe.sliceable
+        whole = not self.qkv_recipe.sliceable or self.query_key_value_lora is not None
         if whole:
-            qkv = norm.project(x, weight, bias, self.qkv_recipe)
+            qkv = self._qkv(x, norm)
             q, kv = qkv.split([self.q_size, 2 * self.kv_size], dim=-1)
         else:
             rows = slice(self.q_size, None)

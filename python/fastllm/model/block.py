@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fastllm.config.model import TransformerConfig
+from fastllm.config.model import LoRAConfig, TransformerConfig
 from fastllm.model.attention import Attention
 from fastllm.model.mlp import MLP, MixtureOfExperts
 from fastllm.model.normalization import Normalization
@@ -20,16 +20,17 @@ class TransformerBlock(torch.nn.Module):
         config: TransformerConfig,
         layer_index: int,
         mesh: ParallelMesh | None = None,
+        lora: LoRAConfig | None = None,
     ) -> None:
         super().__init__()
         mesh = mesh or ParallelMesh.single()
         self.norm_1 = Normalization(config.normalization, config.hidden_size)
-        self.attention = Attention(config, layer_index, mesh.tensor, mesh.sequence_data)
+        self.attention = Attention(config, layer_index, mesh.tensor, mesh.sequence_data, lora)
         self.norm_2 = Normalization(config.normalization, config.hidden_size)
         self.mlp: MLP | MixtureOfExperts = (
             MixtureOfExperts(config, mesh.tensor, mesh.expert)
             if config.num_experts > 1
-            else MLP(config, mesh.tensor)
+            else MLP(config, mesh.tensor, lora)
         )
 
     def forward(

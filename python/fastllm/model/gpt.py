@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fastllm.config.model import BaseModelConfig, NoRotaryConfig
+from fastllm.config.model import BaseModelConfig, LoRAConfig, NoRotaryConfig
 from fastllm.model.block import TransformerBlock
 from fastllm.model.normalization import Normalization
 from fastllm.model.parameters import TensorSplit, describe, set_layer
@@ -79,8 +79,9 @@ class GPTModel(torch.nn.Module):
             tensor_split=vocab_split,
             tied=config.tie_word_embeddings,
         )
+        lora = config.peft if isinstance(config.peft, LoRAConfig) else None
         self.layers = torch.nn.ModuleList(
-            TransformerBlock(transformer, i, mesh) for i in range(transformer.num_layers)
+            TransformerBlock(transformer, i, mesh, lora) for i in range(transformer.num_layers)
         )
         self.final_norm = Normalization(transformer.normalization, hidden)
         self.head = (

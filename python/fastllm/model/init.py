@@ -1,5 +1,7 @@
 """Initialization per config: normal(0, init_method_std) for weights, the output projections
-of each block scaled down by sqrt(2 * num_layers) (GPT-2, Megatron), zero biases, unit norms."""
+of each block scaled down by sqrt(2 * num_layers) (GPT-2, Megatron), zero biases, unit norms;
+LoRA adapters as PEFT draws them: A uniform in ±1/sqrt(in features) (Kaiming-uniform with
+a = sqrt(5), torch.nn.Linear's default), B zero."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import torch
 
 from fastllm.model.attention import Attention
 from fastllm.model.gpt import GPTModel
+from fastllm.model.lora import LoRA
 from fastllm.model.mlp import MLP, MixtureOfExperts
 from fastllm.model.normalization import Normalization
 
@@ -60,6 +63,12 @@ def initializers(
             normal(module.layer_2, output_std)
             if module.shared_gate is not None:
                 normal(module.shared_gate.weight, std)
+        elif isinstance(module, LoRA):
+            bound = module.in_features**-0.5
+            plan.append(
+                (names[id(module.a)], lambda t, b=bound: t.uniform_(-b, b, generator=generator))
+            )
+            constant(module.b, 0.0)
     return plan
 
 

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fastllm.config.model import TransformerConfig
+from fastllm.config.model import LoRAConfig, TransformerConfig
+from fastllm.model.lora import adapter_of
 from fastllm.model.normalization import Normalization
 from fastllm.model.parameters import TensorSplit, describe
 from fastllm.parallel.dimension import Dimension
@@ -44,7 +45,12 @@ class MLP(torch.nn.Module):
     recompute_activation = True
     """A gated activation is recomputed in the backward pass rather than stored."""
 
-    def __init__(self, config: TransformerConfig, tensor: TensorDimension | None = None) -> None:
+    def __init__(
+        self,
+        config: TransformerConfig,
+        tensor: TensorDimension | None = None,
+        lora: LoRAConfig | None = None,
+    ) -> None:
         super().__init__()
         assert config.ffn_hidden_size is not None and config.activation_type is not None
         self.gated, self.activation = config.gated, config.activation_type
@@ -73,6 +79,9 @@ class MLP(torch.nn.Module):
             recipe=self.layer_2_recipe,
         )
         describe(self.layer_2, "bias", weight_decay=False, sequence_tensor_parallel_replicated=True)
+        full, hidden = config.ffn_hidden_size, config.hidden_size
+        self.layer_1_lora = adapter_of(lora, ("mlp_1",) * inputs, hidden, (full,) * inputs, tensor)
+        self.layer_2_lora = adapter_of(lora, ("mlp_2",), full, (hidden,), tensor, row_parallel=True)
 
     def forward(self, x: Tensor, norm: Normalization) -> tuple[Tensor, None]:
         """The MLP of norm(x) (the block's residual stream, normalized by the first projection)."""
@@ -84,7 +93,9 @@ class MLP(torch.nn.Module):
     def partial(self, x: Tensor, norm: Normalization) -> Tensor:
         """This tensor rank's part of the MLP of norm(x), x already through `enter` (whole);
         the second layer's bias added only when not split (`leave` adds it after the sum)."""
-        if self.gated and self.recompute_activation and norm.recompute and not self.tensor.split:
+        adapted = self.layer_1_lora is not None or self.layer_2_lora is not None
+        fused = self.gated and self.recompute_activation and norm.recompute
+        if fused and not self.tensor.split and not adapted:
             # The MLP from the norm on as one op, which fuses it where the recipes allow (FP8);
             # tensor-parallel ranks keep the two projections apart.
             return gated_mlp(
@@ -92,16 +103,31 @@ class MLP(torch.nn.Module):
                 self.layer_1.weight, self.layer_1.bias, self.layer_1_recipe,
                 self.layer_2.weight, self.layer_2.bias, self.layer_2_recipe, self.activation,
             )  # fmt: skip
-        h = norm.project(x, self.layer_1.weight, self.layer_1.bias, self.layer_1_recipe)
-        return _project(
-            h,
-            self.layer_2.weight,
-            None if self.tensor.split else self.layer_2.bias,
-            self.gated,
-            self.activation,
-            self.recompute_activation,
-            self.layer_2_recipe,
+        weight, bias = self.layer_1.weight, self.layer_1.bias
+        if self.layer_1_lora is None:
+            h = norm.project(x, weight, bias, self.layer_1_recipe)
+        else:  # the adapters read norm(x) too: the norm is not fused into the projection
+            normed = norm(x)
+            h = self.layer_1_lora.add_to(linear(normed, weight, bias, self.layer_1_recipe), normed)
+        bias_2 = None if self.tensor.split else self.layer_2.bias
+        if self.layer_2_lora is None:
+            return _project(
+                h,
+                self.layer_2.weight,
+                bias_2,
+                self.gated,
+                self.activation,
+                self.recompute_activation,
+                self.layer_2_recipe,
+            )
+        # The adapters read act(h): it is stored, not recomputed in the backward pass.
+        active = (
+            gated_activation_fused(h, self.activation)
+            if self.gated
+            else _ACTIVATIONS[self.activation](h)
         )
+        out = linear(active, self.layer_2.weight, bias_2, self.layer_2_recipe)
+        return self.layer_2_lora.add_to(out, active)
 
 
 def _project(

@@ -96,9 +96,9 @@ def meta_of(module: torch.nn.Module, name: str) -> ParameterMeta:
     return module.__dict__["parameter_meta"][name]
 
 
-def freeze(module: torch.nn.Module) -> None:
-    """Every parameter of `module` (and its children) frozen."""
-    for child in module.modules():
+def freeze(module: torch.nn.Module, recurse: bool = True) -> None:
+    """Every parameter of `module` (and, with `recurse`, its children's) frozen."""
+    for child in module.modules() if recurse else [module]:
         metas = child.__dict__.get("parameter_meta", {})
         for name, meta in metas.items():
             metas[name] = dataclasses.replace(meta, frozen=True)

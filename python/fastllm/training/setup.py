@@ -14,16 +14,20 @@ from fastllm.config.layout import resolve
 
 
 def with_pretrained_architecture(raw: dict[str, Any]) -> dict[str, Any]:
-    """When a run starts from a checkpoint and sets no `model.base_model`, take the
-    checkpoint's architecture."""
+    """When a run starts from a checkpoint and sets no architecture in `model.base_model`
+    (at most its `peft` adapters), take the checkpoint's, with the config's adapters."""
     pretrained = raw.get("pretrained")
     model = raw.get("model") or {}
-    if not isinstance(pretrained, dict) or not isinstance(model, dict) or model.get("base_model"):
+    if not isinstance(pretrained, dict) or not isinstance(model, dict):
+        return raw
+    base = model.get("base_model") or {}
+    if not isinstance(base, dict) or set(base) - {"peft"}:
         return raw
     from fastllm.checkpoint.formats import open_model
 
     source = open_model(pretrained.get("path", ""), pretrained.get("format", "fastllm"))
-    return {**raw, "model": {**model, "base_model": msgspec.to_builtins(source.config)}}
+    architecture = {**msgspec.to_builtins(source.config), **base}
+    return {**raw, "model": {**model, "base_model": architecture}}
 
 
 def check_inputs(config: TrainerConfig) -> None:

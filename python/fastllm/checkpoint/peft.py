@@ -1,0 +1,240 @@
+"""LoRA adapters between fastllm and PEFT, and merged into their base weights.
+
+PEFT gives each adapted Hugging Face projection (q_proj, gate_proj, …) its own `lora_A` and
+`lora_B`; fastllm stacks those of a fused projection (model/lora.py), so each adapter tensor
+is a concatenation of PEFT's, named from the base weight's conversion rule. A PEFT adapter
+directory holds `adapter_config.json` and `adapter_model.safetensors`, its keys prefixed
+`base_model.model.` (the `PeftModel` around the `…ForCausalLM`)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+from torch import Tensor
+
+from fastllm.checkpoint.hf_rules import Rule, concat, same
+from fastllm.checkpoint.hf_weights import rules
+from fastllm.config import BaseModelConfig, ConfigError
+from fastllm.config.formats import HF_ARCHITECTURES, inexpressible
+from fastllm.config.model import LoRAConfig, NoPeftConfig
+from fastllm.model.lora import SUFFIX, LoRA
+
+PREFIX = "base_model.model."
+"""What PEFT puts before the wrapped model's tensor names."""
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+
+
+def lora_of(config: BaseModelConfig) -> LoRAConfig:
+    if not isinstance(config.peft, LoRAConfig):
+        raise ConfigError("model.base_model.peft", "the model has no LoRA adapters")
+    return config.peft
+
+
+def _adapters(config: BaseModelConfig) -> Iterator[tuple[str, LoRA]]:
+    """Each projection with adapters (`layers.0.attention.query_key_value`) and its module,
+    in the model's order."""
+    from fastllm.model import GPTModel
+
+    with torch.device("meta"):
+        model = GPTModel(config)
+    for name, module in model.named_modules():
+        if isinstance(module, LoRA):
+            yield name.removesuffix(SUFFIX), module
+
+
+def adapter_rules(config: BaseModelConfig, architecture: str) -> Iterator[Rule]:
+    """Each adapter tensor of the model as a rule to PEFT's names (without `PREFIX`)."""
+    base = {rule.ours: rule for rule in rules(config, architecture)}
+    rank = lora_of(config).rank
+    for projection, module in _adapters(config):
+        theirs = base[f"{projection}.weight"].theirs
+        modules = [theirs[i].removesuffix(".weight") for i in module.adapted]
+        rows = [module.segments[i] for i in module.adapted]
+        for ours, matrix, sizes in (("a", "lora_A", [rank] * len(rows)), ("b", "lora_B", rows)):
+            names = tuple(f"{m}.{matrix}.weight" for m in modules)
+            ours_name = f"{projection}{SUFFIX}.{ours}"
+            yield same(ours_name, names[0]) if len(names) == 1 else concat(ours_name, names, sizes)
+
+
+def target_modules(config: BaseModelConfig, architecture: str) -> list[str]:
+    """PEFT's `target_modules`: the adapted projections' names (q_proj, …)."""
+    return sorted(
+        {
+            name.removesuffix(".lora_A.weight").rsplit(".", 1)[-1]
+            for rule in adapter_rules(config, architecture)
+            for name in rule.theirs
+            if name.endswith(".lora_A.weight")
+        }
+    )
+
+
+def architecture_for(config: BaseModelConfig, hf_config: dict[str, Any] | None) -> str:
+    """The Hugging Face architecture whose names an adapter takes: the base model's when it
+    came from one, else the first that can express the model."""
+    model_type = (hf_config or {}).get("model_type")
+    if model_type in HF_ARCHITECTURES and inexpressible(config, model_type) is None:
+        return model_type
+    for architecture in HF_ARCHITECTURES:
+        if inexpressible(config, architecture) is None:
+            return architecture
+    raise ConfigError("output.format", "peft: no Hugging Face architecture expresses the model")
+
+
+def adapter_config(config: BaseModelConfig, architecture: str, base: str | None) -> dict[str, Any]:
+    """adapter_config.json for the model's adapters."""
+    lora = lora_of(config)
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base,
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": lora.dropout,
+        "target_modules": target_modules(config, architecture),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+    }
+
+
+def peft_tensors(
+    config: BaseModelConfig, architecture: str, tensors: Iterator[tuple[str, Tensor]]
+) -> Iterator[tuple[str, Tensor]]:
+    """The adapter tensors among a model's `tensors`, under PEFT's names (with `PREFIX`)."""
+    by_name = {rule.ours: rule for rule in adapter_rules(config, architecture)}
+    for name, tensor in tensors:
+        rule = by_name.get(name)
+        if rule is not None:
+            for theirs, piece in zip(rule.theirs, rule.split(tensor), strict=True):
+                yield PREFIX + theirs, piece.contiguous()
+
+
+# PEFT options a plain LoRA of ours reproduces: any other value is refused on import.
+_PLAIN = {
+    "bias": "none",
+    "use_rslora": False,
+    "use_dora": False,
+    "fan_in_fan_out": False,
+    "modules_to_save": None,
+    "layers_to_transform": None,
+    "layers_pattern": None,
+    "rank_pattern": {},
+    "alpha_pattern": {},
+    "lora_bias": False,
+    "exclude_modules": None,
+}
+
+
+def read_adapter_config(directory: Path, config: BaseModelConfig, architecture: str) -> LoRAConfig:
+    """The LoRA of a PEFT adapter directory for a base model of `config`, or a `ConfigError`
+    naming the file and the key it cannot express."""
+    path = directory / CONFIG_FILE
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ConfigError(str(path), f"is not a readable adapter config ({error})") from None
+    if not isinstance(raw, dict) or raw.get("peft_type") != "LORA":
+        raise ConfigError(f"{path}:peft_type", f"must be LORA, got {raw.get('peft_type')!r}")
+    for key, plain in _PLAIN.items():
+        value = raw.get(key)
+        if value is not None and value != plain:
+            raise ConfigError(f"{path}:{key}", f"{value!r} is not supported (only {plain!r})")
+    targets = raw.get("target_modules")
+    if isinstance(targets, str):
+        raise ConfigError(f"{path}:target_modules", "a regular expression is not supported")
+    layers = _layers_of(set(targets or ()), config, architecture, path)
+    try:
+        return msgspec.convert(
+            {
+                "rank": raw["r"],
+                "alpha": raw["lora_alpha"],
+                "dropout": raw.get("lora_dropout", 0.0),
+                "layers": layers,
+            },
+            LoRAConfig,
+        )
+    except (KeyError, msgspec.ValidationError) as error:
+        raise ConfigError(str(path), f"bad LoRA settings ({error})") from None
+
+
+def _layers_of(
+    targets: set[str], config: BaseModelConfig, architecture: str, path: Path
+) -> list[str]:
+    """Our `layers` for PEFT's target modules: each of our sub-layers maps to one or more of
+    their projections (mlp_1 to gate_proj and up_proj), all adapted or none."""
+    every = ["query", "key", "value", "dense", "mlp_1", "mlp_2"]
+    if config.transformer.num_experts > 1:
+        every = every[:4]
+    probe = msgspec.structs.replace(config, peft=LoRAConfig(rank=1, layers=every))  # type: ignore[arg-type]
+    names: dict[str, set[str]] = {}
+    for layer in every:
+        single = msgspec.structs.replace(probe, peft=LoRAConfig(rank=1, layers=[layer]))  # type: ignore[arg-type]
+        names[layer] = set(target_modules(single, architecture))
+    layers = [layer for layer in every if names[layer] <= targets]
+    covered = set().union(*(names[layer] for layer in layers))
+    unknown = targets - covered
+    if unknown:
+        raise ConfigError(
+            f"{path}:target_modules",
+            f"{sorted(unknown)} are not adapters fastllm can load into {architecture} "
+            f"(known: {sorted(set().union(*names.values()))}; gate_proj and up_proj go together)",
+        )
+    if not layers:
+        raise ConfigError(f"{path}:target_modules", "names no projection")
+    return layers
+
+
+def base_config(config: BaseModelConfig) -> BaseModelConfig:
+    """The model without its adapters."""
+    return msgspec.structs.replace(config, peft=NoPeftConfig())
+
+
+def merged(
+    config: BaseModelConfig, tensors: Iterator[tuple[str, Tensor]]
+) -> Iterator[tuple[str, Tensor]]:
+    """The tensors of `base_config(config)`'s model: each adapted weight W with its adapters'
+    update added, W + (alpha / rank) · B A per segment (computed in fp32, stored in W's
+    dtype); a weight is held back until its adapters have come."""
+    lora = lora_of(config)
+    modules = dict(_adapters(config))
+    held: dict[str, dict[str, Tensor]] = {}
+    for name, tensor in tensors:
+        projection, _, part = name.rpartition(".")
+        if projection.endswith(SUFFIX):
+            projection = projection.removesuffix(SUFFIX)
+        elif projection not in modules or part != "weight":
+            yield name, tensor
+            continue
+        parts = held.setdefault(projection, {})
+        parts[part] = tensor
+        if len(parts) == 3:
+            del held[projection]
+            yield f"{projection}.weight", _merge(parts, modules[projection], lora.scale)
+    if held:
+        raise ValueError(f"adapters without their weights, or weights without adapters: {held}")
+
+
+def _merge(parts: dict[str, Tensor], module: LoRA, scale: float) -> Tensor:
+    weight, a, b = parts["weight"], parts["a"].float(), parts["b"].float()
+    out = weight.float().clone()
+    starts = [sum(module.segments[:i]) for i in range(len(module.segments))]
+    b_row = 0
+    for k, index in enumerate(module.adapted):
+        rows = module.segments[index]
+        a_k = a[k * module.rank : (k + 1) * module.rank]
+        b_k = b[b_row : b_row + rows]
+        out[starts[index] : starts[index] + rows] += scale * (b_k @ a_k)
+        b_row += rows
+    return out.to(weight.dtype)

@@ -1,0 +1,155 @@
+"""LoRA adapters: one layer against plain torch, a tiny model against PEFT on the same
+`transformers` model (loss and the adapters' gradients), and merged weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import peft
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastllm.checkpoint.formats import open_model
+from fastllm.checkpoint.peft import PREFIX, adapter_rules, merged
+from fastllm.config import BaseModelConfig, ConfigError, build
+from fastllm.config.model import LoRAConfig
+from fastllm.model import GPTModel
+from fastllm.model.lora import LoRA
+from fastllm.parallel.tensor import TensorDimension
+from tests.model.hf_models import save_hf_model
+from tests.model.test_parity import relative_error
+
+EVERY_LINEAR = ["query", "key", "value", "dense", "mlp_1", "mlp_2"]
+PEFT_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def test_a_lora_layer_adds_each_segments_update_as_plain_torch_does() -> None:
+    # A q/k/v-like projection of three segments, the first and the last adapted.
+    config = LoRAConfig(rank=3, alpha=6.0, layers=["query", "value"])
+    lora = LoRA(config, 10, (8, 4, 4), (0, 2), TensorDimension(), row_parallel=False)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for parameter in lora.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator))
+    x = torch.randn(2, 5, 10, generator=generator, requires_grad=True)
+    base = torch.randn(2, 5, 16, generator=generator, requires_grad=True)
+    out = lora.add_to(base, x)
+
+    a_q, a_v = lora.a.detach()[:3].clone(), lora.a.detach()[3:].clone()
+    b_q, b_v = lora.b.detach()[:8].clone(), lora.b.detach()[8:].clone()
+    reference_parameters = [a_q, a_v, b_q, b_v]
+    for tensor in reference_parameters:
+        tensor.requires_grad_(True)
+    x_ref, base_ref = x.detach().clone().requires_grad_(), base.detach().clone().requires_grad_()
+    q, k, v = base_ref.split([8, 4, 4], dim=-1)
+    reference = torch.cat(
+        [q + 2.0 * (x_ref @ a_q.T) @ b_q.T, k, v + 2.0 * (x_ref @ a_v.T) @ b_v.T], dim=-1
+    )
+    torch.testing.assert_close(out, reference)
+
+    grad = torch.randn(out.shape, generator=generator)
+    out.backward(grad)
+    reference.backward(grad)
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    torch.testing.assert_close(base.grad, base_ref.grad)
+    assert lora.a.grad is not None and lora.b.grad is not None
+    torch.testing.assert_close(lora.a.grad, torch.cat([a_q.grad, a_v.grad]))
+    torch.testing.assert_close(lora.b.grad, torch.cat([b_q.grad, b_v.grad]))
+
+
+def lora_config(source_config: BaseModelConfig, **lora: object) -> BaseModelConfig:
+    raw = msgspec.to_builtins(source_config)
+    return build(BaseModelConfig, {**raw, "peft": {"type": "lora", **lora}})
+
+
+def peft_model(directory: Path, rank: int, alpha: float) -> peft.PeftModel:
+    """PEFT's LoRA on every linear of the saved model, its B matrices random (PEFT starts
+    them at zero, which would leave A without a gradient)."""
+    import transformers
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    base.config._attn_implementation = "eager"
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=PEFT_MODULES)
+    model = peft.get_peft_model(base, config)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(0.1 * torch.randn(parameter.shape, generator=generator))
+    return model
+
+
+def ours_with_their_adapters(
+    directory: Path, theirs: peft.PeftModel, architecture: str, **lora: object
+) -> GPTModel:
+    source = open_model(directory)
+    config = lora_config(source.config, **lora)
+    model = GPTModel(config)
+    state = dict(source.tensors())
+    adapters = peft.get_peft_model_state_dict(theirs)
+    for rule in adapter_rules(config, architecture):
+        state[rule.ours] = rule.join([adapters[PREFIX + name] for name in rule.theirs])
+    model.load_state_dict(state, strict=True)
+    return model
+
+
+def test_a_tiny_llama_with_lora_matches_peft_loss_and_adapter_gradients(tmp_path: Path) -> None:
+    save_hf_model("llama", tmp_path)
+    theirs = peft_model(tmp_path, rank=4, alpha=8.0)
+    ours = ours_with_their_adapters(
+        tmp_path, theirs, "llama", rank=4, alpha=8.0, layers=EVERY_LINEAR
+    )
+    generator = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, 97, (2, 13), generator=generator)
+    labels = torch.randint(0, 97, (2, 13), generator=generator)
+
+    our_loss = ours.loss(input_ids, labels)
+    their_logits = theirs(input_ids=input_ids).logits
+    their_loss = F.cross_entropy(their_logits.flatten(0, 1), labels.flatten())
+    assert our_loss.item() == pytest.approx(their_loss.item(), rel=1e-5)
+    our_loss.backward()
+    their_loss.backward()
+
+    their_grads = {
+        name.replace(".default", ""): p.grad
+        for name, p in theirs.named_parameters()
+        if p.requires_grad
+    }
+    our_params = dict(ours.named_parameters())
+    config = ours.config
+    for rule in adapter_rules(config, "llama"):
+        expected = rule.join([their_grads[PREFIX + name] for name in rule.theirs])
+        assert relative_error(our_params[rule.ours].grad, expected) <= 1e-5, rule.ours
+    covered = {PREFIX + name for rule in adapter_rules(config, "llama") for name in rule.theirs}
+    assert covered == set(their_grads)  # every adapter of PEFT's, 7 in each of the 2 blocks
+    assert len(covered) == 2 * 7 * 2
+
+
+def test_merged_weights_compute_what_the_base_and_its_adapters_compute(tmp_path: Path) -> None:
+    save_hf_model("llama", tmp_path)
+    theirs = peft_model(tmp_path, rank=4, alpha=16.0)
+    ours = ours_with_their_adapters(
+        tmp_path, theirs, "llama", rank=4, alpha=16.0, layers=EVERY_LINEAR
+    )
+    state = {name: t.detach() for name, t in ours.state_dict().items()}
+    plain = GPTModel(msgspec.structs.replace(ours.config, peft=build(BaseModelConfig, {}).peft))
+    plain.load_state_dict(dict(merged(ours.config, iter(state.items()))), strict=True)
+    input_ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = theirs.merge_and_unload()(input_ids=input_ids).logits
+        assert relative_error(ours(input_ids), expected) <= 1e-5
+        assert relative_error(plain(input_ids), expected) <= 1e-5
+
+
+def test_lora_settings_are_checked() -> None:
+    with pytest.raises(ConfigError, match=r"peft\.rank"):
+        build(BaseModelConfig, {"peft": {"type": "lora", "rank": 0}})
+    with pytest.raises(ConfigError, match=r"peft\.dropout"):
+        build(BaseModelConfig, {"peft": {"type": "lora", "dropout": 1.0}})
+    with pytest.raises(ConfigError, match="names a projection twice"):
+        build(BaseModelConfig, {"peft": {"type": "lora", "layers": ["key", "key_value"]}})
+    moe = {"transformer": {"num_experts": 4, "add_linear_biases": False}}
+    with pytest.raises(ConfigError, match="mixture of experts"):
+        build(BaseModelConfig, {**moe, "peft": {"type": "lora", "layers": ["query", "mlp_1"]}})
