@@ -4,6 +4,7 @@ hold the adapters' state alone."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import peft
@@ -14,7 +15,7 @@ import transformers
 import yaml
 
 from fastllm.checkpoint.peft import PREFIX, adapter_rules
-from fastllm.config import TrainerConfig, build
+from fastllm.config import ConfigError, TrainerConfig, build
 from fastllm.config.loading import load_raw
 from fastllm.training.setup import with_pretrained_architecture
 from fastllm.training.trainer import Trainer
@@ -143,3 +144,109 @@ def test_ten_steps_match_peft_with_the_same_optimizer(
     for name, tensor in ours.items():
         if "_lora." not in name:
             torch.testing.assert_close(final[name], tensor, rtol=0, atol=0)
+
+
+def trained(config: Path, *overrides: str) -> Trainer:
+    run = lora_trainer(config, *overrides)
+    assert run.fit() is None
+    run.wait_for_checkpoints()
+    return run
+
+
+def logits_of(run: Trainer, input_ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return run.engine.model(input_ids)
+
+
+INPUT_IDS = torch.randint(0, 512, (2, 20), generator=torch.Generator().manual_seed(5))
+
+
+def test_exports_load_in_peft_and_transformers_with_the_same_logits(
+    dataset: Path, hf_llama: Path, tmp_path: Path
+) -> None:
+    config = lora_config(dataset, tmp_path / "run", hf_llama)
+    exports = ("training.train_iters=3", "training.export.interval=3")
+    adapter = trained(config, *exports, "training.export.format=peft")
+    merged = trained(
+        config,
+        *exports,
+        "training.export.format=llama",
+        "run.experiment_dir=" + str(tmp_path / "merged"),
+    )
+    ours = logits_of(adapter, INPUT_IDS)
+    torch.testing.assert_close(logits_of(merged, INPUT_IDS), ours, rtol=0, atol=0)
+
+    exported = tmp_path / "run" / "export" / "3"
+    assert sorted(p.name for p in exported.iterdir() if p.suffix in (".json", ".safetensors")) >= [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
+    base = transformers.AutoModelForCausalLM.from_pretrained(hf_llama, dtype=torch.float32)
+    with torch.no_grad():
+        plain = base.eval()(input_ids=INPUT_IDS).logits
+    with_adapter = peft.PeftModel.from_pretrained(base, exported).eval()  # wraps base in place
+    with torch.no_grad():
+        theirs = with_adapter(input_ids=INPUT_IDS).logits
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+    assert (theirs - plain).abs().max() > 1e-3  # the adapters trained
+
+    whole = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "merged" / "export" / "3", dtype=torch.float32
+    ).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(whole(input_ids=INPUT_IDS).logits, ours, rtol=1e-5, atol=1e-5)
+
+
+def test_an_imported_peft_adapter_continues_as_our_own_export_does(
+    dataset: Path, hf_llama: Path, tmp_path: Path
+) -> None:
+    # Run A writes its adapters at step 3 as PEFT does and as fastllm does; run B starts from
+    # the PEFT adapter on the Hugging Face base, run C from the fastllm export (base and
+    # adapters): they start from the same model and train alike.
+    config = lora_config(dataset, tmp_path / "a", hf_llama)
+    first = ("training.train_iters=3", "training.export.interval=3")
+    trained(config, *first, "training.export.format=peft")
+    trained(
+        config, *first, "training.export.format=fastllm", f"run.experiment_dir={tmp_path / 'a2'}"
+    )
+    steps = ("training.train_iters=3",)
+    imported = lora_trainer(
+        config, *steps, f"run.experiment_dir={tmp_path / 'b'}",
+        f"pretrained.adapter={tmp_path / 'a' / 'export' / '3'}",
+    )  # fmt: skip
+    ours = lora_trainer(
+        config, *steps, f"run.experiment_dir={tmp_path / 'c'}",
+        f"pretrained.path={tmp_path / 'a2' / 'export' / '3'}", "pretrained.format=fastllm",
+    )  # fmt: skip
+    expected = dict(ours.engine.whole_parameters())
+    for name, tensor in imported.engine.whole_parameters():
+        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0, msg=name)
+    batches = zip(imported.data_loader(), ours.data_loader(), strict=True)
+    for step, (left, right) in enumerate(itertools.islice(batches, 3)):
+        a, b = imported.engine.train_step(left), ours.engine.train_step(right)
+        assert a["loss"] == b["loss"], step
+
+
+def test_a_lora_run_resumes_exactly_and_refuses_another_base(
+    dataset: Path, hf_llama: Path, tmp_path: Path
+) -> None:
+    config = lora_config(dataset, tmp_path / "whole", hf_llama)
+    checkpoints = ("training.train_iters=4", "training.checkpoint.interval=2")
+    whole = trained(config, *checkpoints)
+    reference = dict(whole.engine.whole_parameters())
+    part = tmp_path / "part"
+    trained(config, *checkpoints, f"run.experiment_dir={part}", "training.train_iters=2")
+    resumed = lora_trainer(config, *checkpoints, f"run.experiment_dir={part}")
+    assert resumed.resume() is not None
+    assert resumed.fit() is None
+    for name, tensor in resumed.engine.whole_parameters():
+        torch.testing.assert_close(tensor, reference[name], rtol=0, atol=0, msg=name)
+
+    other = tmp_path / "other_base"
+    save_hf_model("llama", other, seed=1, vocab_size=512)
+    elsewhere = lora_trainer(
+        config, *checkpoints, f"run.experiment_dir={part}", f"pretrained.path={other}"
+    )
+    with pytest.raises(ConfigError, match="other frozen weights") as caught:
+        elsewhere.resume()
+    assert caught.value.path == "pretrained.path"

@@ -18,8 +18,10 @@ from typing import Any
 import msgspec
 import torch
 import yaml
+from safetensors.torch import save_file
 from torch import Tensor
 
+from fastllm.checkpoint import peft
 from fastllm.checkpoint.architectures import ARCHITECTURES
 from fastllm.checkpoint.distributed import MANIFEST, SavedCheckpoint
 from fastllm.checkpoint.errors import WriteStopped
@@ -27,6 +29,7 @@ from fastllm.checkpoint.hf_config import from_hf_config, to_hf_config
 from fastllm.checkpoint.hf_weights import rules
 from fastllm.checkpoint.safetensors_io import SafetensorsReader, ShardedWriter
 from fastllm.config import BaseModelConfig, ConfigError, build
+from fastllm.config.model import LoRAConfig
 from fastllm.config.yaml_io import load_yaml_file
 
 TOKENIZER_FILES = (
@@ -54,6 +57,9 @@ class ModelSource:
     of the directory's files."""
     distributed: SavedCheckpoint | None = field(default=None, repr=False)
     """The verified checkpoint or export of a `distributed` directory."""
+    base: str | None = None
+    """The model a LoRA run fine-tuned (its `pretrained.path`), named in a PEFT adapter's
+    config."""
 
     def tensors(self) -> Iterator[tuple[str, Tensor]]:
         """Every tensor under fastllm's names. Before any is read, the files' headers (or the
@@ -198,15 +204,23 @@ def write_model(
     What can be refused (the format, the source's tensors) is checked before `output` is
     made. `stop` is asked before each tensor: once it returns true, `WriteStopped` is raised
     and `output` is left incomplete for the caller to remove."""
-    if output_format != "fastllm" and output_format not in ARCHITECTURES:
+    if output_format not in ("fastllm", "peft") and output_format not in ARCHITECTURES:
         raise ConfigError("output.format", f"unknown format {output_format!r}")
+    lora = isinstance(source.config.peft, LoRAConfig)
+    if output_format == "peft":
+        _write_adapter(source, output, stop)
+        return
     hf_config = None
+    config = source.config
     if output_format in ARCHITECTURES:
-        hf_config = to_hf_config(source.config, output_format, source.hf_config)
+        config = peft.base_config(source.config)  # the adapters merged into their weights
+        hf_config = to_hf_config(config, output_format, source.hf_config)
         for key, value in special_token_ids(source.directory).items():
             if hf_config.get(key) is None or key not in (source.hf_config or {}):
                 hf_config[key] = value
     tensors = source.tensors()
+    if lora and hf_config is not None:
+        tensors = peft.merged(source.config, tensors)
     if stop is not None:
         tensors = _until_stopped(tensors, stop)
     output.mkdir(parents=True)
@@ -220,7 +234,7 @@ def write_model(
         metadata = {"format": "fastllm", "hf_config": source.hf_config}
         (output / "metadata.json").write_text(json.dumps(metadata, indent=2) + "\n")
     else:
-        by_name = {rule.ours: rule for rule in rules(source.config, output_format)}
+        by_name = {rule.ours: rule for rule in rules(config, output_format)}
         for name, tensor in tensors:
             rule = by_name[name]
             for their_name, piece in zip(rule.theirs, rule.split(tensor), strict=True):
@@ -228,6 +242,22 @@ def write_model(
         writer.close()
         (output / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
     copy_tokenizer_files(source.directory, output)
+
+
+def _write_adapter(source: ModelSource, output: Path, stop: Callable[[], bool] | None) -> None:
+    """A PEFT adapter directory of the model's LoRA adapters, under the names of the Hugging
+    Face architecture of its base."""
+    if not isinstance(source.config.peft, LoRAConfig):
+        raise ConfigError("output.format", "peft: the model has no LoRA adapters")
+    architecture = peft.architecture_for(source.config, source.hf_config)
+    config = peft.adapter_config(source.config, architecture, source.base)
+    tensors = source.tensors()
+    if stop is not None:
+        tensors = _until_stopped(tensors, stop)
+    adapters = dict(peft.peft_tensors(source.config, architecture, tensors))
+    output.mkdir(parents=True)
+    save_file(adapters, output / peft.WEIGHTS_FILE, {"format": "pt"})
+    (output / peft.CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
 
 
 def special_token_ids(directory: Path, key: str = "input.path") -> dict[str, int | None]:

@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 import torch
+from safetensors.torch import load_file
 from torch import Tensor
 
 from fastllm.checkpoint.hf_rules import Rule, concat, same
@@ -194,6 +195,43 @@ def _layers_of(
     if not layers:
         raise ConfigError(f"{path}:target_modules", "names no projection")
     return layers
+
+
+def adapter_tensors(
+    directory: Path, config: BaseModelConfig, architecture: str
+) -> Iterator[tuple[str, Tensor]]:
+    """The adapters of a PEFT adapter directory under our names, for a model of `config`
+    (whose LoRA must be the adapter's: rank, alpha and projections; dropout may differ)."""
+    lora = lora_of(config)
+    theirs = read_adapter_config(directory, config, architecture)
+    for key in ("rank", "alpha"):
+        if getattr(theirs, key) != getattr(lora, key):
+            raise ConfigError(
+                f"model.base_model.peft.{key}",
+                f"is {getattr(lora, key)}, the adapter in {directory} has {getattr(theirs, key)}",
+            )
+    if sorted(theirs.adapted()) != sorted(lora.adapted()):
+        raise ConfigError(
+            "model.base_model.peft.layers",
+            f"is {lora.layers}, the adapter in {directory} adapts {theirs.layers}",
+        )
+    path = directory / WEIGHTS_FILE
+    if not path.is_file():
+        raise ConfigError(str(path), "no such file (only safetensors adapters are read)")
+    try:
+        stored = load_file(path)
+    except Exception as error:  # safetensors raises its own error types
+        raise ConfigError(str(path), f"is not a readable safetensors file ({error})") from None
+    rules_ = list(adapter_rules(config, architecture))
+    expected = {PREFIX + name for rule in rules_ for name in rule.theirs}
+    for what, names in (
+        ("lacks", expected - stored.keys()),
+        ("holds tensors the model has no place for:", stored.keys() - expected),
+    ):
+        if names:
+            raise ConfigError(str(path), f"{what} {', '.join(sorted(names)[:3])}")
+    for rule in rules_:
+        yield rule.ours, rule.join([stored[PREFIX + name].float() for name in rule.theirs])
 
 
 def base_config(config: BaseModelConfig) -> BaseModelConfig:

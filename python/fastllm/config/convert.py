@@ -35,6 +35,12 @@ class ConvertConfig(Section):
     """Largest safetensors file written; a bigger model is split into shards."""
 
     def validate(self) -> None:
+        if self.input.format == "peft":
+            raise ConfigError(
+                "input.format",
+                "peft is an adapter, not a model: train from its base with pretrained.adapter, "
+                "or load it onto the base with peft",
+            )
         if self.output.format == "distributed":
             raise ConfigError("output.format", "distributed is written by training, not by convert")
         if self.shard_size_gb <= 0:

@@ -13,9 +13,10 @@ if TYPE_CHECKING:
 
 HF_ARCHITECTURES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "starcoder2")
 """Hugging Face `model_type`s that fastllm converts to and from."""
-MODEL_FORMATS = ("fastllm", "distributed", *HF_ARCHITECTURES)
+MODEL_FORMATS = ("fastllm", "distributed", "peft", *HF_ARCHITECTURES)
 """fastllm (safetensors + config.yaml), distributed (what training writes: per-rank shards and
-a manifest) and the Hugging Face architectures."""
+a manifest), peft (a LoRA model's adapters alone, as PEFT saves them; written only) and the
+Hugging Face architectures."""
 
 ModelFormat = Literal[MODEL_FORMATS]  # type: ignore[valid-type]
 

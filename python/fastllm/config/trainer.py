@@ -8,7 +8,7 @@ from fastllm.config.bounds import check_bounds
 from fastllm.config.data import DataConfig
 from fastllm.config.formats import HF_ARCHITECTURES, ModelFormat, inexpressible
 from fastllm.config.layout import check_compatible, check_shape
-from fastllm.config.model import ModelConfig
+from fastllm.config.model import LoRAConfig, ModelConfig
 from fastllm.config.schedule import ScheduleConfig
 from fastllm.config.section import ConfigError, Section
 from fastllm.config.training import BatchConfig, OptimizerConfig, RunConfig, TrainingConfig
@@ -18,12 +18,22 @@ class PretrainedConfig(Section):
     format: ModelFormat = "fastllm"
     """Format of the checkpoint to start from."""
     path: str = ""
-    """Its directory. When the config sets no `model.base_model`, the architecture is taken
-    from the checkpoint."""
+    """Its directory. When the config sets no architecture in `model.base_model` (at most its
+    `peft`), the architecture is taken from the checkpoint."""
+    adapter: str | None = None
+    """A PEFT LoRA adapter directory (adapter_config.json, adapter_model.safetensors) for the
+    model in `path`: its adapters continue training. Without `model.base_model.peft` its
+    rank, alpha, dropout and projections are taken from it; with it, they must agree."""
 
     def validate(self) -> None:
         if not self.path:
             raise ConfigError("path", "is required")
+        if self.format == "peft":
+            raise ConfigError(
+                "format",
+                "peft is an adapter, not a model: set path to its base model and adapter to "
+                "the adapter's directory",
+            )
 
 
 class TrainerConfig(Section):
@@ -54,6 +64,11 @@ class TrainerConfig(Section):
                 f"is {offload}, more than the model's {layers} blocks",
             )
         export = self.training.export.format
+        if export == "peft" and not isinstance(self.model.base_model.peft, LoRAConfig):
+            raise ConfigError(
+                "training.export.format",
+                "peft writes LoRA adapters, and the model has none (model.base_model.peft)",
+            )
         if export in HF_ARCHITECTURES and (reason := inexpressible(self.model.base_model, export)):
             raise ConfigError(
                 "training.export.format", f"{export} cannot express the model: {reason}"

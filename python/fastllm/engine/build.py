@@ -7,12 +7,14 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterator
 from itertools import chain
+from pathlib import Path
 
 import torch
 
+from fastllm.checkpoint import peft
 from fastllm.checkpoint.compatibility import pretrained_tensors
 from fastllm.checkpoint.formats import open_model
-from fastllm.config import TrainerConfig
+from fastllm.config import ConfigError, TrainerConfig
 from fastllm.config.layout import RunLayout, StepShape, resolve
 from fastllm.engine.activation_offload import apply_activation_offload
 from fastllm.engine.batch import BatchPreparer
@@ -166,5 +168,13 @@ def _initialize_weights(
         load_full_parameters(stages, drawn())
         return
     source = open_model(pretrained.path, pretrained.format)
-    tensors, new_adapters = pretrained_tensors(source, config.model.base_model)
+    base = config.model.base_model
+    tensors, new_adapters = pretrained_tensors(source, base)
+    if pretrained.adapter is not None:
+        if not new_adapters:
+            raise ConfigError("pretrained.adapter", f"{pretrained.path} holds adapters already")
+        architecture = peft.architecture_for(base, source.hf_config)
+        adapters = peft.adapter_tensors(Path(pretrained.adapter), base, architecture)
+        load_full_parameters(stages, chain(tensors, adapters))
+        return
     load_full_parameters(stages, chain(tensors, drawn(set(new_adapters))))

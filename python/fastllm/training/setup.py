@@ -27,6 +27,13 @@ def with_pretrained_architecture(raw: dict[str, Any]) -> dict[str, Any]:
 
     source = open_model(pretrained.get("path", ""), pretrained.get("format", "fastllm"))
     architecture = {**msgspec.to_builtins(source.config), **base}
+    adapter = pretrained.get("adapter")
+    if adapter and "peft" not in base:  # the adapter's LoRA
+        from fastllm.checkpoint import peft
+
+        name = peft.architecture_for(source.config, source.hf_config)
+        lora = peft.read_adapter_config(Path(adapter), source.config, name)
+        architecture["peft"] = {"type": "lora", **msgspec.to_builtins(lora)}
     return {**raw, "model": {**model, "base_model": architecture}}
 
 

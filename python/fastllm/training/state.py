@@ -9,7 +9,7 @@ import signal
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch.distributed as dist
@@ -17,12 +17,14 @@ import torch.distributed as dist
 from fastllm.checkpoint.compatibility import check_resume
 from fastllm.checkpoint.distributed import SavedCheckpoint, Snapshot
 from fastllm.checkpoint.errors import CheckpointWriteError, WriteStopped
-from fastllm.checkpoint.formats import ModelSource, copy_tokenizer_files, write_model
+from fastllm.checkpoint.fingerprint import fingerprint
+from fastllm.checkpoint.formats import ModelSource, copy_tokenizer_files, open_model, write_model
 from fastllm.checkpoint.saver import PARTIAL_SUFFIX, latest
 from fastllm.config import ConfigError
 from fastllm.config.model import FreezeConfig
 from fastllm.config.resume_changes import resume_warning
 from fastllm.engine import checkpointing
+from fastllm.model.lora import is_adapter
 
 if TYPE_CHECKING:
     from fastllm.training.trainer import Trainer
@@ -33,6 +35,8 @@ def save_checkpoint(trainer: Trainer, directory: Path | None = None) -> Path:
     EXPERIMENT_DIR/checkpoint/STEP, pruned to `training.checkpoint.keep`)."""
     engine = trainer.engine
     snapshot = checkpointing.to_snapshot(engine.state_dict(), msgspec.to_builtins(trainer.config))
+    if _frozen_names(trainer):
+        snapshot.counters["base"] = frozen_base(trainer)
     final = directory or trainer.experiment_dir / "checkpoint" / str(engine.state.step)
     keep = trainer.config.training.checkpoint.keep if directory is None else None
     return trainer.checkpoints.save(snapshot, final, keep=keep)
@@ -65,6 +69,8 @@ def _checked(trainer: Trainer, directory: Path, manifest: dict | None = None) ->
     model = trainer.config.model
     _check_same_freeze(saved, model.freeze)
     frozen = _frozen_names(trainer)
+    if frozen and "base" in saved.manifest:  # written before bases were named: not checked
+        _check_same_base(saved, frozen_base(trainer))
     check_resume(saved, model.base_model, frozen)
     return saved
 
@@ -105,15 +111,20 @@ def export(
     # Every rank takes part (tensor slices are gathered, ZeRO-3 gathers each stage); rank 0
     # keeps the copies.
     main = trainer.distributed.is_main
+    adapters_only = output_format == "peft"  # not a copy of the frozen base each time
     tensors = {
         name: t.detach().to("cpu", copy=True)
         for name, t in trainer.engine.whole_parameters()
-        if main
+        if main and (not adapters_only or is_adapter(name))
     }
     failure: str | None = None
     stopped: signal.Signals | None = None
     if main:
         source = ModelSource(dataset, "fastllm", trainer.config.model.base_model, loaded=tensors)
+        pretrained = trainer.config.pretrained
+        if output_format == "peft" and pretrained is not None:  # the names of its base's
+            source.hf_config = open_model(pretrained.path, pretrained.format).hf_config
+            source.base = pretrained.path
         partial = directory.with_name(f".{directory.name}{PARTIAL_SUFFIX}")
         shutil.rmtree(partial, ignore_errors=True)
         asked = None if stop is None else lambda: stop() is not None
@@ -138,6 +149,45 @@ def export(
 def _frozen_names(trainer: Trainer) -> list[str]:
     frozen = trainer.engine.stages.frozen
     return [] if frozen is None else frozen.buffers.names
+
+
+def frozen_base(trainer: Trainer) -> dict[str, Any]:
+    """Where a run's frozen weights come from, as its checkpoints name it: the fingerprint of
+    `pretrained.path` (and of `pretrained.adapter`), or the seed they were drawn from."""
+    if trainer.frozen_base is None:
+        pretrained = trainer.config.pretrained
+        if pretrained is None:
+            trainer.frozen_base = {"seed": trainer.config.model.distributed.seed}
+        else:
+            trainer.frozen_base = {"pretrained": fingerprint(Path(pretrained.path))}
+            if pretrained.adapter is not None:
+                trainer.frozen_base["adapter"] = fingerprint(Path(pretrained.adapter))
+    return trainer.frozen_base
+
+
+def _check_same_base(saved: SavedCheckpoint, base: dict[str, Any]) -> None:
+    """The frozen weights a checkpoint does not hold are read again as its run began: from
+    the same files, or drawn from the same seed."""
+    before = saved.manifest["base"]
+    if before == base:
+        return
+    if "seed" in before or "seed" in base:
+        key, was = "model.distributed.seed", before.get("seed", "a pretrained model")
+        now = base.get("seed", "a pretrained model")
+    else:
+        key = (
+            "pretrained.adapter"
+            if before.get("pretrained") == base["pretrained"]
+            else "pretrained.path"
+        )
+        was = now = None
+    detail = f" (checkpoint {was}, config {now})" if was is not None else ""
+    raise ConfigError(
+        key,
+        f"gives other frozen weights than the run of {saved.directory} had{detail}: its "
+        "checkpoints hold the trained parameters only. Set it back, or train in another "
+        "run.experiment_dir",
+    )
 
 
 def _check_same_freeze(saved: SavedCheckpoint, freeze: FreezeConfig) -> None:

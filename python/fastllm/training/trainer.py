@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import torch
@@ -62,6 +63,8 @@ class Trainer:
             self.distributed.rank, self.distributed.world_size, self.distributed.device
         )
         self._validation_stream: SampleStream | None = None
+        self.frozen_base: dict[str, Any] | None = None
+        """Where the frozen weights come from, as checkpoints name it (`state.frozen_base`)."""
 
     @property
     def experiment_dir(self) -> Path:
