@@ -120,8 +120,6 @@ ROW_SETTINGS = {
         ("schedule.micro_batch_splits=2", "model.distributed.sequence_data_parallel=2"),
     ("schedule.micro_batch_splits", "model.multi_stage.recompute"):
         ("schedule.micro_batch_splits=2", "model.multi_stage.recompute=full"),
-    ("model.freeze", "model.distributed.pipeline_parallel"):
-        ("model.freeze.blocks=[0,1]", "model.distributed.pipeline_parallel=2"),
     ("model.freeze", "model.distributed.expert_parallel"):
         ("model.freeze.blocks=[0,1]", "model.base_model.transformer.num_experts=4",
          "model.base_model.transformer.add_linear_biases=only_attn_qkv",
@@ -132,8 +130,6 @@ ROW_SETTINGS = {
     ("model.freeze", "training.compile"): ("model.freeze.blocks=[0,1]", "training.compile=true"),
     ("model.freeze", "training.export"):
         ("model.freeze.blocks=[0,1]", "training.export.format=distributed"),
-    ("model.base_model.peft", "model.distributed.pipeline_parallel"):
-        (LORA, "model.distributed.pipeline_parallel=2"),
     ("model.base_model.peft", "model.distributed.expert_parallel"):
         (LORA, "model.base_model.transformer.num_experts=4",
          "model.base_model.transformer.add_linear_biases=only_attn_qkv",

@@ -5,6 +5,7 @@ hold the adapters' state alone."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from pathlib import Path
 
 import peft
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 import yaml
+from safetensors.torch import load_file
 
 from fastllm.checkpoint.peft import PREFIX, adapter_rules
 from fastllm.config import ConfigError, TrainerConfig, build
@@ -21,6 +23,8 @@ from fastllm.training.setup import with_pretrained_architecture
 from fastllm.training.trainer import Trainer
 from tests.model.hf_models import save_hf_model
 from tests.model.test_lora import PEFT_MODULES
+from tests.training.conftest import Launched, Layout
+from tests.training.test_train_cli import losses
 
 LORA = {
     "type": "lora",
@@ -250,3 +254,52 @@ def test_a_lora_run_resumes_exactly_and_refuses_another_base(
     with pytest.raises(ConfigError, match="other frozen weights") as caught:
         elsewhere.resume()
     assert caught.value.path == "pretrained.path"
+
+
+# LoRA on the tests' tiny model, its frozen weights drawn from the seed.
+LORA_ARGS = (
+    "model.base_model.peft.type=lora",
+    "model.base_model.peft.rank=4",
+    "model.base_model.peft.alpha=8",
+    "model.base_model.peft.layers=[query,key,value,dense,mlp_1,mlp_2]",
+)
+FOUR_STEPS = (
+    "training.train_iters=4",
+    "training.export.interval=4",
+    "training.export.format=fastllm",
+)
+LAYOUTS = {
+    "zero3": ("model.multi_stage.zero_stage=3",),
+    "tensor": (
+        "model.distributed.tensor_parallel=2",
+        "model.distributed.sequence_tensor_parallel=true",
+    ),
+    "pipeline": ("model.distributed.pipeline_parallel=2",),
+    "sequence_data": ("model.distributed.sequence_data_parallel=2",),
+}
+
+
+def layouts(dataset: Path, one_process: Callable[..., Path], root: Path) -> dict[str, Layout]:
+    return {
+        f"lora_{name}": Layout(2, (*LORA_ARGS, *FOUR_STEPS, *args))
+        for name, args in LAYOUTS.items()
+    }
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_two_ranks_with_lora_match_one_process(
+    launched: dict[str, Launched], one_process: Callable[..., Path], layout: str
+) -> None:
+    single, double = one_process(*LORA_ARGS, *FOUR_STEPS), launched[f"lora_{layout}"].succeeded()
+    expected, got = losses(single), losses(double)
+    assert sorted(got) == sorted(expected) == [1, 2, 3, 4]
+    for step, loss in expected.items():
+        assert got[step] == pytest.approx(loss, rel=1e-5), step
+    ours, theirs = (
+        load_file(run / "export" / "4" / "model.safetensors") for run in (double, single)
+    )
+    assert sorted(ours) == sorted(theirs)
+    for name, tensor in theirs.items():
+        torch.testing.assert_close(ours[name], tensor, rtol=1e-5, atol=1e-5, msg=name)
+    start = load_file(single / "export" / "4" / "model.safetensors")
+    assert any("_lora.b" in name and start[name].abs().max() > 0 for name in start)  # trained

@@ -16,7 +16,7 @@ from fastllm.config.layout import num_stages
 from fastllm.engine.buffers import GroupBuffers, StageBuffer
 from fastllm.engine.parameter_group import ParameterGroup
 from fastllm.engine.stages import stage_modules, stage_of_layer, stage_positions
-from fastllm.engine.tied_weights import tied_weights
+from fastllm.engine.tied_weights import TiedWeights, tied_weights
 from fastllm.model import GPTModel
 from fastllm.model.parameters import parameter_metas
 from fastllm.parallel.dimension import Dimension
@@ -99,9 +99,13 @@ class ModelStages:
         self.groups = [self.dense] if self.experts is None else [self.dense, self.experts]
         """The groups that train: what the optimizer steps, reduces and checkpoints."""
         frozen = [name for name in names if metas[name].frozen]
+        self.frozen_tied: TiedWeights | None = None
+        """A frozen embedding's copy, when the head runs on another pipeline rank."""
         if frozen:  # no gradient sinks are made for them: the deferral goes unused
             buffers = make_buffers(frozen, mesh.data, trainable=False)
-            self.frozen: ParameterGroup | None = make_group(buffers, buffers.tied)
+            self.frozen_tied = tied_weights(model, buffers)
+            tied_here = buffers.tied and self.frozen_tied is None
+            self.frozen: ParameterGroup | None = make_group(buffers, tied_here)
         else:
             self.frozen = None
         """The frozen parameters (`model.freeze`): weights only, gathered with ZeRO-3."""

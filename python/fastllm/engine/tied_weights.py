@@ -42,15 +42,18 @@ class TiedWeights:
         self.weight: Tensor | None = None
         """On the reader's rank: the copy, which the head reads."""
         self.grad: Tensor | None = None
-        """On the reader's rank: its fp32 gradient, accumulated over the step's micro-batches."""
+        """On the reader's rank: its fp32 gradient, accumulated over the step's micro-batches
+        (none for a frozen weight, whose copy is loaded once and never changes)."""
         self.fresh = True
         if name in buffers.owned_names:
             return
         shape, device = buffers.shapes[name], buffers.device
         self.weight = torch.zeros(shape, dtype=buffers.compute_dtype, device=device)
-        self.grad = torch.zeros(shape, dtype=torch.float32, device=device)
-        parameter = torch.nn.Parameter(self.weight)
+        parameter = torch.nn.Parameter(self.weight, requires_grad=buffers.trainable)
         set_parameter(model, name, parameter)
+        if not buffers.trainable:
+            return
+        self.grad = torch.zeros(shape, dtype=torch.float32, device=device)
         # Held weakly, as the flat buffers' hooks hold their group (ParameterGroup).
         tied = weakref.ref(self)
 

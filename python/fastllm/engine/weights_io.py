@@ -35,9 +35,9 @@ def _load(stages: ModelStages, name: str, tensor: Tensor) -> None:
     """Set parameter `name` from this rank's slice of it."""
     buffers = stages.group_of(name).buffers
     if name not in buffers.owned_names:
-        tied = stages.tied
-        if tied is not None and tied.weight is not None and name == tied.name:
-            tied.load(tensor)
+        for tied in (stages.tied, stages.frozen_tied):
+            if tied is not None and tied.weight is not None and name == tied.name:
+                tied.load(tensor)
         return
     index = buffers.indices[name]
     if not buffers.trainable:  # weights only: the values rounded to the compute dtype

@@ -271,7 +271,11 @@ class StepRunner:
             tensors += keys_values
             grads += their_grads
         stages.arm_reduction(reduce)
-        torch.autograd.backward(tensors, grads)
+        # A stage of frozen parameters with nothing trained before it has no backward pass:
+        # the gradient it received goes unused.
+        differentiable = [(t, g) for t, g in zip(tensors, grads, strict=True) if t.requires_grad]
+        if differentiable:
+            torch.autograd.backward(*map(list, zip(*differentiable, strict=True)))
         stages.finish_stage_backward(step.stage, reduce)
         if saved.input is not None:
             assert saved.input.grad is not None
