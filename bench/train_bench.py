@@ -165,6 +165,10 @@ def run_overrides(
         f"batch.micro_batch_size={mb}",
         f"batch.batch_size={mb * args.accumulate}",
         f"training.train_iters={args.warmup + args.steps}",
+        # The steps are the engine's alone, but the config is checked whole: under LoRA a
+        # distributed export at an interval is refused.
+        "training.checkpoint.interval=null",
+        "training.export.interval=null",
     ]
 
 
