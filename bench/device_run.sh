@@ -16,6 +16,7 @@
 #   nvidia-h200-x2: bash bench/device_run.sh HASH layouts-x2 bfdf-x2 sdp-x2 ep-x2   (issue 19)
 #   nvidia-h200-x2: TESTS='nccl or expert' bash bench/device_run.sh HASH tests   (issue 19: NCCL layouts)
 #   nvidia-h200-x4: bash bench/device_run.sh HASH layouts-x4   (issue 19)
+#   nvidia-h200:    bash bench/device_run.sh HASH lora-7b lora-8b   (issue 34: LoRA on one GPU)
 # A second setting of a train part in the same call (its results under train_MODEL_TAG):
 #   ... && APPEND=1 SYSTEMS=fastllm SET=model.multi_stage.recompute=none TAG=store \
 #          bash bench/device_run.sh HASH train-1b
@@ -34,7 +35,8 @@
 # nvidia-h200-x2); layouts-x4 (issue 19, on nvidia-h200-x4); memory (issue 16: the 16k step's
 # peak memory by origin, pinned copy bandwidth, attention backends, the 16k kernel profile);
 # attention (cuDNN attention by memory layout and head grouping, issue 16); energy (the
-# joules a step's matmuls and attention take at the power limit, issue 16).
+# joules a step's matmuls and attention take at the power limit, issue 16); lora-7b, lora-8b
+# (issue 34: LoRA rank 16 against full fine-tuning and HF + PEFT + compile; llama-8b with LoRA).
 set -uo pipefail
 COMMIT=$1
 shift
@@ -117,6 +119,18 @@ run_part() {
       python3 bench/scale_bench.py --gpus 1 --per-gpu-batch 8 --steps 5 --zero-stage 1 \
         --kill-at-end --timeout 200 ${SET:+--set $SET} --commit "$COMMIT" \
         --out "$RES/mistral${TAG:+_$TAG}" 2>&1 | tail -6 ;;
+    lora-7b | lora-8b)
+      # Issue 34: train_bench's fastllm-lora (rank 16 on every attention and MLP projection,
+      # the rest frozen) at sequence 4096, micro-batch MICRO_BATCH (default 1, the same for
+      # every system), on the Mistral-7B geometry against fastllm's full fine-tuning and HF +
+      # PEFT + torch.compile (lora-7b), and on llama-8b's (128k vocabulary) alone (lora-8b);
+      # checkpoints are never written. SYSTEMS: others; SET: more fastllm overrides.
+      local model=mistral systems="fastllm-lora hf-peft fastllm"
+      [ "$1" = lora-8b ] && model=8b systems=fastllm-lora
+      python3 bench/train_bench.py --models "$model" --systems ${SYSTEMS:-$systems} --seq 4096 \
+        --warmup 2 --steps "${STEPS:-6}" ${MICRO_BATCH:+--micro-batch $MICRO_BATCH} \
+        ${SET:+--set $SET} --timeout 200 --commit "$COMMIT" \
+        --out "$RES/lora_${1#lora-}${TAG:+_$TAG}" 2>&1 | tail -16 ;;
     oom-8b)
       # Issue 34: llama3-8b's example on one GPU does not fit (16 bytes a parameter and the
       # activations): the one line `fastllm train` ends with, and its exit code.

@@ -10,15 +10,26 @@ the same geometries, in the same run.
             conversion), attn_implementation="sdpa", bf16 parameters, `torch.compile`d, loss
             from `labels=`, gradient clipping, torch.optim.AdamW(fused=True) on the bf16
             parameters (no fp32 master copy); random tokens already on the GPU.
+- fastllm-lora: the fastllm run with a LoRA adapter (LORA below: rank 16 on every attention and
+            MLP projection, `model.base_model.peft`) and every other parameter frozen: only the
+            adapters have gradients, fp32 masters and Adam moments.
+- hf-peft:  the hf model wrapped by `peft.get_peft_model` with the same LoRA (PEFT's defaults
+            otherwise: adapters upcast to fp32, the base in bf16), `torch.compile`d, fused AdamW
+            and clipping over the adapters alone.
 
 Each (model, system) runs in a fresh process, so memory and compile caches do not leak between
 runs. Warm-up steps are excluded; then --steps steps are timed between two synchronizations.
 tokens/s counts micro-batch × sequence length tokens per forward/backward; MFU is torchtitan's:
 tokens/s × (6 × (parameters − embedding) + 12 × layers × hidden × seq) / 989.4e12, where the
 output head counts as a matmul even when tied (fastllm.training.metrics.flops_per_token; the
-baseline's is counted from its own parameters and must agree).
+baseline's is counted from its own parameters and must agree). A frozen parameter costs 4 FLOPs
+a token instead of 6 (forward and input gradient, no weight gradient): the LoRA systems' MFU
+counts the frozen base at 4 and the adapters at 6 (hf-peft from its own parameters; fastllm-lora
+from fastllm's formula, and no MFU where that formula does not know LoRA).
 
     python bench/train_bench.py --models 1b 3b 8b --out bench/results/train_h200 --commit HASH
+    python bench/train_bench.py --models mistral --systems fastllm-lora fastllm hf-peft \
+        --out bench/results/lora_h200 --commit HASH                        # LoRA (issue 34)
     python bench/train_bench.py --tiny --device cpu --out /tmp/train_smoke     # CPU smoke test
     python bench/train_bench.py --plot bench/results/train_h200/train_bench.json
 """
@@ -58,9 +69,32 @@ from bench_common import (
 
 PEAK_FLOPS = 989.4e12
 """H100/H200 dense bf16 peak (fastllm.training.metrics.PEAK_FLOPS["cuda"], torchtitan's)."""
-SYSTEMS = ("fastllm", "fastllm-compile", "hf")
+SYSTEMS = ("fastllm", "fastllm-compile", "fastllm-lora", "hf", "hf-peft")
 """fastllm-compile: the same run with training.compile=true (torch.compile of each block)."""
+LORA_SYSTEMS = {"fastllm-lora", "hf-peft"}
+BASELINES = {"fastllm": ("hf",), "fastllm-compile": ("hf",), "fastllm-lora": ("hf-peft", "fastllm")}
+"""What each fastllm system is compared with, where both ran: LoRA against PEFT and against
+fastllm's own full fine-tuning."""
 T = "model.base_model.transformer."
+LORA_RANK, LORA_ALPHA = 16, 32.0
+LORA_MODULES = {
+    "query": ("q_proj",),
+    "key": ("k_proj",),
+    "value": ("v_proj",),
+    "dense": ("o_proj",),
+    "mlp_1": ("gate_proj", "up_proj"),
+    "mlp_2": ("down_proj",),
+}
+"""The adapted projections: fastllm's (Fast-LLM's) names and the transformers modules they are."""
+LORA = (
+    "model.base_model.peft.type=lora",
+    f"model.base_model.peft.rank={LORA_RANK}",
+    f"model.base_model.peft.alpha={LORA_ALPHA}",
+    "model.base_model.peft.dropout=0.0",
+    f"model.base_model.peft.layers=[{', '.join(LORA_MODULES)}]",
+    "model.base_model.peft.freeze_others=true",
+)
+"""fastllm-lora's overrides; hf-peft's LoraConfig is made from the same constants."""
 
 
 @dataclass(frozen=True)
@@ -69,10 +103,12 @@ class ModelSpec:
     """Example config the geometry comes from."""
     overrides: tuple[str, ...]
     micro_batch: int
+    name: str
+    """For charts."""
 
 
 MODELS = {
-    "1b": ModelSpec("llama3-1b.yaml", (), 4),
+    "1b": ModelSpec("llama3-1b.yaml", (), 4, "llama-1b"),
     # Llama 3.2 3B: the 1B's rotary and tied embeddings, wider and deeper, head size 128.
     "3b": ModelSpec(
         "llama3-1b.yaml",
@@ -85,8 +121,10 @@ MODELS = {
             T + "ffn_hidden_size=8192",
         ),
         2,
+        "llama-3b",
     ),
-    "8b": ModelSpec("llama3-8b.yaml", (), 1),
+    "8b": ModelSpec("llama3-8b.yaml", (), 1, "llama-8b"),
+    "mistral": ModelSpec("mistral-7b.yaml", (), 1, "mistral-7b"),
 }
 TINY = (
     T + "num_layers=2",
@@ -127,6 +165,10 @@ def run_overrides(
         f"batch.micro_batch_size={mb}",
         f"batch.batch_size={mb * args.accumulate}",
         f"training.train_iters={args.warmup + args.steps}",
+        # The steps are the engine's alone, but the config is checked whole: under LoRA a
+        # distributed export at an interval is refused.
+        "training.checkpoint.interval=null",
+        "training.export.interval=null",
     ]
 
 
@@ -246,7 +288,6 @@ def measure(step: Callable[[], Any], warmup: int, steps: int, cuda: bool) -> dic
 
 
 def run_fastllm(spec: dict[str, Any]) -> dict[str, Any]:
-    from fastllm.config.flops import flops_per_token
     from fastllm.training import Trainer
 
     config = load_trainer_config(spec["model"], spec["overrides"])
@@ -263,16 +304,40 @@ def run_fastllm(spec: dict[str, Any]) -> dict[str, Any]:
             return trainer.engine.train_step(next(batches))["loss"]
 
     timing = measure(step, spec["warmup"], spec["steps"], cuda)
+    lora = spec["system"] == "fastllm-lora"
     return {
         "device": str(trainer.distributed.device),
         "attention": spy.describe(cuda),
         "cross_document_attention": getattr(config.batch, "cross_document_attention", None),
-        "flops_per_token": flops_per_token(config.model.base_model, config.batch.sequence_length),
+        "flops_per_token": fastllm_flops_per_token(config, lora),
         "precision": "bf16 compute, fp32 master weights, gradients and Adam moments"
         # getattr: a baseline commit's config may predate the key (its wheels run this script).
-        + _fp8_note(config.model.distributed),
+        + _fp8_note(config.model.distributed)
+        + (
+            "; the base frozen (its bf16 weights only), only the LoRA adapters train"
+            if lora
+            else ""
+        ),
         **timing,
     }
+
+
+def fastllm_flops_per_token(config: Any, lora: bool) -> float | None:
+    """fastllm's own count (the one its logs' MFU uses). Under LoRA, only where it knows LoRA:
+    the frozen base at 4 FLOPs a parameter then puts it below full training's count, which a
+    formula blind to the adapters and the freezing would return; None (no MFU) otherwise."""
+    from fastllm.config.flops import flops_per_token
+
+    base, seq = config.model.base_model, config.batch.sequence_length
+    if not lora:
+        return flops_per_token(base, seq)
+    import msgspec
+
+    from fastllm.config.model import NoPeftConfig
+
+    adapted = flops_per_token(base, seq, config.model.freeze)
+    full = flops_per_token(msgspec.structs.replace(base, peft=NoPeftConfig()), seq)
+    return adapted if adapted < full else None
 
 
 def _fp8_note(distributed: Any) -> str:
@@ -324,25 +389,39 @@ class AttentionSpy:
 
 def hf_flops_per_token(model: Any, sequence_length: int) -> float:
     """torchtitan's formula from the baseline's own parameters: every parameter but the input
-    embedding multiplies, and a tied output head multiplies too."""
+    embedding multiplies, and a tied output head multiplies too; 6 FLOPs a token for a trained
+    parameter, 4 for a frozen one (PEFT's base: forward and input gradient only)."""
     config = model.config
-    parameters = sum(p.numel() for p in model.parameters())  # a tied weight counts once
-    embedding = model.get_input_embeddings().weight.numel()
+
+    def cost(parameter: Any) -> int:
+        return (6 if parameter.requires_grad else 4) * parameter.numel()
+
+    parameters = sum(cost(p) for p in model.parameters())  # a tied weight counts once
+    embedding = cost(model.get_input_embeddings().weight)
     head = embedding if config.tie_word_embeddings else 0
     head_size = (
         getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     )
     attention = 12 * config.num_hidden_layers * config.num_attention_heads * head_size
-    return 6 * (parameters - embedding + head) + attention * sequence_length
+    return parameters - embedding + head + attention * sequence_length
 
 
 def build_hf_model(config: Any, device: Any) -> Any:
+    import msgspec
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from fastllm.checkpoint.hf_config import to_hf_config
 
-    hf_config = LlamaConfig.from_dict(to_hf_config(config.model.base_model, "llama"))
+    base = config.model.base_model
+    window = base.transformer.window_size
+    if window is not None and window >= config.batch.sequence_length:
+        # A window as long as the sequence masks nothing (fastllm's attention drops it), but
+        # transformers' Mistral would still build an explicit mask and leave SDPA's fused
+        # kernels: Llama is the same model at this length.
+        transformer = msgspec.structs.replace(base.transformer, window_size=None)
+        base = msgspec.structs.replace(base, transformer=transformer)
+    hf_config = LlamaConfig.from_dict(to_hf_config(base, "llama"))
     hf_config.use_cache = False
     torch.manual_seed(config.model.distributed.seed)
     with torch.device(device):
@@ -355,6 +434,21 @@ def build_hf_model(config: Any, device: Any) -> Any:
     return model.train()
 
 
+def with_lora(model: Any) -> Any:
+    """`model` with fastllm-lora's adapters through PEFT, its other parameters frozen."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=LORA_RANK,
+        lora_alpha=LORA_ALPHA,
+        lora_dropout=0.0,
+        target_modules=[module for modules in LORA_MODULES.values() for module in modules],
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, config)
+
+
 def run_hf(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
     from torch._dynamo.utils import counters
@@ -363,9 +457,12 @@ def run_hf(spec: dict[str, Any]) -> dict[str, Any]:
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     model = build_hf_model(config, device)
+    if spec["system"] == "hf-peft":
+        model = with_lora(model)
+    trained = [p for p in model.parameters() if p.requires_grad]
     optimizer_config = config.optimizer
     optimizer = torch.optim.AdamW(
-        model.parameters(),
+        trained,
         lr=optimizer_config.learning_rate.base,
         betas=(optimizer_config.beta_1, optimizer_config.beta_2),
         eps=optimizer_config.epsilon,
@@ -399,7 +496,7 @@ def run_hf(spec: dict[str, Any]) -> dict[str, Any]:
             (loss / accumulate).backward()
             losses.append(loss.detach())
         if clipping is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clipping, foreach=True)
+            torch.nn.utils.clip_grad_norm_(trained, clipping, foreach=True)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return torch.stack(losses).mean()
@@ -408,7 +505,12 @@ def run_hf(spec: dict[str, Any]) -> dict[str, Any]:
     return {
         "device": str(device),
         "flops_per_token": hf_flops_per_token(model, batch.sequence_length),
-        "precision": "bf16 parameters, gradients and Adam moments (no fp32 master copy)",
+        "precision": "bf16 parameters, gradients and Adam moments (no fp32 master copy)"
+        if spec["system"] == "hf"
+        else "bf16 base, frozen; LoRA adapters in "
+        + "/".join(sorted({str(p.dtype).removeprefix("torch.") for p in trained}))
+        + " (PEFT's default), with their gradients and Adam moments",
+        "trained_parameters": sum(p.numel() for p in trained),
         "compiled": spec["compile"],
         "graph_breaks": sum(counters["graph_break"].values()),
         **timing,
@@ -424,7 +526,7 @@ def child(spec_path: Path) -> None:
     result: dict[str, Any] = {"model": spec["model"], "system": spec["system"]}
     start = time.perf_counter()
     try:
-        runner = run_hf if spec["system"] == "hf" else run_fastllm
+        runner = run_hf if spec["system"].startswith("hf") else run_fastllm
         result.update(runner(spec), status="ok")
     except Exception as error:
         # Some allocation failures (cuBLAS workspaces, compiled kernels) are not OutOfMemoryError.
@@ -453,12 +555,13 @@ def summarize(run: dict[str, Any], tokens_per_step: int, peak_flops: float) -> d
     steps = len(run["step_s"])
     tokens_per_s = steps * tokens_per_step / run["elapsed_s"]
     ordered = sorted(run["step_s"])
+    flops = run["flops_per_token"]  # None: not known (fastllm-lora without LoRA's count)
     return {
         **run,
         "tokens_per_step": tokens_per_step,
         "tokens_per_s": tokens_per_s,
-        "tflops": tokens_per_s * run["flops_per_token"] / 1e12,
-        "mfu": tokens_per_s * run["flops_per_token"] / peak_flops,
+        "tflops": None if flops is None else tokens_per_s * flops / 1e12,
+        "mfu": None if flops is None else tokens_per_s * flops / peak_flops,
         "median_step_s": ordered[len(ordered) // 2],
     }
 
@@ -533,35 +636,44 @@ def write_datasets(models: list[str], args: argparse.Namespace, work: Path) -> d
 
 
 def comparisons(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """fastllm against the baseline, per model, where both ran."""
+    """Each fastllm system against its baselines (BASELINES), per model, where both ran."""
     by_key = {(run["model"], run["system"]): run for run in runs}
     rows = []
-    pairs = [
-        (model, system)
-        for model in dict.fromkeys(run["model"] for run in runs)
-        for system in SYSTEMS[:-1]
-    ]
-    for model, system in pairs:
-        ours, theirs = by_key.get((model, system)), by_key.get((model, "hf"))
-        if not (ours and theirs and ours["status"] == theirs["status"] == "ok"):
-            continue
-        ours_memory = ours["peak_memory"]["timed_steps"]["allocated_gib"]
-        theirs_memory = theirs["peak_memory"]["timed_steps"]["allocated_gib"]
-        rows.append(
-            {
-                "model": model,
-                "system": system,
-                "tokens_per_s_ratio": ours["tokens_per_s"] / theirs["tokens_per_s"],
-                "mfu_fastllm": ours["mfu"],
-                "mfu_hf": theirs["mfu"],
-                "peak_allocated_ratio": ours_memory / theirs_memory
-                if ours_memory and theirs_memory
-                else None,
-                "flops_per_token_agree": abs(ours["flops_per_token"] - theirs["flops_per_token"])
-                <= 1e-9 * ours["flops_per_token"],
-            }
-        )
+    for model in dict.fromkeys(run["model"] for run in runs):
+        for system, baselines in BASELINES.items():
+            for baseline in baselines:
+                ours, theirs = by_key.get((model, system)), by_key.get((model, baseline))
+                if ours and theirs and ours["status"] == theirs["status"] == "ok":
+                    rows.append(comparison(model, system, baseline, ours, theirs))
     return rows
+
+
+def comparison(
+    model: str, system: str, baseline: str, ours: dict[str, Any], theirs: dict[str, Any]
+) -> dict[str, Any]:
+    ours_memory = ours["peak_memory"]["timed_steps"]["allocated_gib"]
+    theirs_memory = theirs["peak_memory"]["timed_steps"]["allocated_gib"]
+    ours_flops, theirs_flops = ours["flops_per_token"], theirs["flops_per_token"]
+    lora = {system, baseline} & LORA_SYSTEMS
+    if ours_flops is None or theirs_flops is None or len(lora) == 1:
+        same_flops = None  # unknown, or LoRA against full training: different work by design
+    else:
+        # fastllm may give mlp_1's gate and up one adapter input (A) where PEFT gives two:
+        # rank × hidden parameters a layer, some 1e-4 of a LoRA token's FLOPs.
+        tolerance = 1e-3 if lora else 1e-9
+        same_flops = abs(ours_flops - theirs_flops) <= tolerance * ours_flops
+    return {
+        "model": model,
+        "system": system,
+        "baseline": baseline,
+        "tokens_per_s_ratio": ours["tokens_per_s"] / theirs["tokens_per_s"],
+        "mfu": ours["mfu"],
+        "mfu_baseline": theirs["mfu"],
+        "peak_allocated_ratio": ours_memory / theirs_memory
+        if ours_memory and theirs_memory
+        else None,
+        "flops_per_token_agree": same_flops,
+    }
 
 
 def table(report: dict[str, Any]) -> str:
@@ -599,14 +711,15 @@ def table(report: dict[str, Any]) -> str:
     if report["comparisons"]:
         ratio_rows = [
             [
-                f"{row['model']} ({row.get('system', 'fastllm')})",
+                row["model"],
+                f"{row.get('system', 'fastllm')} / {row.get('baseline', 'hf')}",
                 f"{row['tokens_per_s_ratio']:.2f}x",
                 fmt(row["peak_allocated_ratio"], ".2f"),
-                "yes" if row["flops_per_token_agree"] else "NO",
+                {True: "yes", False: "NO", None: "—"}[row["flops_per_token_agree"]],
             ]
             for row in report["comparisons"]
         ]
-        headers = ["model", "fastllm / hf tokens/s", "fastllm / hf peak alloc", "same FLOPs/token"]
+        headers = ["model", "systems", "tokens/s ratio", "peak alloc ratio", "same FLOPs/token"]
         text += "\n\n" + markdown_table(headers, ratio_rows)
     return text
 
@@ -625,7 +738,9 @@ def plot(report: dict[str, Any], path: Path) -> bool:
     labels = {
         "fastllm": "fastllm (bf16, fp32 masters)",
         "fastllm-compile": "fastllm, blocks compiled",
+        "fastllm-lora": "fastllm, LoRA r16 (base frozen)",
         "hf": "HF + torch.compile (bf16)",
+        "hf-peft": "HF + PEFT LoRA r16 + torch.compile",
     }
     for axis, key, scale, title in (
         (axes[0], "tokens_per_s", 1.0, "tokens/s per GPU"),
@@ -638,17 +753,19 @@ def plot(report: dict[str, Any], path: Path) -> bool:
             bars = axis.bar(xs, values, width, label=labels.get(system, system))
             for bar, run in zip(bars, runs, strict=True):
                 ok = run.get("status") == "ok"
-                text = (
-                    f"{bar.get_height():,.0f}"
-                    if key == "tokens_per_s"
-                    else f"{bar.get_height():.1f}"
-                )
+                if run.get(key) is None:  # MFU of a LoRA run whose FLOPs fastllm cannot count
+                    text = "n/a"
+                elif key == "tokens_per_s":
+                    text = f"{bar.get_height():,.0f}"
+                else:
+                    text = f"{bar.get_height():.1f}"
                 axis.annotate(
                     text if ok else run.get("status", "not run").upper(),
                     (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                     ha="center", va="bottom", fontsize=8,
                 )  # fmt: skip
-        axis.set_xticks(range(len(models)), [f"llama-{m}" for m in models])
+        names = [MODELS[m].name if m in MODELS else m for m in models]
+        axis.set_xticks(range(len(models)), names)
         axis.set_title(title)
         axis.grid(axis="y", alpha=0.3)
     axes[0].legend(fontsize=8)
@@ -767,7 +884,9 @@ def report_of(args: argparse.Namespace, datasets: dict, runs: list[dict]) -> dic
             "each (model, system) in a fresh process with fresh compile caches; warm-up steps "
             "excluded; tokens/s = timed steps × micro-batch × accumulate × seq / wall time "
             "between two synchronizations; MFU = tokens/s × flops_per_token / peak_flops "
-            "(torchtitan's formula, output head counted); peak memory per process "
+            "(torchtitan's formula, output head counted; a frozen parameter 4 FLOPs a token, "
+            "not 6, so a LoRA run counts its frozen base at 4 and its adapters at 6, and has no "
+            "MFU where fastllm's formula does not count LoRA); peak memory per process "
             "(initialization included) and over the timed steps (after "
             "torch.cuda.reset_peak_memory_stats)"
         ),
@@ -783,10 +902,12 @@ def run_one(
     probe = load_trainer_config(model, model_overrides(model, args))
     dataset = datasets.get(probe.model.base_model.vocab_size, {}).get("path", str(work))
     overrides = run_overrides(model, args, work / f"exp_{model}", Path(dataset))
-    if system != "hf":
+    if not system.startswith("hf"):
         overrides.extend(args.set)
     if system == "fastllm-compile":
         overrides.append("training.compile=true")
+    if system == "fastllm-lora":
+        overrides.extend(LORA)
     config = load_trainer_config(model, overrides)
     spec = {
         "model": model,
@@ -808,7 +929,10 @@ def run_one(
         geometry=geometry(config),
         config_file=f"examples/{MODELS[model].config}",
         overrides=model_overrides(model, args),
-        extra_overrides=args.set if system != "hf" else [],
+        extra_overrides=[] if system.startswith("hf") else args.set,
+        lora={"rank": LORA_RANK, "alpha": LORA_ALPHA, "layers": LORA_MODULES}
+        if system in LORA_SYSTEMS
+        else None,
     )
     write_json(Path(spec["result"]), run)
     print(
@@ -830,7 +954,7 @@ def main() -> None:
         return
     work = args.work or Path(tempfile.mkdtemp(prefix="fastllm-train-bench-"))
     (args.out / "logs").mkdir(parents=True, exist_ok=True)
-    fastllm = any(system != "hf" for system in args.systems)
+    fastllm = any(not system.startswith("hf") for system in args.systems)
     datasets = write_datasets(args.models, args, work) if fastllm else {}
     result = args.out / "train_bench.json"
     runs: list[dict[str, Any]] = []
