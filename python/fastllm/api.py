@@ -4,22 +4,36 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import torch
 
+from fastllm.checkpoint import peft
 from fastllm.checkpoint.formats import open_model
 from fastllm.model import GPTModel
 
 
 def load_model(
-    path: str | Path, device: str | torch.device | None = None, dtype: torch.dtype | None = None
+    path: str | Path,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
+    adapter: str | Path | None = None,
 ) -> GPTModel:
     """The model stored in `path` (fastllm format or a supported Hugging Face architecture),
-    in eval mode, on `device` (default CPU) in `dtype` (default: as stored)."""
+    with the LoRA adapters of the PEFT adapter directory `adapter` if given (computed beside
+    the base weights, not merged), in eval mode, on `device` (default CPU) in `dtype`
+    (default: as stored)."""
     source = open_model(path)
+    config = source.config
+    if adapter is not None:
+        architecture = peft.architecture_for(config, source.hf_config)
+        lora = peft.read_adapter_config(Path(adapter), config, architecture)
+        config = msgspec.structs.replace(config, peft=lora)
     with torch.device("meta"):
-        model = GPTModel(source.config)
+        model = GPTModel(config)
     model.to_empty(device=device or "cpu")
     state = dict(source.tensors())
+    if adapter is not None:
+        state.update(peft.adapter_tensors(Path(adapter), config, architecture))
     if dtype is None:
         dtype = next(iter(state.values())).dtype
     model.to(dtype)

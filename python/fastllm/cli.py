@@ -206,6 +206,7 @@ def _generate(args: argparse.Namespace) -> None:
             device=args.device,
             chat=args.chat,
             system=args.system,
+            adapter=args.adapter,
         )
     )
 
@@ -386,6 +387,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="answer the prompt as a user turn, rendered with the model's chat template",
     )
     generate.add_argument("--system", default=None, help="with --chat: a system turn first")
+    generate.add_argument(
+        "--adapter", default=None, help="a PEFT LoRA adapter directory to run with the model"
+    )
     generate.set_defaults(handler=_generate)
     return parser
 

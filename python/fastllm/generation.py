@@ -24,10 +24,12 @@ def generate_text(
     device: str | None = None,
     chat: bool = False,
     system: str | None = None,
+    adapter: str | Path | None = None,
 ) -> str:
     """The prompt followed by its completion (greedy unless `temperature` > 0); with `chat`,
     the assistant's reply to the prompt as a user turn (after `system`, if given), generated
-    until the tokenizer's end-of-sequence token."""
+    until the tokenizer's end-of-sequence token. `adapter`: a PEFT LoRA adapter directory run
+    with the model in `path`."""
     device = _device(device)
     if not Path(path).is_dir():
         raise ConfigError(str(path), "no such model directory")
@@ -44,7 +46,7 @@ def generate_text(
         tokenizer = Tokenizer.from_file(str(tokenizer_file))
     except Exception as error:  # tokenizers raises a bare Exception for a file it cannot parse
         raise ConfigError(str(tokenizer_file), f"is not a valid tokenizer ({error})") from None
-    model = FastLLMForCausalLM.wrap(load_model(path, device=device))
+    model = FastLLMForCausalLM.wrap(load_model(path, device=device, adapter=adapter))
     text, stop = _chat_prompt(Path(path), tokenizer, prompt, system) if chat else (prompt, {})
     ids = tokenizer.encode(text, add_special_tokens=False).ids
     if not ids:

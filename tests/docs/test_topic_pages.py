@@ -14,7 +14,15 @@ from fastllm.config import TrainerConfig
 from tests.conftest import ROOT
 
 DOCS = ROOT / "docs"
-PAGES = ["fp8.md", "long-context.md", "moe.md", "guarantees.md", "support.md", "architecture.md"]
+PAGES = [
+    "fp8.md",
+    "long-context.md",
+    "moe.md",
+    "lora.md",
+    "guarantees.md",
+    "support.md",
+    "architecture.md",
+]
 CODE = re.compile(r"`([^`\n]+)`")
 TOP_LEVEL = ("bench/", "python/", "kernels/", "rust/", "tests/", "examples/")
 PACKAGES = ("config", "data", "parallel", "model", "checkpoint", "engine", "training", "schedule")

@@ -16,9 +16,11 @@ import transformers
 import yaml
 from safetensors.torch import load_file
 
+import fastllm
 from fastllm.checkpoint.peft import PREFIX, adapter_rules
 from fastllm.config import ConfigError, TrainerConfig, build
 from fastllm.config.loading import load_raw
+from fastllm.hf import FastLLMForCausalLM
 from fastllm.training.setup import with_pretrained_architecture
 from fastllm.training.trainer import Trainer
 from tests.model.hf_models import save_hf_model
@@ -193,6 +195,16 @@ def test_exports_load_in_peft_and_transformers_with_the_same_logits(
         theirs = with_adapter(input_ids=INPUT_IDS).logits
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
     assert (theirs - plain).abs().max() > 1e-3  # the adapters trained
+
+    # The base with the adapter, through the API and the transformers wrapper that
+    # `fastllm generate --adapter` runs: PEFT's greedy completion.
+    loaded = fastllm.load_model(hf_llama, adapter=exported)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(INPUT_IDS), ours, rtol=1e-5, atol=1e-5)
+        prompt = INPUT_IDS[:1, :6]
+        expected = with_adapter.generate(input_ids=prompt, max_new_tokens=8, do_sample=False)
+        got = FastLLMForCausalLM.wrap(loaded).generate(prompt, max_new_tokens=8, do_sample=False)
+    assert got.tolist() == expected.tolist()
 
     whole = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "merged" / "export" / "3", dtype=torch.float32
