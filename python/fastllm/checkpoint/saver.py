@@ -138,6 +138,9 @@ class CheckpointSaver:
 
 
 def _staged(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
+    # Only a copy from the device gains from page-locked memory (optimizer state offloaded to
+    # the host is copied as it is: torch's pinned allocator would round it to a power of two).
+    pin = pin and tensor.device.type != "cpu"
     copy = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
     copy.copy_(tensor, non_blocking=pin)
     return copy
