@@ -73,6 +73,7 @@ def test_offloaded_steps_are_the_steps_on_the_device_bit_for_bit(
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 @pytest.mark.parametrize("chunk", [CHUNK * 8, 1 << 25])
 def test_offloaded_state_is_pinned_host_memory_and_steps_as_on_the_gpu(chunk: int) -> None:
     cuda = torch.device("cuda")

@@ -15,6 +15,7 @@ import torch
 from fastllm.engine.memory import BufferMemory, buffer_memory
 from fastllm.engine.offloaded_optimizer import CHUNK
 from tests.data.conftest import run_cli
+from tests.engine.test_offloaded_optimizer import assert_same_state
 from tests.training.conftest import Launched, Layout, train_arguments
 from tests.training.test_data_parallel import MOE, assert_ranks_match_one_process, final_weights
 from tests.training.test_data_parallel import model as six_steps
@@ -117,3 +118,19 @@ def test_offloaded_state_counts_as_host_memory(dataset: Path, tmp_path: Path) ->
         optimizer=2 * 10 * max(sizes),
         host_optimizer=10 * sum(sizes),
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_the_gpu_a_checkpoint_restores_the_offloaded_state_bit_for_bit(
+    dataset: Path, tmp_path: Path
+) -> None:
+    # The checkpoint is written from the pinned host state itself (no copy), the save waiting.
+    first = trainer(dataset, tmp_path / "first", *BF16, OFFLOAD, "training.train_iters=3")
+    assert first.distributed.device.type == "cuda"
+    first.fit()
+    restored = trainer(dataset, tmp_path / "restored", *BF16, OFFLOAD)
+    restored.load_checkpoint(tmp_path / "first" / "checkpoint" / "3")
+    assert_same_state(restored.engine.stages, first.engine.stages)
+    for shard in restored.engine.stages.dense.buffers.shards.values():
+        assert shard.exp_avg.is_pinned() and shard.exp_avg.abs().sum() > 0
