@@ -1,5 +1,5 @@
 """`model.multi_stage.offload_optimizer`: the same training as with the optimizer state on the
-device, in one process (bit for bit), with data (ZeRO-1 and 3), tensor, pipeline and expert
+device, in one process (bit for bit), with data (ZeRO-1, 2 and 3), tensor, pipeline and expert
 parallelism under torchrun against the single-process run of the same global batch, and
 checkpoints that resume exactly, with or without the offload."""
 
@@ -31,6 +31,7 @@ EXPERTS = six_steps("float32", *MOE, "batch.batch_size=8")
 # name: (what the one-process reference runs, the layout on two ranks on top of it)
 LAYOUTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "dp2-bf16-zero1": (BF16, ("model.multi_stage.zero_stage=1",)),
+    "dp2-fp32-zero2": (FP32, ("model.multi_stage.zero_stage=2",)),
     "dp2-fp32-zero3": (FP32, ("model.multi_stage.zero_stage=3",)),
     "tp2-fp32": (
         FP32,
