@@ -1,5 +1,5 @@
 """`model.multi_stage.offload_optimizer`: the same training as with the optimizer state on the
-device, in one process (bit for bit), with data (ZeRO-1, 2 and 3), tensor, pipeline and expert
+device, in one process (bit for bit, LoRA's adapters too), with data (ZeRO-1, 2 and 3), tensor, pipeline and expert
 parallelism under torchrun against the single-process run of the same global batch, and
 checkpoints that resume exactly, with or without the offload."""
 
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from fastllm.engine.memory import BufferMemory, buffer_memory
 from fastllm.engine.offloaded_optimizer import CHUNK
@@ -19,6 +20,7 @@ from tests.engine.test_offloaded_optimizer import assert_same_state
 from tests.training.conftest import Launched, Layout, train_arguments
 from tests.training.test_data_parallel import MOE, assert_ranks_match_one_process, final_weights
 from tests.training.test_data_parallel import model as six_steps
+from tests.training.test_lora_training import FOUR_STEPS, LORA_ARGS
 from tests.training.test_tensor_parallel import assert_close_weights
 from tests.training.test_train_cli import losses
 from tests.training.test_training_options import trainer
@@ -80,6 +82,22 @@ def test_offloaded_state_trains_as_on_the_device_bit_for_bit(
     on_device, offloaded = one_process(*BF16), one_process(*BF16, OFFLOAD)
     assert losses(offloaded) == losses(on_device)
     ours, theirs = final_weights(offloaded, 6), final_weights(on_device, 6)
+    assert ours.keys() == theirs.keys()
+    for name, tensor in theirs.items():
+        assert torch.equal(ours[name], tensor), name
+
+
+def test_offloaded_lora_adapters_train_as_on_the_device_bit_for_bit(
+    one_process: Callable[..., Path],
+) -> None:
+    # Only the adapters have optimizer state: theirs is offloaded.
+    on_device, offloaded = (
+        one_process(*LORA_ARGS, *FOUR_STEPS, *options) for options in ((), (OFFLOAD,))
+    )
+    assert losses(offloaded) == losses(on_device)
+    ours, theirs = (
+        load_file(run / "export" / "4" / "model.safetensors") for run in (offloaded, on_device)
+    )
     assert ours.keys() == theirs.keys()
     for name, tensor in theirs.items():
         assert torch.equal(ours[name], tensor), name
