@@ -5,6 +5,7 @@ checkpoints that resume exactly, with or without the offload."""
 
 from __future__ import annotations
 
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -13,6 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from fastllm import cli
+from fastllm.engine.engine import Engine
 from fastllm.engine.memory import BufferMemory, buffer_memory
 from fastllm.engine.offloaded_optimizer import CHUNK
 from tests.data.conftest import run_cli
@@ -21,6 +24,7 @@ from tests.training.conftest import Launched, Layout, train_arguments
 from tests.training.test_data_parallel import MOE, assert_ranks_match_one_process, final_weights
 from tests.training.test_data_parallel import model as six_steps
 from tests.training.test_lora_training import FOUR_STEPS, LORA_ARGS
+from tests.training.test_out_of_memory import out_of_memory
 from tests.training.test_tensor_parallel import assert_close_weights
 from tests.training.test_train_cli import losses
 from tests.training.test_training_options import trainer
@@ -153,3 +157,18 @@ def test_on_the_gpu_a_checkpoint_restores_the_offloaded_state_bit_for_bit(
     assert_same_state(restored.engine.stages, first.engine.stages)
     for shard in restored.engine.stages.dense.buffers.shards.values():
         assert shard.exp_avg.is_pinned() and shard.exp_avg.abs().sum() > 0
+
+
+def test_out_of_memory_with_offloaded_state_says_where_it_is_and_offers_it_no_more(
+    dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    monkeypatch.setattr(Engine, "train_step", out_of_memory)
+    arguments = train_arguments(dataset, tmp_path / "run", "training.train_iters=2", OFFLOAD)
+    assert cli.main(arguments) == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert re.search(
+        r"[\d.]+ MiB of gradients and [\d.]+ MiB of optimizer chunks in flight \(the masters "
+        r"and Adam moments, [\d.]+ MiB, are in host memory\);",
+        line,
+    ), line
+    assert "offload_optimizer" not in line.split("to use less:")[1]

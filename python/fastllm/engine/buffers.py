@@ -7,8 +7,8 @@ data ranks holding the same experts (expert_data): two instances of `GroupBuffer
 Per stage, one buffer holds the compute weights; a parallel fp32 buffer receives the gradients
 (GradientBuffers); this data rank's shard of each stage has fp32 master weights (a view of the
 weights themselves in float32 training) and the two Adam moments, with `offload_optimizer` in
-host memory (the masters only where they are not the compute weights). ZeRO-2 keeps only the shard
-of the gradients, ZeRO-3 also only the shard of the compute weights. The layout — offsets,
+host memory (the masters only where they are not the compute weights). ZeRO-2 keeps only the
+shard of the gradients, ZeRO-3 also only the shard of the compute weights. The layout — offsets,
 alignment, the shard each data rank owns — comes from Rust (`fastllm._native.BufferLayout`). With
 tensor parallelism each tensor rank has its own buffers, of its slices of the parameters.
 

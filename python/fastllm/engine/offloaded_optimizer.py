@@ -18,8 +18,9 @@ bandwidth and 16 cores, several seconds per step for 8B parameters, before the c
 the GPU kernel also makes the update the very one of the GPU path, bit for bit (the same
 kernel on the same values; the chunks split nothing but the elementwise work).
 
-The state chunk's copy back is waited for at the end of the step, so that whatever reads the
-host state next (a checkpoint, the next step's copy in) sees it whole."""
+The copies back are waited for at the end of the step, so that whatever reads the host state
+next (a checkpoint, the next step's copies in) sees it whole. Not done yet: overlapping the
+update with the next step's forward pass."""
 
 from __future__ import annotations
 
