@@ -8,6 +8,7 @@
 #   nvidia-h200:    bash bench/device_run.sh HASH train-3b
 #   nvidia-h200-x8: bash bench/device_run.sh HASH scale-x8
 #   nvidia-h200:    bash bench/device_run.sh HASH sft
+#   nvidia-h200:    bash bench/device_run.sh HASH offload-8b   (issue 34; RUNS=8b-8192: sequence 8192)
 #   nvidia-h200:    bash bench/device_run.sh HASH fp8   (issue 18: GPU tests, tiles, speed matrix)
 #   nvidia-h200:    FP8_TILES= FP8_MODELS=3b FP8_RECIPES="none delayed" FP8_ROUNDS=3 \
 #                   bash bench/device_run.sh HASH fp8-parity fp8   (issue 18: loss, repeated pairs)
@@ -141,6 +142,58 @@ write_random_dataset(Path('/tmp/oom8b/data'), vocab_size=128256, tokens=200_000,
         run.experiment_dir=/tmp/oom8b/run training.train_iters=2 batch.batch_size=2 \
         training.checkpoint.at_end=false >"$RES/oom_8b.out" 2>"$RES/oom_8b.err"
       echo "exit code $?" | tee -a "$RES/oom_8b.err"; tail -c 2000 "$RES/oom_8b.err" ;;
+    offload-8b)
+      # Issue 34: full training with the optimizer state in host memory
+      # (model.multi_stage.offload_optimizer) on one GPU, 64 sequences of 4096 a step in
+      # micro-batches of MICRO_BATCH (default 2), checkpoints off, STEPS steps (default 3).
+      # RUNS (default "8b 3b-offload 3b"): 8b, llama3-8b's example, which the GPU alone does not
+      # hold (oom-8b); 3b-offload and 3b, llama-3b's geometry (train_bench's) with and without
+      # the offload on the same batches, where the GPU alone fits: what the offload costs;
+      # 8b-8192, the example's own sequence of 8192 (micro-batch 1, 8 sequences a step, 2 steps).
+      # Each: its start-up line (buffers by kind, the state in host memory), then tokens/s over
+      # the steps after the first and peak memory (metrics in offload_RUN.metrics.jsonl).
+      python3 -c "import sys; from pathlib import Path; sys.path.insert(0, 'bench')
+from bench_common import write_random_dataset
+write_random_dataset(Path('/tmp/offload8b/data'), vocab_size=128256, tokens=4_000_000, document_length=None, seed=1)"
+      local t=model.base_model.transformer
+      local llama3b=("$t.num_layers=28" "$t.hidden_size=3072" "$t.num_attention_heads=24"
+        "$t.head_groups=8" "$t.kv_channels=128" "$t.ffn_hidden_size=8192")
+      for run in ${RUNS:-8b 3b-offload 3b}; do
+        local config=examples/llama3-8b.yaml limit=280
+        local shape=(batch.batch_size=64 batch.sequence_length=4096
+          "batch.micro_batch_size=${MICRO_BATCH:-2}" "training.train_iters=${STEPS:-3}")
+        local extra=(model.multi_stage.offload_optimizer=true)
+        case $run in
+          8b-8192)
+            shape=(batch.batch_size=8 batch.sequence_length=8192 batch.micro_batch_size=1
+              training.train_iters=2)
+            limit=200 ;;
+          3b-offload) config=examples/llama3-1b.yaml; extra+=("${llama3b[@]}"); limit=130 ;;
+          3b) config=examples/llama3-1b.yaml; extra=("${llama3b[@]}"); limit=130 ;;
+        esac
+        timeout "$limit" python3 -m fastllm.cli train -c "$config" "data.path=[/tmp/offload8b/data]" \
+          "run.experiment_dir=/tmp/offload8b/$run" "${shape[@]}" "${extra[@]}" \
+          training.logs.interval=1 training.checkpoint.at_end=false training.export.interval=null \
+          >"$RES/offload_$run.out" 2>"$RES/offload_$run.err"
+        echo "$run: exit code $?"; grep -E "parameters" "$RES/offload_$run.out"; tail -c 600 "$RES/offload_$run.err" | grep -E "error"
+        cp "/tmp/offload8b/$run/metrics.jsonl" "$RES/offload_$run.metrics.jsonl" 2>/dev/null
+        python3 - "$RES/offload_$run.metrics.jsonl" <<'EOF_SUMMARY' | tee -a "$RES/offload_8b.txt"
+import json, sys
+from pathlib import Path
+path = Path(sys.argv[1])
+steps = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+steps = [r for r in steps if "tokens_per_s" in r]
+later = [r for r in steps if r["step"] > 1] or steps
+if later:
+    rate = sum(r["tokens_per_s"] for r in later) / len(later)
+    print(f"{path.name}: {rate:,.0f} tok/s (steps {[r['step'] for r in later]}), "
+          f"peak {max(r['memory_gib'] for r in steps):.1f} GiB allocated, "
+          f"{max(r['memory_reserved_gib'] for r in steps):.1f} reserved")
+else:
+    print(f"{path.name}: no step logged")
+EOF_SUMMARY
+        rm -rf "/tmp/offload8b/$run"
+      done ;;
     freeze-1b)
       # Issue 34: llama-1b trained whole, then with the embedding, the head and blocks 0-7 of 16
       # frozen (model.freeze), on the same random tokens: the start-up line's buffers by kind,

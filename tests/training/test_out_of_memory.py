@@ -44,7 +44,8 @@ def test_running_out_of_memory_in_a_step_is_one_line_with_the_memory_by_kind(
         "to use less: model.multi_stage.recompute=selective (now elementwise), "
         "batch.micro_batch_size=2 (now 4), model.multi_stage.zero_stage=3 (now 1) with more "
         "data ranks, model.multi_stage.offload_activations=N (now 0: the first N blocks' stored "
-        "activations in host memory)"
+        "activations in host memory), model.multi_stage.offload_optimizer=true (now false: the "
+        "masters and Adam moments in host memory)"
     ), line
 
 
@@ -63,7 +64,8 @@ def test_running_out_of_memory_while_building_offers_only_what_composes(
         "fastllm: error: out of accelerator memory allocating 2.00 GiB (1.06 GiB free of "
         "139.81 GiB); while the model's buffers were being made; to use less: "
         "batch.micro_batch_size=1 (now 2), model.multi_stage.zero_stage=3 (now 1) with more "
-        "data ranks"
+        "data ranks, model.multi_stage.offload_optimizer=true (now false: the masters and Adam "
+        "moments in host memory)"
     )
 
 
@@ -78,7 +80,7 @@ def test_the_buffers_by_kind_count_every_element_of_this_rank(
             run.engine.stages.dense.buffers.layout.stage_size(s)
             for s in run.engine.stages.dense.buffers.owned
         )
-        assert buffer_memory(run.engine.stages) == BufferMemory(
+        assert buffer_memory(run.engine.stages, run.engine.optimizer) == BufferMemory(
             weights=weight_bytes * elements,
             gradients=4 * elements,
             optimizer=optimizer_bytes * elements,
@@ -90,6 +92,6 @@ def test_the_buffers_by_kind_count_frozen_weights_as_weights(dataset: Path, tmp_
     dense, frozen = run.engine.stages.dense.buffers, run.engine.stages.frozen.buffers
     trained = sum(dense.layout.stage_size(s) for s in dense.owned)
     held = sum(frozen.layout.stage_size(s) for s in frozen.owned)
-    assert buffer_memory(run.engine.stages) == BufferMemory(
+    assert buffer_memory(run.engine.stages, run.engine.optimizer) == BufferMemory(
         weights=4 * (trained + held), gradients=4 * trained, optimizer=8 * trained
     )

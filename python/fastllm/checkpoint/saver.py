@@ -2,6 +2,9 @@
 
 Saving stalls training only for the copy of this rank's shards to pinned host memory; Rust
 (`fastllm._native.CheckpointWriter`) serializes, checksums and fsyncs on background threads.
+Shards a GPU run keeps in host memory (`model.multi_stage.offload_optimizer`) are written from
+where they are, the save then waiting for the write: a copy would double the host memory they
+take, in the memory the host has least of.
 Every rank of the job writes into `.NAME.partial/`; once every rank's file is written, rank 0
 commits: manifest.json (with the checksums), then an atomic rename to `NAME/`. A partial or
 corrupt checkpoint is never loaded. A write or commit that fails on any rank (disk full, …)
@@ -76,28 +79,39 @@ class CheckpointSaver:
                 shutil.rmtree(final)
         self._barrier()
         pending = _Pending(partial, final, snapshot.manifest(), keep)
+        in_place = False
         try:
-            pending.job, pending.buffers = self._submit(snapshot, partial)
+            pending.job, pending.buffers, in_place = self._submit(snapshot, partial)
             if self.rank == 0 and before_commit is not None:
                 before_commit(partial)
         except OSError as error:
             pending.failure = str(error)
         self._pending.append(pending)
+        if in_place:  # training would change them under the writer
+            self.wait()
         return final
 
-    def _submit(self, snapshot: Snapshot, directory: Path) -> tuple[Any, list[Any]]:
-        """Copy this rank's shards to host memory and hand them to the background writer."""
+    def _submit(self, snapshot: Snapshot, directory: Path) -> tuple[Any, list[Any], bool]:
+        """Copy this rank's shards to host memory and hand them to the background writer;
+        whether some are written from where they are."""
         if self._writer is None:
             self._writer = _native.CheckpointWriter()
         pin = self.device.type == "cuda"
-        tensors = [(key, _staged(tensor, pin)) for key, tensor in snapshot.state.tensors()]
+        tensors: list[tuple[str, torch.Tensor]] = []
+        in_place = False
+        for key, tensor in snapshot.state.tensors():
+            # Shards a GPU run holds in host memory (`offload_optimizer`) are not copied: a
+            # copy would double the host memory they take.
+            held = pin and tensor.device.type == "cpu"
+            tensors.append((key, tensor if held else _staged(tensor, pin)))
+            in_place = in_place or held
         tensors += [(name, _staged(t, pin)) for name, t in snapshot.extra.items()]
         if pin:
             torch.cuda.synchronize()
         arrays = [(name, t.numpy(), _dtype_name(t.dtype), list(t.shape)) for name, t in tensors]
         directory.mkdir(parents=True, exist_ok=True)
         file = rank_file(snapshot.state.rank)
-        return self._writer.submit(str(directory), [(file, arrays, {})]), tensors
+        return self._writer.submit(str(directory), [(file, arrays, {})]), tensors, in_place
 
     def wait(self) -> None:
         """Finish every checkpoint in flight: wait for this rank's files, then rank 0 commits.

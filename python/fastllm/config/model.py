@@ -445,6 +445,13 @@ class MultiStageConfig(Section):
     backward passes (engine/activation_offload.py): no recomputation, but the forward pass
     must leave the bytes time to cross (about 55 GB/s on an H200 host). Not with compiled
     blocks, pipeline parallelism, breadth-first micro-batches or micro-sequences."""
+    offload_optimizer: bool = False
+    """Keep this rank's optimizer state in (pinned) host memory: the fp32 masters (with bf16
+    compute weights, their low halves) and the Adam moments, 10 of the 16 bytes per trained
+    parameter of bf16 training (8 in fp32 training, whose masters are the compute weights).
+    Each step streams it through the GPU in chunks for the same update as on the GPU
+    (engine/offloaded_optimizer.py): 20 bytes per parameter cross the host link, an estimated
+    1.5 s per step for 8B parameters on an H200 host."""
 
     def validate(self) -> None:
         check_positive(self.layers_per_stage, "layers_per_stage")

@@ -6,8 +6,9 @@ data ranks holding the same experts (expert_data): two instances of `GroupBuffer
 
 Per stage, one buffer holds the compute weights; a parallel fp32 buffer receives the gradients
 (GradientBuffers); this data rank's shard of each stage has fp32 master weights (a view of the
-weights themselves in float32 training) and the two Adam moments. ZeRO-2 keeps only the shard
-of the gradients, ZeRO-3 also only the shard of the compute weights. The layout — offsets,
+weights themselves in float32 training) and the two Adam moments, with `offload_optimizer` in
+host memory (the masters only where they are not the compute weights). ZeRO-2 keeps only the
+shard of the gradients, ZeRO-3 also only the shard of the compute weights. The layout — offsets,
 alignment, the shard each data rank owns — comes from Rust (`fastllm._native.BufferLayout`). With
 tensor parallelism each tensor rank has its own buffers, of its slices of the parameters.
 
@@ -27,6 +28,7 @@ from torch import Tensor
 from fastllm import _native
 from fastllm.config.layout import pipeline_stages
 from fastllm.engine.gradient_buffers import GradientBuffers
+from fastllm.engine.host_memory import host_zeros
 from fastllm.engine.stages import slot
 from fastllm.model.parameters import ParameterMeta
 from fastllm.parallel.dimension import Dimension
@@ -56,15 +58,17 @@ class Shard:
     their high halves and this (int16) the rest."""
 
     def master_values(self, start: int = 0, end: int | None = None) -> Tensor:
-        """The fp32 masters of [start, end): a view, or when split a new tensor."""
+        """The fp32 masters of [start, end): a view, or when split a new tensor (in host
+        memory when the low halves are: `offload_optimizer`)."""
         if self.master_low is None:
             assert self.master is not None
             return self.master[start:end]
-        return master_split.join(self.weight[start:end], self.master_low[start:end])
+        low = self.master_low[start:end]
+        return master_split.join(self.weight[start:end].to(low.device), low)
 
     def set_master(self, start: int, values: Tensor) -> None:
-        """Masters [start, start + len(values)) from fp32 values (when split, the compute
-        weights too)."""
+        """Masters [start, start + len(values)) from fp32 values on either device (when split,
+        the compute weights too)."""
         end = start + values.numel()
         if self.master_low is None:
             assert self.master is not None
@@ -110,11 +114,14 @@ class GroupBuffers:
         zero_stage: int,
         num_stages: int,
         trainable: bool = True,
+        offload_optimizer: bool = False,
     ) -> None:
         """`num_stages`: the model's (a stage may hold none of `names`: an empty buffer).
-        `trainable` false: frozen parameters, weights only (ZeRO-3 still shards them)."""
+        `trainable` false: frozen parameters, weights only (ZeRO-3 still shards them).
+        `offload_optimizer`: the shards' masters and moments in host memory."""
         self.compute_dtype, self.device = compute_dtype, device
         self.trainable = trainable
+        self.offload_optimizer = offload_optimizer
         self.data, self.tensor, self.pipeline = data, tensor, pipeline
         """`data`: the dimension the shards and gradient sums span."""
         self.shard_gradients = zero_stage >= 2 and data.size > 1
@@ -291,19 +298,26 @@ class GroupBuffers:
         if not self.mixed_precision:
             master = weight
         elif self.split_masters:
-            master_low = torch.zeros(end - start, dtype=torch.int16, device=self.device)
+            master_low = self._state(end - start, torch.int16)
         else:
-            master = torch.zeros(end - start, dtype=torch.float32, device=self.device)
+            master = self._state(end - start, torch.float32)
         return Shard(
             master=master,
-            exp_avg=torch.zeros(end - start, dtype=torch.float32, device=self.device),
-            exp_avg_sq=torch.zeros(end - start, dtype=torch.float32, device=self.device),
+            exp_avg=self._state(end - start, torch.float32),
+            exp_avg_sq=self._state(end - start, torch.float32),
             grad=grad,
             weight=weight,
             decay_runs=self.layout.decay_runs(stage, self.data.rank),
             replicated=max(0, min(end, replicated_end) - start),
             master_low=master_low,
         )
+
+    def _state(self, numel: int, dtype: torch.dtype) -> Tensor:
+        """Optimizer state of a shard: on the device, or in host memory (page-locked when the
+        device is a GPU)."""
+        if self.offload_optimizer:
+            return host_zeros(numel, dtype, pin=self.device.type == "cuda")
+        return torch.zeros(numel, dtype=dtype, device=self.device)
 
 
 def set_parameter(model: torch.nn.Module, name: str, parameter: torch.nn.Parameter) -> None:

@@ -60,6 +60,7 @@ def build(config: TrainerConfig, distributed: Distributed | None = None) -> Engi
         zero_stage=multi_stage.zero_stage,
         layers_per_stage=multi_stage.layers_per_stage,
         gather_in_forward=whole,
+        offload_optimizer=multi_stage.offload_optimizer,
     )
     apply_recompute(model, multi_stage.recompute)
     offload = apply_activation_offload(model, multi_stage.offload_activations)

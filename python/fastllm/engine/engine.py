@@ -270,6 +270,8 @@ class Engine:
         if config.schedule.micro_batch_splits > 1:
             parts.append(f"sequences in {config.schedule.micro_batch_splits} pieces")
         parts.append(f"{stages.recompute} recomputation")
+        if stages.offload_optimizer:
+            parts.append("optimizer state in host memory")
         if config.training.compile:
             parts.append("compiled blocks")
         return ", ".join(parts)

@@ -1,5 +1,6 @@
 """The bytes this rank's parameter buffers hold, by kind: what an out-of-memory report puts
-beside the activations, whose share is the rest of the peak."""
+beside the activations, whose share is the rest of the peak (and, apart, the optimizer state
+held in host memory)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 from torch import Tensor
 
 from fastllm.engine.model_stages import ModelStages
+from fastllm.engine.optimizer import AdamW
 
 
 @dataclass(frozen=True)
@@ -20,11 +22,14 @@ class BufferMemory:
     stage buffers and this rank's shards)."""
     optimizer: int
     """The fp32 master weights (with bf16 compute weights, their low halves) and the two Adam
-    moments of this rank's shards."""
+    moments of this rank's shards; with `offload_optimizer` only the two chunks of them being
+    streamed through the device."""
+    host_optimizer: int = 0
+    """With `offload_optimizer`: the masters and moments, in host memory."""
 
 
-def buffer_memory(stages: ModelStages) -> BufferMemory:
-    weights = gradients = optimizer = 0
+def buffer_memory(stages: ModelStages, optimizer: AdamW) -> BufferMemory:
+    weights = gradients = state_bytes = 0
     for group in stages.groups:
         buffers = group.buffers
         gradients += buffers.gradients.held_bytes
@@ -36,7 +41,7 @@ def buffer_memory(stages: ModelStages) -> BufferMemory:
             state = [shard.exp_avg, shard.exp_avg_sq, shard.master_low]
             if buffers.mixed_precision:  # in fp32 training the masters are the weights
                 state.append(shard.master)
-            optimizer += sum(_bytes(t) for t in state if t is not None)
+            state_bytes += sum(_bytes(t) for t in state if t is not None)
     if stages.frozen is not None:
         frozen = stages.frozen.buffers
         held = (
@@ -45,7 +50,9 @@ def buffer_memory(stages: ModelStages) -> BufferMemory:
             else (frozen.stages[s].weights for s in frozen.owned)
         )
         weights += sum(_bytes(t) for t in held)
-    return BufferMemory(weights, gradients, optimizer)
+    if optimizer.offloaded is None:
+        return BufferMemory(weights, gradients, state_bytes)
+    return BufferMemory(weights, gradients, optimizer.offloaded.device_bytes, state_bytes)
 
 
 def _bytes(tensor: Tensor) -> int:

@@ -45,10 +45,13 @@ class ModelStages:
         zero_stage: int = 1,
         layers_per_stage: int = 1,
         gather_in_forward: bool = True,
+        offload_optimizer: bool = False,
     ) -> None:
         """`gather_in_forward`: ZeRO-3 gathers and ZeRO-1/2 refreshes are driven by the stages'
-        forward and backward passes (false: by the pipeline runner's program)."""
+        forward and backward passes (false: by the pipeline runner's program).
+        `offload_optimizer`: the trained groups' masters and moments in host memory."""
         self.compute_dtype, self.device = compute_dtype, device
+        self.offload_optimizer = offload_optimizer
         self.mesh = mesh = mesh or ParallelMesh.single()
         self.metas = metas = parameter_metas(model)
         num_layers = model.config.transformer.num_layers
@@ -74,6 +77,7 @@ class ModelStages:
                 zero_stage=zero_stage,
                 num_stages=num_stages(num_layers, layers_per_stage),
                 trainable=trainable,
+                offload_optimizer=offload_optimizer,
             )
 
         def trained_buffers(experts: bool) -> GroupBuffers:

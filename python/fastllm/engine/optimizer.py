@@ -1,5 +1,7 @@
 """AdamW over the flat shards: one fused kernel call per contiguous run of the same weight
-decay, gradient clipping by global norm, and skipping of steps whose gradients are not finite."""
+decay, gradient clipping by global norm, and skipping of steps whose gradients are not finite.
+With `offload_optimizer` the state comes from host memory chunk by chunk
+(engine/offloaded_optimizer.py), each chunk updated by the same kernel."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch.distributed as dist
 from fastllm.config.training import OptimizerConfig
 from fastllm.engine.buffers import Shard
 from fastllm.engine.model_stages import ModelStages
+from fastllm.engine.offloaded_optimizer import CHUNK, OffloadedState, StateSpan
 from fastllm_kernels.adam import adamw_step_
 
 
@@ -24,10 +27,17 @@ class StepReport:
 
 
 class AdamW:
-    def __init__(self, stages: ModelStages, config: OptimizerConfig) -> None:
+    def __init__(self, stages: ModelStages, config: OptimizerConfig, chunk: int = CHUNK) -> None:
+        """`chunk`: elements per streamed chunk of state in host memory (`offload_optimizer`)."""
         self.stages, self.config = stages, config
         self.step_count = 0
         """Optimizer steps taken (skipped ones excluded); Adam's bias correction uses it."""
+        self.offloaded = (
+            OffloadedState(self._shards(), stages.device, chunk)
+            if stages.offload_optimizer
+            else None
+        )
+        """With `offload_optimizer`: the state's way through the device."""
 
     @torch.no_grad()
     def grad_norm(self, grad_scale: float) -> float:
@@ -57,32 +67,45 @@ class AdamW:
         clip = self.config.gradient_norm_clipping
         clip_factor = min(1.0, clip / (norm + 1e-6)) if clip is not None else 1.0
         self.step_count += 1
-        mixed_precision = self.stages.mixed_precision
-        for shard in self._shards():
-            for start, end, decay in shard.decay_runs:
-                split = shard.master_low is not None
-                adamw_step_(
-                    None if shard.master is None else shard.master[start:end],
-                    shard.grad[start:end],
-                    shard.exp_avg[start:end],
-                    shard.exp_avg_sq[start:end],
-                    lr=lr,
-                    beta_1=self.config.beta_1,
-                    beta_2=self.config.beta_2,
-                    eps=self.config.epsilon,
-                    weight_decay=self.config.weight_decay if decay else 0.0,
-                    step=self.step_count,
-                    compute_copy=shard.weight[start:end] if mixed_precision else None,
-                    grad_scale=clip_factor / loss_scale,
-                    master_low=shard.master_low[start:end] if split else None,
-                )
-        if mixed_precision:
+        shards = self._shards()
+        spans = (
+            ((shard, StateSpan.whole(shard)) for shard in shards)
+            if self.offloaded is None
+            else self.offloaded.spans(shards)
+        )
+        for shard, span in spans:
+            self._update(shard, span, lr, grad_scale=clip_factor / loss_scale)
+        if self.stages.mixed_precision:
             # The kernel wrote the compute weights behind autograd's back: a new version tells
             # the caches keyed by it (the FP8 weight copies) that they changed.
             for stage in self.stages.stages:
                 for buffer in stage.buffers:
                     torch.autograd.graph.increment_version(buffer.weights)
         return StepReport(norm, skipped=False)
+
+    def _update(self, shard: Shard, span: StateSpan, lr: float, grad_scale: float) -> None:
+        """AdamW on the elements of `span`, one kernel call per run of one weight decay."""
+        mixed_precision = self.stages.mixed_precision
+        for run_start, run_end, decay in shard.decay_runs:
+            start, end = max(run_start, span.start), min(run_end, span.end)
+            if start >= end:
+                continue
+            state = slice(start - span.start, end - span.start)
+            adamw_step_(
+                None if span.master is None else span.master[state],
+                shard.grad[start:end],
+                span.exp_avg[state],
+                span.exp_avg_sq[state],
+                lr=lr,
+                beta_1=self.config.beta_1,
+                beta_2=self.config.beta_2,
+                eps=self.config.epsilon,
+                weight_decay=self.config.weight_decay if decay else 0.0,
+                step=self.step_count,
+                compute_copy=shard.weight[start:end] if mixed_precision else None,
+                grad_scale=grad_scale,
+                master_low=None if span.master_low is None else span.master_low[state],
+            )
 
     def _shards(self) -> list[Shard]:
         return [shard for group in self.stages.groups for shard in group.buffers.shards.values()]

@@ -21,7 +21,7 @@ def check_replicated(buffers: GroupBuffers) -> None:
     for stage, shard in buffers.shards.items():
         if not shard.replicated:
             continue
-        mine = shard.master_values(0, shard.replicated)
+        mine = shard.master_values(0, shard.replicated).to(buffers.device)  # offloaded: host
         theirs = mine.clone()
         dist.broadcast(theirs, src=source, group=tensor.group)
         differs = (mine != theirs).to(torch.int32)

@@ -33,11 +33,16 @@ def out_of_memory(
     if engine is None:
         parts.append("while the model's buffers were being made")
     else:
-        memory = buffer_memory(engine.stages)
+        memory = buffer_memory(engine.stages, engine.optimizer)
+        optimizer = (
+            f"{_gib(memory.optimizer)} of masters and Adam moments"
+            if not memory.host_optimizer
+            else f"{_gib(memory.optimizer)} of optimizer chunks in flight (the masters and Adam "
+            f"moments, {_gib(memory.host_optimizer)}, are in host memory)"
+        )
         held = (
             f"this rank's buffers hold {_gib(memory.weights)} of weights, "
-            f"{_gib(memory.gradients)} of gradients and {_gib(memory.optimizer)} of masters "
-            "and Adam moments"
+            f"{_gib(memory.gradients)} of gradients and {optimizer}"
         )
         device = engine.distributed.device
         if device.type == "cuda":
@@ -72,7 +77,16 @@ def ways_to_use_less(config: TrainerConfig, data_ranks: int | None) -> list[str]
     if multi_stage.offload_activations == 0:
         shown = "N (now 0: the first N blocks' stored activations in host memory)"
         candidates.append(("model.multi_stage.offload_activations", 1, shown))
+    if not multi_stage.offload_optimizer and _trains(config):
+        shown = "true (now false: the masters and Adam moments in host memory)"
+        candidates.append(("model.multi_stage.offload_optimizer", True, shown))
     return [f"{key}={shown}" for key, value, shown in candidates if _composes(config, key, value)]
+
+
+def _trains(config: TrainerConfig) -> bool:
+    """Some parameter trains (and so has optimizer state)."""
+    base = config.model.base_model
+    return config.model.num_frozen_parameters() < base.num_parameters()
 
 
 def _composes(config: TrainerConfig, key: str, value: Any) -> bool:

@@ -334,10 +334,16 @@ class _StopSignal:
 def _held(engine: Engine) -> str:
     """What this rank's parameter buffers hold by kind, once the step has written the
     gradients (the rest of a step's peak is activations and workspace)."""
-    memory = buffer_memory(engine.stages)
+    memory = buffer_memory(engine.stages, engine.optimizer)
+    optimizer = (
+        f"{memory.optimizer / 2**30:.1f} of masters and Adam moments"
+        if not memory.host_optimizer
+        else f"{memory.optimizer / 2**30:.1f} of optimizer chunks in flight; "
+        f"{memory.host_optimizer / 2**30:.1f} GiB of masters and Adam moments in host memory"
+    )
     return (
         f"buffers: {memory.weights / 2**30:.1f} GiB of weights, {memory.gradients / 2**30:.1f} "
-        f"of gradients, {memory.optimizer / 2**30:.1f} of masters and Adam moments"
+        f"of gradients, {optimizer}"
     )
 
 
