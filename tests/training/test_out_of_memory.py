@@ -45,14 +45,16 @@ def test_running_out_of_memory_in_a_step_is_one_line_with_the_memory_by_kind(
         "batch.micro_batch_size=2 (now 4), model.multi_stage.zero_stage=3 (now 1) with more "
         "data ranks, model.multi_stage.offload_activations=N (now 0: the first N blocks' stored "
         "activations in host memory), model.multi_stage.offload_optimizer=true (now false: the "
-        "masters and Adam moments in host memory)"
+        "masters and Adam moments in host memory), model.base_model.peft={type: lora} (now "
+        "none: adapters train, every other parameter is frozen)"
     ), line
 
 
 def test_running_out_of_memory_while_building_offers_only_what_composes(
     dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    # Compiled blocks cannot offload activations: that way out is not offered.
+    # Compiled blocks cannot offload activations, nor freeze parameters for LoRA: those ways
+    # out are not offered.
     monkeypatch.setattr(trainer, "build", out_of_memory)
     arguments = train_arguments(
         dataset, tmp_path / "run", "training.train_iters=2", "training.compile=true",

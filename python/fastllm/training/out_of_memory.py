@@ -1,7 +1,7 @@
 """Running out of accelerator memory ends a run in one line (exit 1): what was asked for, what
 this rank's parameter buffers hold by kind (the rest of the peak is activations and
-workspace), and the settings that would use less, offered only where they compose with the
-rest of the config."""
+workspace), and the settings that would use less (LoRA among them, for a run that trains
+everything), offered only where they compose with the rest of the config."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 
 from fastllm.config import ConfigError, MachineError, TrainerConfig
 from fastllm.config.layout import check_compatible
+from fastllm.config.model import LoRAConfig, NoPeftConfig
 from fastllm.engine.engine import Engine
 from fastllm.engine.memory import buffer_memory
 
@@ -80,6 +81,9 @@ def ways_to_use_less(config: TrainerConfig, data_ranks: int | None) -> list[str]
     if not multi_stage.offload_optimizer and _trains(config):
         shown = "true (now false: the masters and Adam moments in host memory)"
         candidates.append(("model.multi_stage.offload_optimizer", True, shown))
+    if isinstance(config.model.base_model.peft, NoPeftConfig):
+        shown = "{type: lora} (now none: adapters train, every other parameter is frozen)"
+        candidates.append(("model.base_model.peft", LoRAConfig(), shown))
     return [f"{key}={shown}" for key, value, shown in candidates if _composes(config, key, value)]
 
 
