@@ -280,21 +280,28 @@ FOUR_STEPS = (
     "training.export.interval=4",
     "training.export.format=fastllm",
 )
-LAYOUTS = {
-    "zero3": ("model.multi_stage.zero_stage=3",),
+MOE = (  # top-2 of 4 experts: frozen with freeze_others, attention adapted
+    "model.base_model.transformer.num_experts=4",
+    "model.base_model.transformer.num_experts_per_token=2",
+    "model.base_model.transformer.add_linear_biases=only_attn_qkv",
+    "model.base_model.peft.layers=[query,key,value,dense]",
+)
+LAYOUTS = {  # the model's overrides, the layout's
+    "zero3": ((), ("model.multi_stage.zero_stage=3",)),
     "tensor": (
-        "model.distributed.tensor_parallel=2",
-        "model.distributed.sequence_tensor_parallel=true",
+        (),
+        ("model.distributed.tensor_parallel=2", "model.distributed.sequence_tensor_parallel=true"),
     ),
-    "pipeline": ("model.distributed.pipeline_parallel=2",),
-    "sequence_data": ("model.distributed.sequence_data_parallel=2",),
+    "pipeline": ((), ("model.distributed.pipeline_parallel=2",)),
+    "sequence_data": ((), ("model.distributed.sequence_data_parallel=2",)),
+    "expert": (MOE, ("model.distributed.expert_parallel=2", "model.multi_stage.zero_stage=3")),
 }
 
 
 def layouts(dataset: Path, one_process: Callable[..., Path], root: Path) -> dict[str, Layout]:
     return {
-        f"lora_{name}": Layout(2, (*LORA_ARGS, *FOUR_STEPS, *args))
-        for name, args in LAYOUTS.items()
+        f"lora_{name}": Layout(2, (*LORA_ARGS, *model, *FOUR_STEPS, *layout))
+        for name, (model, layout) in LAYOUTS.items()
     }
 
 
@@ -302,7 +309,9 @@ def layouts(dataset: Path, one_process: Callable[..., Path], root: Path) -> dict
 def test_two_ranks_with_lora_match_one_process(
     launched: dict[str, Launched], one_process: Callable[..., Path], layout: str
 ) -> None:
-    single, double = one_process(*LORA_ARGS, *FOUR_STEPS), launched[f"lora_{layout}"].succeeded()
+    model = LAYOUTS[layout][0]
+    single = one_process(*LORA_ARGS, *model, *FOUR_STEPS)
+    double = launched[f"lora_{layout}"].succeeded()
     expected, got = losses(single), losses(double)
     assert sorted(got) == sorted(expected) == [1, 2, 3, 4]
     for step, loss in expected.items():

@@ -229,7 +229,10 @@ def write_model(
         for name, tensor in tensors:
             writer.add(name, tensor if dtype is None else tensor.to(dtype))
         writer.close()
-        section = {"model": {"base_model": msgspec.to_builtins(source.config)}}
+        base_model = msgspec.to_builtins(source.config)
+        if not lora:  # as a model without adapters has always been written
+            del base_model["peft"]
+        section = {"model": {"base_model": base_model}}
         (output / "config.yaml").write_text(yaml.safe_dump(section, sort_keys=False))
         metadata = {"format": "fastllm", "hf_config": source.hf_config}
         (output / "metadata.json").write_text(json.dumps(metadata, indent=2) + "\n")

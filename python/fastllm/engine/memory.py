@@ -42,8 +42,8 @@ def buffer_memory(stages: ModelStages, optimizer: AdamW) -> BufferMemory:
             if buffers.mixed_precision:  # in fp32 training the masters are the weights
                 state.append(shard.master)
             state_bytes += sum(_bytes(t) for t in state if t is not None)
-    if stages.frozen is not None:
-        frozen = stages.frozen.buffers
+    for group in stages.frozen_groups:
+        frozen = group.buffers
         held = (
             frozen.weight_shards.values()
             if frozen.shard_weights

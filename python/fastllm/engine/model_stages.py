@@ -102,19 +102,32 @@ class ModelStages:
         """With expert parallelism: the experts' parameters, in buffers of their own."""
         self.groups = [self.dense] if self.experts is None else [self.dense, self.experts]
         """The groups that train: what the optimizer steps, reduces and checkpoints."""
+        # Frozen parameters: weights only, gathered with ZeRO-3; no gradient sinks are made
+        # for them (the deferral goes unused). Under expert parallelism the frozen experts are
+        # split and sharded as the trained ones are, in buffers of their own.
         frozen = [name for name in names if metas[name].frozen]
+        frozen_experts = [n for n in frozen if expert_parallel and metas[n].expert_split]
+        frozen_dense = [n for n in frozen if n not in set(frozen_experts)]
         self.frozen_tied: TiedWeights | None = None
         """A frozen embedding's copy, when the head runs on another pipeline rank."""
-        if frozen:  # no gradient sinks are made for them: the deferral goes unused
-            buffers = make_buffers(frozen, mesh.data, trainable=False)
+        self.frozen: ParameterGroup | None = None
+        """The frozen parameters (`model.freeze`, LoRA's `freeze_others`) but experts split
+        by expert parallelism."""
+        if frozen_dense:
+            buffers = make_buffers(frozen_dense, mesh.data, trainable=False)
             self.frozen_tied = tied_weights(model, buffers)
-            tied_here = buffers.tied and self.frozen_tied is None
-            self.frozen: ParameterGroup | None = make_group(buffers, tied_here)
-        else:
-            self.frozen = None
-        """The frozen parameters (`model.freeze`): weights only, gathered with ZeRO-3."""
-        self.all_groups = self.groups if self.frozen is None else [*self.groups, self.frozen]
-        """Every group: the trained ones and the frozen one."""
+            self.frozen = make_group(buffers, buffers.tied and self.frozen_tied is None)
+        self.frozen_experts: ParameterGroup | None = None
+        """With expert parallelism: the frozen experts."""
+        if frozen_experts:
+            buffers = make_buffers(frozen_experts, mesh.expert_data, trainable=False)
+            self.frozen_experts = make_group(buffers, False)
+        self.frozen_groups = [g for g in (self.frozen, self.frozen_experts) if g is not None]
+        """The groups that do not train."""
+        self.expert_groups = [g for g in (self.experts, self.frozen_experts) if g is not None]
+        """The groups whose experts are split over the expert group."""
+        self.all_groups = [*self.groups, *self.frozen_groups]
+        """Every group: the trained ones and the frozen ones."""
         self.stages = [
             Stage(
                 stage,

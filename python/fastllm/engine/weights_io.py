@@ -129,7 +129,7 @@ def whole_parameters(stages: ModelStages) -> Iterator[tuple[str, Tensor]]:
                 slices = [torch.empty_like(tensor) for _ in range(tensor_dimension.size)]
                 dist.all_gather(slices, tensor.contiguous(), group=tensor_dimension.group)
                 tensor = split.merge(slices)
-            if group is stages.experts:
+            if group in stages.expert_groups:
                 shares = [torch.empty_like(tensor) for _ in range(expert.size)]
                 dist.all_gather(shares, tensor.contiguous(), group=expert.group)
                 tensor = torch.cat(shares)

@@ -147,8 +147,7 @@ def export(
 
 
 def _frozen_names(trainer: Trainer) -> list[str]:
-    frozen = trainer.engine.stages.frozen
-    return [] if frozen is None else frozen.buffers.names
+    return [name for group in trainer.engine.stages.frozen_groups for name in group.buffers.names]
 
 
 def frozen_base(trainer: Trainer) -> dict[str, Any]:
