@@ -205,11 +205,10 @@ def test_bad_evaluators_are_refused_naming_the_key(overrides: list[str], error: 
 
 
 def test_a_named_dataset_that_is_not_there_is_refused_before_training(tmp_path: Path) -> None:
-    config = load_config(
-        TrainerConfig,
-        ["examples/tiny.yaml"],
-        [f"run.experiment_dir={tmp_path}", "data.path=[examples]", "training.train_iters=1"]
-        + [f"data.datasets.wiki.path=[{tmp_path / 'absent'}]"],
-    )
+    overrides = [
+        f"run.experiment_dir={tmp_path}", "data.path=[examples]", "training.train_iters=1",
+        f"data.datasets.wiki.path=[{tmp_path / 'absent'}]",
+    ]  # fmt: skip
+    config = load_config(TrainerConfig, ["examples/tiny.yaml"], overrides)
     with pytest.raises(ConfigError, match=r"^data\.datasets\.wiki\.path\[0\]: .*no such dataset"):
         check_inputs(config)
