@@ -31,11 +31,12 @@ def nvml_energy_reader(device: torch.device) -> tuple[EnergyReader | None, str]:
     except OSError:
         return None, "the NVIDIA driver's libnvidia-ml.so.1 is not found"
     # The device by its UUID: CUDA's indices are renumbered by CUDA_VISIBLE_DEVICES, NVML's not.
-    uuid = f"GPU-{torch.cuda.get_device_properties(device).uuid}".encode()
+    uuid = str(torch.cuda.get_device_properties(device).uuid)
+    uuid = uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
     handle, energy = ctypes.c_void_p(), ctypes.c_ulonglong()
     for call, arguments in (
         ("nvmlInit_v2", ()),
-        ("nvmlDeviceGetHandleByUUID", (ctypes.c_char_p(uuid), ctypes.byref(handle))),
+        ("nvmlDeviceGetHandleByUUID", (ctypes.c_char_p(uuid.encode()), ctypes.byref(handle))),
         ("nvmlDeviceGetTotalEnergyConsumption", (handle, ctypes.byref(energy))),
     ):
         if code := getattr(nvml, call)(*arguments):
@@ -80,7 +81,7 @@ class EnergyMeter:
         if self._read is not None:
             self._window_start = self._read()
 
-    def window(self, steps: int, tokens: int) -> dict[str, float]:
+    def window(self, steps: int, tokens: int) -> dict[str, float | None]:
         """`joules_per_step` and `tokens_per_kwh` of the `steps` steps (`tokens` tokens over
         every rank) since the window started, and `energy_kwh` since `start`: every rank's."""
         spent = self._spent()
