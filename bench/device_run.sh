@@ -18,6 +18,7 @@
 #   nvidia-h200-x2: TESTS='nccl or expert' bash bench/device_run.sh HASH tests   (issue 19: NCCL layouts)
 #   nvidia-h200-x4: bash bench/device_run.sh HASH layouts-x4   (issue 19)
 #   nvidia-h200:    bash bench/device_run.sh HASH lora-7b lora-8b   (issue 34: LoRA on one GPU)
+#   nvidia-h200:    bash bench/device_run.sh HASH energy-1b   (issue 36: logged energy against NVML)
 # A second setting of a train part in the same call (its results under train_MODEL_TAG):
 #   ... && APPEND=1 SYSTEMS=fastllm SET=model.multi_stage.recompute=none TAG=store \
 #          bash bench/device_run.sh HASH train-1b
@@ -36,7 +37,8 @@
 # nvidia-h200-x2); layouts-x4 (issue 19, on nvidia-h200-x4); memory (issue 16: the 16k step's
 # peak memory by origin, pinned copy bandwidth, attention backends, the 16k kernel profile);
 # attention (cuDNN attention by memory layout and head grouping, issue 16); energy (the
-# joules a step's matmuls and attention take at the power limit, issue 16); lora-7b, lora-8b
+# joules a step's matmuls and attention take at the power limit, issue 16); energy-1b (issue
+# 36: a llama-1b run's logged energy against NVML read by the benchmark); lora-7b, lora-8b
 # (issue 34: LoRA rank 16 against full fine-tuning and HF + PEFT + compile; llama-8b with LoRA).
 set -uo pipefail
 COMMIT=$1
@@ -94,6 +96,12 @@ run_part() {
       # (bench/energy_floor.py; SEQ, default 16384; STEP_J: a measured step's joules).
       timeout 120 python3 bench/energy_floor.py --seq "${SEQ:-16384}" ${STEP_J:+--step-joules $STEP_J} \
         --commit "$COMMIT" --out "$RES/energy_floor${TAG:+_$TAG}" 2>&1 | tail -8 ;;
+    energy-1b)
+      # Issue 36: a llama-1b run's logged energy (joules per step, tokens per kWh, total kWh)
+      # against the benchmark's own NVML reading of the same steps (bench/energy_check.py;
+      # 4 logged windows of 5 steps of 8 x 4096; target: within 2%).
+      timeout 240 python3 bench/energy_check.py --commit "$COMMIT" \
+        --out "$RES/energy_check${TAG:+_$TAG}" 2>&1 | tail -10 ;;
     attention)
       # cuDNN attention at llama-1b's shape in each layout and head grouping the model could
       # give it, under sustained load (bench/attention_probe.py; SEQ, default 16384).

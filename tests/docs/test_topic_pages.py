@@ -19,6 +19,7 @@ PAGES = [
     "long-context.md",
     "moe.md",
     "lora.md",
+    "evaluation.md",
     "guarantees.md",
     "support.md",
     "architecture.md",
@@ -65,7 +66,7 @@ def test_every_path_a_topic_page_names_exists(page: str) -> None:
 
 def _has_key(section: type, parts: list[str]) -> bool:
     """Whether the dotted key `parts` exists under the config class `section` (any variant of
-    a tagged union, as `rotary` is)."""
+    a tagged union, as `rotary` is; any name in a section by name, as `data.datasets`)."""
     if not parts:
         return True
     hints = typing.get_type_hints(section)
@@ -78,6 +79,8 @@ def _has_key(section: type, parts: list[str]) -> bool:
     ]
     if len(parts) == 1:
         return True
+    if typing.get_origin(hints[parts[0]]) is dict:  # parts[1] is a name
+        parts = parts[1:]
     variants = [c for base in candidates for c in (base, *_subclasses(base))]
     return any(_has_key(variant, parts[1:]) for variant in variants)
 
@@ -89,11 +92,15 @@ def _subclasses(cls: type) -> list[type]:
 def test_the_key_reader_refuses_a_key_that_does_not_exist() -> None:
     assert _has_key(TrainerConfig, ["model", "base_model", "transformer", "rotary", "scale_factor"])
     assert not _has_key(TrainerConfig, ["model", "distributed", "fp8_recipe"])
+    assert _has_key(TrainerConfig, ["training", "evaluators", "wiki", "evaluator", "iterations"])
+    assert not _has_key(TrainerConfig, ["training", "evaluators", "wiki", "iterations"])
 
 
 @pytest.mark.parametrize("page", PAGES)
 def test_every_config_key_a_topic_page_names_exists(page: str) -> None:
-    keys = {span.split(":")[0].split("=")[0].strip() for span in spans(page)}
+    keys = {
+        re.sub(r"\[\d+\]", "", span.split(":")[0].split("=")[0].strip()) for span in spans(page)
+    }
     keys = {key for key in keys if key.startswith(SECTIONS) and " " not in key and "*" not in key}
     assert keys, f"{page} names no config key: the pattern no longer reads them"
     missing = sorted(key for key in keys if not _has_key(TrainerConfig, key.split(".")))

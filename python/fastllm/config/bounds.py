@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from fastllm.config.evaluation import LossEvaluatorConfig
 from fastllm.config.section import ConfigError
 
 if TYPE_CHECKING:
@@ -58,6 +59,11 @@ def check_bounds(config: TrainerConfig) -> None:
     for key, steps in (
         ("training.train_iters", training.train_iters),
         ("training.validation.iterations", training.validation.iterations),
+        *(
+            (f"training.evaluators.{name}.evaluator.iterations", evaluator.evaluator.iterations)
+            for name, evaluator in training.evaluators.items()
+            if isinstance(evaluator.evaluator, LossEvaluatorConfig)
+        ),
     ):
         _at_most(
             key,

@@ -36,6 +36,18 @@ class FimConfig(Section):
         check_positive(self.max_middle_len, "max_middle_len")
 
 
+class DatasetConfig(Section):
+    """A named dataset of `data.datasets`."""
+
+    path: list[str] = msgspec.field(default_factory=list)
+    """Prepared datasets (directories written by `fastllm prepare`), blended by their token
+    counts."""
+
+    def validate(self) -> None:
+        if not self.path:
+            raise ConfigError("path", "no dataset given")
+
+
 class DataConfig(Section):
     path: list[str] = msgspec.field(default_factory=list)
     """Prepared datasets (directories written by `fastllm prepare`)."""
@@ -47,7 +59,10 @@ class DataConfig(Section):
     fim: FimConfig | None = None
     """Fill-in-the-middle transformation of documents (none: off)."""
     validation_path: list[str] = msgspec.field(default_factory=list)
-    """Held-out datasets for the validation loss."""
+    """Held-out datasets for the validation loss (`training.validation`)."""
+    datasets: dict[str, DatasetConfig] = msgspec.field(default_factory=dict)
+    """Named held-out datasets, which `training.evaluators` read by name:
+    `datasets: {wiki: {path: [DIR]}}`."""
     cache_dir: str | None = None
     """Where sampling indices are cached; default EXPERIMENT_DIR/cache/sampling."""
     prefetch: int = 4

@@ -72,6 +72,8 @@ def _type_name(tp: Any) -> str:
         return " or ".join(f"`{a}`" for a in typing.get_args(tp))
     if typing.get_origin(tp) is list:
         return f"list of {_type_name(typing.get_args(tp)[0])}"
+    if typing.get_origin(tp) is dict:
+        return f"{_type_name(typing.get_args(tp)[1])} by name"
     if _is_struct(tp):
         return "section"
     return getattr(tp, "__name__", str(tp))
@@ -105,9 +107,10 @@ def _section(cls: type[msgspec.Struct], key: str, lines: list[str], tag: str | N
     if fields:
         lines += ["| key | type | default | description |", "|---|---|---|---|"]
     for field in fields:
-        variants = _variants(field.type)
+        by_name = typing.get_origin(field.type) is dict  # its sections are documented at NAME
+        variants = _variants(typing.get_args(field.type)[1] if by_name else field.type)
         structs = [v for v in variants if _is_struct(v)]
-        if structs and len(structs) > 1:
+        if structs and len(structs) > 1 and not by_name:
             kind = "`type:` " + " or ".join(f"`{v.__struct_config__.tag}`" for v in structs)
         else:
             kind = _type_name(field.type)
@@ -116,7 +119,8 @@ def _section(cls: type[msgspec.Struct], key: str, lines: list[str], tag: str | N
             f"| `{field.encode_name}` | {kind.replace('|', '/')} | {_default_text(field)} | {doc} |"
         )
         if structs:
-            nested.append((f"{key}.{field.encode_name}", structs, field))
+            child = f"{key}.{field.encode_name}" + (".NAME" if by_name else "")
+            nested.append((child, structs, field))
     for child_key, structs, _ in nested:
         if len(structs) == 1:
             _section(structs[0], child_key, lines)

@@ -6,9 +6,9 @@ is refused, naming each such key with both values (`architecture_changes`, check
 `checkpoint.compatibility`). Resuming with another learning rate, data, seed or any other key
 of the model silently continues a different experiment, so the loader warns, in one line,
 about every changed key outside those a resume may change: the length of the run, logging,
-checkpoint/export/validation/profiling intervals, where files go, and how the work is laid
-out (tensor, sequence and pipeline parallelism, ZeRO stage, stages, recomputation,
-micro-batches, compilation, prefetch)."""
+checkpoint/export/validation/evaluation/profiling settings and held-out data, where files go,
+and how the work is laid out (tensor, sequence and pipeline parallelism, ZeRO stage, stages,
+recomputation, micro-batches, compilation, prefetch)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ MAY_CHANGE_ON_RESUME = (
     "training.checkpoint",
     "training.export",
     "training.validation",
+    "training.evaluators",
     "training.profile",
     "training.compile",
     "model.multi_stage",
@@ -40,6 +41,7 @@ MAY_CHANGE_ON_RESUME = (
     "data.cache_dir",
     "data.prefetch",
     "data.validation_path",
+    "data.datasets",
 )
 """Keys (and sections) a resumed run may set differently without a warning."""
 

@@ -85,6 +85,12 @@ def _check(tp: Any, value: Any, key: list[str | int], default: Any = None) -> An
                 value = [value]  # `path: /data/x` is a list of one
             if isinstance(value, list):
                 return [_check(item, v, [*key, i]) for i, v in enumerate(value)]
+        if typing.get_origin(variant) is dict and isinstance(value, dict):
+            _, item = typing.get_args(variant)
+            for name in value:
+                if not isinstance(name, str):
+                    raise ConfigError(format_key([*key, str(name)]), "a name must be a string")
+            return {name: _check(item, v, [*key, name]) for name, v in value.items()}
     return value
 
 
@@ -172,10 +178,11 @@ def _validate(config: msgspec.Struct, key: list[str | int]) -> None:
         item = getattr(config, field.name)
         if isinstance(item, msgspec.Struct):
             _validate(item, [*key, field.encode_name])
-        elif isinstance(item, list):
-            for i, element in enumerate(item):
+        elif isinstance(item, list | dict):
+            pairs = enumerate(item) if isinstance(item, list) else item.items()
+            for index, element in pairs:
                 if isinstance(element, msgspec.Struct):
-                    _validate(element, [*key, field.encode_name, i])
+                    _validate(element, [*key, field.encode_name, index])
     if isinstance(config, Section):
         try:
             config.validate()

@@ -6,6 +6,7 @@ import msgspec
 
 from fastllm.config.bounds import check_bounds
 from fastllm.config.data import DataConfig
+from fastllm.config.evaluation import check_evaluators
 from fastllm.config.formats import HF_ARCHITECTURES, ModelFormat, inexpressible
 from fastllm.config.layout import check_compatible, check_shape
 from fastllm.config.model import LoRAConfig, ModelConfig
@@ -73,6 +74,7 @@ class TrainerConfig(Section):
             raise ConfigError(
                 "training.export.format", f"{export} cannot express the model: {reason}"
             )
+        check_evaluators(self)
         check_bounds(self)
         # What needs no number of ranks is refused here, when the config is loaded.
         check_compatible(self)

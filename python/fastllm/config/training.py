@@ -6,6 +6,7 @@ from typing import Literal
 
 import msgspec
 
+from fastllm.config.evaluation import TrainingEvaluatorConfig
 from fastllm.config.formats import ModelFormat
 from fastllm.config.section import ConfigError, Section, check_non_negative, check_positive
 
@@ -87,7 +88,12 @@ class TrainingConfig(Section):
     export: ExportConfig = msgspec.field(default_factory=ExportConfig)
     """Exports of the weights."""
     validation: ValidationConfig = msgspec.field(default_factory=ValidationConfig)
-    """Loss on the validation datasets."""
+    """Loss on the validation datasets (`data.validation_path`), logged as validation_loss:
+    the evaluator named validation."""
+    evaluators: dict[str, TrainingEvaluatorConfig] = msgspec.field(default_factory=dict)
+    """Evaluations by name, each at its own interval and logged as NAME_METRIC (a loss
+    evaluator named wiki logs wiki_loss): `evaluators: {wiki: {interval: 100, evaluator:
+    {type: loss, iterations: 10}}}`."""
     compile: bool = False
     """torch.compile each transformer block, fusing the elementwise work around the matmuls
     and attention (the first steps are slower: they compile)."""
@@ -178,6 +184,12 @@ def unreached_cadences(training: TrainingConfig) -> list[str]:
         ("training.export.interval", training.export.interval, "no export is written"),
         ("training.validation.interval", training.validation.interval, "nothing is validated"),
         ("training.profile.step", training.profile.step, "nothing is profiled"),
+        *(  # the first evaluation is after step offset, or interval when offset is 0
+            (f"training.evaluators.{name}.offset", evaluator.offset, "it never runs")
+            if evaluator.offset
+            else (f"training.evaluators.{name}.interval", evaluator.interval, "it never runs")
+            for name, evaluator in training.evaluators.items()
+        ),
     ]
     if not training.checkpoint.at_end:
         cadences.append(

@@ -4,8 +4,9 @@ loops alike.
 
 - `trainer`: the `Trainer` and its loop, which a signal ends as `Stopped`; `setup`: the config checks that need the file system.
 - `state`: when and where checkpoints and exports are written, and resumption.
-- `metrics`, `metrics_file`: what a run reports, and `metrics.jsonl`; `profiling`:
-  `training.profile`.
+- `evaluators`: the runners of `training.evaluators` (and `training.validation`).
+- `metrics`, `metrics_file`: what a run reports, and `metrics.jsonl`; `energy`: what it costs
+  (the GPU driver's energy counter); `profiling`: `training.profile`.
 - `experiment_lock`: one run per experiment directory.
 """
 

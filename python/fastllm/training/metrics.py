@@ -76,14 +76,19 @@ class MetricsLogger:
         filled = int(width * step / max(self.total_steps, 1))
         bar = "█" * filled + "·" * (width - filled)
         parts = [f"[{bar}] step {step}/{self.total_steps}", f"ETA {_duration(remaining)}"]
+        if metrics.get("loss") is not None:
+            parts.append(f"loss {metrics['loss']:.4f}")
+        for key, value in metrics.items():  # the loss evaluators' (NAME_loss)
+            if key.endswith("_loss") and value is not None:
+                parts.append(f"{key.removesuffix('_loss')} {value:.4f}")
         for key, fmt in (
-            ("loss", "loss {:.4f}"),
-            ("validation_loss", "val {:.4f}"),
             ("lr", "lr {:.2e}"),
             ("grad_norm", "grad {:.3f}"),
             ("tokens_per_s", "{:,.0f} tok/s"),
             ("tflops", "{:.1f} TFLOP/s"),
             ("mfu", "MFU {:.1%}"),
+            ("joules_per_step", "{:,.0f} J/step"),
+            ("energy_kwh", "{:.3g} kWh"),
             ("memory_gib", "mem {:.1f} GiB"),
             ("expert_tokens_max", "experts max {:,.0f}"),
             ("skipped_steps", "skipped {}"),

@@ -53,6 +53,7 @@ def check_inputs(config: TrainerConfig) -> None:
     for key, paths in (
         ("data.path", config.data.path),
         ("data.validation_path", config.data.validation_path),
+        *((f"data.datasets.{name}.path", d.path) for name, d in config.data.datasets.items()),
     ):
         for i, path in enumerate(paths):
             if not Path(path).exists():

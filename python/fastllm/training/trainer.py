@@ -28,6 +28,8 @@ from fastllm.engine.engine import Engine
 from fastllm.engine.memory import buffer_memory
 from fastllm.parallel.process_group import Distributed
 from fastllm.training import state
+from fastllm.training.energy import EnergyMeter
+from fastllm.training.evaluators import Evaluation, evaluations
 from fastllm.training.experiment_lock import ExperimentLock
 from fastllm.training.metrics import PEAK_FLOPS, MetricsLogger
 from fastllm.training.profiling import StepProfiler
@@ -62,7 +64,9 @@ class Trainer:
         self.checkpoints = CheckpointSaver(
             self.distributed.rank, self.distributed.world_size, self.distributed.device
         )
-        self._validation_stream: SampleStream | None = None
+        self.evaluations: dict[str, Evaluation] = evaluations(self)
+        """The run's evaluators by name (`training.evaluators`, and `training.validation` as
+        validation)."""
         self.frozen_base: dict[str, Any] | None = None
         """Where the frozen weights come from, as checkpoints name it (`state.frozen_base`)."""
 
@@ -107,9 +111,9 @@ class Trainer:
             "data.path",
             stop,
         )
-        return self._loader(stream, self.engine.state.consumed_samples)
+        return self.loader(stream, self.engine.state.consumed_samples)
 
-    def _loader(self, stream: SampleStream, consumed_samples: int = 0) -> DataLoader:
+    def loader(self, stream: SampleStream, consumed_samples: int = 0) -> DataLoader:
         """This rank's share of each batch of `stream`, in micro-batches (whole sequences: the
         ranks of a sequence-data group share them, and the engine takes this rank's chunk)."""
         batch, data = self.config.batch, self.engine.mesh.sample_groups
@@ -123,26 +127,17 @@ class Trainer:
             prefetch=self.config.data.prefetch,
         )
 
-    @torch.no_grad()
-    def validation_loss(self, stop: Callable[[], bool] | None = None) -> float | None:
-        """Mean loss over the trained tokens of `training.validation.iterations` batches of the
-        validation data. None when there is none, or when `stop` (asked by every rank at the
-        same points: after the sampling, then between micro-batches) said to stop."""
-        stream = self.validation_stream()
-        if stream is None or (stop is not None and stop()):
+    def evaluate(
+        self, name: str, stop: Callable[[], bool] | None = None
+    ) -> dict[str, float] | None:
+        """Run the evaluator `name` of `evaluations` now: its metrics as the run logs them
+        (NAME_METRIC, e.g. validation_loss). None when `stop` (asked by every rank at the same
+        points) said to stop. Every rank calls it."""
+        evaluation = self.evaluations[name]
+        metrics = evaluation.run(stop or (lambda: False))
+        if metrics is None:
             return None
-        return self.engine.evaluate([b for step in self._loader(stream) for b in step], stop)
-
-    def validation_stream(self, stop: Callable[[], bool] | None = None) -> SampleStream | None:
-        """The validation samples, made (and their datasets checked) once; None without
-        validation data. `stop` ends the building of the sampling index (`BuildStopped`)."""
-        data, batch = self.config.data, self.config.batch
-        if self._validation_stream is None and data.validation_path:
-            iterations = self.config.training.validation.iterations
-            self._validation_stream = self.sample_stream(
-                data.validation_path, iterations * batch.batch_size, "data.validation_path", stop
-            )
-        return self._validation_stream
+        return {f"{name}_{metric}": value for metric, value in metrics.items()}
 
     # --- checkpoints --------------------------------------------------------------------------
 
@@ -211,13 +206,16 @@ class Trainer:
             training.profile, experiment / "profile", self.distributed.rank, self.distributed.device
         )
         first_step = run.step
+        energy = EnergyMeter.of(self.distributed)
         try:
             try:  # the sampling indices (minutes for a long run's) stop on this rank's signal
-                if training.validation.interval:  # its datasets are refused now, not at step N
-                    self.validation_stream(stop.asked)
+                for evaluation in self.evaluations.values():
+                    if evaluation.schedule.interval:  # its data is refused now, not at step N
+                        evaluation.prepare(stop.asked)
                 loader = self.data_loader(stop.asked) if run.step < training.train_iters else []
             except BuildStopped:
                 loader = []
+            energy.start()
             for micro_batches in loader if not stop.agree() else []:
                 profiler.before(run.step + 1)
                 metrics = engine.train_step(micro_batches)
@@ -225,9 +223,7 @@ class Trainer:
                 window.append(metrics["loss"])
                 step, last = run.step, run.step >= training.train_iters
                 stop.agree()
-                validating = bool(training.validation.interval) and (
-                    step % training.validation.interval == 0
-                )
+                due = [name for name, e in self.evaluations.items() if e.due(step)]
                 if step % training.logs.interval == 0 or last or stop.agreed:
                     if self.distributed.device.type == "cuda":
                         torch.cuda.synchronize()
@@ -250,13 +246,14 @@ class Trainer:
                         "consumed_samples": run.consumed_samples,
                     }
                     record.update(engine.expert_load(len(window)))
-                    if validating and (loss := self.validation_loss(stop.agree)) is not None:
-                        record["validation_loss"] = loss
+                    record.update(energy.window(len(window), len(window) * tokens_per_step))
+                    record.update(self._evaluate_all(due, stop.agree))
                     logger.log(step, record)
                     _reset_memory_peak(self.distributed.device)
                     window, window_start = [], time.perf_counter()
-                elif validating and (loss := self.validation_loss(stop.agree)) is not None:
-                    logger.log(step, {"validation_loss": loss})
+                    energy.restart_window()
+                elif evaluated := self._evaluate_all(due, stop.agree):
+                    logger.log(step, evaluated)
                 if training.export.interval and step % training.export.interval == 0:
                     directory = experiment / "export" / str(step)
                     if signum := state.export(self, directory, training.export.format, stop.got):
@@ -279,12 +276,32 @@ class Trainer:
                 logger.close()
                 stop.restore()
                 lock.release()
+        total_kwh = energy.total_kwh()
+        if main:
+            print(
+                f"fastllm: {_summary(run.step - first_step, total_kwh, energy.absent)}", flush=True
+            )
         if stop.agreed is None or run.step >= training.train_iters:
             return None  # a signal during the last step came too late to stop anything
         if main:
             saved = "checkpoint written" if run.step > first_step else "nothing new to save"
             print(f"fastllm: stopped by {stop.agreed.name} at step {run.step}; {saved}", flush=True)
         return Stopped(stop.agreed, run.step)
+
+    def _evaluate_all(self, names: list[str], stop: Callable[[], bool]) -> dict[str, float]:
+        """The metrics of the evaluators `names`, as logged; after a stop, the ones before."""
+        metrics: dict[str, float] = {}
+        for name in names:
+            if (evaluated := self.evaluate(name, stop)) is None:
+                break
+            metrics.update(evaluated)
+        return metrics
+
+
+def _summary(steps: int, kwh: float | None, absent: str | None) -> str:
+    """The run's last line: its steps and what they cost."""
+    energy = f"{kwh:.4g} kWh over every rank" if kwh is not None else f"energy absent ({absent})"
+    return f"{steps} step(s) trained in this launch; {energy}"
 
 
 class _StopSignal:
