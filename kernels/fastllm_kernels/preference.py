@@ -136,7 +136,9 @@ def linear_dpo_reference(
     return losses.mean(), dpo_metrics(policy.detach(), reference, beta)
 
 
-def dpo_metrics(policy_log_probs: Tensor, reference_log_probs: Tensor, beta: float) -> dict[str, Tensor]:
+def dpo_metrics(
+    policy_log_probs: Tensor, reference_log_probs: Tensor, beta: float
+) -> dict[str, Tensor]:
     """TRL's DPO metrics over the pairs, as detached 0-d tensors (means over pairs)."""
     policy = policy_log_probs.detach().float().view(-1, 2)
     rewards = beta * (policy - reference_log_probs.detach().float().view(-1, 2))
@@ -247,7 +249,9 @@ def chunked_dpo(
         # d loss / d logits = -dL/dπ · (softmax - onehot), and the kernel gave the latter.
         factor = -derivative[chunk_spans - 2 * first_pair] / (num_spans // 2)
         if need_hidden_grad:
-            product = torch.empty((end - start, hidden.shape[1]), dtype=torch.float32, device=device)
+            product = torch.empty(
+                (end - start, hidden.shape[1]), dtype=torch.float32, device=device
+            )
             matmul_into_fp32_(product, grad_logits, weight, accumulate=False)
             grad_hidden.index_copy_(0, index, product.mul_(factor[:, None]).to(hidden.dtype))
         if need_weight_grad:
