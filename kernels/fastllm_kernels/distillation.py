@@ -58,7 +58,7 @@ def linear_distillation(
     weight (V, H).T at `temperature`; a 0-d fp32 tensor, differentiable in the student's hidden
     and weight only (the teacher's are read without gradient)."""
     hidden, teacher_hidden, mask = _as_rows(hidden, teacher_hidden, mask)
-    _check_distillation(hidden, weight, teacher_hidden, teacher_weight, temperature, loss_type)
+    check_distillation(hidden, weight, teacher_hidden, teacher_weight, temperature, loss_type)
     if use_triton(hidden, weight, teacher_hidden, teacher_weight, mask):
         chunk_size = chunk_size or default_chunk_size(weight.shape[0], logits_per_row=2)
         rows = _triton_rows(1.0 / temperature, loss_type)
@@ -83,7 +83,7 @@ def linear_distillation_reference(
     loss_type: str = "forward_kl",
 ) -> Tensor:
     hidden, teacher_hidden, mask = _as_rows(hidden, teacher_hidden, mask)
-    _check_distillation(hidden, weight, teacher_hidden, teacher_weight, temperature, loss_type)
+    check_distillation(hidden, weight, teacher_hidden, teacher_weight, temperature, loss_type)
     student = torch.log_softmax(hidden.float() @ weight.float().T / temperature, dim=-1)
     with torch.no_grad():
         teacher_logits = teacher_hidden.float() @ teacher_weight.float().T
@@ -234,7 +234,7 @@ def _distillation_kernel(
                 tl.store(grad_ptr + start + cols, zeros, mask=start + cols < vocab)
 
 
-def _check_distillation(
+def check_distillation(
     hidden: Tensor,
     weight: Tensor,
     teacher_hidden: Tensor,
@@ -242,6 +242,7 @@ def _check_distillation(
     temperature: float,
     loss_type: str,
 ) -> None:
+    """ValueError naming the argument that `linear_distillation` cannot take."""
     if loss_type not in DISTILLATION_LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {DISTILLATION_LOSS_TYPES}, not {loss_type!r}")
     if temperature <= 0:

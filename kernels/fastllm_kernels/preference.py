@@ -92,7 +92,7 @@ def linear_dpo(
     log-probabilities (2P,); a 0-d fp32 tensor differentiable in hidden and weight, and TRL's
     metrics (`dpo_metrics`). One host synchronization plans the chunks."""
     hidden, labels, spans = _as_rows(hidden, labels, spans)
-    _check_dpo(reference_log_probs, beta, label_smoothing, loss_type)
+    check_dpo(reference_log_probs, beta, label_smoothing, loss_type)
     options = (beta, label_smoothing, loss_type)
     if use_triton(hidden, weight, labels):
         chunk_size = chunk_size or default_chunk_size(weight.shape[0])
@@ -120,7 +120,7 @@ def linear_dpo_reference(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The DPO paper's formula (and TRL's variants) on whole fp32 logits, through autograd."""
     hidden, labels, spans = _as_rows(hidden, labels, spans)
-    _check_dpo(reference_log_probs, beta, label_smoothing, loss_type)
+    check_dpo(reference_log_probs, beta, label_smoothing, loss_type)
     num_spans = reference_log_probs.shape[0]
     policy = linear_sequence_log_probs_reference(hidden, weight, labels, spans, num_spans)
     reference = reference_log_probs.float()
@@ -307,7 +307,8 @@ def _triton_rows(logits: Tensor, grad: Tensor | None, labels: Tensor, out: Tenso
     cross_entropy_rows(logits, grad, labels, out, ones)
 
 
-def _check_dpo(reference: Tensor, beta: float, label_smoothing: float, loss_type: str) -> None:
+def check_dpo(reference: Tensor, beta: float, label_smoothing: float, loss_type: str) -> None:
+    """ValueError naming the argument that `linear_dpo` cannot take."""
     if loss_type not in DPO_LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {DPO_LOSS_TYPES}, not {loss_type!r}")
     if reference.dim() != 1 or reference.shape[0] % 2:
