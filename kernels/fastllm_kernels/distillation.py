@@ -8,7 +8,8 @@ into the hidden and weight gradients at once (backward only scales them, as in
 cross_entropy.py). Memory beyond the inputs and gradients is O(chunk_size × vocab) twice.
 
 Per token, with a = student logits / τ, b = teacher logits / τ, p_S = softmax(a),
-p_T = softmax(b) (τ = temperature, on both, as TRL's GKD and distillation trainers do):
+p_T = softmax(b) (τ = temperature, on both as TRL's GKD and distillation trainers do;
+Fast-LLM divides the teacher's only):
 - "forward_kl":    KL(p_T ‖ p_S) = Σ p_T·(log p_T - log p_S)
 - "reverse_kl":    KL(p_S ‖ p_T) = Σ p_S·(log p_S - log p_T)
 - "cross_entropy": -Σ p_T·log p_S (forward KL plus the teacher's entropy; same gradient)

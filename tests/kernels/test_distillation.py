@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from fastllm_kernels.distillation import linear_distillation, linear_distillation_reference
-from tests.kernels.conftest import assert_close, triton_on_cpu
+from tests.kernels.conftest import assert_close, cuda, triton_on_cpu
 
 pytestmark = pytest.mark.usefixtures("poisoned_empty")
 
@@ -118,3 +118,22 @@ def test_distillation_refuses_bad_arguments(change, message):
     arguments = {"teacher_hidden": teacher_hidden, "teacher_weight": teacher_weight, **change}
     with pytest.raises(ValueError, match=message):
         linear_distillation(hidden, weight, mask=mask, **arguments)
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("loss_type", ["forward_kl", "reverse_kl"])
+def test_distillation_at_llama3_vocabulary_matches_the_reference(loss_type):
+    # A student of hidden size 1024 and a teacher of 2048, 4096 tokens, a 128K vocabulary.
+    hidden, weight, *teacher, mask = _inputs(4096, 1024, 2048, 128256, torch.bfloat16)
+    hidden, weight = (x.detach().cuda().requires_grad_() for x in (hidden, weight))
+    teacher, mask = [x.cuda() for x in teacher], mask.cuda()
+    loss = linear_distillation(hidden, weight, *teacher, mask, 2.0, loss_type)
+    expected = linear_distillation_reference(hidden, weight, *teacher, mask, 2.0, loss_type)
+    assert_close(loss, expected, rtol=1e-4, atol=1e-4)
+    grads = torch.autograd.grad(loss, [hidden, weight])
+    for grad, expected_grad in zip(
+        grads, torch.autograd.grad(expected, [hidden, weight]), strict=True
+    ):
+        scale = expected_grad.abs().max().item()
+        assert_close(grad, expected_grad.bfloat16(), rtol=2e-2, atol=1e-2 * scale)

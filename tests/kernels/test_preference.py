@@ -13,7 +13,7 @@ from fastllm_kernels.preference import (
     linear_sequence_log_probs,
     linear_sequence_log_probs_reference,
 )
-from tests.kernels.conftest import assert_close, triton_on_cpu
+from tests.kernels.conftest import assert_close, cuda, triton_on_cpu
 
 pytestmark = pytest.mark.usefixtures("poisoned_empty")
 
@@ -180,3 +180,32 @@ def test_dpo_refuses_bad_arguments(reference, options, message, monkeypatch):
     hidden, weight, labels, spans = _inputs(SPANS)
     with pytest.raises(ValueError, match=message):
         linear_dpo(hidden, weight, labels, spans, reference, 0.1, **options)
+
+
+@pytest.mark.gpu
+@cuda
+def test_dpo_at_llama3_vocabulary_matches_the_reference():
+    # 8 pairs of 512-token answers after 512-token prompts, a 128K vocabulary, chunks of 2048
+    # rows: two pairs a chunk.
+    pairs, length, hidden_size, vocab = 8, 512, 1024, 128256
+    spans = torch.full((pairs, 3, length), -1)
+    spans[:, 1] = (2 * torch.arange(pairs))[:, None]
+    spans[:, 2] = (2 * torch.arange(pairs) + 1)[:, None]
+    spans = spans.view(-1).cuda()
+    hidden = torch.randn(spans.shape[0], hidden_size, device="cuda").bfloat16().requires_grad_()
+    weight = (torch.randn(vocab, hidden_size, device="cuda") / hidden_size**0.5).bfloat16()
+    weight.requires_grad_()
+    labels = torch.randint(0, vocab, spans.shape, device="cuda").masked_fill(spans < 0, -100)
+    with torch.no_grad():
+        reference = linear_sequence_log_probs(hidden, weight, labels, spans, 2 * pairs) + 1.0
+    expected_reference = linear_sequence_log_probs_reference(hidden, weight, labels, spans, 16)
+    assert_close(reference - 1.0, expected_reference, rtol=1e-4, atol=1e-2)
+    loss, _ = linear_dpo(hidden, weight, labels, spans, reference, 0.1)
+    expected, _ = linear_dpo_reference(hidden, weight, labels, spans, reference, 0.1)
+    assert_close(loss, expected, rtol=1e-4, atol=1e-4)
+    grads = torch.autograd.grad(loss, [hidden, weight])
+    for grad, expected_grad in zip(
+        grads, torch.autograd.grad(expected, [hidden, weight]), strict=True
+    ):
+        scale = expected_grad.abs().max().item()
+        assert_close(grad, expected_grad.bfloat16(), rtol=2e-2, atol=1e-2 * scale)
