@@ -11,6 +11,8 @@ sink) comes to them as one `WeightRecipe` argument (`recipe`), never as attribut
 
 - `norm`, `norm_linear`, `rotary`, `attention`, `activation`, `gated_linear`, `gated_mlp`,
   `cross_entropy`: the transformer's ops, forward and backward.
+- `preference` (sequence log-probabilities, DPO) and `distillation`: the head's other losses,
+  chunked like `cross_entropy`, their gradients formed in forward (`precomputed_gradients`).
 - `linear`: linear layers whose weight gradient goes straight into an fp32 buffer (torch
   matmuls, no Triton); `accumulate`: adding gradients into fp32; `recipe`: `WeightRecipe`.
 - `row_helpers`: the @triton.jit helpers that kernels of several ops inline.

@@ -46,9 +46,15 @@ def linear_cross_entropy(
     options = (ignore_index, z_loss, label_smoothing, reduction)
     if use_triton(hidden, weight, labels):
         if chunk_size is None:
-            chunk_size = min(4096, max(64, _LOGITS_BUDGET // weight.shape[0] // 64 * 64))
+            chunk_size = default_chunk_size(weight.shape[0])
         return _LinearCrossEntropyFunction.apply(hidden, weight, labels, chunk_size, *options)
     return linear_cross_entropy_reference(hidden, weight, labels, *options)
+
+
+def default_chunk_size(vocab: int, logits_per_row: int = 1) -> int:
+    """Rows per chunk within the logits budget, for rows of `logits_per_row` fp32 logit rows of
+    `vocab` each (a distillation chunk holds the student's and the teacher's)."""
+    return min(4096, max(64, _LOGITS_BUDGET // (vocab * logits_per_row) // 64 * 64))
 
 
 def linear_cross_entropy_reference(
@@ -138,8 +144,8 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
             logits = logits_buffer[: end - start]
             matmul_into_fp32_(logits, chunk, weight.T, accumulate=False)
             grad_logits = None if grad_buffer is None else grad_buffer[: end - start]
-            _launch(logits, grad_logits, labels[start:end], losses[start:end], scale,
-                    ignore_index, z_loss, smoothing)  # fmt: skip
+            cross_entropy_rows(logits, grad_logits, labels[start:end], losses[start:end], scale,
+                               ignore_index, z_loss, smoothing)  # fmt: skip
             if need_hidden_grad:
                 torch.mm(grad_logits, weight, out=grad_hidden[start:end])
             if need_weight_grad:
@@ -167,7 +173,7 @@ class _CrossEntropyFunction(torch.autograd.Function):
         scale = _gradient_scale(labels, ignore_index, reduction)
         losses = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
         grad = torch.empty_like(logits) if ctx.needs_input_grad[0] else None
-        _launch(logits, grad, labels, losses, scale, ignore_index, z_loss, smoothing)
+        cross_entropy_rows(logits, grad, labels, losses, scale, ignore_index, z_loss, smoothing)
         ctx.save_for_backward(grad)
         return losses.sum() * scale
 
@@ -184,7 +190,21 @@ def _gradient_scale(labels: Tensor, ignore_index: int, reduction: str) -> Tensor
     return 1.0 / (labels != ignore_index).sum().clamp(min=1).float()
 
 
-def _launch(logits, grad, labels, losses, scale, ignore_index, z_loss, smoothing) -> None:
+def cross_entropy_rows(
+    logits: Tensor,
+    grad: Tensor | None,
+    labels: Tensor,
+    losses: Tensor,
+    scale: Tensor,
+    ignore_index: int = -100,
+    z_loss: float = 0.0,
+    smoothing: float = 0.0,
+) -> None:
+    """One kernel launch over the rows of fp32 `logits` (unit column stride): each row's loss
+    into `losses` and, unless `grad` is None, its logit gradient times the device scalar
+    `scale` into `grad` (which may be the logits themselves, or their rows' first halves in a
+    16-bit dtype). With no z-loss nor smoothing a row's loss is -log p(label): the preference
+    ops take sequence log-probabilities from it."""
     n_rows, vocab = logits.shape
     block = min(triton.next_power_of_2(vocab), 4096)
     _cross_entropy_kernel[(n_rows,)](
