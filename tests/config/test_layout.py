@@ -97,6 +97,10 @@ def test_the_step_shape_is_the_layouts_stages_and_micro_batches() -> None:
 
 
 LORA = "model.base_model.peft={type: lora}"
+TEACHER = (
+    "reference_models.teacher.pretrained.path=teacher",
+    "model.base_model.head.losses={kd: {type: distillation}}",
+)
 ROW_SETTINGS = {
     ("training.compile", "model.distributed.tensor_parallel"):
         ("training.compile=true", "model.distributed.tensor_parallel=2"),
@@ -130,6 +134,15 @@ ROW_SETTINGS = {
         (LORA, "model.distributed.training_dtype=bfloat16", "model.distributed.fp8_linear=tensorwise"),
     ("model.base_model.peft", "training.compile"): (LORA, "training.compile=true"),
     ("model.base_model.peft", "training.export"): (LORA, "training.export.format=distributed"),
+    ("reference_models", "model.distributed.pipeline_parallel"):
+        (*TEACHER, "model.distributed.pipeline_parallel=2"),
+    ("reference_models", "schedule.micro_batch_splits"): (*TEACHER, "schedule.micro_batch_splits=2"),
+    ("reference_models", "model.distributed.sequence_data_parallel"):
+        (*TEACHER, "model.distributed.sequence_data_parallel=2"),
+    ("reference_models", "model.distributed.expert_parallel"):
+        (*TEACHER, "model.base_model.transformer.num_experts=4",
+         "model.base_model.transformer.add_linear_biases=only_attn_qkv",
+         "model.distributed.expert_parallel=2"),
 }  # fmt: skip
 """Settings under which each row of the table holds, and no earlier one."""
 
@@ -152,10 +165,13 @@ def test_every_row_of_the_compatibility_table_refuses_naming_its_keys(
     context = [
         o
         for o in overrides
-        if o.startswith(("model.distributed.training", "model.base")) and o != LORA
+        if o.startswith(("model.distributed.training", "model.base"))
+        and o != LORA
+        and o not in TEACHER
     ]
     for override in overrides:
-        tiny("training.export.format=fastllm", override, *context)
+        together = TEACHER if override in TEACHER else (override,)  # a teacher needs its loss
+        tiny("training.export.format=fastllm", *together, *context)
 
 
 def test_the_table_has_one_row_per_pair_of_settings() -> None:

@@ -19,6 +19,7 @@ PAGES = [
     "long-context.md",
     "moe.md",
     "lora.md",
+    "distillation.md",
     "evaluation.md",
     "guarantees.md",
     "support.md",

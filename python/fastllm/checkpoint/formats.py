@@ -230,6 +230,7 @@ def write_model(
             writer.add(name, tensor if dtype is None else tensor.to(dtype))
         writer.close()
         base_model = msgspec.to_builtins(source.config)
+        del base_model["head"]  # how it was trained, not part of the model
         if not lora:  # as a model without adapters has always been written
             del base_model["peft"]
         section = {"model": {"base_model": base_model}}

@@ -174,6 +174,7 @@ _LORA_FROZEN = Condition(
     "model.base_model.peft, LoRA with freeze_others",
 )
 _NOT_YET_FROZEN = "frozen parameters are not yet tested with it"
+_REFERENCES = Condition("reference_models", bool, "reference_models")
 _GRAPHS = "their collectives would break the compiled graphs"
 _DISTRIBUTED_EXPORT = Condition(
     "training.export",
@@ -194,6 +195,18 @@ COMPATIBILITY: tuple[Incompatibility, ...] = (
                 "a distributed export holds the trained shards only; export as fastllm or a "
                 "Hugging Face format",
             ),
+        )
+    ),
+    *(
+        Incompatibility(_REFERENCES, _above_one(key), reason)
+        for key, reason in (
+            (
+                "model.distributed.pipeline_parallel",
+                "the reference models run whole on the last stage's rank",
+            ),
+            ("schedule.micro_batch_splits", "a reference model runs whole micro-batches"),
+            ("model.distributed.sequence_data_parallel", "not yet tested with reference models"),
+            ("model.distributed.expert_parallel", "not yet tested with reference models"),
         )
     ),
     Incompatibility(_COMPILE, _above_one("model.distributed.tensor_parallel"), _GRAPHS),

@@ -250,6 +250,62 @@ class LoRAConfig(PeftConfig, tag="lora"):
         return self.alpha / self.rank
 
 
+class LossConfig(Section, tag_field="type"):
+    """One loss of the head (Fast-LLM's `losses` entries), by its `type`."""
+
+    weight: float = 1.0
+    """Its weight in the total the model is trained on."""
+
+    def validate(self) -> None:
+        check_non_negative(self.weight, "weight")
+
+    @property
+    def reference_models(self) -> set[str]:
+        """The names of the `reference_models` it reads."""
+        return set()
+
+
+class LabelLossConfig(LossConfig, tag="label"):
+    """Next-token cross-entropy against the labels (the fused chunked head), averaged over the
+    trained tokens of the global batch."""
+
+
+class DistillationLossConfig(LossConfig, tag="distillation"):
+    """The divergence between a teacher's (a reference model's) next-token distribution and
+    the model's, both at `temperature`, averaged over the trained tokens; neither model's
+    logits exist whole (the fused chunked head)."""
+
+    reference_model: str = "teacher"
+    """The teacher, a name of `reference_models`; its vocabulary must be the model's."""
+    temperature: float = 1.0
+    """Both distributions are softmax(logits / temperature)."""
+    loss_type: Literal["forward_kl", "reverse_kl", "cross_entropy"] = "forward_kl"
+    """forward_kl: KL(teacher ‖ model); reverse_kl: KL(model ‖ teacher); cross_entropy: the
+    model's cross-entropy against the teacher's distribution."""
+
+    def validate(self) -> None:
+        super().validate()
+        check_positive(self.temperature, "temperature")
+
+    @property
+    def reference_models(self) -> set[str]:
+        return {self.reference_model}
+
+
+Loss = LabelLossConfig | DistillationLossConfig
+"""Every loss type (a union of the variants, chosen by `type`)."""
+
+
+class HeadConfig(Section):
+    losses: dict[str, Loss] = msgspec.field(default_factory=dict)
+    """The losses the model trains on, by name (each logged as NAME_loss), weighted and
+    summed; none: the label loss alone, logged as loss."""
+
+    def active_losses(self) -> dict[str, Loss]:
+        """`losses`, or the label loss alone when none is given."""
+        return dict(self.losses) if self.losses else {"label": LabelLossConfig()}
+
+
 class BaseModelConfig(Section):
     transformer: TransformerConfig = msgspec.field(default_factory=TransformerConfig)
     """The stack of transformer blocks."""
@@ -259,6 +315,8 @@ class BaseModelConfig(Section):
     """Share the input embedding with the output head."""
     peft: NoPeftConfig | LoRAConfig = msgspec.field(default_factory=NoPeftConfig)
     """Adapters (`type: lora`) trained in place of, or beside, the model's weights."""
+    head: HeadConfig = msgspec.field(default_factory=HeadConfig)
+    """What the output head is trained on."""
 
     def validate(self) -> None:
         check_positive(self.vocab_size, "vocab_size")

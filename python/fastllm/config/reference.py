@@ -133,8 +133,10 @@ def reference(root: type[msgspec.Struct] = TrainerConfig) -> str:
     """The markdown reference of every key under `root`."""
     lines: list[str] = []
     for field in msgspec.structs.fields(root):
-        (struct,) = [v for v in _variants(field.type) if _is_struct(v)]
-        _section(struct, field.encode_name, lines)
+        by_name = typing.get_origin(field.type) is dict  # sections by name, at NAME
+        inner = typing.get_args(field.type)[1] if by_name else field.type
+        (struct,) = [v for v in _variants(inner) if _is_struct(v)]
+        _section(struct, field.encode_name + (".NAME" if by_name else ""), lines)
     return "\n".join(lines).strip() + "\n"
 
 

@@ -37,6 +37,15 @@ class PretrainedConfig(Section):
             )
 
 
+class ReferenceModelConfig(Section):
+    """A frozen model run beside the trained one (a teacher, a DPO reference): weights only,
+    forward passes only, under the same layout."""
+
+    pretrained: PretrainedConfig = msgspec.field(default_factory=PretrainedConfig)
+    """Its checkpoint (a fastllm checkpoint or export, or a Hugging Face directory, with a
+    PEFT adapter if `adapter` is set); its architecture is the checkpoint's."""
+
+
 class TrainerConfig(Section):
     run: RunConfig = msgspec.field(default_factory=RunConfig)
     """Where the run keeps its files."""
@@ -55,6 +64,9 @@ class TrainerConfig(Section):
     """AdamW and its learning-rate schedule."""
     pretrained: PretrainedConfig | None = None
     """Initialize the model from a checkpoint (fine-tuning, continued pretraining)."""
+    reference_models: dict[str, ReferenceModelConfig] = msgspec.field(default_factory=dict)
+    """Frozen models the losses read by name (`model.base_model.head.losses`: a distillation
+    teacher)."""
 
     def validate(self) -> None:
         offload = self.model.multi_stage.offload_activations
@@ -75,7 +87,27 @@ class TrainerConfig(Section):
                 "training.export.format", f"{export} cannot express the model: {reason}"
             )
         check_evaluators(self)
+        self._check_reference_models()
         check_bounds(self)
         # What needs no number of ranks is refused here, when the config is loaded.
         check_compatible(self)
         check_shape(self)
+
+    def _check_reference_models(self) -> None:
+        """Each loss's reference model is given, and each given one is read by a loss."""
+        losses = self.model.base_model.head.losses
+        read: set[str] = set()
+        for name, loss in losses.items():
+            for reference in sorted(loss.reference_models):
+                if reference not in self.reference_models:
+                    raise ConfigError(
+                        f"model.base_model.head.losses.{name}.reference_model",
+                        f"{reference!r} is not in reference_models "
+                        f"({sorted(self.reference_models) or 'none given'})",
+                    )
+            read |= loss.reference_models
+        for reference in sorted(set(self.reference_models) - read):
+            raise ConfigError(
+                f"reference_models.{reference}",
+                "no loss of model.base_model.head.losses reads it",
+            )

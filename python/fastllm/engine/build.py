@@ -1,7 +1,8 @@
 """`build(config)`: the one seam where a config becomes an `Engine`. Every plug-in is applied
 here, in this order, each by one call: the mesh, the model on the meta device, the frozen
 parameters marked, its stages and their buffers, recomputation, activation offload, FP8,
-compilation, the step's program, the optimizer, and the initial or pretrained weights."""
+compilation, the reference models, the step's program, the optimizer, and the initial or
+pretrained weights."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from fastllm.engine.model_stages import ModelStages
 from fastllm.engine.optimizer import AdamW
 from fastllm.engine.precision import DTYPES, LossScaler
 from fastllm.engine.recompute import apply_recompute
+from fastllm.engine.reference import build_reference
 from fastllm.engine.schedule.runner import StepRunner
 from fastllm.engine.weights_io import load_full_parameters, whole_shape
 from fastllm.model import GPTModel
@@ -67,6 +69,17 @@ def build(config: TrainerConfig, distributed: Distributed | None = None) -> Engi
     fp8_histories = _apply_fp8(model, config, layout, device)
     if config.training.compile:
         apply_compile(model)
+    references = {
+        name: build_reference(
+            reference,
+            mesh,
+            compute_dtype=dtype,
+            device=device,
+            zero_stage=multi_stage.zero_stage,
+            layers_per_stage=multi_stage.layers_per_stage,
+        )
+        for name, reference in config.reference_models.items()
+    }
     runner = StepRunner(
         model,
         stages,
@@ -77,6 +90,8 @@ def build(config: TrainerConfig, distributed: Distributed | None = None) -> Engi
             layout.piece_length,
             config.model.base_model.transformer.hidden_size,
         ),
+        losses=config.model.base_model.head.active_losses(),
+        references=references,
     )
     optimizer = AdamW(stages, config.optimizer)
     _initialize_weights(config, model, stages, device)
@@ -100,6 +115,7 @@ def build(config: TrainerConfig, distributed: Distributed | None = None) -> Engi
         optimizer=optimizer,
         scaler=LossScaler(dtype == torch.float16),
         state=TrainingState(),
+        references=references,
     )
 
 

@@ -7,7 +7,7 @@ micro-batches of a global batch, `evaluate` the loss of batches, `state_dict` /
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,6 +32,7 @@ from fastllm.engine.learning_rate import learning_rate
 from fastllm.engine.model_stages import ModelStages
 from fastllm.engine.optimizer import AdamW
 from fastllm.engine.precision import LossScaler
+from fastllm.engine.reference import ReferenceModel
 from fastllm.engine.replicated_check import check_replicated
 from fastllm.engine.schedule.runner import StepRunner
 from fastllm.engine.weights_io import whole_parameters
@@ -67,6 +68,10 @@ class Engine:
     scaler: LossScaler
     state: TrainingState
     """Where the run is: optimizer steps, consumed samples, skipped steps."""
+    references: dict[str, ReferenceModel] = field(default_factory=dict)
+    """The frozen models the head losses read (`reference_models`)."""
+    _named: Tensor | None = field(default=None, repr=False)
+    """The last passes' head losses, by `runner.losses` order, until taken."""
 
     # --- steps --------------------------------------------------------------------------------
 
@@ -77,7 +82,7 @@ class Engine:
         `skipped` (whether the update was skipped for a gradient that was not finite)."""
         loss = self.forward_backward(micro_batches)
         metrics = self.optimizer_step()  # queued before the loss is read: no wait in between
-        return {"loss": loss.item(), **metrics}
+        return {"loss": loss.item(), **self.take_named_losses(), **metrics}
 
     def forward_backward(self, micro_batches: Sequence[Batch]) -> Tensor:
         """The forward and backward passes of `micro_batches` (a step's; any number without
@@ -86,7 +91,25 @@ class Engine:
         rank; their mean loss over those tokens. `train_step` is this then `optimizer_step`."""
         prepared = self.batches.prepare(micro_batches)
         weighted = self.runner.run(prepared, self.scaler.scale)
-        return self._data_sum(self._pipeline_sum(weighted))
+        summed = self._data_sum(self._pipeline_sum(self._with_named(weighted)))
+        self._named = summed[1:]
+        return summed[0]
+
+    def take_named_losses(self) -> dict[str, float]:
+        """With several head losses: each of the last passes' (NAME_loss, its mean over the
+        global batch, unweighted), as `forward_backward` and `evaluate` return the total."""
+        names = self.runner.losses
+        if len(names) < 2 or self._named is None:
+            return {}
+        values, self._named = self._named.tolist(), None
+        return {f"{name}_loss": value for name, value in zip(names, values, strict=True)}
+
+    def _with_named(self, total: Tensor) -> Tensor:
+        """[total, each head loss's part on this rank] (zeros on ranks that hold no head): one
+        reduction for all."""
+        named = self.runner.named_losses
+        parts = [named.get(name, torch.zeros_like(total)) for name in self.runner.losses]
+        return torch.stack([total, *(part.to(total.dtype) for part in parts)])
 
     def optimizer_step(self) -> dict[str, Any]:
         """Clip, update (unless the gradient is not finite), advance the schedule and the data
@@ -131,7 +154,9 @@ class Engine:
             self.model.train()
         if loss is None:
             return None
-        return self._data_sum(self._pipeline_sum(loss)).item()
+        summed = self._data_sum(self._pipeline_sum(self._with_named(loss)))
+        self._named = summed[1:]
+        return summed[0].item()
 
     def _pipeline_sum(self, value: Tensor) -> Tensor:
         """`value` summed over the pipeline ranks (each holds its stages' part of the loss)."""

@@ -15,18 +15,21 @@ from fastllm.config.layout import resolve
 
 def with_pretrained_architecture(raw: dict[str, Any]) -> dict[str, Any]:
     """When a run starts from a checkpoint and sets no architecture in `model.base_model`
-    (at most its `peft` adapters), take the checkpoint's, with the config's adapters."""
+    (at most its `peft` adapters and its `head` losses), take the checkpoint's, with the
+    config's adapters and losses."""
     pretrained = raw.get("pretrained")
     model = raw.get("model") or {}
     if not isinstance(pretrained, dict) or not isinstance(model, dict):
         return raw
     base = model.get("base_model") or {}
-    if not isinstance(base, dict) or set(base) - {"peft"}:
+    if not isinstance(base, dict) or set(base) - {"peft", "head"}:
         return raw
     from fastllm.checkpoint.formats import open_model
 
     source = open_model(pretrained.get("path", ""), pretrained.get("format", "fastllm"))
-    architecture = {**msgspec.to_builtins(source.config), **base}
+    architecture = msgspec.to_builtins(source.config)
+    architecture.pop("head")  # the losses it was trained on are not this run's
+    architecture.update(base)
     adapter = pretrained.get("adapter")
     if adapter and "peft" not in base:  # the adapter's LoRA
         from fastllm.checkpoint import peft

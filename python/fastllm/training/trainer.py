@@ -200,7 +200,7 @@ class Trainer:
             config.model.base_model, config.batch.sequence_length, config.model.freeze
         )
         peak = PEAK_FLOPS.get(self.distributed.device.type)
-        window: list[float] = []
+        window: list[dict[str, Any]] = []  # the steps' metrics since the last log
         window_start = time.perf_counter()
         profiler = StepProfiler(
             training.profile, experiment / "profile", self.distributed.rank, self.distributed.device
@@ -220,7 +220,7 @@ class Trainer:
                 profiler.before(run.step + 1)
                 metrics = engine.train_step(micro_batches)
                 profiler.after(run.step)
-                window.append(metrics["loss"])
+                window.append(metrics)
                 step, last = run.step, run.step >= training.train_iters
                 stop.agree()
                 due = [name for name, e in self.evaluations.items() if e.due(step)]
@@ -232,7 +232,12 @@ class Trainer:
                         len(window) * tokens_per_step / elapsed / self.distributed.world_size
                     )
                     record = {
-                        "loss": sum(window) / len(window),
+                        # the total, and with several head losses each (NAME_loss)
+                        **{
+                            key: sum(m[key] for m in window) / len(window)
+                            for key in window[-1]
+                            if key.endswith("loss")
+                        },
                         "lr": metrics["lr"],
                         "grad_norm": metrics["grad_norm"]
                         if math.isfinite(metrics["grad_norm"])

@@ -22,7 +22,7 @@ at a time in that order, never batched: Gloo-safe) and waited for at the end of 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -30,12 +30,15 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fastllm.config.layout import StepShape
+from fastllm.config.model import LabelLossConfig, Loss
 from fastllm.engine.batch import MicroBatch, Piece
 from fastllm.engine.micro_sequences import KeyValueMemory, StagedKeyValueMemory
 from fastllm.engine.model_stages import ModelStages
+from fastllm.engine.reference import ReferenceModel
 from fastllm.engine.schedule.program import Op, Program, Step, build_programs, dependency
 from fastllm.engine.stages import stages_read
 from fastllm.model.gpt import Context, GPTModel
+from fastllm.model.head_losses import HeadTargets, head_losses
 from fastllm.parallel import point_to_point
 
 Memory = KeyValueMemory | StagedKeyValueMemory
@@ -62,11 +65,19 @@ class StepRunner:
         *,
         zero_stage: int,
         activation_shape: tuple[int, ...],
+        losses: Mapping[str, Loss] | None = None,
+        references: Mapping[str, ReferenceModel] | None = None,
     ) -> None:
         """`shape`: the step's (one stage for the whole model: `whole`). `activation_shape`:
         what a stage hands the next one for one micro-batch (batch, sequence on this tensor
-        rank, hidden)."""
+        rank, hidden). `losses`: the head's, by name (default: the label loss); `references`:
+        the reference models they read, by name."""
         self.model, self.stages, self.shape = model, stages, shape
+        self.losses = dict(losses or {"label": LabelLossConfig()})
+        self.references = dict(references or {})
+        self.named_losses: dict[str, Tensor] = {}
+        """After `run` or `evaluate`: this rank's part of each loss (weighted as the total is),
+        by name."""
         self.num_layers = len(model.layers)
         self.pipeline = stages.mesh.pipeline
         self.activation_shape = activation_shape
@@ -146,6 +157,7 @@ class StepRunner:
         """`whole`: the pieces' forward passes whose backward pass runs at the first piece's."""
         sends: list[point_to_point.Sent] = []
         loss = torch.zeros((), dtype=torch.float32, device=stages.device)
+        named: dict[str, Tensor] = {}
         last = shape.num_stages - 1
         first_here = shape.stages_of(self.pipeline.rank)[0]
         for op in program.ops:
@@ -177,10 +189,10 @@ class StepRunner:
                 if step.forward:
                     if (m, p) not in contexts:
                         contexts[(m, p)] = self._context(pieces, p, memory)
-                    scale = weights[p] * loss_scale
                     saved[step], value = self._forward(
-                        step, pieces[p], contexts[(m, p)], produced, scale, last
-                    )
+                        step, pieces[p], contexts[(m, p)], produced, last, weights[p],
+                        loss_scale, named,
+                    )  # fmt: skip
                     loss += weights[p] * value
                 else:
                     forward = Step(step.stage, m, True, p)
@@ -200,6 +212,7 @@ class StepRunner:
             sent.wait()
         if not self.whole:
             stages.finish_step_backward()
+        self.named_losses = named
         return loss
 
     def _forward(
@@ -208,11 +221,15 @@ class StepRunner:
         piece: Piece,
         context: Context,
         produced: dict[Step, Tensor],
-        scale: float,
         last: int,
+        weight: float,
+        loss_scale: float,
+        named: dict[str, Tensor],
     ) -> tuple[_Saved, Tensor]:
-        """The stage's forward pass: what it saves, and its unweighted loss contribution."""
-        input_ids, labels, _ = piece
+        """The stage's forward pass: what it saves, and its unweighted loss contribution (the
+        last stage adds each of its losses times the piece's `weight` to `named`)."""
+        scale = weight * loss_scale
+        input_ids, labels, documents = piece
         first_position, last_position = self._positions(step.stage)
         leaf = None
         if step.stage == 0:
@@ -222,14 +239,21 @@ class StepRunner:
             assert need is not None
             leaf = produced.pop(need).detach().requires_grad_(True)
             x = leaf
-        out, auxiliary = self.model.run_positions(
-            first_position, last_position, x, context, labels if step.stage == last else None
-        )
+        if step.stage == last:  # the reference models first: only their outputs are kept
+            teachers = {
+                name: reference.teacher(input_ids, documents)
+                for name, reference in self.references.items()
+            }
+        out, auxiliary = self.model.run_positions(first_position, last_position, x, context)
         value = torch.zeros((), dtype=torch.float32, device=out.device)
         if auxiliary is not None:
             value = value + auxiliary.detach().float()
             auxiliary = auxiliary * scale
         if step.stage == last:
+            values = head_losses(self.model, out, HeadTargets(labels, teachers), self.losses)
+            out = sum(self.losses[name].weight * v for name, v in values.items())
+            for name, v in values.items():
+                named[name] = named.get(name, 0.0) + weight * v.detach().float()
             value = value + out.detach().float()
             return _Saved(leaf, out * scale, auxiliary), value
         produced[step] = out.detach()
@@ -292,6 +316,7 @@ class StepRunner:
         stages, shape = self.stages, self.shape
         last = shape.num_stages - 1
         loss = torch.zeros((), dtype=torch.float32, device=stages.device)
+        named: dict[str, Tensor] = {}
         for m, micro_batch in enumerate(micro_batches):
             if stop is not None and stop():
                 return None
@@ -319,7 +344,10 @@ class StepRunner:
                         continue
                     for needed in self._needs(stage):
                         stages.wait_for_weights(needed)
-                    _, value = self._forward(step, piece, context, produced, 1.0, last)
+                    _, value = self._forward(
+                        step, piece, context, produced, last, weights[p], 1.0, named
+                    )
                     loss += weights[p] * value
                     stages.release_weights()
+        self.named_losses = named
         return loss

@@ -1,0 +1,78 @@
+"""Reference models (`reference_models`): frozen models run beside the trained one, forward
+passes only, their final hidden states handed to the head losses that read them (a
+distillation teacher). Each is a `GPTModel` of its checkpoint's architecture on the trained
+model's mesh (tensor-parallel slices, ZeRO-3 shards), all of its parameters in weights-only
+buffers: no gradients, no optimizer state, no autograd graph."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from itertools import chain
+from pathlib import Path
+
+import msgspec
+import torch
+from torch import Tensor
+
+from fastllm.checkpoint import peft
+from fastllm.checkpoint.formats import open_model
+from fastllm.config.model import HeadConfig
+from fastllm.config.trainer import ReferenceModelConfig
+from fastllm.engine.model_stages import ModelStages
+from fastllm.engine.weights_io import load_full_parameters
+from fastllm.model.gpt import GPTModel
+from fastllm.model.head_losses import Teacher
+from fastllm.model.parameters import freeze
+from fastllm.parallel.mesh import ParallelMesh
+
+
+@dataclass
+class ReferenceModel:
+    model: GPTModel
+    stages: ModelStages
+
+    @torch.no_grad()
+    def teacher(self, input_ids: Tensor, document_ids: Tensor | None) -> Teacher:
+        """Its final-normed hidden states for `input_ids` and its head."""
+        model = self.model
+        context = model.context(input_ids, document_ids=document_ids)
+        hidden, _ = model.run_positions(0, len(model.layers) + 1, input_ids, context)
+        self.stages.release_weights()  # ZeRO-3: its gathered weights until the next micro-batch
+        return Teacher(hidden, model.head_weight)
+
+
+def build_reference(
+    config: ReferenceModelConfig,
+    mesh: ParallelMesh,
+    *,
+    compute_dtype: torch.dtype,
+    device: torch.device,
+    zero_stage: int,
+    layers_per_stage: int,
+) -> ReferenceModel:
+    """The reference model of `config` on this rank, its weights loaded."""
+    pretrained = config.pretrained
+    source = open_model(pretrained.path, pretrained.format)
+    architecture = msgspec.structs.replace(source.config, head=HeadConfig())  # no losses of its own
+    adapters: Iterator[tuple[str, Tensor]] = iter(())
+    if pretrained.adapter is not None:
+        name = peft.architecture_for(architecture, source.hf_config)
+        lora = peft.read_adapter_config(Path(pretrained.adapter), architecture, name)
+        architecture = msgspec.structs.replace(architecture, peft=lora)
+        adapters = peft.adapter_tensors(Path(pretrained.adapter), architecture, name)
+    with torch.device("meta"):
+        model = GPTModel(architecture, mesh)
+    freeze(model)
+    stages = ModelStages(
+        model,
+        compute_dtype=compute_dtype,
+        device=device,
+        mesh=mesh,
+        zero_stage=zero_stage,
+        layers_per_stage=layers_per_stage,
+        gather_in_forward=True,
+    )
+    load_full_parameters(stages, chain(source.tensors(), adapters))
+    model.eval()
+    return ReferenceModel(model, stages)

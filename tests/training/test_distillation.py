@@ -1,0 +1,139 @@
+"""Distillation from a reference model (`reference_models` + a `distillation` head loss):
+zero when the teacher is the student, the value a plain-torch KL gives otherwise, a teacher
+larger than the student, and two ranks (ZeRO-3, tensor parallel) against one process."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fastllm
+from fastllm.config import ConfigError, TrainerConfig, load_config
+from tests.training.conftest import Launched, Layout
+from tests.training.test_training_options import trainer
+
+TEACHER_RUN = (
+    "training.train_iters=4",
+    "training.export.interval=4",
+    "training.export.format=fastllm",
+)
+
+
+def distilling(teacher: Path, temperature: float = 2.0, weight: float = 0.5) -> tuple[str, ...]:
+    return (
+        "model.base_model.head.losses={label: {type: label, weight: 0.5}, "
+        f"kd: {{type: distillation, weight: {weight}, temperature: {temperature}}}}}",
+        f"reference_models.teacher.pretrained.path={teacher}",
+    )
+
+
+@pytest.fixture(scope="module")
+def teacher(one_process: Callable[..., Path]) -> Path:
+    """The tiny model trained 4 steps, exported in fastllm's format."""
+    return one_process(*TEACHER_RUN) / "export" / "4"
+
+
+def test_a_student_that_is_its_teacher_has_nothing_to_distil(
+    dataset: Path, teacher: Path, tmp_path: Path
+) -> None:
+    run = trainer(
+        dataset, tmp_path / "run", "training.train_iters=1",
+        f"pretrained.path={teacher}", *distilling(teacher),
+    )  # fmt: skip
+    metrics = run.engine.train_step(next(iter(run.data_loader())))
+    assert abs(metrics["kd_loss"]) < 1e-6
+    assert metrics["loss"] == pytest.approx(0.5 * metrics["label_loss"], rel=1e-6)
+
+
+def test_the_distillation_loss_is_the_kl_of_the_two_models_logits(
+    dataset: Path, teacher: Path, tmp_path: Path
+) -> None:
+    run = trainer(dataset, tmp_path / "run", "training.train_iters=1", *distilling(teacher, 2.0))
+    batches = next(iter(run.data_loader()))
+    student = {n: p.detach().clone() for n, p in run.engine.whole_parameters()}
+    metrics = run.engine.train_step(batches)
+
+    big = fastllm.load_model(teacher)
+    small = fastllm.load_model(teacher)  # the same architecture, the student's weights
+    small.load_state_dict(student)
+    kls, labels_all = [], []
+    with torch.no_grad():
+        for batch in batches:
+            t = F.log_softmax(big(batch.input_ids).float() / 2.0, dim=-1)
+            s = F.log_softmax(small(batch.input_ids).float() / 2.0, dim=-1)
+            kls.append((t.exp() * (t - s)).sum(-1).flatten())
+            labels_all.append(batch.labels.flatten())
+    kl, labels = torch.cat(kls), torch.cat(labels_all)
+    expected = kl[labels != -100].mean().item()
+    assert metrics["kd_loss"] == pytest.approx(expected, rel=1e-4)
+    assert metrics["kd_loss"] > 1e-3
+
+
+def test_a_teacher_wider_than_its_student(dataset: Path, tmp_path: Path) -> None:
+    wide = trainer(
+        dataset, tmp_path / "wide", *TEACHER_RUN[:1], "training.train_iters=1",
+        "model.base_model.transformer.hidden_size=96", "model.base_model.transformer.num_attention_heads=6",
+    )  # fmt: skip
+    wide.engine.train_step(next(iter(wide.data_loader())))
+    from fastllm.training import state
+
+    state.export(wide, tmp_path / "teacher", "fastllm")
+    run = trainer(
+        dataset, tmp_path / "run", "training.train_iters=2", *distilling(tmp_path / "teacher")
+    )
+    steps = iter(run.data_loader())
+    first, second = (run.engine.train_step(next(steps)) for _ in range(2))
+    assert first["kd_loss"] > 0 and second["kd_loss"] < first["kd_loss"]
+
+
+def test_reference_models_and_losses_are_checked_by_name() -> None:
+    base = ["examples/tiny.yaml"]
+    with pytest.raises(ConfigError, match="not in reference_models") as caught:
+        load_config(
+            TrainerConfig, base, ["model.base_model.head.losses={kd: {type: distillation}}"]
+        )
+    assert caught.value.path == "model.base_model.head.losses.kd.reference_model"
+    with pytest.raises(ConfigError, match="no loss") as caught:
+        load_config(TrainerConfig, base, ["reference_models.teacher.pretrained.path=x"])
+    assert caught.value.path == "reference_models.teacher"
+
+
+LAYOUTS = {
+    "zero3": ("model.multi_stage.zero_stage=3",),
+    "tensor": (
+        "model.distributed.tensor_parallel=2",
+        "model.distributed.sequence_tensor_parallel=true",
+    ),
+}
+STEPS = ("training.train_iters=3",)
+
+
+def layouts(dataset: Path, one_process: Callable[..., Path], root: Path) -> dict[str, Layout]:
+    teacher = one_process(*TEACHER_RUN) / "export" / "4"
+    return {
+        f"distill_{name}": Layout(2, (*STEPS, *distilling(teacher), *layout))
+        for name, layout in LAYOUTS.items()
+    }
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_two_ranks_distilling_match_one_process(
+    launched: dict[str, Launched], one_process: Callable[..., Path], teacher: Path, layout: str
+) -> None:
+    single = one_process(*STEPS, *distilling(teacher))
+    double = launched[f"distill_{layout}"].succeeded()
+    for key in ("loss", "label_loss", "kd_loss"):  # each loss logged under its name
+        expected, got = logged(single, key), logged(double, key)
+        assert sorted(got) == sorted(expected) == [1, 2, 3]
+        for step, value in expected.items():
+            assert got[step] == pytest.approx(value, rel=1e-5), (key, step)
+
+
+def logged(experiment: Path, key: str) -> dict[int, float]:
+    records = [json.loads(line) for line in (experiment / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r[key] for r in records if key in r}
