@@ -80,6 +80,28 @@ impl TokenDataset {
         }))
     }
 
+    /// Whether a `.preference` sidecar says where each pair's answers lie.
+    #[getter]
+    fn is_preference(&self) -> bool {
+        self.inner.preference_spans().is_some()
+    }
+
+    /// The chosen and rejected token spans `((begin, end), (begin, end))` of pair `index`
+    /// (None without a sidecar).
+    fn preference_spans(&self, index: usize) -> PyResult<Option<((u32, u32), (u32, u32))>> {
+        if index >= self.inner.len() {
+            return Err(PyIndexError::new_err(format!(
+                "document {index} out of range ({} documents)",
+                self.inner.len()
+            )));
+        }
+        Ok(self.inner.preference_spans().map(|spans| {
+            let pair = spans.pair(index);
+            let [chosen, rejected] = [pair.chosen, pair.rejected];
+            ((chosen[0], chosen[1]), (rejected[0], rejected[1]))
+        }))
+    }
+
     /// The tokens of document `index` as int64.
     fn document<'py>(&self, py: Python<'py>, index: usize) -> PyResult<Bound<'py, PyArray1<i64>>> {
         let tokens = self.inner.document(index).map_err(data_error)?;
