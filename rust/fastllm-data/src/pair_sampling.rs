@@ -193,7 +193,11 @@ mod tests {
         }
         let truncated = build(&lengths, config(10, 4, SamplingMode::Truncated));
         assert!((0..4).all(|s| truncated.sample(s).unwrap().len() == 1));
-        let error = PairIndex::build(&[12, 20], config(10, 1, SamplingMode::Packed), &Cancel::default());
+        let error = PairIndex::build(
+            &[12, 20],
+            config(10, 1, SamplingMode::Packed),
+            &Cancel::default(),
+        );
         assert!(matches!(
             error,
             Err(DataError::NoPairFits {

@@ -197,7 +197,10 @@ mod tests {
     fn spans_round_trip_and_a_bad_layout_is_refused_naming_the_document() {
         let dir = tempfile::tempdir().unwrap();
         let prefix = dir.path().join("shard");
-        let pairs = [PairSpans::of_lengths(3, 2, 4), PairSpans::of_lengths(1, 1, 1)];
+        let pairs = [
+            PairSpans::of_lengths(3, 2, 4),
+            PairSpans::of_lengths(1, 1, 1),
+        ];
         let mut writer = PreferenceSpansWriter::new(&prefix);
         writer.add(&[9, 3], &pairs);
         writer.finish().unwrap();
@@ -206,13 +209,20 @@ mod tests {
         assert_eq!(pairs[0].chosen, [3, 5]);
         assert_eq!(pairs[0].rejected, [5, 9]);
 
-        let error = PreferenceSpans::open(&prefix, &[9, 4]).unwrap_err().to_string();
-        assert!(error.contains("but the index has 2 documents of 13 tokens"), "{error}");
+        let error = PreferenceSpans::open(&prefix, &[9, 4])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("but the index has 2 documents of 13 tokens"),
+            "{error}"
+        );
 
         let mut writer = PreferenceSpansWriter::new(&prefix);
         writer.add(&[9, 3], &[pairs[0], PairSpans::of_lengths(0, 1, 2)]);
         writer.finish().unwrap();
-        let error = PreferenceSpans::open(&prefix, &[9, 3]).unwrap_err().to_string();
+        let error = PreferenceSpans::open(&prefix, &[9, 3])
+            .unwrap_err()
+            .to_string();
         assert!(error.contains("document 1 of 3 tokens"), "{error}");
         assert!(PreferenceSpans::open(&dir.path().join("none"), &[1])
             .unwrap()

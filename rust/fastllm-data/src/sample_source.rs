@@ -628,3 +628,119 @@ fn masked_in(
             (begin.max(offset) - offset) as usize..(span_end.min(end) - offset) as usize
         })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::preference_spans::PreferenceSpansWriter;
+    use crate::{IndexedDatasetWriter, PairSpans, TokenDtype};
+
+    /// Pairs of (prompt, chosen, rejected) lengths, each token its pair's number times 100
+    /// plus its place in the pair.
+    fn write_pairs(prefix: &Path, lengths: &[(u32, u32, u32)]) -> Vec<Vec<i64>> {
+        let mut writer = IndexedDatasetWriter::create(prefix, TokenDtype::U16).unwrap();
+        let mut spans = PreferenceSpansWriter::new(prefix);
+        let mut documents = Vec::new();
+        for (k, &(p, c, r)) in lengths.iter().enumerate() {
+            let document: Vec<i64> = (0..p + c + r)
+                .map(|t| (100 * k as u32 + t) as i64)
+                .collect();
+            writer.add_document(&document).unwrap();
+            spans.add(&[document.len() as i32], &[PairSpans::of_lengths(p, c, r)]);
+            documents.push(document);
+        }
+        writer.finish().unwrap();
+        spans.finish().unwrap();
+        documents
+    }
+
+    #[test]
+    fn a_pair_fills_its_prompt_once_and_each_answer_after_the_prompts_last_token() {
+        let dir = tempfile::tempdir().unwrap();
+        let prefix = dir.path().join("pairs");
+        let lengths = [(3, 2, 1), (1, 1, 2), (4, 3, 3)];
+        let documents = write_pairs(&prefix, &lengths);
+        let config = SampleSourceConfig {
+            sequence_length: 16,
+            num_samples: 3,
+            seed: 1,
+            mode: SamplingMode::Truncated,
+            weights: None,
+            cache_dir: dir.path().join("cache"),
+            threads: 2,
+            vocab_size: Some(1000),
+        };
+        let datasets = vec![IndexedDataset::open(&prefix).unwrap()];
+        let source = SampleSource::new(datasets, config, None, &Cancel::default()).unwrap();
+        assert!(source.is_preference());
+        let n = 3 * 17;
+        let (mut tokens, mut ids, mut mask, mut parts) =
+            (vec![-1; n], vec![-1; n], vec![9; n], vec![9; n]);
+        source
+            .fill(0, &mut tokens, &mut ids, &mut mask, Some(&mut parts))
+            .unwrap();
+        let mut seen = Vec::new();
+        for sample in 0..3 {
+            let row = sample * 17..(sample + 1) * 17;
+            let pair = (tokens[row.start] / 100) as usize;
+            seen.push(pair);
+            let (p, c, r) = lengths[pair];
+            let (p, c, r) = (p as usize, c as usize, r as usize);
+            let document = &documents[pair];
+            let last = document[p - 1];
+            let mut expected = document[..p - 1].to_vec();
+            expected.push(last);
+            expected.extend_from_slice(&document[p..p + c]);
+            expected.push(last);
+            expected.extend_from_slice(&document[p + c..]);
+            let used = expected.len();
+            assert_eq!(used, p + c + r + 1);
+            expected.resize(17, 0);
+            assert_eq!(tokens[row.clone()], expected[..]);
+            let mut expected_parts = vec![part::PROMPT; p - 1];
+            expected_parts.extend(vec![part::CHOSEN; c + 1]);
+            expected_parts.extend(vec![part::REJECTED; r + 1]);
+            expected_parts.resize(17, part::PADDING);
+            assert_eq!(parts[row.clone()], expected_parts[..]);
+            let mut expected_mask = vec![0; p];
+            expected_mask.extend(vec![1; c]);
+            expected_mask.push(0);
+            expected_mask.extend(vec![1; r]);
+            expected_mask.resize(17, 0);
+            assert_eq!(mask[row.clone()], expected_mask[..]);
+            let mut expected_ids = vec![0; used];
+            expected_ids.resize(17, 1);
+            assert_eq!(ids[row], expected_ids[..]);
+        }
+        seen.sort_unstable();
+        assert_eq!(seen, [0, 1, 2]);
+
+        let error = source.fill(0, &mut tokens, &mut ids, &mut mask, None);
+        assert!(matches!(error, Err(DataError::BadPartsBuffer { .. })));
+    }
+
+    #[test]
+    fn pairs_do_not_blend_with_other_datasets() {
+        let dir = tempfile::tempdir().unwrap();
+        write_pairs(&dir.path().join("pairs"), &[(2, 1, 1)]);
+        let mut writer =
+            IndexedDatasetWriter::create(dir.path().join("text"), TokenDtype::U16).unwrap();
+        writer.add_document(&[1i64, 2, 3]).unwrap();
+        writer.finish().unwrap();
+        let datasets = ["pairs", "text"]
+            .map(|name| IndexedDataset::open(dir.path().join(name)).unwrap())
+            .to_vec();
+        let config = SampleSourceConfig {
+            sequence_length: 8,
+            num_samples: 2,
+            seed: 1,
+            mode: SamplingMode::Packed,
+            weights: None,
+            cache_dir: dir.path().join("cache"),
+            threads: 1,
+            vocab_size: None,
+        };
+        let error = SampleSource::new(datasets, config, None, &Cancel::default());
+        assert!(matches!(error, Err(DataError::MixedPreference { .. })));
+    }
+}

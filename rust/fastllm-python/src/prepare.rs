@@ -70,7 +70,7 @@ pub struct PrepareJob {
 }
 
 #[pyfunction]
-#[pyo3(signature = (*, paths, format, field, extensions, messages_field, loss_masking_spans, chat_template, train_on, tokenizer, eos_token, bos_token, add_eos, add_bos, output, shard_size_tokens, workers, strict, overwrite, prompt_text="prompt".to_owned(), chosen_text="chosen".to_owned(), rejected_text="rejected".to_owned(), max_pair_tokens=None))]
+#[pyo3(signature = (*, paths, format, field, extensions, messages_field, loss_masking_spans, chat_template, train_on, tokenizer, eos_token, bos_token, add_eos, add_bos, output, shard_size_tokens, workers, strict, overwrite, prompt_text, chosen_text, rejected_text, max_pair_tokens))]
 #[allow(clippy::too_many_arguments)]
 pub fn start_prepare(
     paths: Vec<String>,

@@ -216,7 +216,10 @@ impl SampleSource {
             document_ids.as_slice_mut()?,
             loss_mask.as_slice_mut()?,
         );
-        let parts = parts.as_mut().map(|parts| parts.as_slice_mut()).transpose()?;
+        let parts = parts
+            .as_mut()
+            .map(|parts| parts.as_slice_mut())
+            .transpose()?;
         py.detach(|| {
             self.inner
                 .fill(first_sample, tokens, document_ids, loss_mask, parts)

@@ -165,10 +165,12 @@ fn open_file(file: Arc<Path>, format: InputFormat, field: &str) -> FileReader {
     let cannot_open =
         |file: &Arc<Path>, reason: String| FileReader::Whole(Some(Record::bad(file, 0, reason)));
     match format {
-        InputFormat::Jsonl | InputFormat::Chat | InputFormat::Preference => match JsonlReader::open(file.clone()) {
-            Ok(reader) => FileReader::Jsonl(reader),
-            Err(error) => cannot_open(&file, format!("cannot read: {error}")),
-        },
+        InputFormat::Jsonl | InputFormat::Chat | InputFormat::Preference => {
+            match JsonlReader::open(file.clone()) {
+                Ok(reader) => FileReader::Jsonl(reader),
+                Err(error) => cannot_open(&file, format!("cannot read: {error}")),
+            }
+        }
         InputFormat::Parquet => match ParquetReader::open(file.clone(), field) {
             Ok(reader) => FileReader::Parquet(Box::new(reader)),
             Err(reason) => cannot_open(&file, reason),

@@ -31,9 +31,10 @@ impl DocumentEncoder<'_> {
             (Json::String(chosen), Json::String(rejected)) => {
                 (strings(pair.prompt.as_ref(), chosen, rejected)?, true)
             }
-            (Json::Array(chosen), Json::Array(rejected)) => {
-                (self.conversations(pair.prompt.as_ref(), chosen, rejected)?, false)
-            }
+            (Json::Array(chosen), Json::Array(rejected)) => (
+                self.conversations(pair.prompt.as_ref(), chosen, rejected)?,
+                false,
+            ),
             _ => {
                 return Err(Refusal::Bad(
                     "chosen and rejected must both be strings or both lists of messages".into(),
@@ -101,7 +102,11 @@ impl DocumentEncoder<'_> {
             }
             None => {
                 let shared = implicit_prompt(chosen, rejected)?;
-                (chosen[..shared].to_vec(), &chosen[shared..], &rejected[shared..])
+                (
+                    chosen[..shared].to_vec(),
+                    &chosen[shared..],
+                    &rejected[shared..],
+                )
             }
         };
         let render = |messages: &[Json], generation_prompt: bool| {
