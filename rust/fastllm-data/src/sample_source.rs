@@ -288,9 +288,10 @@ impl SampleSource {
             });
         }
         let parts_length = parts.as_ref().map(|parts| parts.len());
-        if parts_length != self.preference.then_some(tokens.len()) {
+        let expected = self.preference.then_some(tokens.len());
+        if parts_length != expected {
             return Err(DataError::BadPartsBuffer {
-                tokens: self.preference.then_some(tokens.len()).unwrap_or(0),
+                tokens: expected.unwrap_or(0),
                 parts: parts_length.unwrap_or(0),
             });
         }
@@ -729,7 +730,8 @@ mod tests {
         writer.finish().unwrap();
         let datasets = ["pairs", "text"]
             .map(|name| IndexedDataset::open(dir.path().join(name)).unwrap())
-            .to_vec();
+            .into_iter()
+            .collect();
         let config = SampleSourceConfig {
             sequence_length: 8,
             num_samples: 2,

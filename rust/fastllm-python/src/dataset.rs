@@ -9,6 +9,9 @@ use pyo3::prelude::*;
 
 use crate::errors::data_error;
 
+/// Tokens `begin..end` of a document.
+type Span = (u32, u32);
+
 #[pyclass(frozen, module = "fastllm._native")]
 pub struct TokenDataset {
     inner: IndexedDataset,
@@ -88,7 +91,7 @@ impl TokenDataset {
 
     /// The chosen and rejected token spans `((begin, end), (begin, end))` of pair `index`
     /// (None without a sidecar).
-    fn preference_spans(&self, index: usize) -> PyResult<Option<((u32, u32), (u32, u32))>> {
+    fn preference_spans(&self, index: usize) -> PyResult<Option<(Span, Span)>> {
         if index >= self.inner.len() {
             return Err(PyIndexError::new_err(format!(
                 "document {index} out of range ({} documents)",

@@ -178,11 +178,11 @@ fn preference(line: &str, fields: &PreferenceFields) -> Result<Content, String> 
     let chosen = take(&fields.chosen).ok_or_else(|| format!("no field \"{}\"", fields.chosen))?;
     let rejected =
         take(&fields.rejected).ok_or_else(|| format!("no field \"{}\"", fields.rejected))?;
-    Ok(Content::Preference(PreferencePair {
+    Ok(Content::Preference(Box::new(PreferencePair {
         prompt,
         chosen,
         rejected,
-    }))
+    })))
 }
 
 fn text_with_spans(

@@ -37,7 +37,7 @@ pub enum Content {
     /// The `messages` of a chat record, not yet checked.
     Conversation(serde_json::Value),
     /// The parts of a preference record, not yet checked.
-    Preference(PreferencePair),
+    Preference(Box<PreferencePair>),
 }
 
 /// A prompt with a chosen and a rejected answer: strings, or lists of messages (TRL's

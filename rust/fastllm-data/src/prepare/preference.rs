@@ -123,7 +123,7 @@ impl DocumentEncoder<'_> {
         let (chosen, rejected) = (whole(chosen)?, whole(rejected)?);
         // TRL's way: the prompt is what its rendering shares with the whole conversations (a
         // template may write the generation prompt otherwise once an answer follows).
-        let shared = common_prefix(&common_prefix(&prompt_text, &chosen), &rejected).len();
+        let shared = common_prefix(common_prefix(&prompt_text, &chosen), &rejected).len();
         Ok(PairText {
             prompt: chosen[..shared].to_owned(),
             chosen: chosen[shared..].to_owned(),
