@@ -12,7 +12,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 _Path: TypeAlias = str | os.PathLike[str]
-_InputFormat: TypeAlias = Literal["auto", "jsonl", "chat", "parquet", "text", "files"]
+_InputFormat: TypeAlias = Literal["auto", "jsonl", "chat", "preference", "parquet", "text", "files"]
 
 def version() -> str:
     """Version of the Rust extension (the Python package's, unless the extension imported was
@@ -54,6 +54,14 @@ class TokenDataset:
 
     def loss_spans(self, index: int) -> list[tuple[int, int]]:
         """The masked token ranges `(begin, end)` of document `index` (none without a sidecar)."""
+
+    @property
+    def is_preference(self) -> bool:
+        """Whether a `.preference` sidecar says where each pair's answers lie."""
+
+    def preference_spans(self, index: int) -> tuple[tuple[int, int], tuple[int, int]] | None:
+        """The chosen and rejected token spans `((begin, end), (begin, end))` of pair `index`
+        (None without a sidecar)."""
 
     def document(self, index: int) -> NDArray[np.int64]:
         """The tokens of document `index` as int64."""
@@ -108,6 +116,14 @@ class SampleSource:
         """Samples of the datasets skipped for having no trained label."""
 
     @property
+    def is_preference(self) -> bool:
+        """Whether the datasets hold preference pairs (`fill` then takes `parts`)."""
+
+    @property
+    def skipped_pairs(self) -> int:
+        """Preference pairs left out for being longer than the sequence."""
+
+    @property
     def sample_length(self) -> int:
         """Tokens per sample: the sequence length plus one (inputs and shifted labels)."""
 
@@ -117,9 +133,11 @@ class SampleSource:
         tokens: NDArray[np.int64],
         document_ids: NDArray[np.int32],
         loss_mask: NDArray[np.uint8],
+        parts: NDArray[np.int8] | None = None,
     ) -> None:
         """Write samples `first_sample, first_sample + 1, …` into flat contiguous buffers of
-        `count * sample_length` elements each."""
+        `count * sample_length` elements each; `parts` for preference pairs only (0 prompt,
+        1 chosen, 2 rejected, -1 padding; see `fastllm.data.loader.Batch`)."""
 
 # Data preparation: `fastllm prepare` and the reader `fastllm tokenizer train` shares with it.
 
@@ -168,6 +186,10 @@ def start_prepare(
     workers: int,
     strict: bool,
     overwrite: bool,
+    prompt_text: str,
+    chosen_text: str,
+    rejected_text: str,
+    max_pair_tokens: int | None,
 ) -> PrepareJob:
     """Start tokenizing the inputs into a dataset at `output` on a background thread (`workers`
     0: all cores); the arguments are those of the `prepare` config."""

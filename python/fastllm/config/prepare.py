@@ -13,11 +13,12 @@ class InputConfig(Section):
     path: list[str] = msgspec.field(default_factory=list)
     """Input files, directories or glob patterns, read in the order given (directories in
     sorted order)."""
-    format: Literal["auto", "jsonl", "chat", "parquet", "text", "files"] = "auto"
-    """jsonl (also .gz and .zst), chat (jsonl of conversations), parquet, text (one document per
-    file), files (a source tree: every matching file is a document); auto picks by extension,
-    `chat` for jsonl whose first record has `messages_field` and not `field`, and `files` for
-    directories."""
+    format: Literal["auto", "jsonl", "chat", "preference", "parquet", "text", "files"] = "auto"
+    """jsonl (also .gz and .zst), chat (jsonl of conversations), preference (jsonl of preference
+    pairs, see docs/preference-data.md), parquet, text (one document per file), files (a source
+    tree: every matching file is a document); auto picks by extension, `preference` for jsonl
+    whose first record has `chosen_text` and `rejected_text`, `chat` for jsonl whose first
+    record has `messages_field` and not `field`, and `files` for directories."""
     field: str = "text"
     """Field holding the document text in jsonl records and parquet rows."""
     extensions: list[str] | None = None
@@ -25,8 +26,8 @@ class InputConfig(Section):
     messages_field: str = "messages"
     """For chat: field holding the conversation, a list of {role, content} messages."""
     chat_template: str | None = None
-    """For chat: a Jinja template file to render conversations with (default: the tokenizer's
-    chat_template.jinja or tokenizer_config.json `chat_template`)."""
+    """For chat and preference: a Jinja template file to render conversations with (default:
+    the tokenizer's chat_template.jinja or tokenizer_config.json `chat_template`)."""
     train_on: Literal["assistant", "last_assistant", "all"] = "assistant"
     """For chat: the tokens trained on; assistant: every assistant turn ({% generation %} blocks
     where the template has them), last_assistant: the last one, all: every token. The rest is
@@ -34,6 +35,17 @@ class InputConfig(Section):
     loss_masking_spans: str | None = None
     """For jsonl text: field holding character spans [[begin, end], ...] (end included, as
     Fast-LLM's) excluded from the loss."""
+    prompt_text: str = "prompt"
+    """For preference: field holding the prompt, a string or a list of messages; a record
+    without it holds two whole conversations (or texts) whose shared start is the prompt
+    (TRL's implicit prompt)."""
+    chosen_text: str = "chosen"
+    """For preference: field holding the chosen answer, a string or a list of messages."""
+    rejected_text: str = "rejected"
+    """For preference: field holding the rejected answer, a string or a list of messages."""
+    max_pair_tokens: int | None = None
+    """For preference: a pair of more tokens (prompt and both answers) is a bad record (none:
+    any length; training leaves out pairs longer than its sequence)."""
 
     def validate(self) -> None:
         if not self.path:
@@ -48,10 +60,30 @@ class InputConfig(Section):
                     else ""
                 ),
             )
-        if self.format not in ("auto", "chat"):
-            for key, default in (("chat_template", None), ("train_on", "assistant")):
+        check_positive(self.max_pair_tokens, "max_pair_tokens")
+        if self.format not in ("auto", "chat", "preference") and self.chat_template is not None:
+            raise ConfigError(
+                "chat_template",
+                f"applies to chat and preference inputs, not to format: {self.format}",
+            )
+        if self.format not in ("auto", "chat") and self.train_on != "assistant":
+            raise ConfigError(
+                "train_on",
+                f"applies to chat inputs, not to format: {self.format}"
+                + (" (a pair trains on both answers)" if self.format == "preference" else ""),
+            )
+        if self.format not in ("auto", "preference"):
+            defaults = {
+                "prompt_text": "prompt",
+                "chosen_text": "chosen",
+                "rejected_text": "rejected",
+                "max_pair_tokens": None,
+            }
+            for key, default in defaults.items():
                 if getattr(self, key) != default:
-                    raise ConfigError(key, f"applies to chat inputs, not to format: {self.format}")
+                    raise ConfigError(
+                        key, f"applies to preference inputs, not to format: {self.format}"
+                    )
 
 
 class TokenizerConfig(Section):
@@ -89,10 +121,11 @@ class PrepareConfig(Section):
     workers: int | None = None
     """Tokenizer threads (default: every core)."""
     add_eos: bool = True
-    """Append the end-of-document token to each text document (conversations are framed by
-    their chat template)."""
+    """Append the end-of-document token to each text document and to each answer of a
+    preference pair of strings (conversations are framed by their chat template)."""
     add_bos: bool = False
-    """Prepend the beginning-of-document token to each text document."""
+    """Prepend the beginning-of-document token to each text document and to the prompt of a
+    preference pair of strings."""
     strict: bool = False
     """Fail on the first bad record instead of counting and skipping it."""
 

@@ -52,6 +52,28 @@ class TokenDataset:
         """Some shard has a `.spans` sidecar: tokens masked from the loss."""
         return any(self.shard_has_loss_spans)
 
+    @property
+    def is_preference(self) -> bool:
+        """A dataset of preference pairs (metadata.json `format: preference`, or `.preference`
+        sidecars): each document is a prompt, then its chosen answer, then its rejected one.
+        Training on it needs a preference loss (DPO), and a preference loss needs it."""
+        return self.metadata.get("format") == PREFERENCE_FORMAT or any(
+            shard.is_preference for shard in self._shards
+        )
+
+    @property
+    def shard_is_preference(self) -> list[bool]:
+        return [shard.is_preference for shard in self._shards]
+
+    def preference_spans(self, index: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The chosen and rejected token ranges `((begin, end), (begin, end))` of pair `index`;
+        its prompt is tokens `0..chosen begin`."""
+        shard, local = self._locate(index)
+        spans = self._shards[shard].preference_spans(local)
+        if spans is None:
+            raise ValueError(f"{self.prefixes[shard]}: not a dataset of preference pairs")
+        return spans
+
     def loss_spans(self, index: int) -> list[tuple[int, int]]:
         """The masked token ranges (begin, end) of document `index`."""
         shard, local = self._locate(index)
@@ -71,6 +93,16 @@ class TokenDataset:
         index %= len(self)
         shard = int(np.searchsorted(self._starts, index, side="right")) - 1
         return shard, index - int(self._starts[shard])
+
+
+PREFERENCE_FORMAT = "preference"
+"""metadata.json `format` of a dataset of preference pairs."""
+
+
+def is_preference_dataset(path: str | Path) -> bool:
+    """Whether `path` (a prepared directory) holds preference pairs, from its metadata.json
+    alone: quick enough to refuse a config at start-up."""
+    return read_metadata(Path(path)).get("format") == PREFERENCE_FORMAT
 
 
 def read_metadata(path: Path) -> dict[str, Any]:

@@ -8,19 +8,67 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from fastllm.data.samples import SampleStream
+from fastllm.data.samples import PROMPT, SampleStream
 
 
 @dataclass
 class Batch:
-    """One micro-batch: inputs, next-token labels (-100: no loss) and document ids."""
+    """One micro-batch: inputs, next-token labels (-100: no loss) and document ids, each
+    (micro_batch_size, sequence_length); and for preference pairs, their parts and positions.
+
+    `document_ids[r, t]`: which document (preference pair) of row r token t belongs to, counted
+    0, 1, 2, … from the row's start; padding is one more after the last. A pair never spans
+    two rows, so never two micro-batches.
+
+    A preference pair of P prompt, C chosen and R rejected tokens (as prepared) takes
+    P + C + R + 1 positions of its row, one document, in three parts (`parts[r, t]`: 0 prompt,
+    1 chosen, 2 rejected, -1 padding; `samples.PROMPT`, …):
+
+        part 0: p[0] … p[P-2]               the prompt but its last token
+        part 1: p[P-1] c[0] … c[C-1]        the prompt's last token, then the chosen answer
+        part 2: p[P-1] r[0] … r[R-1]        the prompt's last token again, then the rejected one
+
+    so that each answer's part starts with the token that predicts its first token, and each
+    label lies in its token's part. Attention for a pair: a token of part k attends to the
+    earlier tokens of its own part and to part 0 of its pair, never to the other answer's part
+    (tokens of different documents never attend to each other). `position_ids` restart at each
+    document: part 0 is at 0 … P-2, and both answer parts at P-1 … (the positions their tokens
+    have in `prompt + answer`).
+
+    `labels[r, t]` is the token at t + 1 when that token is an answer's own (c[i] or r[i]),
+    else -100: the chosen part's labels are c[0] … c[C-1] then -100 (at c[C-1]), the rejected
+    part's r[0] … r[R-1] then -100, the prompt's all -100. So log p(chosen | prompt) is the sum
+    of the label log-probabilities over `parts == 1` (labels != -100) of the pair, and
+    log p(rejected | prompt) over `parts == 2`; r[0] is predicted by the repeated p[P-1], whose
+    context is the prompt's, never the chosen answer.
+
+    `parts` and `position_ids` are None for other datasets, whose positions follow from
+    `document_ids`. Every field is per token, so micro-batches and sequence splits cut them
+    like the inputs."""
 
     input_ids: Tensor
     labels: Tensor
     document_ids: Tensor
+    parts: Tensor | None = None
+    position_ids: Tensor | None = None
+
+
+def pair_positions(document_ids: np.ndarray, parts: np.ndarray) -> np.ndarray:
+    """Position ids of rows of preference pairs (see `Batch`): the index within the token's
+    part, plus, in an answer's part, the length of its pair's part 0."""
+    rows, length = parts.shape
+    index = np.broadcast_to(np.arange(length), (rows, length))
+    starts = np.ones((rows, length), dtype=bool)
+    starts[:, 1:] = (parts[:, 1:] != parts[:, :-1]) | (document_ids[:, 1:] != document_ids[:, :-1])
+    part_start = np.maximum.accumulate(np.where(starts, index, 0), axis=1)
+    # Prompt tokens per (row, document): documents are numbered below `length + 1` in a row.
+    key = np.arange(rows)[:, None] * (length + 1) + document_ids
+    prompt_lengths = np.bincount(key[parts == PROMPT], minlength=rows * (length + 1))
+    return index - part_start + np.where(parts > PROMPT, prompt_lengths[key], 0)
 
 
 class DataLoader:
@@ -64,13 +112,28 @@ class DataLoader:
         labels = tokens[:, 1:].clone()
         labels[torch.from_numpy(samples.loss_mask[:, 1:]) == 0] = -100
         input_ids, document_ids = tokens[:, :-1], torch.from_numpy(samples.document_ids[:, :-1])
+        parts = position_ids = None
+        if samples.parts is not None:
+            pair_parts = samples.parts[:, :-1]
+            parts = torch.from_numpy(np.ascontiguousarray(pair_parts))
+            position_ids = torch.from_numpy(
+                pair_positions(samples.document_ids[:, :-1], pair_parts)
+            )
         if self.pin_memory:
             input_ids, labels, document_ids = (
                 t.pin_memory() for t in (input_ids, labels, document_ids)
             )
+            if parts is not None and position_ids is not None:
+                parts, position_ids = parts.pin_memory(), position_ids.pin_memory()
         m = self.micro_batch_size
         return [
-            Batch(input_ids[i : i + m], labels[i : i + m], document_ids[i : i + m])
+            Batch(
+                input_ids[i : i + m],
+                labels[i : i + m],
+                document_ids[i : i + m],
+                None if parts is None else parts[i : i + m],
+                None if position_ids is None else position_ids[i : i + m],
+            )
             for i in range(0, per_rank, m)
         ]
 

@@ -34,6 +34,10 @@ def prepare(
         loss_masking_spans=config.input.loss_masking_spans,
         chat_template=config.input.chat_template,
         train_on=config.input.train_on,
+        prompt_text=config.input.prompt_text,
+        chosen_text=config.input.chosen_text,
+        rejected_text=config.input.rejected_text,
+        max_pair_tokens=config.input.max_pair_tokens,
         tokenizer=config.tokenizer.path,
         eos_token=config.tokenizer.eos_token,
         bos_token=config.tokenizer.bos_token,
@@ -114,6 +118,12 @@ def summary(report: dict[str, Any], output: str, seconds: float) -> str:
         lines.append(
             f"{report['format']}: {report['trained_tokens']:,} tokens trained on ({share:.1%})"
             + (f", train_on: {report['train_on']}" if report["train_on"] else "")
+        )
+    if report["format"] == "preference":
+        share = report["trained_tokens"] / max(report["tokens"], 1)
+        lines.append(
+            f"preference: {report['documents']:,} pairs, {report['trained_tokens']:,} answer "
+            f"tokens ({share:.1%}), the rest prompts (once per pair)"
         )
     if report["bad_records"]:
         lines.append(f"{report['bad_records']:,} bad record(s) skipped; the first ones:")

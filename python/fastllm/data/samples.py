@@ -28,6 +28,16 @@ class Samples:
         np.ndarray
     )  # (count, sample_length) int32, index of the document within the sample
     loss_mask: np.ndarray  # (count, sample_length) uint8, 0 on padding and masked tokens
+    parts: np.ndarray | None = None
+    """Preference pairs only: (count, sample_length) int8, the part of its pair each token
+    belongs to (PROMPT, CHOSEN, REJECTED, PADDING). A pair of P prompt, C chosen and R rejected
+    tokens takes P + C + R + 1 positions: the prompt but its last token, that token then the
+    chosen answer, that token again then the rejected answer; loss_mask is 1 on the answers'
+    own tokens."""
+
+
+PROMPT, CHOSEN, REJECTED, PADDING = 0, 1, 2, -1
+"""The values of `Samples.parts` and `Batch.parts`."""
 
 
 def check_index_fits(num_samples: int, key: str) -> None:
@@ -100,6 +110,13 @@ class SampleStream:
                 raise ConfigError(f"{key}[{i}]", str(error)) from None
         for i, dataset in enumerate(datasets):
             _check_loss_spans(dataset, f"{key}[{i}]")
+            _check_preference_spans(dataset, f"{key}[{i}]")
+            if config.fim and dataset.is_preference:
+                raise ConfigError(
+                    "data.fim",
+                    f"{key}[{i}]: {dataset.path} holds preference pairs, whose answers FIM would "
+                    "move; turn one of them off",
+                )
             if config.fim and dataset.has_loss_spans:
                 raise ConfigError(
                     "data.fim",
@@ -135,11 +152,24 @@ class SampleStream:
         self.sample_length = self._source.sample_length
         self.skipped_samples = self._source.skipped_samples
         """Samples skipped for having no trained token (every label masked)."""
-        if self.skipped_samples and os.environ.get("RANK", "0") == "0":
-            print(
-                f"fastllm: {key}: {self.skipped_samples:,} sample(s) without a trained token skipped",
-                flush=True,
-            )
+        self.is_preference = self._source.is_preference
+        """The datasets hold preference pairs: samples have `parts`."""
+        self.skipped_pairs = self._source.skipped_pairs
+        """Preference pairs left out for being longer than the sequence (never cut)."""
+        if os.environ.get("RANK", "0") == "0":
+            if self.skipped_samples:
+                print(
+                    f"fastllm: {key}: {self.skipped_samples:,} sample(s) without a trained "
+                    "token skipped",
+                    flush=True,
+                )
+            if self.skipped_pairs:
+                print(
+                    f"fastllm: {key}: {self.skipped_pairs:,} preference pair(s) longer than the "
+                    f"sequence ({sequence_length} tokens, a pair taking one more than it stores) "
+                    "left out",
+                    flush=True,
+                )
 
     def __len__(self) -> int:
         return len(self._source)
@@ -149,13 +179,18 @@ class SampleStream:
         tokens = np.empty(shape, dtype=np.int64)
         document_ids = np.empty(shape, dtype=np.int32)
         loss_mask = np.empty(shape, dtype=np.uint8)
+        parts = np.empty(shape, dtype=np.int8) if self.is_preference else None
         try:  # a token outside the vocabulary (the range checked up front came from a cache)
             self._source.fill(
-                first, tokens.reshape(-1), document_ids.reshape(-1), loss_mask.reshape(-1)
+                first,
+                tokens.reshape(-1),
+                document_ids.reshape(-1),
+                loss_mask.reshape(-1),
+                None if parts is None else parts.reshape(-1),
             )
         except _native.TokenRangeError as error:
             raise ConfigError(self.key, _beyond_vocabulary(error)) from None
-        return Samples(tokens, document_ids, loss_mask)
+        return Samples(tokens, document_ids, loss_mask, parts)
 
 
 def _beyond_vocabulary(error: _native.TokenRangeError) -> str:
@@ -173,6 +208,20 @@ def _check_loss_spans(dataset: TokenDataset, key: str) -> None:
                 key,
                 f"{prefix}.spans is missing: {dataset.path}/metadata.json says its shards have "
                 "loss-masking spans",
+            )
+
+
+def _check_preference_spans(dataset: TokenDataset, key: str) -> None:
+    """A dataset prepared from preference pairs has their spans beside every shard: without
+    them its pairs would be read as plain text."""
+    if dataset.metadata.get("format") != "preference":
+        return
+    for prefix, is_preference in zip(dataset.prefixes, dataset.shard_is_preference, strict=True):
+        if not is_preference:
+            raise ConfigError(
+                key,
+                f"{prefix}.preference is missing: {dataset.path}/metadata.json says its shards "
+                "hold preference pairs",
             )
 
 

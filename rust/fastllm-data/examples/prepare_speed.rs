@@ -77,6 +77,7 @@ fn main() -> Result<(), Box<dyn Error + Send + Sync>> {
                 overwrite: true,
                 chat_template: None,
                 train_on: TrainOn::Assistant,
+                max_pair_tokens: None,
             };
             let start = Instant::now();
             let report = prepare(&options, &Progress::new())?;

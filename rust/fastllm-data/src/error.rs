@@ -133,6 +133,34 @@ pub enum DataError {
     #[error("{path}: {reason}")]
     BadLossSpans { path: PathBuf, reason: String },
 
+    #[error("{path}: {reason}")]
+    BadPreferenceSpans { path: PathBuf, reason: String },
+
+    #[error(
+        "none of the {pairs} preference pairs fits a sequence of {sequence_length} tokens (the \
+         shortest has {shortest} tokens, and one more in a sample); pairs are never cut"
+    )]
+    NoPairFits {
+        pairs: usize,
+        sequence_length: u32,
+        shortest: u32,
+    },
+
+    #[error(
+        "{pairs} holds preference pairs but {other} does not; a blend is of pairs only or of \
+         none"
+    )]
+    MixedPreference { pairs: PathBuf, other: PathBuf },
+
+    #[error("FIM would move the answers of the preference pairs in {path}")]
+    FimWithPreference { path: PathBuf },
+
+    #[error(
+        "a preference batch needs a buffer of parts as long as its tokens ({tokens}), got \
+         {parts}; other batches none"
+    )]
+    BadPartsBuffer { tokens: usize, parts: usize },
+
     #[error(
         "{path}: fewer than one sample in {ratio} has a token to train on; it has too few \
          trained tokens for samples of this length"
@@ -195,6 +223,22 @@ pub enum InputError {
     )]
     SpansNeedJsonl {
         path: PathBuf,
+        format: crate::InputFormat,
+    },
+
+    #[error(
+        "{path}: preference pairs are read from JSON lines (.jsonl, .json, .ndjson, also with \
+         .gz or .zst), not from Parquet"
+    )]
+    PreferenceNeedsJsonl { path: PathBuf },
+
+    #[error(
+        "{pairs} holds preference pairs but {other} holds {format:?} records; a dataset is \
+         made of pairs only"
+    )]
+    MixedPreference {
+        pairs: PathBuf,
+        other: PathBuf,
         format: crate::InputFormat,
     },
 

@@ -26,6 +26,7 @@ use memmap2::Mmap;
 
 use crate::atomic_file::write_atomically;
 use crate::loss_spans::LossSpans;
+use crate::preference_spans::PreferenceSpans;
 use crate::token::{TokenDtype, TokenSlice};
 use crate::DataError;
 
@@ -59,12 +60,14 @@ pub struct IndexedDataset {
     lengths: Vec<i32>,
     num_tokens: u64,
     loss_spans: Option<LossSpans>,
+    preference_spans: Option<PreferenceSpans>,
 }
 
 impl IndexedDataset {
     /// Opens `PREFIX.idx` and `PREFIX.bin`, checking that the index is well formed and agrees
-    /// with the size of `.bin`; and `PREFIX.spans`, the loss-masking spans, when there is one,
-    /// checking it against the index.
+    /// with the size of `.bin`; and `PREFIX.spans`, the loss-masking spans, and
+    /// `PREFIX.preference`, the spans of preference pairs, when there are, checking them
+    /// against the index.
     pub fn open(prefix: impl AsRef<Path>) -> Result<Self, DataError> {
         let prefix = prefix.as_ref();
         let idx_path = idx_path(prefix);
@@ -84,6 +87,7 @@ impl IndexedDataset {
             });
         }
         let loss_spans = LossSpans::open(prefix, &lengths)?;
+        let preference_spans = PreferenceSpans::open(prefix, &lengths)?;
         Ok(Self {
             bin_path,
             bin,
@@ -92,12 +96,18 @@ impl IndexedDataset {
             lengths,
             num_tokens,
             loss_spans,
+            preference_spans,
         })
     }
 
     /// The tokens of each document that are not trained on, when the dataset has a sidecar.
     pub fn loss_spans(&self) -> Option<&LossSpans> {
         self.loss_spans.as_ref()
+    }
+
+    /// Where the answers of each preference pair lie, when the dataset holds pairs.
+    pub fn preference_spans(&self) -> Option<&PreferenceSpans> {
+        self.preference_spans.as_ref()
     }
 
     /// `PREFIX.bin`.

@@ -7,6 +7,8 @@
 //! - [`BlendingIndex`]: several datasets mixed into one sample stream by weight.
 //! - [`Fim`]: fill-in-the-middle, StarCoder's way, deterministic per sample.
 //! - [`LossSpans`]: the tokens of each document not trained on, in a sidecar of the dataset.
+//! - [`PreferenceSpans`]: the chosen and rejected answers of preference pairs, one pair a
+//!   document, in a sidecar; [`PairIndex`]: samples of whole pairs.
 //! - [`SampleSource`]: all of the above as training batches (tokens, document ids, loss mask).
 //!
 //! - [`prepare`]: raw text (JSON lines, Parquet, text, source trees) tokenized on every core
@@ -24,6 +26,8 @@ mod fim;
 mod indexed;
 mod input;
 mod loss_spans;
+mod pair_sampling;
+mod preference_spans;
 mod prepare;
 mod random;
 mod sample_source;
@@ -42,8 +46,11 @@ pub use fim::{Fim, FimConfig, FimSplit, TextCodec};
 pub use indexed::{IndexedDataset, IndexedDatasetWriter};
 pub use input::{
     BadRecord, Batch, Content, Document, DocumentReader, Input, InputFormat, InputSpec, Location,
+    PreferenceFields, PreferencePair,
 };
 pub use loss_spans::LossSpans;
+pub use pair_sampling::PairIndex;
+pub use preference_spans::{PairSpans, PreferenceSpans};
 pub use prepare::{prepare, PrepareOptions, PrepareReport, Progress, ShardReport, TokenizerReport};
 pub use sample_source::{SampleSource, SampleSourceConfig};
 pub use sampling::{Piece, Pieces, SamplingConfig, SamplingIndex, SamplingMode};

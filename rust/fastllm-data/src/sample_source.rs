@@ -10,6 +10,10 @@
 //! Datasets with loss-masking spans mask those tokens, and their samples without a single
 //! trained label (every target masked) are skipped: sample `j` of such a dataset is the `j`-th
 //! sample of its index that has one, the index being drawn long enough to hold them all.
+//!
+//! Datasets of preference pairs are sampled by a [`PairIndex`], whole pairs to a sample, and
+//! filled with the parts of each pair (see [`SampleSource::fill`]); a blend is of pairs only
+//! or of none.
 
 use std::num::NonZeroUsize;
 use std::path::PathBuf;
@@ -19,9 +23,23 @@ use std::path::Path;
 
 use crate::fim::{Fim, FimSplit};
 use crate::{
-    BlendingIndex, Cancel, DataError, IndexedDataset, LossSpans, SamplingConfig, SamplingIndex,
-    SamplingMode,
+    BlendingIndex, Cancel, DataError, IndexedDataset, LossSpans, PairIndex, SamplingConfig,
+    SamplingIndex, SamplingMode,
 };
+
+/// The part of a preference pair each token of a sample belongs to.
+pub mod part {
+    pub const PROMPT: i8 = 0;
+    pub const CHOSEN: i8 = 1;
+    pub const REJECTED: i8 = 2;
+    pub const PADDING: i8 = -1;
+}
+
+/// How a dataset's samples are drawn: pieces of its token stream, or whole pairs.
+enum DatasetIndex {
+    Tokens(SamplingIndex),
+    Pairs(PairIndex),
+}
 
 /// A dataset whose index holds fewer samples with a trained label than one in this many is
 /// refused rather than drawn ever longer.
@@ -56,12 +74,16 @@ pub struct SampleSourceConfig {
 /// Samples of one or more datasets, written into caller-provided batch buffers.
 pub struct SampleSource {
     datasets: Vec<IndexedDataset>,
-    indices: Vec<SamplingIndex>,
+    indices: Vec<DatasetIndex>,
     /// For datasets with loss-masking spans: the samples of the index that have a trained
     /// label, which are the dataset's samples.
     trained_samples: Vec<Option<Vec<usize>>>,
     /// Samples of the indices skipped for having no trained label.
     skipped_samples: u64,
+    /// The datasets hold preference pairs.
+    preference: bool,
+    /// Pairs left out for being longer than the sequence.
+    skipped_pairs: u64,
     /// `None` for a single dataset, whose samples are the stream's.
     blending: Option<BlendingIndex>,
     fim: Option<Fim>,
@@ -121,6 +143,25 @@ impl SampleSource {
                 });
             }
         }
+        let has_pairs = |d: &&IndexedDataset| d.preference_spans().is_some();
+        let preference = match (
+            datasets.iter().find(has_pairs),
+            datasets.iter().find(|d| !has_pairs(d)),
+        ) {
+            (Some(pairs), Some(other)) => {
+                return Err(DataError::MixedPreference {
+                    pairs: pairs.bin_path().to_owned(),
+                    other: other.bin_path().to_owned(),
+                })
+            }
+            (Some(pairs), None) if fim.is_some() => {
+                return Err(DataError::FimWithPreference {
+                    path: pairs.bin_path().to_owned(),
+                })
+            }
+            (pairs, _) => pairs.is_some(),
+        };
+        let mut skipped_pairs = 0;
         let mut indices = Vec::with_capacity(datasets.len());
         let mut trained_samples = Vec::with_capacity(datasets.len());
         let mut skipped_samples = 0;
@@ -132,12 +173,21 @@ impl SampleSource {
                 mode: config.mode,
             };
             let (index, trained) = match dataset.loss_spans() {
-                None => (index(&config.cache_dir, dataset, sampling, cancel)?, None),
+                _ if preference => {
+                    let lengths = crate::sampling::checked_lengths(dataset.document_lengths())?;
+                    let pairs = PairIndex::build(&lengths, sampling, cancel)?;
+                    skipped_pairs += pairs.skipped_pairs();
+                    (DatasetIndex::Pairs(pairs), None)
+                }
+                None => (
+                    DatasetIndex::Tokens(index(&config.cache_dir, dataset, sampling, cancel)?),
+                    None,
+                ),
                 Some(spans) => {
                     let (index, trained, skipped) =
                         trained_index(&config.cache_dir, dataset, spans, sampling, cancel)?;
                     skipped_samples += skipped;
-                    (index, Some(trained))
+                    (DatasetIndex::Tokens(index), Some(trained))
                 }
             };
             indices.push(index);
@@ -152,6 +202,8 @@ impl SampleSource {
             indices,
             trained_samples,
             skipped_samples,
+            preference,
+            skipped_pairs,
             blending,
             padding_token: fim.as_ref().map_or(0, |fim| fim.config().pad.into()),
             fim,
@@ -173,6 +225,17 @@ impl SampleSource {
         self.skipped_samples
     }
 
+    /// Whether the datasets hold preference pairs.
+    pub fn is_preference(&self) -> bool {
+        self.preference
+    }
+
+    /// Preference pairs left out for being longer than the sequence (counted once per pair,
+    /// over every dataset).
+    pub fn skipped_pairs(&self) -> u64 {
+        self.skipped_pairs
+    }
+
     /// Samples in the stream.
     pub fn len(&self) -> usize {
         self.num_samples
@@ -192,6 +255,15 @@ impl SampleSource {
     /// - `loss_mask`: 0 on padding (a short truncated document, or a sample FIM shortened) and
     ///   on the tokens of loss-masking spans, 1 elsewhere. Padding tokens are FIM's pad token,
     ///   or 0 without FIM.
+    /// - `parts`: for preference pairs only (`None` otherwise), which part of its pair each
+    ///   position holds ([`part`]).
+    ///
+    /// A preference pair of `P` prompt, `C` chosen and `R` rejected tokens fills `P + C + R + 1`
+    /// positions, one document: the prompt but its last token (part 0), that last token then
+    /// the chosen answer (part 1), that last token again then the rejected answer (part 2).
+    /// Each answer's part thus starts with the token that predicts its first token, so that
+    /// every label is the next token of the same part; `loss_mask` is 1 on the answers' tokens
+    /// (the labels) and 0 on the rest.
     ///
     /// The buffers must have equal lengths, a multiple of the sample length, and every sample
     /// must exist: the stream does not wrap around.
@@ -201,6 +273,7 @@ impl SampleSource {
         tokens: &mut [i64],
         document_ids: &mut [i32],
         loss_mask: &mut [u8],
+        mut parts: Option<&mut [i8]>,
     ) -> Result<(), DataError> {
         let length = self.sample_length;
         if tokens.len() % length != 0
@@ -212,6 +285,14 @@ impl SampleSource {
                 tokens: tokens.len(),
                 document_ids: document_ids.len(),
                 loss_mask: loss_mask.len(),
+            });
+        }
+        let parts_length = parts.as_ref().map(|parts| parts.len());
+        let expected = self.preference.then_some(tokens.len());
+        if parts_length != expected {
+            return Err(DataError::BadPartsBuffer {
+                tokens: expected.unwrap_or(0),
+                parts: parts_length.unwrap_or(0),
             });
         }
         let count = tokens.len() / length;
@@ -228,9 +309,10 @@ impl SampleSource {
 
         let threads = self.threads_for(count);
         if threads == 1 {
-            return self.fill_samples(first, tokens, document_ids, loss_mask);
+            return self.fill_samples(first, tokens, document_ids, loss_mask, parts);
         }
         let per_thread = count.div_ceil(threads) * length;
+        let mut parts = parts.as_mut().map(|parts| parts.chunks_mut(per_thread));
         thread::scope(|scope| {
             let workers: Vec<_> = tokens
                 .chunks_mut(per_thread)
@@ -239,7 +321,10 @@ impl SampleSource {
                 .enumerate()
                 .map(|(k, ((tokens, document_ids), loss_mask))| {
                     let first = first + k * (per_thread / length);
-                    scope.spawn(move || self.fill_samples(first, tokens, document_ids, loss_mask))
+                    let parts = parts.as_mut().map(|chunks| chunks.next().expect("as many"));
+                    scope.spawn(move || {
+                        self.fill_samples(first, tokens, document_ids, loss_mask, parts)
+                    })
                 })
                 .collect();
             workers.into_iter().try_for_each(|worker| {
@@ -271,32 +356,113 @@ impl SampleSource {
         tokens: &mut [i64],
         document_ids: &mut [i32],
         loss_mask: &mut [u8],
+        parts: Option<&mut [i8]>,
     ) -> Result<(), DataError> {
         let length = self.sample_length;
         let samples = tokens
             .chunks_exact_mut(length)
             .zip(document_ids.chunks_exact_mut(length))
             .zip(loss_mask.chunks_exact_mut(length));
+        let mut parts = parts.map(|parts| parts.chunks_exact_mut(length));
         for (k, ((tokens, document_ids), loss_mask)) in samples.enumerate() {
-            self.fill_sample(first + k, tokens, document_ids, loss_mask)?;
+            let sample = first + k;
+            let (dataset, dataset_sample) = match &self.blending {
+                Some(blending) => (
+                    blending.dataset_indices()[sample] as usize,
+                    blending.sample_indices()[sample] as usize,
+                ),
+                None => (0, sample),
+            };
+            match (&self.indices[dataset], parts.as_mut()) {
+                (DatasetIndex::Pairs(index), Some(parts)) => self.fill_pairs(
+                    &self.datasets[dataset],
+                    index.sample(dataset_sample)?,
+                    tokens,
+                    document_ids,
+                    loss_mask,
+                    parts.next().expect("as many samples"),
+                )?,
+                (DatasetIndex::Tokens(index), None) => self.fill_sample(
+                    sample,
+                    dataset,
+                    index,
+                    dataset_sample,
+                    tokens,
+                    document_ids,
+                    loss_mask,
+                )?,
+                _ => unreachable!("`fill` checked that parts come with pairs only"),
+            }
         }
         Ok(())
     }
 
+    /// One sample of whole preference pairs, laid out as [`fill`](Self::fill) says.
+    fn fill_pairs(
+        &self,
+        source: &IndexedDataset,
+        pairs: &[u32],
+        tokens: &mut [i64],
+        document_ids: &mut [i32],
+        loss_mask: &mut [u8],
+        parts: &mut [i8],
+    ) -> Result<(), DataError> {
+        let spans = source
+            .preference_spans()
+            .expect("pair indices are built for preference datasets only");
+        let mut end = 0;
+        for (id, &pair) in pairs.iter().enumerate() {
+            let document = pair as usize;
+            let span = spans.pair(document);
+            let last = span.prompt_length() as usize - 1;
+            // (offset in the document, length, part, first position trained)
+            let pieces = [
+                (0, last, part::PROMPT, usize::MAX),
+                (last, 1 + span.chosen_length() as usize, part::CHOSEN, 1),
+                (last, 1, part::REJECTED, usize::MAX),
+                (
+                    span.rejected[0] as usize,
+                    span.rejected_length() as usize,
+                    part::REJECTED,
+                    0,
+                ),
+            ];
+            let start = end;
+            for (offset, length, piece_part, trained_from) in pieces {
+                let range = end..end + length;
+                source
+                    .tokens(document, offset, length)?
+                    .copy_to(&mut tokens[range.clone()]);
+                parts[range.clone()].fill(piece_part);
+                loss_mask[range.clone()].fill(0);
+                if trained_from < length {
+                    loss_mask[range.start + trained_from..range.end].fill(1);
+                }
+                end = range.end;
+            }
+            if let Some(vocab_size) = self.vocab_size {
+                check_vocabulary(&tokens[start..end], vocab_size, source, pair)?;
+            }
+            document_ids[start..end].fill(id as i32);
+        }
+        tokens[end..].fill(self.padding_token);
+        document_ids[end..].fill(pairs.len() as i32);
+        loss_mask[end..].fill(0);
+        parts[end..].fill(part::PADDING);
+        Ok(())
+    }
+
+    #[allow(clippy::too_many_arguments)]
     fn fill_sample(
         &self,
         sample: usize,
+        dataset: usize,
+        index: &SamplingIndex,
+        dataset_sample: usize,
         tokens: &mut [i64],
         document_ids: &mut [i32],
         loss_mask: &mut [u8],
     ) -> Result<(), DataError> {
-        let (dataset, dataset_sample) = match &self.blending {
-            Some(blending) => (
-                blending.dataset_indices()[sample] as usize,
-                blending.sample_indices()[sample] as usize,
-            ),
-            None => (0, sample),
-        };
         let dataset_sample = match &self.trained_samples[dataset] {
             Some(trained) => trained[dataset_sample],
             None => dataset_sample,
@@ -304,7 +470,7 @@ impl SampleSource {
         let source = &self.datasets[dataset];
         let mut end = 0;
         // A sample has at most `sample_length` pieces, so their ids fit i32 in any real batch.
-        for (id, piece) in self.indices[dataset].pieces(dataset_sample)?.enumerate() {
+        for (id, piece) in index.pieces(dataset_sample)?.enumerate() {
             let range = end..end + piece.length as usize;
             source
                 .tokens(piece.document as usize, piece.offset as usize, range.len())?
@@ -462,4 +628,121 @@ fn masked_in(
         .map(move |&[begin, span_end]| {
             (begin.max(offset) - offset) as usize..(span_end.min(end) - offset) as usize
         })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::preference_spans::PreferenceSpansWriter;
+    use crate::{IndexedDatasetWriter, PairSpans, TokenDtype};
+
+    /// Pairs of (prompt, chosen, rejected) lengths, each token its pair's number times 100
+    /// plus its place in the pair.
+    fn write_pairs(prefix: &Path, lengths: &[(u32, u32, u32)]) -> Vec<Vec<i64>> {
+        let mut writer = IndexedDatasetWriter::create(prefix, TokenDtype::U16).unwrap();
+        let mut spans = PreferenceSpansWriter::new(prefix);
+        let mut documents = Vec::new();
+        for (k, &(p, c, r)) in lengths.iter().enumerate() {
+            let document: Vec<i64> = (0..p + c + r)
+                .map(|t| (100 * k as u32 + t) as i64)
+                .collect();
+            writer.add_document(&document).unwrap();
+            spans.add(&[document.len() as i32], &[PairSpans::of_lengths(p, c, r)]);
+            documents.push(document);
+        }
+        writer.finish().unwrap();
+        spans.finish().unwrap();
+        documents
+    }
+
+    #[test]
+    fn a_pair_fills_its_prompt_once_and_each_answer_after_the_prompts_last_token() {
+        let dir = tempfile::tempdir().unwrap();
+        let prefix = dir.path().join("pairs");
+        let lengths = [(3, 2, 1), (1, 1, 2), (4, 3, 3)];
+        let documents = write_pairs(&prefix, &lengths);
+        let config = SampleSourceConfig {
+            sequence_length: 16,
+            num_samples: 3,
+            seed: 1,
+            mode: SamplingMode::Truncated,
+            weights: None,
+            cache_dir: dir.path().join("cache"),
+            threads: 2,
+            vocab_size: Some(1000),
+        };
+        let datasets = vec![IndexedDataset::open(&prefix).unwrap()];
+        let source = SampleSource::new(datasets, config, None, &Cancel::default()).unwrap();
+        assert!(source.is_preference());
+        let n = 3 * 17;
+        let (mut tokens, mut ids, mut mask, mut parts) =
+            (vec![-1; n], vec![-1; n], vec![9; n], vec![9; n]);
+        source
+            .fill(0, &mut tokens, &mut ids, &mut mask, Some(&mut parts))
+            .unwrap();
+        let mut seen = Vec::new();
+        for sample in 0..3 {
+            let row = sample * 17..(sample + 1) * 17;
+            let pair = (tokens[row.start] / 100) as usize;
+            seen.push(pair);
+            let (p, c, r) = lengths[pair];
+            let (p, c, r) = (p as usize, c as usize, r as usize);
+            let document = &documents[pair];
+            let last = document[p - 1];
+            let mut expected = document[..p - 1].to_vec();
+            expected.push(last);
+            expected.extend_from_slice(&document[p..p + c]);
+            expected.push(last);
+            expected.extend_from_slice(&document[p + c..]);
+            let used = expected.len();
+            assert_eq!(used, p + c + r + 1);
+            expected.resize(17, 0);
+            assert_eq!(tokens[row.clone()], expected[..]);
+            let mut expected_parts = vec![part::PROMPT; p - 1];
+            expected_parts.extend(vec![part::CHOSEN; c + 1]);
+            expected_parts.extend(vec![part::REJECTED; r + 1]);
+            expected_parts.resize(17, part::PADDING);
+            assert_eq!(parts[row.clone()], expected_parts[..]);
+            let mut expected_mask = vec![0; p];
+            expected_mask.extend(vec![1; c]);
+            expected_mask.push(0);
+            expected_mask.extend(vec![1; r]);
+            expected_mask.resize(17, 0);
+            assert_eq!(mask[row.clone()], expected_mask[..]);
+            let mut expected_ids = vec![0; used];
+            expected_ids.resize(17, 1);
+            assert_eq!(ids[row], expected_ids[..]);
+        }
+        seen.sort_unstable();
+        assert_eq!(seen, [0, 1, 2]);
+
+        let error = source.fill(0, &mut tokens, &mut ids, &mut mask, None);
+        assert!(matches!(error, Err(DataError::BadPartsBuffer { .. })));
+    }
+
+    #[test]
+    fn pairs_do_not_blend_with_other_datasets() {
+        let dir = tempfile::tempdir().unwrap();
+        write_pairs(&dir.path().join("pairs"), &[(2, 1, 1)]);
+        let mut writer =
+            IndexedDatasetWriter::create(dir.path().join("text"), TokenDtype::U16).unwrap();
+        writer.add_document(&[1i64, 2, 3]).unwrap();
+        writer.finish().unwrap();
+        let datasets = ["pairs", "text"]
+            .map(|name| IndexedDataset::open(dir.path().join(name)).unwrap())
+            .into_iter()
+            .collect();
+        let config = SampleSourceConfig {
+            sequence_length: 8,
+            num_samples: 2,
+            seed: 1,
+            mode: SamplingMode::Packed,
+            weights: None,
+            cache_dir: dir.path().join("cache"),
+            threads: 1,
+            vocab_size: None,
+        };
+        let error = SampleSource::new(datasets, config, None, &Cancel::default());
+        assert!(matches!(error, Err(DataError::MixedPreference { .. })));
+    }
 }

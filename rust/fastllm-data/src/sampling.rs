@@ -296,7 +296,7 @@ pub(crate) fn checked_lengths<T: Copy + Into<i64>>(lengths: &[T]) -> Result<Vec<
 ///
 /// Forward Fisher–Yates fixes position `i` of an epoch at step `i`, so stopping early yields a
 /// prefix of the full shuffle: more samples never change the earlier ones.
-fn visiting_order(
+pub(crate) fn visiting_order(
     documents: &[u32],
     seed: u64,
     expected_visits: usize,

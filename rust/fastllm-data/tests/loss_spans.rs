@@ -84,7 +84,9 @@ fn character_spans_mask_the_tokens_of_their_text_through_sampling() {
         vec![0; 3 * length],
         vec![0; 3 * length],
     );
-    source.fill(0, &mut tokens, &mut ids, &mut mask).unwrap();
+    source
+        .fill(0, &mut tokens, &mut ids, &mut mask, None)
+        .unwrap();
     let dataset = IndexedDataset::open(output.join("shard_00000")).unwrap();
     let spans = dataset.loss_spans().unwrap();
     for sample in 0..3 {

@@ -112,6 +112,7 @@ fn fill(source: &SampleSource, first: u64, count: usize) -> Result<Batch, DataEr
         &mut batch.tokens,
         &mut batch.document_ids,
         &mut batch.loss_mask,
+        None,
     )?;
     Ok(batch)
 }
@@ -365,7 +366,7 @@ fn out_of_range_samples_and_bad_buffers_are_errors() {
     let (mut tokens, mut ids, mut mask) = (vec![0; 34], vec![0; 34], vec![0; 34]);
     for (t, d, m) in [(33, 33, 33), (34, 17, 34), (34, 34, 17)] {
         let error = source
-            .fill(0, &mut tokens[..t], &mut ids[..d], &mut mask[..m])
+            .fill(0, &mut tokens[..t], &mut ids[..d], &mut mask[..m], None)
             .unwrap_err();
         assert!(
             matches!(

@@ -9,6 +9,9 @@ use pyo3::prelude::*;
 
 use crate::errors::data_error;
 
+/// Tokens `begin..end` of a document.
+type Span = (u32, u32);
+
 #[pyclass(frozen, module = "fastllm._native")]
 pub struct TokenDataset {
     inner: IndexedDataset,
@@ -77,6 +80,28 @@ impl TokenDataset {
                 .iter()
                 .map(|&[begin, end]| (begin, end))
                 .collect()
+        }))
+    }
+
+    /// Whether a `.preference` sidecar says where each pair's answers lie.
+    #[getter]
+    fn is_preference(&self) -> bool {
+        self.inner.preference_spans().is_some()
+    }
+
+    /// The chosen and rejected token spans `((begin, end), (begin, end))` of pair `index`
+    /// (None without a sidecar).
+    fn preference_spans(&self, index: usize) -> PyResult<Option<(Span, Span)>> {
+        if index >= self.inner.len() {
+            return Err(PyIndexError::new_err(format!(
+                "document {index} out of range ({} documents)",
+                self.inner.len()
+            )));
+        }
+        Ok(self.inner.preference_spans().map(|spans| {
+            let pair = spans.pair(index);
+            let [chosen, rejected] = [pair.chosen, pair.rejected];
+            ((chosen[0], chosen[1]), (rejected[0], rejected[1]))
         }))
     }
 

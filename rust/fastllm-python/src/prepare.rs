@@ -7,8 +7,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use fastllm_data::{
-    prepare, DocumentReader as Reader, InputFormat, InputSpec, PrepareError, PrepareOptions,
-    PrepareReport, Progress, TrainOn,
+    prepare, DocumentReader as Reader, InputFormat, InputSpec, PreferenceFields, PrepareError,
+    PrepareOptions, PrepareReport, Progress, TrainOn,
 };
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -24,6 +24,7 @@ fn input_spec(
         "auto" => InputFormat::Auto,
         "jsonl" => InputFormat::Jsonl,
         "chat" => InputFormat::Chat,
+        "preference" => InputFormat::Preference,
         "parquet" => InputFormat::Parquet,
         "text" => InputFormat::Text,
         "files" => InputFormat::Files,
@@ -69,7 +70,7 @@ pub struct PrepareJob {
 }
 
 #[pyfunction]
-#[pyo3(signature = (*, paths, format, field, extensions, messages_field, loss_masking_spans, chat_template, train_on, tokenizer, eos_token, bos_token, add_eos, add_bos, output, shard_size_tokens, workers, strict, overwrite))]
+#[pyo3(signature = (*, paths, format, field, extensions, messages_field, loss_masking_spans, chat_template, train_on, tokenizer, eos_token, bos_token, add_eos, add_bos, output, shard_size_tokens, workers, strict, overwrite, prompt_text, chosen_text, rejected_text, max_pair_tokens))]
 #[allow(clippy::too_many_arguments)]
 pub fn start_prepare(
     paths: Vec<String>,
@@ -90,11 +91,20 @@ pub fn start_prepare(
     workers: usize,
     strict: bool,
     overwrite: bool,
+    prompt_text: String,
+    chosen_text: String,
+    rejected_text: String,
+    max_pair_tokens: Option<u64>,
 ) -> PyResult<PrepareJob> {
     let options = PrepareOptions {
         input: InputSpec {
             messages_field,
             loss_masking_spans,
+            preference_fields: PreferenceFields {
+                prompt: prompt_text,
+                chosen: chosen_text,
+                rejected: rejected_text,
+            },
             ..input_spec(paths, format, field, extensions)?
         },
         chat_template,
@@ -109,6 +119,7 @@ pub fn start_prepare(
         workers,
         strict,
         overwrite,
+        max_pair_tokens,
     };
     let progress = Arc::new(Progress::new());
     let shared = Arc::clone(&progress);

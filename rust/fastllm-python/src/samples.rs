@@ -177,6 +177,18 @@ impl SampleSource {
         self.inner.skipped_samples()
     }
 
+    /// Whether the datasets hold preference pairs (`fill` then takes `parts`).
+    #[getter]
+    fn is_preference(&self) -> bool {
+        self.inner.is_preference()
+    }
+
+    /// Preference pairs left out for being longer than the sequence.
+    #[getter]
+    fn skipped_pairs(&self) -> u64 {
+        self.inner.skipped_pairs()
+    }
+
     /// Tokens per sample: the sequence length plus one (inputs and shifted labels).
     #[getter]
     fn sample_length(&self) -> usize {
@@ -184,7 +196,8 @@ impl SampleSource {
     }
 
     /// Write samples `first_sample, first_sample + 1, …` into flat contiguous buffers of
-    /// `count * sample_length` elements each.
+    /// `count * sample_length` elements each; `parts` for preference pairs only.
+    #[pyo3(signature = (first_sample, tokens, document_ids, loss_mask, parts=None))]
     fn fill(
         &self,
         py: Python<'_>,
@@ -192,18 +205,24 @@ impl SampleSource {
         tokens: &Bound<'_, PyArray1<i64>>,
         document_ids: &Bound<'_, PyArray1<i32>>,
         loss_mask: &Bound<'_, PyArray1<u8>>,
+        parts: Option<&Bound<'_, PyArray1<i8>>>,
     ) -> PyResult<()> {
         let mut tokens = tokens.try_readwrite()?;
         let mut document_ids = document_ids.try_readwrite()?;
         let mut loss_mask = loss_mask.try_readwrite()?;
+        let mut parts = parts.map(|parts| parts.try_readwrite()).transpose()?;
         let (tokens, document_ids, loss_mask) = (
             tokens.as_slice_mut()?,
             document_ids.as_slice_mut()?,
             loss_mask.as_slice_mut()?,
         );
+        let parts = parts
+            .as_mut()
+            .map(|parts| parts.as_slice_mut())
+            .transpose()?;
         py.detach(|| {
             self.inner
-                .fill(first_sample, tokens, document_ids, loss_mask)
+                .fill(first_sample, tokens, document_ids, loss_mask, parts)
         })
         .map_err(data_error)
     }

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use super::expand::Input;
 use super::jsonl::{parse_line, Fields};
 use super::record::{BadRecord, Document, Record};
+use super::spec::InputFormat;
 
 /// Documents in input order, and the records met among them that are not documents.
 #[derive(Debug, Default)]
@@ -101,8 +102,8 @@ pub(super) enum RawRecord {
         line_number: u64,
         /// Where the line is in [`RawBatch::lines`].
         range: Range<usize>,
-        /// The line is a chat record.
-        chat: bool,
+        /// How the line is read: JSON lines, chat or preference.
+        format: InputFormat,
     },
     Read(Record),
 }
@@ -137,8 +138,8 @@ impl RawBatch {
                     file,
                     line_number,
                     range,
-                    chat,
-                } => parse_line(&file, line_number, &self.lines[range], &self.fields, chat),
+                    format,
+                } => parse_line(&file, line_number, &self.lines[range], &self.fields, format),
                 RawRecord::Read(record) => record,
             };
             batch.push(input, record);

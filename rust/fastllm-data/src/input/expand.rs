@@ -7,7 +7,7 @@ use std::sync::Arc;
 use serde::Serialize;
 use walkdir::{DirEntry, WalkDir};
 
-use super::jsonl::{is_conversation, Fields};
+use super::jsonl::{sniff, Fields};
 use super::spec::{InputFormat, InputSpec};
 use crate::InputError;
 
@@ -45,6 +45,14 @@ pub(super) fn expand(spec: &InputSpec) -> Result<Vec<Input>, InputError> {
                     format: input.format,
                 });
             }
+            if input.format == InputFormat::Preference
+                && input
+                    .files
+                    .iter()
+                    .any(|(file, _)| matches!(format_of(file), Ok(InputFormat::Parquet)))
+            {
+                return Err(InputError::PreferenceNeedsJsonl { path: input.path });
+            }
             if input.files.is_empty() {
                 return Err(InputError::NothingMatches {
                     path: input.path.display().to_string(),
@@ -52,6 +60,17 @@ pub(super) fn expand(spec: &InputSpec) -> Result<Vec<Input>, InputError> {
             }
             inputs.push(input);
         }
+    }
+    let is_preference = |input: &&Input| input.format == InputFormat::Preference;
+    if let (Some(pairs), Some(other)) = (
+        inputs.iter().find(is_preference),
+        inputs.iter().find(|input| !is_preference(input)),
+    ) {
+        return Err(InputError::MixedPreference {
+            pairs: pairs.path.clone(),
+            other: other.path.clone(),
+            format: other.format,
+        });
     }
     Ok(inputs)
 }
@@ -104,11 +123,7 @@ fn input(
             // from the reader, and open the pipe a second time (which blocks for good once
             // its writer is gone).
             InputFormat::Auto => match format_of(&path)? {
-                InputFormat::Jsonl
-                    if metadata.is_file() && is_conversation(&path, &fields(spec)) =>
-                {
-                    InputFormat::Chat
-                }
+                InputFormat::Jsonl if metadata.is_file() => sniff(&path, &fields(spec)),
                 format => format,
             },
             format => format,
@@ -131,6 +146,7 @@ pub(super) fn fields(spec: &InputSpec) -> Fields {
         text: spec.field.clone(),
         messages: spec.messages_field.clone(),
         loss_masking_spans: spec.loss_masking_spans.clone(),
+        preference: spec.preference_fields.clone(),
     }
 }
 

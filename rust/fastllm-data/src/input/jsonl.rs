@@ -10,7 +10,8 @@ use std::sync::Arc;
 
 use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, Visitor};
 
-use super::record::{Content, Document, Location, Record};
+use super::record::{Content, Document, Location, PreferencePair, Record};
+use super::spec::{InputFormat, PreferenceFields};
 
 const BUFFER_BYTES: usize = 1 << 20;
 
@@ -90,23 +91,30 @@ pub(super) struct Fields {
     pub text: String,
     pub messages: String,
     pub loss_masking_spans: Option<String>,
+    pub preference: PreferenceFields,
 }
 
-/// Line `line_number` of `file` as a document or a bad record: a conversation when `chat`.
+/// Line `line_number` of `file`, read as `format` (JSON lines, chat or preference), as a
+/// document or a bad record.
 pub(super) fn parse_line(
     file: &Arc<Path>,
     line_number: u64,
     line: &[u8],
     fields: &Fields,
-    chat: bool,
+    format: InputFormat,
 ) -> Record {
     let Ok(line) = std::str::from_utf8(line) else {
         return Record::bad(file, line_number, "invalid UTF-8");
     };
-    let parsed = match (chat, &fields.loss_masking_spans) {
-        (true, _) => conversation(line, &fields.messages).map(|messages| (String::new(), messages)),
-        (false, Some(spans)) => text_with_spans(line, &fields.text, spans),
-        (false, None) => text_field(line, &fields.text).map(|text| (text, Content::Text)),
+    let parsed = match (format, &fields.loss_masking_spans) {
+        (InputFormat::Chat, _) => {
+            conversation(line, &fields.messages).map(|messages| (String::new(), messages))
+        }
+        (InputFormat::Preference, _) => {
+            preference(line, &fields.preference).map(|pair| (String::new(), pair))
+        }
+        (_, Some(spans)) => text_with_spans(line, &fields.text, spans),
+        (_, None) => text_field(line, &fields.text).map(|text| (text, Content::Text)),
     };
     match parsed {
         Ok((text, content)) => Record::Document(Document {
@@ -121,20 +129,27 @@ pub(super) fn parse_line(
     }
 }
 
-/// Whether the first record of `file` looks like a conversation: it has the messages field and
-/// not the text field.
-pub(super) fn is_conversation(file: &Path, fields: &Fields) -> bool {
+/// What the first record of `file` holds: `Preference` when it has the chosen and rejected
+/// fields, `Chat` when it has the messages field and not the text field, else `Jsonl`.
+pub(super) fn sniff(file: &Path, fields: &Fields) -> InputFormat {
     let Ok(mut reader) = JsonlReader::open(Arc::from(file)) else {
-        return false;
+        return InputFormat::Jsonl;
     };
     let mut line = Vec::new();
     let Some(Ok(_)) = reader.next_line(&mut line) else {
-        return false;
+        return InputFormat::Jsonl;
     };
     let Ok(serde_json::Value::Object(record)) = serde_json::from_slice(&line) else {
-        return false;
+        return InputFormat::Jsonl;
     };
-    record.contains_key(&fields.messages) && !record.contains_key(&fields.text)
+    let has = |field: &String| record.contains_key(field);
+    if has(&fields.preference.chosen) && has(&fields.preference.rejected) {
+        InputFormat::Preference
+    } else if has(&fields.messages) && !has(&fields.text) {
+        InputFormat::Chat
+    } else {
+        InputFormat::Jsonl
+    }
 }
 
 fn json_object(line: &str) -> Result<serde_json::Map<String, serde_json::Value>, String> {
@@ -151,6 +166,23 @@ fn conversation(line: &str, field: &str) -> Result<Content, String> {
         .remove(field)
         .map(Content::Conversation)
         .ok_or_else(|| format!("no field \"{field}\""))
+}
+
+fn preference(line: &str, fields: &PreferenceFields) -> Result<Content, String> {
+    let mut record = json_object(line)?;
+    let mut take = |field: &str| match record.remove(field) {
+        None | Some(serde_json::Value::Null) => None,
+        Some(value) => Some(value),
+    };
+    let prompt = take(&fields.prompt);
+    let chosen = take(&fields.chosen).ok_or_else(|| format!("no field \"{}\"", fields.chosen))?;
+    let rejected =
+        take(&fields.rejected).ok_or_else(|| format!("no field \"{}\"", fields.rejected))?;
+    Ok(Content::Preference(Box::new(PreferencePair {
+        prompt,
+        chosen,
+        rejected,
+    })))
 }
 
 fn text_with_spans(

@@ -17,5 +17,5 @@ pub use batch::Batch;
 pub(crate) use batch::{InputCounts, RawBatch};
 pub use expand::Input;
 pub use reader::DocumentReader;
-pub use record::{BadRecord, Content, Document, Location};
-pub use spec::{InputFormat, InputSpec};
+pub use record::{BadRecord, Content, Document, Location, PreferencePair};
+pub use spec::{InputFormat, InputSpec, PreferenceFields};

@@ -100,7 +100,7 @@ impl DocumentReader {
                 }
             }
             let current = self.current.as_mut().expect("opened above");
-            let chat = self.inputs[current.input].format == InputFormat::Chat;
+            let format = self.inputs[current.input].format;
             let record = match &mut current.reader {
                 FileReader::Jsonl(reader) => {
                     reader.next_line(batch.lines()).map(|line| match line {
@@ -110,7 +110,7 @@ impl DocumentReader {
                                 file: reader.file().clone(),
                                 line_number,
                                 range,
-                                chat,
+                                format,
                             }
                         }
                         Err(record) => RawRecord::Read(record),
@@ -165,10 +165,12 @@ fn open_file(file: Arc<Path>, format: InputFormat, field: &str) -> FileReader {
     let cannot_open =
         |file: &Arc<Path>, reason: String| FileReader::Whole(Some(Record::bad(file, 0, reason)));
     match format {
-        InputFormat::Jsonl | InputFormat::Chat => match JsonlReader::open(file.clone()) {
-            Ok(reader) => FileReader::Jsonl(reader),
-            Err(error) => cannot_open(&file, format!("cannot read: {error}")),
-        },
+        InputFormat::Jsonl | InputFormat::Chat | InputFormat::Preference => {
+            match JsonlReader::open(file.clone()) {
+                Ok(reader) => FileReader::Jsonl(reader),
+                Err(error) => cannot_open(&file, format!("cannot read: {error}")),
+            }
+        }
         InputFormat::Parquet => match ParquetReader::open(file.clone(), field) {
             Ok(reader) => FileReader::Parquet(Box::new(reader)),
             Err(reason) => cannot_open(&file, reason),

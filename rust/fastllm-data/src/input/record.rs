@@ -36,6 +36,18 @@ pub enum Content {
     TextWithSpans(Vec<[u64; 2]>),
     /// The `messages` of a chat record, not yet checked.
     Conversation(serde_json::Value),
+    /// The parts of a preference record, not yet checked.
+    Preference(Box<PreferencePair>),
+}
+
+/// A prompt with a chosen and a rejected answer: strings, or lists of messages (TRL's
+/// conversational format). Without a prompt, the answers are whole conversations that share
+/// their prompt (TRL's implicit prompt).
+#[derive(Clone, Debug, PartialEq)]
+pub struct PreferencePair {
+    pub prompt: Option<serde_json::Value>,
+    pub chosen: serde_json::Value,
+    pub rejected: serde_json::Value,
 }
 
 /// A record that could not be read as a document, and why.

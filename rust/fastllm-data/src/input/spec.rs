@@ -19,6 +19,27 @@ pub struct InputSpec {
     /// The field of JSON records holding character spans not trained on (Fast-LLM's
     /// `loss_masking_spans`: `[[begin, end], …]`, both ends included).
     pub loss_masking_spans: Option<String>,
+    /// The fields of a preference record: its prompt (absent: TRL's implicit prompt, the
+    /// shared start of the two answers), chosen and rejected answers.
+    pub preference_fields: PreferenceFields,
+}
+
+/// Where a preference record keeps its parts; TRL's names by default.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PreferenceFields {
+    pub prompt: String,
+    pub chosen: String,
+    pub rejected: String,
+}
+
+impl Default for PreferenceFields {
+    fn default() -> Self {
+        Self {
+            prompt: "prompt".to_owned(),
+            chosen: "chosen".to_owned(),
+            rejected: "rejected".to_owned(),
+        }
+    }
 }
 
 impl Default for InputSpec {
@@ -30,6 +51,7 @@ impl Default for InputSpec {
             extensions: None,
             messages_field: "messages".to_owned(),
             loss_masking_spans: None,
+            preference_fields: PreferenceFields::default(),
         }
     }
 }
@@ -40,12 +62,16 @@ impl Default for InputSpec {
 pub enum InputFormat {
     /// By file name: `.jsonl`, `.json`, `.ndjson` (also `.gz`, `.zst`) are JSON lines,
     /// `.parquet` is Parquet, `.txt` is text; a directory is a source tree (`Files`). JSON
-    /// lines whose first record has the messages field and not the text field are `Chat`.
+    /// lines whose first record has the messages field and not the text field are `Chat`;
+    /// those whose first record has the chosen and rejected fields are `Preference`.
     Auto,
     /// One JSON object per line; compressed when the name ends in `.gz` or `.zst`.
     Jsonl,
     /// JSON lines, one conversation per line: a list of `{role, content}` messages.
     Chat,
+    /// JSON lines, one preference pair per line: a prompt, a chosen and a rejected answer,
+    /// each a string or a list of messages.
+    Preference,
     /// One document per row, from a string column.
     Parquet,
     /// One document per file; a file that is not UTF-8 is a bad record.

@@ -1,12 +1,13 @@
 //! One document to tokens and masked token spans: plain text, text with Fast-LLM's character
-//! spans, or a conversation rendered with the chat template.
+//! spans, a conversation rendered with the chat template, or a preference pair (see
+//! `preference`).
 
 use std::ops::Range;
 
 use crate::chat::{ChatTemplate, TrainOn};
 use crate::input::{Content, Document};
 use crate::tokenizer::Tokenizer;
-use crate::TokenizerError;
+use crate::{PairSpans, TokenizerError};
 
 /// Tokens added around every text document; conversations are framed by their template.
 #[derive(Clone, Copy)]
@@ -19,9 +20,11 @@ pub(super) struct Framing {
 pub(super) struct DocumentEncoder<'a> {
     pub tokenizer: &'a Tokenizer,
     pub framing: Framing,
-    /// Loaded when some input is a chat input.
+    /// Loaded when some input is a chat or preference input.
     pub chat: Option<&'a ChatTemplate>,
     pub train_on: TrainOn,
+    /// Preference pairs of more tokens are bad records.
+    pub max_pair_tokens: Option<u64>,
 }
 
 /// Reusable buffers of one worker.
@@ -30,6 +33,8 @@ pub(super) struct Scratch {
     pub tokens: Vec<u32>,
     /// Masked token ranges of the document, in order.
     pub masked: Vec<[u32; 2]>,
+    /// The spans of a preference pair.
+    pub pair: Option<PairSpans>,
     offsets: Vec<(usize, usize)>,
     trained: Vec<bool>,
 }
@@ -52,8 +57,11 @@ impl DocumentEncoder<'_> {
     pub fn encode(&self, document: &Document, scratch: &mut Scratch) -> Result<(), Refusal> {
         scratch.tokens.clear();
         scratch.masked.clear();
-        if let Content::Conversation(messages) = &document.content {
-            return self.encode_conversation(messages, scratch);
+        scratch.pair = None;
+        match &document.content {
+            Content::Conversation(messages) => return self.encode_conversation(messages, scratch),
+            Content::Preference(pair) => return self.encode_preference(pair, scratch),
+            Content::Text | Content::TextWithSpans(_) => {}
         }
         scratch.tokens.extend(self.framing.bos);
         match &document.content {

@@ -19,18 +19,21 @@ pub(super) const QUOTED_BAD_RECORDS: usize = 20;
 
 #[derive(Clone, Debug, Serialize)]
 pub struct PrepareReport {
-    /// `text`, or `chat` when some input holds conversations.
+    /// `text`; `chat` when some input holds conversations; `preference` when the inputs hold
+    /// preference pairs, each a document with a `.preference` sidecar of its spans.
     pub format: DatasetFormat,
     /// Each shard has a `.spans` sidecar of the tokens not trained on.
     pub loss_masking_spans: bool,
     /// Which tokens of conversations are trained on (chat datasets only).
     pub train_on: Option<TrainOn>,
+    /// The limit on the tokens of a preference pair (preference datasets only).
+    pub max_pair_tokens: Option<u64>,
     /// The chat template conversations were rendered with.
     pub chat_template: Option<PathBuf>,
     pub documents: u64,
     /// EOS and BOS included.
     pub tokens: u64,
-    /// The tokens not masked, which training targets.
+    /// The tokens not masked, which training targets (of preference pairs: the answers').
     pub trained_tokens: u64,
     /// One more than the largest token id.
     pub vocab_size: u64,
@@ -56,6 +59,8 @@ pub struct PrepareReport {
 pub enum DatasetFormat {
     Text,
     Chat,
+    /// One preference pair per document.
+    Preference,
 }
 
 #[derive(Clone, Debug, Serialize)]

@@ -9,6 +9,7 @@ mod encode;
 mod metadata;
 mod output_dir;
 mod pipeline;
+mod preference;
 mod progress;
 mod writer;
 
@@ -24,7 +25,7 @@ use self::writer::DatasetWriter;
 use crate::chat::{ChatTemplate, TrainOn};
 use crate::input::{DocumentReader, InputFormat, InputSpec};
 use crate::tokenizer::{SpecialToken, Tokenizer};
-use crate::{PrepareError, TokenDtype};
+use crate::{ChatError, PrepareError, TokenDtype};
 
 #[derive(Clone, Debug)]
 pub struct PrepareOptions {
@@ -51,6 +52,8 @@ pub struct PrepareOptions {
     pub chat_template: Option<PathBuf>,
     /// Which tokens of conversations are trained on.
     pub train_on: TrainOn,
+    /// Preference pairs of more tokens (prompt and both answers) are bad records.
+    pub max_pair_tokens: Option<u64>,
 }
 
 /// Tokenizes the inputs of `options` into a dataset directory at `options.output`.
@@ -80,19 +83,25 @@ pub fn prepare(
     };
     let reader = DocumentReader::open(&options.input)?;
     progress.set_total_bytes(reader.total_bytes());
-    let chat = reader
-        .inputs()
-        .iter()
-        .any(|input| input.format == InputFormat::Chat);
-    let template = chat
-        .then(|| ChatTemplate::load(&options.tokenizer, options.chat_template.as_deref()))
-        .transpose()?;
+    let has = |format| reader.inputs().iter().any(|input| input.format == format);
+    let (chat, preference) = (has(InputFormat::Chat), has(InputFormat::Preference));
+    let load_template = || ChatTemplate::load(&options.tokenizer, options.chat_template.as_deref());
+    let template = match (chat, preference) {
+        (true, _) => Some(load_template()?),
+        // Pairs of strings need no template; pairs of messages without one are bad records.
+        (false, true) => match load_template() {
+            Err(ChatError::NoTemplate { .. }) => None,
+            loaded => Some(loaded?),
+        },
+        (false, false) => None,
+    };
     let with_spans = chat || options.input.loss_masking_spans.is_some();
     let encoder = DocumentEncoder {
         tokenizer: &tokenizer,
         framing,
         chat: template.as_ref(),
         train_on: options.train_on,
+        max_pair_tokens: options.max_pair_tokens,
     };
 
     let partial = PartialDir::create(&options.output, progress)?;
@@ -110,6 +119,7 @@ pub fn prepare(
             options.shard_size_tokens,
             options.strict,
             with_spans,
+            preference,
         )?;
         let reader = pipeline::run(
             reader,
@@ -132,13 +142,14 @@ pub fn prepare(
     }
     reader.count(&tally.input_counts);
     let report = PrepareReport {
-        format: if chat {
-            DatasetFormat::Chat
-        } else {
-            DatasetFormat::Text
+        format: match (chat, preference) {
+            (true, _) => DatasetFormat::Chat,
+            (false, true) => DatasetFormat::Preference,
+            (false, false) => DatasetFormat::Text,
         },
         loss_masking_spans: with_spans,
         train_on: chat.then_some(options.train_on),
+        max_pair_tokens: options.max_pair_tokens.filter(|_| preference),
         chat_template: template
             .as_ref()
             .map(|t| std::path::absolute(t.path()).unwrap_or_else(|_| t.path().to_owned())),

@@ -17,7 +17,7 @@ use super::encode::{DocumentEncoder, Refusal, Scratch};
 use super::progress::Progress;
 use crate::indexed::encode_tokens;
 use crate::input::{BadRecord, DocumentReader, InputCounts, RawBatch};
-use crate::{PrepareError, TokenDtype};
+use crate::{PairSpans, PrepareError, TokenDtype};
 
 /// Text per batch at most: large enough to amortize channel traffic, small enough to keep memory
 /// low.
@@ -52,7 +52,9 @@ pub(super) struct EncodedDocuments {
     /// Masked token spans per document, and the spans back to back.
     pub span_counts: Vec<u32>,
     pub spans: Vec<[u32; 2]>,
-    /// Tokens not masked.
+    /// The spans of each document of a preference dataset (none in other datasets).
+    pub pairs: Vec<PairSpans>,
+    /// Tokens not masked (of pairs: the answers').
     pub trained_tokens: u64,
 }
 
@@ -81,16 +83,18 @@ impl EncodedDocuments {
             max_ids: Vec::with_capacity(documents),
             span_counts: Vec::with_capacity(documents),
             spans: Vec::new(),
+            pairs: Vec::new(),
             trained_tokens: 0,
         }
     }
 
-    /// Adds a document of `tokens`, of which the `masked` spans are not trained on; every id
-    /// must lie below `vocab_size`.
+    /// Adds a document of `tokens`, of which the `masked` spans are not trained on, or the
+    /// preference pair of `pair`'s spans; every id must lie below `vocab_size`.
     pub fn push(
         &mut self,
         tokens: &[u32],
         masked: &[[u32; 2]],
+        pair: Option<PairSpans>,
         dtype: TokenDtype,
         vocab_size: u64,
     ) -> Result<(), Unstorable> {
@@ -110,7 +114,11 @@ impl EncodedDocuments {
         self.span_counts.push(masked.len() as u32);
         self.spans.extend_from_slice(masked);
         let masked_tokens: u64 = masked.iter().map(|[b, e]| u64::from(e - b)).sum();
-        self.trained_tokens += length as u64 - masked_tokens;
+        self.trained_tokens += match pair {
+            Some(pair) => u64::from(pair.chosen_length() + pair.rejected_length()),
+            None => length as u64 - masked_tokens,
+        };
+        self.pairs.extend(pair);
         Ok(())
     }
 }
@@ -275,6 +283,7 @@ fn tokenize(
             if let Err(unstorable) = tokenized.documents.push(
                 &scratch.tokens,
                 &scratch.masked,
+                scratch.pair,
                 dtype,
                 encoder.tokenizer.vocab_size() as u64,
             ) {
@@ -325,9 +334,9 @@ mod tests {
     fn an_id_beyond_the_tokenizers_vocabulary_is_never_stored() {
         let mut documents = EncodedDocuments::with_capacity(0, 0);
         documents
-            .push(&[1, 599], &[], TokenDtype::U16, 600)
+            .push(&[1, 599], &[], None, TokenDtype::U16, 600)
             .unwrap();
-        let refused = documents.push(&[1, 600, 2], &[], TokenDtype::U16, 600);
+        let refused = documents.push(&[1, 600, 2], &[], None, TokenDtype::U16, 600);
         assert!(matches!(
             refused,
             Err(Unstorable::BeyondVocabulary {

@@ -21,6 +21,7 @@ use super::progress::Progress;
 use crate::indexed::bin_path;
 use crate::input::InputCounts;
 use crate::loss_spans::LossSpansWriter;
+use crate::preference_spans::PreferenceSpansWriter;
 use crate::{DataError, IndexedDatasetWriter, PrepareError, TokenDtype};
 
 /// Closed shards still being written or synced while a later one is open: enough to hide a slow
@@ -37,6 +38,8 @@ pub(super) struct DatasetWriter<'scope, 'env> {
     strict: bool,
     /// Each shard gets a `.spans` sidecar.
     with_spans: bool,
+    /// Each shard gets a `.preference` sidecar.
+    with_pairs: bool,
     /// Every shard so far; the last is the one open.
     shards: Vec<ShardReport>,
     /// To the thread of the open shard.
@@ -70,7 +73,8 @@ struct Batch {
     _permit: Permit,
 }
 
-/// Consecutive documents of a batch, and where their tokens and masked spans are in it.
+/// Consecutive documents of a batch, and where their tokens and masked spans are in it (their
+/// pair spans, in a preference dataset, are at `documents`).
 #[derive(Default)]
 struct Part {
     documents: Range<usize>,
@@ -88,9 +92,11 @@ impl<'scope, 'env> DatasetWriter<'scope, 'env> {
         shard_size_tokens: u64,
         strict: bool,
         with_spans: bool,
+        with_pairs: bool,
     ) -> Result<Self, DataError> {
         let shard = ShardReport::numbered(0);
-        let (jobs, thread) = spawn_shard(scope, dir.join(&shard.name), dtype, with_spans)?;
+        let (jobs, thread) =
+            spawn_shard(scope, dir.join(&shard.name), dtype, with_spans, with_pairs)?;
         Ok(Self {
             scope,
             dir,
@@ -98,6 +104,7 @@ impl<'scope, 'env> DatasetWriter<'scope, 'env> {
             shard_size_tokens,
             strict,
             with_spans,
+            with_pairs,
             shards: vec![shard],
             jobs,
             threads: VecDeque::from([thread]),
@@ -158,17 +165,20 @@ impl<'scope, 'env> DatasetWriter<'scope, 'env> {
                 self.next_shard()?;
             }
             let spans = documents.span_counts[k] as usize;
-            let masked: u64 = documents.spans[part.spans.end..part.spans.end + spans]
-                .iter()
-                .map(|[b, e]| u64::from(e - b))
-                .sum();
+            let untrained = match documents.pairs.get(k) {
+                Some(pair) => u64::from(pair.prompt_length()),
+                None => documents.spans[part.spans.end..part.spans.end + spans]
+                    .iter()
+                    .map(|[b, e]| u64::from(e - b))
+                    .sum(),
+            };
             let shard = self.open_shard();
             shard.documents += 1;
             shard.tokens += length as u64;
             if length > 0 {
                 shard.max_token_id = shard.max_token_id.max(Some(documents.max_ids[k]));
             }
-            shard.trained_tokens += length as u64 - masked;
+            shard.trained_tokens += length as u64 - untrained;
             tokens += length as u64;
             part.documents.end += 1;
             part.bytes.end += length as usize * token_size;
@@ -228,6 +238,7 @@ impl<'scope, 'env> DatasetWriter<'scope, 'env> {
             self.dir.join(&shard.name),
             self.dtype,
             self.with_spans,
+            self.with_pairs,
         )?;
         self.jobs = jobs;
         self.threads.push_back(thread);
@@ -266,8 +277,10 @@ fn spawn_shard<'scope>(
     prefix: PathBuf,
     dtype: TokenDtype,
     with_spans: bool,
+    with_pairs: bool,
 ) -> Result<(Sender<ShardJob>, ShardThread<'scope>), DataError> {
     let mut spans = with_spans.then(|| LossSpansWriter::new(&prefix));
+    let mut pairs = with_pairs.then(|| PreferenceSpansWriter::new(&prefix));
     let mut writer = IndexedDatasetWriter::create(prefix, dtype)?;
     let (sender, jobs) = crossbeam_channel::unbounded();
     let thread = scope.spawn(move || {
@@ -278,6 +291,9 @@ fn spawn_shard<'scope>(
                     let tokens = &documents.tokens[part.bytes];
                     let lengths = &documents.lengths[part.documents.clone()];
                     writer.add_encoded(tokens, lengths)?;
+                    if let Some(pairs) = &mut pairs {
+                        pairs.add(lengths, &documents.pairs[part.documents.clone()]);
+                    }
                     if let Some(spans) = &mut spans {
                         let counts = &documents.span_counts[part.documents];
                         spans.add(lengths, counts, &documents.spans[part.spans]);
@@ -286,6 +302,9 @@ fn spawn_shard<'scope>(
                 ShardJob::Finish => {
                     if let Some(spans) = spans {
                         spans.finish()?;
+                    }
+                    if let Some(pairs) = pairs {
+                        pairs.finish()?;
                     }
                     return writer.finish();
                 }
@@ -331,7 +350,7 @@ mod tests {
         let batch = |documents: &[Vec<u32>]| {
             let mut encoded = EncodedDocuments::with_capacity(0, 0);
             for document in documents {
-                encoded.push(document, &[], dtype, u64::MAX).unwrap();
+                encoded.push(document, &[], None, dtype, u64::MAX).unwrap();
             }
             TokenizedBatch {
                 documents: encoded,
@@ -358,6 +377,7 @@ mod tests {
                 dir.to_owned(),
                 dtype,
                 shard_size_tokens,
+                false,
                 false,
                 false,
             )?;

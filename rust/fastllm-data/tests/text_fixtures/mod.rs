@@ -170,6 +170,7 @@ pub fn options(paths: &[&Path], tokenizer: &Path, output: &Path) -> PrepareOptio
         overwrite: false,
         chat_template: None,
         train_on: TrainOn::Assistant,
+        max_pair_tokens: None,
     }
 }
 
