@@ -85,6 +85,9 @@ def _check(tp: Any, value: Any, key: list[str | int], default: Any = None) -> An
                 value = [value]  # `path: /data/x` is a list of one
             if isinstance(value, list):
                 return [_check(item, v, [*key, i]) for i, v in enumerate(value)]
+        if typing.get_origin(variant) is dict and isinstance(value, dict):
+            _, item = typing.get_args(variant)
+            return {name: _check(item, v, [*key, name]) for name, v in value.items()}
     return value
 
 
@@ -172,8 +175,8 @@ def _validate(config: msgspec.Struct, key: list[str | int]) -> None:
         item = getattr(config, field.name)
         if isinstance(item, msgspec.Struct):
             _validate(item, [*key, field.encode_name])
-        elif isinstance(item, list):
-            for i, element in enumerate(item):
+        elif isinstance(item, list | dict):
+            for i, element in item.items() if isinstance(item, dict) else enumerate(item):
                 if isinstance(element, msgspec.Struct):
                     _validate(element, [*key, field.encode_name, i])
     if isinstance(config, Section):
