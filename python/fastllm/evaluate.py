@@ -60,10 +60,10 @@ def evaluate(config: EvaluateConfig) -> dict[str, dict[str, Any]] | None:
         lm = FastLLMLM(
             model,
             tokenizer,
-            max_length=evaluator.max_length or _context_length(model_directory, tokenizer),
+            max_length=evaluator.max_length or context_length(model_directory, tokenizer),
             batch_size=evaluator.batch_size,
             max_gen_toks=evaluator.max_gen_toks,
-            eos_token_ids=_generation_eos(model_directory),
+            eos_token_ids=generation_eos(model_directory),
         )
         results[name] = run_tasks(lm, evaluator, managers[name])
     if distributed.rank != 0:
@@ -106,7 +106,7 @@ def _hf_config(directory: Path) -> dict[str, Any]:
     return {}
 
 
-def _context_length(directory: Path, tokenizer: PreTrainedTokenizerBase) -> int:
+def context_length(directory: Path, tokenizer: PreTrainedTokenizerBase) -> int:
     """The context length lm-eval's hf backend would use: the config's, else the
     tokenizer's, else 2048."""
     from lm_eval.models.utils import resolve_max_length
@@ -114,7 +114,7 @@ def _context_length(directory: Path, tokenizer: PreTrainedTokenizerBase) -> int:
     return resolve_max_length(SimpleNamespace(**_hf_config(directory)), tokenizer)
 
 
-def _generation_eos(directory: Path) -> list[int] | None:
+def generation_eos(directory: Path) -> list[int] | None:
     """The end-of-sequence tokens of generation_config.json (what `generate` stops at in the
     hf backend), if the directory has one."""
     path = directory / "generation_config.json"

@@ -64,8 +64,9 @@ def test_every_request_gets_the_hf_backends_response(
     import fastllm
     from fastllm.evaluation.lm_eval_model import FastLLMLM
 
+    model = fastllm.load_model(model_directory).train()  # as a model being trained is
     lm = FastLLMLM(
-        fastllm.load_model(model_directory),
+        model,
         AutoTokenizer.from_pretrained(str(model_directory)),
         max_length=CONTEXT,
         batch_size=3,  # other batches than the backend's
@@ -77,6 +78,7 @@ def test_every_request_gets_the_hf_backends_response(
         bootstrap_iters=0,
     )
     assert ours is not None
+    assert model.training  # evaluated in eval mode, then given back as it came
     theirs = hf_backend_results
     compared = {"loglikelihood": 0, "loglikelihood_rolling": 0, "generate_until": 0}
     for task in TASKS:

@@ -10,8 +10,9 @@ through this class's collectives."""
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -198,6 +199,17 @@ class FastLLMLM(TemplateLM):
                 self.cache_hook.add_partial("loglikelihood", strings, result)
         return results
 
+    @contextlib.contextmanager
+    def _in_eval_mode(self) -> Iterator[None]:
+        """The model without dropout while it answers, then in the mode it was in (a model
+        being trained goes back to training)."""
+        training = self.model.training
+        self.model.eval()
+        try:
+            yield
+        finally:
+            self.model.train(training)
+
     def _hidden_states(self, rows: list[tuple[int, ...]]) -> Tensor:
         """Final-normed hidden states of `rows`, right-padded to the longest: a padded
         position comes after every real one, which causal attention never lets it reach."""
@@ -205,7 +217,7 @@ class FastLLMLM(TemplateLM):
         ids = torch.zeros(len(rows), length, dtype=torch.long)
         for b, tokens in enumerate(rows):
             ids[b, : len(tokens)] = torch.tensor(tokens)
-        with torch.no_grad():
+        with torch.no_grad(), self._in_eval_mode():
             hidden, _ = self.model.hidden_states(ids.to(self.device, non_blocking=True))
         return hidden
 
@@ -291,10 +303,11 @@ class FastLLMLM(TemplateLM):
         if not options.get("do_sample") and options.get("temperature", 0.0) == 0.0:
             options = {**options, "do_sample": False}
             options.pop("temperature", None)
-        if self._generator is None:
-            self._generator = FastLLMForCausalLM.wrap(self.model)
+        with self._in_eval_mode():  # wrap() sets eval mode too
+            if self._generator is None:
+                self._generator = FastLLMForCausalLM.wrap(self.model)
         stopping = stop_sequences_criteria(self.tokenizer, until, ids.shape[1], ids.shape[0])
-        with torch.no_grad():
+        with torch.no_grad(), self._in_eval_mode():
             return self._generator.generate(
                 input_ids=ids,
                 attention_mask=mask,
