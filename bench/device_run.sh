@@ -19,6 +19,7 @@
 #   nvidia-h200-x4: bash bench/device_run.sh HASH layouts-x4   (issue 19)
 #   nvidia-h200:    bash bench/device_run.sh HASH lora-7b lora-8b   (issue 34: LoRA on one GPU)
 #   nvidia-h200:    bash bench/device_run.sh HASH energy-1b   (issue 36: logged energy against NVML)
+#   nvidia-h200:    bash bench/device_run.sh HASH lmeval-1b   (issue 36; carry .whl: lm-eval's wheels)
 # A second setting of a train part in the same call (its results under train_MODEL_TAG):
 #   ... && APPEND=1 SYSTEMS=fastllm SET=model.multi_stage.recompute=none TAG=store \
 #          bash bench/device_run.sh HASH train-1b
@@ -39,7 +40,8 @@
 # attention (cuDNN attention by memory layout and head grouping, issue 16); energy (the
 # joules a step's matmuls and attention take at the power limit, issue 16); energy-1b (issue
 # 36: a llama-1b run's logged energy against NVML read by the benchmark); lora-7b, lora-8b
-# (issue 34: LoRA rank 16 against full fine-tuning and HF + PEFT + compile; llama-8b with LoRA).
+# (issue 34: LoRA rank 16 against full fine-tuning and HF + PEFT + compile; llama-8b with LoRA);
+# lmeval-1b (issue 36: lm-eval's hf backend against fastllm's model interface on llama-1b).
 set -uo pipefail
 COMMIT=$1
 shift
@@ -367,6 +369,16 @@ write_random_dataset(Path('/tmp/freeze1b/data'), vocab_size=128256, tokens=8_000
       python3 bench/moe_bench.py ${MOE_ARGS:-} --timeout 150 --commit "$COMMIT" \
         --out "$RES/moe${TAG:+_$TAG}" 2>&1 | tail -20
       rm -rf "$RES/moe${TAG:+_$TAG}"/work/{dataset,caches,exp_*} ;;
+    lmeval-1b)
+      # Issue 36: lm-eval 0.4.13's hf backend (batch_size=auto) against FastLLMLM (what
+      # `fastllm evaluate` runs) on a random llama-1b in bf16, each in a fresh process: 2,000
+      # four-choice documents of 200-token contexts, then 200 prompts of 200 tokens with 64
+      # greedy tokens; wall times with the model's load, agreement per document. lm-eval and
+      # its pure-Python needs come as wheels in LMEVAL_WHEELS (default .whl, carried).
+      for wheel in "${LMEVAL_WHEELS:-.whl}"/*.whl; do python3 -m zipfile -e "$wheel" "$SITE"; done
+      python3 -c "import lm_eval, datasets, pytablewriter" || return 1
+      python3 bench/lm_eval_bench.py ${LMEVAL_ARGS:-} --commit "$COMMIT" \
+        --out "$RES/lm_eval_1b${TAG:+_$TAG}" 2>&1 | grep -v "it/s\]" | tail -12 ;;
     *) echo "unknown part $1"; return 2 ;;
   esac
 }

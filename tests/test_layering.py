@@ -2,8 +2,9 @@
 up, and no package is in an import cycle. Read from the sources (every import statement,
 including those inside functions and under TYPE_CHECKING), not from what a run imports.
 
-Floors, lowest first: config → kernels, parallel, data → model → checkpoint → engine →
-training → cli/api (the top-level modules of `fastllm`)."""
+Floors, lowest first: config → kernels, parallel, data → model (with hf, the `transformers`
+wrapper of the model) → checkpoint → engine → training, evaluation → cli/api (the other
+top-level modules of `fastllm`)."""
 
 from __future__ import annotations
 
@@ -20,11 +21,11 @@ SOURCES = {
 FLOORS = [
     {"config"},
     {"kernels", "parallel", "data", "_native"},
-    {"model"},
+    {"model", "hf"},
     {"checkpoint"},
     {"engine"},
-    {"training"},
-    {"cli", "cli_reference", "api", "hf", "generation", "demo", "__init__"},
+    {"training", "evaluation"},
+    {"cli", "cli_reference", "api", "generation", "evaluate", "demo", "__init__"},
 ]
 """Each package's floor; a top-level module of `fastllm` is its own package."""
 

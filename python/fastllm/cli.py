@@ -211,6 +211,20 @@ def _generate(args: argparse.Namespace) -> None:
     )
 
 
+def _evaluate(args: argparse.Namespace) -> None:
+    from fastllm.config import load_raw
+    from fastllm.config.evaluate import evaluate_config
+    from fastllm.evaluate import evaluate
+
+    _, overrides = _split_family(args.arguments)
+    evaluate(evaluate_config(load_raw(args.config, overrides)))
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # no rank tears down the group while another still uses it
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def _schedule(args: argparse.Namespace) -> None:
     from fastllm.engine.schedule.simulator import report
 
@@ -336,6 +350,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="convert a checkpoint between fastllm and Hugging Face formats",
         description="Example: fastllm convert gpt input.format=llama input.path=HF_DIR "
         "output.format=fastllm output.path=OUT (output.type is a synonym of output.format)",
+    )
+
+    _config_command(
+        commands,
+        "evaluate",
+        _evaluate,
+        help="run lm-eval-harness tasks on a model (alone or under torchrun)",
+        description="Example: fastllm evaluate pretrained.path=MODEL_DIR "
+        "evaluators.mc.tasks=[hellaswag,arc_easy] evaluators.mc.num_fewshot=0; a training "
+        "config may be given with -c (its pretrained section names the model, its training "
+        "sections are ignored). Results go to evaluation.json in the model's directory (or "
+        "output=FILE) and are printed as lm-eval's tables.",
     )
 
     schedule = _config_command(

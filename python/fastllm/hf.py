@@ -44,7 +44,9 @@ class FastLLMConfig(PretrainedConfig):
 class FastLLMForCausalLM(PreTrainedModel, GenerationMixin):
     """A fastllm `GPTModel` as a `transformers` causal language model, so that `generate()`
     (with a `DynamicCache` of keys and values) and the rest of `transformers`' tooling run on
-    it. Make one with `wrap`; one sequence at a time (a padded batch is refused)."""
+    it. Make one with `wrap`. A batch of prompts of different lengths is left-padded, with an
+    `attention_mask` that is 0 on the padding (what a tokenizer with `padding_side="left"`
+    gives): each prompt's positions start at 0 after its padding, which no token attends to."""
 
     config_class = FastLLMConfig
     base_model_prefix = "model"
@@ -80,15 +82,16 @@ class FastLLMForCausalLM(PreTrainedModel, GenerationMixin):
     ) -> CausalLMOutputWithPast:
         """Logits of `input_ids` (batch, tokens), extending `cache` (or `past_key_values`) when
         `use_cache` is not False; with `labels`, also the mean cross-entropy of each position's
-        next-token prediction. A `NotImplementedError` for an `attention_mask` with a zero."""
-        if attention_mask is not None and not bool(attention_mask.all()):
-            raise NotImplementedError(
-                "padded batches are not supported: generate one prompt at a time"
-            )
+        next-token prediction. `attention_mask` (batch, cached + new tokens) marks left padding
+        with 0; a `ValueError` for a 0 after a 1 (right or inner padding)."""
         cache = cache if cache is not None else past_key_values  # transformers ≥ 5.24 / older
         if use_cache and cache is None:
             cache = DynamicCache()
-        logits = self.model(input_ids, cache=cache if use_cache is not False else None)
+        logits = self.model(
+            input_ids,
+            cache=cache if use_cache is not False else None,
+            document_ids=_padding_documents(attention_mask),
+        )
         loss = None
         if labels is not None:
             shifted = labels[:, 1:].reshape(-1)
@@ -96,6 +99,18 @@ class FastLLMForCausalLM(PreTrainedModel, GenerationMixin):
                 logits[:, :-1].reshape(-1, logits.shape[-1]).float(), shifted
             )
         return CausalLMOutputWithPast(loss=loss, logits=logits, **{_CACHE_FIELD: cache})
+
+
+def _padding_documents(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """Left padding as document ids over the keys: the padding one document (0), the tokens
+    after it another (1), so that attention stays within each and positions restart at the
+    first token; None when nothing is padded (the unmasked kernels)."""
+    if attention_mask is None or bool(attention_mask.all()):
+        return None
+    documents = attention_mask.long()
+    if bool((documents[:, 1:] < documents[:, :-1]).any()):
+        raise ValueError("attention_mask: only left padding is supported (0s before the 1s)")
+    return documents
 
 
 _CACHE_FIELD = (

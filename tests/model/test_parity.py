@@ -151,6 +151,25 @@ def test_generate_matches_transformers_greedy_decoding(architecture: str, tmp_pa
     assert torch.equal(ours.generate(prompt, **settings), expected)
 
 
+def test_generate_matches_transformers_on_a_left_padded_batch(tmp_path: Path) -> None:
+    from fastllm.hf import FastLLMForCausalLM
+
+    theirs = save_hf_model("llama", tmp_path)
+    ours = FastLLMForCausalLM.wrap(fastllm.load_model(tmp_path))
+    prompts = torch.tensor(
+        [[0, 0, 0, 5, 17, 33, 8], [0, 9, 41, 3, 60, 2, 41], [7, 1, 88, 5, 17, 4, 8]]
+    )
+    mask = (torch.arange(7) >= torch.tensor([[3], [1], [0]])).long()
+    settings = {"max_new_tokens": 10, "do_sample": False, "eos_token_id": None, "pad_token_id": 0}
+    expected = theirs.generate(prompts, attention_mask=mask, **settings)
+    assert torch.equal(ours.generate(prompts, attention_mask=mask, **settings), expected)
+    # Each row as the prompt alone gives it: padding changes nothing.
+    alone = ours.generate(prompts[:1, 3:], **settings)
+    assert torch.equal(alone[0], expected[0, 3:])
+    with pytest.raises(ValueError, match="only left padding"):
+        ours(prompts, attention_mask=mask.flip(1))
+
+
 @pytest.mark.parametrize(
     "yarn",
     [

@@ -1,0 +1,320 @@
+"""lm-evaluation-harness's model interface on a fastllm `GPTModel`, computed as its `hf` backend
+computes it (the same tokenization, truncation, rolling windows, stop sequences and greedy
+decoding), so that a task's results agree with that backend's on the same weights.
+
+What differs is how: requests that feed the model the same tokens share one row, rows are sorted
+by length and batched, only the scored positions go through the head (no batch of logits), and a
+batch of prompts is generated at once, left-padded, through the KV cache. Under torchrun each
+data-parallel rank scores the documents lm-eval gives it, and lm-eval gathers the metrics
+through this class's collectives."""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from lm_eval.api.model import TemplateLM
+from lm_eval.models.utils import (
+    Collator,
+    configure_pad_token,
+    handle_stop_sequences,
+    has_bos_prefix,
+    normalize_gen_kwargs,
+    postprocess_generated_text,
+)
+from lm_eval.models.utils_hf import stop_sequences_criteria
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from torch import Tensor
+
+from fastllm.evaluation.scoring import token_log_probs
+from fastllm.hf import FastLLMForCausalLM
+from fastllm.model import GPTModel
+
+if TYPE_CHECKING:
+    from lm_eval.api.instance import Instance
+    from transformers import PreTrainedTokenizerBase
+
+Scored = tuple[tuple[str, str] | None, list[int], list[int]]
+"""lm-eval's tokenized loglikelihood request: (strings, context tokens, continuation tokens)."""
+
+
+class FastLLMLM(TemplateLM):
+    """lm-eval's `LM` on `model` (whole, on this process: not split over tensor or pipeline
+    ranks), tokenizing with `tokenizer` (the model directory's, as `AutoTokenizer` loads it).
+
+    `max_length`: the context length (lm-eval's hf backend takes `max_position_embeddings`
+    from config.json, else 2048); `batch_size`: rows per forward pass; `eos_token_ids`: the
+    tokens that end a generation (the generation config's; default the tokenizer's
+    end-of-sequence). `group`: the data-parallel ranks that split the documents (default: all
+    ranks when torch.distributed is initialized)."""
+
+    def __init__(
+        self,
+        model: GPTModel,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        max_length: int,
+        batch_size: int = 16,
+        max_gen_toks: int = 256,
+        eos_token_ids: Sequence[int] | None = None,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__()
+        if model.tensor.split:
+            raise ValueError("lm-eval runs on a whole model, not one tensor rank's slice of it")
+        self.model = model
+        self.tokenizer = configure_pad_token(tokenizer)
+        self._max_length, self._batch_size, self._max_gen_toks = (
+            max_length,
+            batch_size,
+            max_gen_toks,
+        )
+        self._device = next(model.parameters()).device
+        self.group = group
+        if dist.is_initialized():
+            self._rank, self._world_size = dist.get_rank(group), dist.get_world_size(group)
+        eos = [self.eot_token_id] if eos_token_ids is None else list(eos_token_ids)
+        self._eos_token_ids = eos
+        self._generator: FastLLMForCausalLM | None = None
+
+    # The sizes and tokens lm-eval reads.
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        """The token a context-less request is scored after: BOS, else EOS (as the hf backend)."""
+        bos = self.tokenizer.bos_token_id
+        return bos if bos is not None else self.tokenizer.eos_token_id
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    @property
+    def max_gen_toks(self) -> int:
+        return self._max_gen_toks
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch_size
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def tokenizer_name(self) -> str:
+        return self.tokenizer.name_or_path.replace("/", "__")
+
+    def tok_encode(
+        self, string: str, add_special_tokens: bool | None = None, **kwargs: Any
+    ) -> list[int]:
+        """The tokenizer's own special tokens (BOS where it adds one), unless the string starts
+        with BOS already or `add_special_tokens` says otherwise."""
+        options = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
+        if add_special_tokens is None and has_bos_prefix(
+            string, self.tokenizer.decode(self.prefix_token_id)
+        ):
+            options["add_special_tokens"] = False
+        return self.tokenizer.encode(string, **options)
+
+    def tok_decode(self, tokens: int | list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
+
+    # Collectives over the data-parallel ranks, which lm-eval's `evaluate` calls.
+    def all_gather(self, tensor: Tensor) -> Tensor:
+        if self.world_size == 1:
+            return tensor
+        pieces = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(pieces, tensor.contiguous(), group=self.group)
+        return torch.stack(pieces) if tensor.dim() == 0 else torch.cat(pieces)
+
+    def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        if self.world_size == 1:
+            return [obj]
+        gathered = [None] * self.world_size if self.rank == dst else None
+        root = dst if self.group is None else dist.get_global_rank(self.group, dst)
+        dist.gather_object(obj, gathered, dst=root, group=self.group)
+        return gathered
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.group)
+
+    # Scoring.
+    def _loglikelihood_tokens(
+        self, requests: list[Scored], disable_tqdm: bool = False, **_: Any
+    ) -> list[tuple[float, bool]]:
+        """(log p(continuation | context), whether greedy decoding gives the continuation) of
+        each request. The model reads (context + continuation)[:-1], cut from the left to
+        `max_length` tokens; the last len(continuation) positions are scored."""
+        rows: dict[tuple[int, ...], int] = {}
+        scored = []  # per request: its row and continuation
+        for _, context, continuation in requests:
+            if not context or not continuation or len(continuation) > self.max_length:
+                raise ValueError(
+                    f"bad loglikelihood request: {len(context)} context and "
+                    f"{len(continuation)} continuation tokens (max_length {self.max_length})"
+                )
+            tokens = tuple((context + continuation)[-(self.max_length + 1) :][:-1])
+            scored.append((rows.setdefault(tokens, len(rows)), continuation))
+        by_row: dict[int, list[int]] = defaultdict(list)
+        for index, (row, _) in enumerate(scored):
+            by_row[row].append(index)
+        inputs = sorted(rows.items(), key=lambda item: (-len(item[0]), item[0]))
+        results: list[tuple[float, bool]] = [(0.0, False)] * len(requests)
+        for start in range(0, len(inputs), self.batch_size):
+            batch = inputs[start : start + self.batch_size]
+            hidden = self._hidden_states([tokens for tokens, _ in batch])
+            requests_here = [i for _, row in batch for i in by_row[row]]
+            batch_index, position, target = [], [], []
+            for b, (tokens, row) in enumerate(batch):
+                for i in by_row[row]:
+                    continuation = scored[i][1]
+                    batch_index += [b] * len(continuation)
+                    position += range(len(tokens) - len(continuation), len(tokens))
+                    target += continuation
+            index = torch.tensor([batch_index, position], device=self.device)
+            log_probs, greedy = token_log_probs(
+                hidden[index[0], index[1]],
+                self.model.head_weight,
+                torch.tensor(target, device=self.device),
+            )
+            lengths = [len(scored[i][1]) for i in requests_here]
+            for i, lp, g in zip(
+                requests_here,
+                log_probs.split(lengths),
+                greedy.split(lengths),
+                strict=True,
+            ):
+                results[i] = (float(lp.sum()), bool(g.all()))
+        for (strings, _, _), result in zip(requests, results, strict=True):
+            if strings is not None:
+                self.cache_hook.add_partial("loglikelihood", strings, result)
+        return results
+
+    @contextlib.contextmanager
+    def _in_eval_mode(self) -> Iterator[None]:
+        """The model without dropout while it answers, then in the mode it was in (a model
+        being trained goes back to training)."""
+        training = self.model.training
+        self.model.eval()
+        try:
+            yield
+        finally:
+            self.model.train(training)
+
+    def _hidden_states(self, rows: list[tuple[int, ...]]) -> Tensor:
+        """Final-normed hidden states of `rows`, right-padded to the longest: a padded
+        position comes after every real one, which causal attention never lets it reach."""
+        length = len(rows[0])
+        ids = torch.zeros(len(rows), length, dtype=torch.long)
+        for b, tokens in enumerate(rows):
+            ids[b, : len(tokens)] = torch.tensor(tokens)
+        with torch.no_grad(), self._in_eval_mode():
+            hidden, _ = self.model.hidden_states(ids.to(self.device, non_blocking=True))
+        return hidden
+
+    def loglikelihood_rolling(
+        self, requests: list[Instance], disable_tqdm: bool = False
+    ) -> list[float]:
+        """The log-likelihood of each whole text, over disjoint windows of `max_length` tokens
+        that each see the previous window's last token (the first one sees the prefix token)."""
+        windows: list[Scored] = []
+        counts = []
+        for (text,) in (request.args for request in requests):
+            pieces = [
+                make_disjoint_window(window)
+                for window in get_rolling_token_windows(
+                    token_list=self.tok_encode(text),
+                    prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length,
+                    context_len=1,
+                )
+            ]
+            windows += [(None, context, continuation) for context, continuation in pieces]
+            counts.append(len(pieces))
+        scores = iter(self._loglikelihood_tokens(windows))
+        totals = []
+        for request, count in zip(requests, counts, strict=True):
+            totals.append(sum(next(scores)[0] for _ in range(count)))
+            self.cache_hook.add_partial("loglikelihood_rolling", request.args, totals[-1])
+        return totals
+
+    # Generation.
+    def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
+        """Each prompt's continuation, up to the first stop sequence (`until`, and the
+        end-of-sequence token) or `max_gen_toks` tokens. Prompts of the same generation
+        settings are generated together, longest first, `batch_size` at a time."""
+        eos = self.tok_decode(self.eot_token_id, skip_special_tokens=False)
+        collator = Collator(
+            [request.args for request in requests],
+            sort_fn=lambda args: (-len(self.tok_encode(args[0])), args[0]),
+            group_by="gen_kwargs",
+            group_fn=lambda args: args[1],
+        )
+        texts = []
+        for chunk in collator.get_batched(n=self.batch_size):
+            contexts, settings = zip(*chunk, strict=True)
+            options = dict(normalize_gen_kwargs(settings[0], self.max_gen_toks))
+            until = handle_stop_sequences(options.pop("until", None), eos=eos)
+            max_gen_toks = options.pop("max_gen_toks")
+            if max_gen_toks >= self.max_length:
+                raise ValueError(
+                    f"max_gen_toks {max_gen_toks} leaves no room for a prompt in "
+                    f"{self.max_length} tokens"
+                )
+            ids, mask = self._left_padded(list(contexts), self.max_length - max_gen_toks)
+            output = self._generate(ids, mask, until, max_gen_toks, options)
+            for context, tokens in zip(contexts, output[:, ids.shape[1] :].tolist(), strict=True):
+                text = postprocess_generated_text(self.tok_decode(tokens), until, None)
+                texts.append(text)
+                self.cache_hook.add_partial("generate_until", (context, settings[0]), text)
+        return collator.get_original(texts)
+
+    def _left_padded(self, texts: list[str], max_tokens: int) -> tuple[Tensor, Tensor]:
+        """The prompts' tokens, left-padded to the longest and cut from the left to
+        `max_tokens`, and their attention mask (0 on the padding)."""
+        options = {}
+        if has_bos_prefix(texts[0], getattr(self.tokenizer, "bos_token", None)):
+            options["add_special_tokens"] = False
+        side, self.tokenizer.padding_side = self.tokenizer.padding_side, "left"
+        try:
+            encoding = self.tokenizer(texts, padding="longest", return_tensors="pt", **options)
+        finally:
+            self.tokenizer.padding_side = side
+        ids, mask = (
+            encoding["input_ids"][:, -max_tokens:],
+            encoding["attention_mask"][:, -max_tokens:],
+        )
+        return ids.to(self.device), mask.to(self.device)
+
+    def _generate(
+        self, ids: Tensor, mask: Tensor, until: list[str], max_gen_toks: int, options: dict
+    ) -> Tensor:
+        """`generate()` of the `transformers` wrapper, with the hf backend's settings: greedy
+        unless sampling was asked for, each stop sequence a stopping criterion."""
+        if not options.get("do_sample") and options.get("temperature", 0.0) == 0.0:
+            options = {**options, "do_sample": False}
+            options.pop("temperature", None)
+        with self._in_eval_mode():  # wrap() sets eval mode too
+            if self._generator is None:
+                self._generator = FastLLMForCausalLM.wrap(self.model)
+        stopping = stop_sequences_criteria(self.tokenizer, until, ids.shape[1], ids.shape[0])
+        with torch.no_grad(), self._in_eval_mode():
+            return self._generator.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=max_gen_toks,
+                stopping_criteria=stopping,
+                eos_token_id=self._eos_token_ids,
+                pad_token_id=self.tokenizer.pad_token_id,
+                use_cache=True,
+                **options,
+            )

@@ -1,0 +1,130 @@
+"""lm-eval-harness on fastllm: the model interface (`FastLLMLM`) and `fastllm evaluate` against
+lm-eval's own `hf` backend on the same Hugging Face checkpoint, in fp32: the same response to
+every request (log-likelihoods within 1e-4, the same greedy flags, the same generated text),
+hence the same metrics; and two data-parallel ranks give the results of one."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.data.conftest import CliResult, run_cli
+from tests.evaluation.conftest import CONTEXT, TASKS, TASKS_DIRECTORY
+from tests.torchrun import torchrun
+
+
+def evaluate_arguments(model: Path, output: Path, *overrides: str) -> list[str]:
+    """`fastllm evaluate` of the test tasks, given as the issue's users give it: a training
+    config, the checkpoint in `pretrained.path`, an evaluator named on the command line."""
+    return [
+        "evaluate", "-c", "examples/llama3-1b.yaml", f"pretrained.path={model}",
+        f"evaluators.tiny.tasks={TASKS}", f"evaluators.tiny.include_path={TASKS_DIRECTORY}",
+        "evaluators.tiny.batch_size=3", "evaluators.tiny.bootstrap_iters=0", f"output={output}",
+        *overrides,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def one_process(model_directory: Path, tmp_path_factory: pytest.TempPathFactory) -> CliResult:
+    output = tmp_path_factory.mktemp("one_process") / "results.json"
+    with pytest.MonkeyPatch.context() as patch:  # the kernels' torch references, as in conftest
+        patch.delenv("TRITON_INTERPRET", raising=False)
+        return run_cli(*evaluate_arguments(model_directory, output))
+
+
+def metrics(results: dict[str, Any]) -> dict[str, dict[str, float]]:
+    return {
+        task: {k: v for k, v in values.items() if isinstance(v, float | int) and "," in k}
+        for task, values in results["results"].items()
+    }
+
+
+def assert_same_metrics(ours: dict[str, Any], theirs: dict[str, Any]) -> None:
+    """Accuracies equal; perplexities, which sum log-likelihoods, to fp32 rounding."""
+    ours_metrics, their_metrics = metrics(ours), metrics(theirs)
+    assert ours_metrics.keys() == their_metrics.keys() == set(TASKS)
+    for task, values in their_metrics.items():
+        assert ours_metrics[task].keys() == values.keys()
+        for name, value in values.items():
+            assert math.isclose(ours_metrics[task][name], value, rel_tol=1e-6), (task, name)
+        assert ours["results"][task]["sample_len"] == theirs["results"][task]["sample_len"]
+
+
+def test_every_request_gets_the_hf_backends_response(
+    model_directory: Path, hf_backend_results: dict[str, Any]
+) -> None:
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+    from transformers import AutoTokenizer
+
+    import fastllm
+    from fastllm.evaluation.lm_eval_model import FastLLMLM
+
+    model = fastllm.load_model(model_directory).train()  # as a model being trained is
+    lm = FastLLMLM(
+        model,
+        AutoTokenizer.from_pretrained(str(model_directory)),
+        max_length=CONTEXT,
+        batch_size=3,  # other batches than the backend's
+    )
+    ours = simple_evaluate(
+        model=lm,
+        tasks=TASKS,
+        task_manager=TaskManager(include_path=str(TASKS_DIRECTORY), include_defaults=False),
+        bootstrap_iters=0,
+    )
+    assert ours is not None
+    assert model.training  # evaluated in eval mode, then given back as it came
+    theirs = hf_backend_results
+    compared = {"loglikelihood": 0, "loglikelihood_rolling": 0, "generate_until": 0}
+    for task in TASKS:
+        for mine, reference in zip(ours["samples"][task], theirs["samples"][task], strict=True):
+            assert mine["doc_id"] == reference["doc_id"]
+            for response, expected in zip(mine["resps"], reference["resps"], strict=True):
+                (response,), (expected,) = response, expected
+                if isinstance(expected, tuple):  # (log-likelihood, is_greedy)
+                    assert abs(response[0] - expected[0]) <= 1e-4, (task, response, expected)
+                    assert response[1] == expected[1], (task, response, expected)
+                    compared["loglikelihood"] += 1
+                elif isinstance(expected, float):
+                    assert abs(response - expected) <= 1e-4, (task, response, expected)
+                    compared["loglikelihood_rolling"] += 1
+                else:
+                    assert response == expected, task
+                    compared["generate_until"] += 1
+    assert compared == {"loglikelihood": 64, "loglikelihood_rolling": 6, "generate_until": 10}
+    assert_same_metrics(ours, theirs)
+
+
+def test_evaluate_command_gives_the_hf_backends_results(
+    one_process: CliResult, hf_backend_results: dict[str, Any]
+) -> None:
+    assert one_process.returncode == 0, one_process.stderr
+    output = Path(one_process.stdout.strip().splitlines()[-1].removeprefix("results: "))
+    results = json.loads(output.read_text())
+    assert results.keys() == {"tiny"}
+    assert_same_metrics(results["tiny"], hf_backend_results)
+    assert "|fastllm_multiple_choice|" in one_process.stdout.replace(" ", "")  # lm-eval's table
+
+
+def test_two_data_parallel_ranks_give_the_results_of_one(
+    model_directory: Path, one_process: CliResult, tmp_path: Path
+) -> None:
+    output = tmp_path / "results.json"
+    launch = torchrun(2, *evaluate_arguments(model_directory, output))
+    assert launch.returncode == 0, launch.stderr
+    single = json.loads(Path(one_process.stdout.strip().splitlines()[-1][9:]).read_text())
+    assert_same_metrics(json.loads(output.read_text())["tiny"], single["tiny"])
+
+
+def test_bad_input_is_refused_naming_the_key(model_directory: Path, tmp_path: Path) -> None:
+    output = tmp_path / "results.json"
+    missing = run_cli(*evaluate_arguments(tmp_path / "nowhere", output))
+    assert missing.returncode == 2
+    assert "pretrained.path" in missing.stderr and "no such model directory" in missing.stderr
+    no_tasks = run_cli("evaluate", f"pretrained.path={model_directory}", "evaluators.x.limit=3")
+    assert no_tasks.returncode == 2 and "evaluators.x.tasks: is required" in no_tasks.stderr
