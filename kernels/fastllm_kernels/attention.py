@@ -12,7 +12,10 @@ No kernel of our own: the op picks the fastest existing one for the case.
   memory and rules out the cuDNN and flash backends).
 - CPU: SDPA with an explicit boolean mask.
 Masks: query i sees key j when j <= i (causal), i - window_size < j (window; |i - j| < window
-when not causal) and document_ids[b, i] == document_ids[b, j]. Each document must be one
+when not causal), document_ids[b, i] == document_ids[b, j], and with branch_ids (a shared
+prefix: the prompt of a preference pair, branch 0, and its answers, branches 1 and 2, which
+never see each other) branch_ids[b, j] is 0 or branch_ids[b, i]; branches go to flex_attention
+on CUDA and to SDPA with a dense mask elsewhere. Each document must be one
 contiguous run of positions (as packing produces), which is what flash-attn's varlen assumes.
 There may be fewer queries than keys: the queries are then the last positions of the keys (a
 later chunk of a sequence that attends to its earlier chunks' keys too), i and j count key
@@ -54,14 +57,20 @@ def attention(
     window_size: int | None = None,
     document_ids: Tensor | None = None,
     scale: float | None = None,
+    branch_ids: Tensor | None = None,
 ) -> Tensor:
     """q (batch, seq, heads, head_dim), k/v (batch, key_seq ≥ seq, kv_heads, head_dim) → like
-    q; document_ids (batch, key_seq)."""
-    _check(q, k, v, window_size, document_ids)
+    q; document_ids and branch_ids (batch, key_seq)."""
+    _check(q, k, v, window_size, document_ids, branch_ids)
     if window_size is not None and window_size >= k.shape[1]:
         window_size = None  # masks nothing: keep the fastest (dense) kernels
     offset = k.shape[1] - q.shape[1]
     masked = window_size is not None or document_ids is not None or (causal and offset > 0)
+    if branch_ids is not None:  # only the masked kernels of a mask function know branches
+        if q.is_cuda and q.shape[1] >= _FLEX_MIN_KEYS:
+            return _flex(q, k, v, causal, window_size, document_ids, scale, branch_ids)
+        mask = _dense_mask(q, k, causal, window_size, document_ids, branch_ids)
+        return _sdpa(q, k, v, attn_mask=mask, scale=scale)
     if q.is_cuda and not masked:
         with sdpa_kernel(_SDPA_PRIORITY, set_priority=True):
             return _sdpa(q, k, v, is_causal=causal, scale=scale)
@@ -89,21 +98,22 @@ def attention_reference(
     window_size: int | None = None,
     document_ids: Tensor | None = None,
     scale: float | None = None,
+    branch_ids: Tensor | None = None,
 ) -> Tensor:
     """softmax(q·kᵀ·scale + mask)·v in fp32, spelled out."""
-    _check(q, k, v, window_size, document_ids)
+    _check(q, k, v, window_size, document_ids, branch_ids)
     group = q.shape[2] // k.shape[2]
     qf = q.float().transpose(1, 2)
     kf = k.float().repeat_interleave(group, dim=2).transpose(1, 2)
     vf = v.float().repeat_interleave(group, dim=2).transpose(1, 2)
     scores = qf @ kf.transpose(-1, -2) * (scale if scale is not None else q.shape[-1] ** -0.5)
-    mask = _dense_mask(q, k, causal, window_size, document_ids)
+    mask = _dense_mask(q, k, causal, window_size, document_ids, branch_ids)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     return (torch.softmax(scores, dim=-1) @ vf).transpose(1, 2).to(q.dtype)
 
 
-def _check(q, k, v, window_size, document_ids) -> None:
+def _check(q, k, v, window_size, document_ids, branch_ids=None) -> None:
     if (
         q.dim() != 4
         or k.shape != v.shape
@@ -118,14 +128,17 @@ def _check(q, k, v, window_size, document_ids) -> None:
         raise ValueError(f"{q.shape[2]} query heads are not a multiple of {k.shape[2]} kv heads")
     if window_size is not None and window_size < 1:
         raise ValueError(f"window_size must be positive, got {window_size}")
-    if document_ids is not None and document_ids.shape != k.shape[:2]:
-        raise ValueError(f"document_ids must be (batch, key_seq) = {tuple(k.shape[:2])}")
+    for name, ids in (("document_ids", document_ids), ("branch_ids", branch_ids)):
+        if ids is not None and ids.shape != k.shape[:2]:
+            raise ValueError(f"{name} must be (batch, key_seq) = {tuple(k.shape[:2])}")
 
 
-def _dense_mask(q: Tensor, k: Tensor, causal, window_size, document_ids) -> Tensor | None:
+def _dense_mask(
+    q: Tensor, k: Tensor, causal, window_size, document_ids, branch_ids=None
+) -> Tensor | None:
     """Boolean (batch or 1, 1, seq, key_seq) mask, True where attention is allowed; None if
     all."""
-    if not causal and window_size is None and document_ids is None:
+    if not causal and window_size is None and document_ids is None and branch_ids is None:
         return None
     seq, key_seq = q.shape[1], k.shape[1]
     i = torch.arange(key_seq - seq, key_seq, device=q.device)[:, None]
@@ -137,6 +150,9 @@ def _dense_mask(q: Tensor, k: Tensor, causal, window_size, document_ids) -> Tens
     if document_ids is not None:
         queries = document_ids[:, key_seq - seq :]
         mask = mask & (queries[:, None, :, None] == document_ids[:, None, None, :])
+    if branch_ids is not None:
+        queries, keys = branch_ids[:, key_seq - seq :, None], branch_ids[:, None, :]
+        mask = mask & ((keys == 0) | (keys == queries))[:, None]
     return mask
 
 
@@ -167,12 +183,14 @@ def _flash_attn(q, k, v, causal, window_size, document_ids, scale) -> Tensor:
     return out.view(q.shape)
 
 
-def _flex(q, k, v, causal, window_size, document_ids, scale) -> Tensor:
+def _flex(q, k, v, causal, window_size, document_ids, scale, branch_ids=None) -> Tensor:
     seq, key_seq = q.shape[1], k.shape[1]
-    if document_ids is None:  # the same mask for every batch: build it once per shape
+    if document_ids is None and branch_ids is None:  # the same for every batch: build it once
         block_mask = _cached_block_mask(seq, key_seq, causal, window_size, q.device)
     else:
-        block_mask = _block_mask(seq, key_seq, causal, window_size, document_ids, q.device)
+        block_mask = _block_mask(
+            seq, key_seq, causal, window_size, document_ids, q.device, branch_ids
+        )
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     out = _compiled_flex_attention()(
         q, k, v, block_mask=block_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
@@ -199,7 +217,7 @@ def _cached_block_mask(seq, key_seq, causal, window_size, device):
     return _block_mask(seq, key_seq, causal, window_size, None, device)
 
 
-def _block_mask(seq, key_seq, causal, window_size, document_ids, device):
+def _block_mask(seq, key_seq, causal, window_size, document_ids, device, branch_ids=None):
     offset = key_seq - seq  # query q is key position q + offset
 
     def mask_mod(b, h, q, j):
@@ -209,7 +227,10 @@ def _block_mask(seq, key_seq, causal, window_size, document_ids, device):
             keep = keep & (i - j < window_size) & (j - i < window_size)
         if document_ids is not None:
             keep = keep & (document_ids[b, i] == document_ids[b, j])
+        if branch_ids is not None:
+            keep = keep & ((branch_ids[b, j] == 0) | (branch_ids[b, j] == branch_ids[b, i]))
         return keep
 
-    batch = None if document_ids is None else document_ids.shape[0]
+    ids = document_ids if document_ids is not None else branch_ids
+    batch = None if ids is None else ids.shape[0]
     return _compiled_create_block_mask()(mask_mod, batch, None, seq, key_seq, device=device)

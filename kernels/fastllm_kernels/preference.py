@@ -136,6 +136,17 @@ def linear_dpo_reference(
     return losses.mean(), dpo_metrics(policy.detach(), reference, beta)
 
 
+DPO_METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
+"""TRL's names of `dpo_metrics`, in its order."""
+
+
 def dpo_metrics(
     policy_log_probs: Tensor, reference_log_probs: Tensor, beta: float
 ) -> dict[str, Tensor]:

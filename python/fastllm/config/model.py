@@ -292,7 +292,39 @@ class DistillationLossConfig(LossConfig, tag="distillation"):
         return {self.reference_model}
 
 
-Loss = LabelLossConfig | DistillationLossConfig
+class DPOLossConfig(LossConfig, tag="dpo"):
+    """Direct preference optimization (Rafailov et al. 2023) on preference pairs, averaged over
+    the pairs of the global batch: −log σ(β · m) with m the policy's log-probability margin of
+    the chosen over the rejected answer minus the reference model's; the sequence
+    log-probabilities from the fused chunked head. Logs TRL's metrics (rewards/chosen,
+    rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen, logps/rejected)."""
+
+    reference_model: str = "reference"
+    """The reference model, a name of `reference_models` (usually the model it starts from)."""
+    beta: float = 0.1
+    """How far the policy may move from the reference (TRL's default; Fast-LLM's is 1.0)."""
+    label_smoothing: float = 0.0
+    """cDPO: the probability that a pair's preference is flipped, in [0, 0.5) (sigmoid only)."""
+    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
+    """sigmoid: DPO; ipo: IPO's squared loss on the length-normalized margin, as TRL computes
+    it."""
+
+    def validate(self) -> None:
+        super().validate()
+        check_positive(self.beta, "beta")
+        if not 0.0 <= self.label_smoothing < 0.5:
+            raise ConfigError(
+                "label_smoothing", f"must be in [0, 0.5), got {self.label_smoothing}"
+            )
+        if self.label_smoothing and self.loss_type == "ipo":
+            raise ConfigError("label_smoothing", "applies to loss_type sigmoid only")
+
+    @property
+    def reference_models(self) -> set[str]:
+        return {self.reference_model}
+
+
+Loss = LabelLossConfig | DistillationLossConfig | DPOLossConfig
 """Every loss type (a union of the variants, chosen by `type`)."""
 
 
@@ -300,6 +332,16 @@ class HeadConfig(Section):
     losses: dict[str, Loss] = msgspec.field(default_factory=dict)
     """The losses the model trains on, by name (each logged as NAME_loss), weighted and
     summed; none: the label loss alone, logged as loss."""
+
+    def validate(self) -> None:
+        dpo = [name for name, loss in self.losses.items() if isinstance(loss, DPOLossConfig)]
+        if len(dpo) > 1:
+            raise ConfigError("losses", f"{dpo}: one dpo loss at most")
+
+    @property
+    def preference(self) -> bool:
+        """It trains on preference pairs (a dpo loss)."""
+        return any(isinstance(loss, DPOLossConfig) for loss in self.losses.values())
 
     def active_losses(self) -> dict[str, Loss]:
         """`losses`, or the label loss alone when none is given."""

@@ -28,11 +28,33 @@ IGNORED = -100
 
 
 @dataclass(frozen=True)
+class Pairs:
+    """A micro-batch of preference pairs (`data.loader.Batch`; one piece: a pair is never
+    split), what attention, positions and the DPO loss read, on the device."""
+
+    parts: Tensor
+    """(batch, seq): 0 a pair's prompt, 1 its chosen answer, 2 its rejected one, -1 padding:
+    attention's branch ids (each answer sees the prompt, never the other answer)."""
+    positions: Tensor
+    """(batch, seq): both answers continue the prompt's positions."""
+    spans: Tensor
+    """(batch × seq,): 2p for the labelled tokens of pair p's chosen answer, 2p + 1 for its
+    rejected one, -1 elsewhere; pairs p counted in the micro-batch, row by row."""
+    count: int
+    """Pairs in the micro-batch."""
+    share: float
+    """`count` over the pairs of the global batch (over every data rank): the weight of its
+    pair-averaged losses."""
+
+
+@dataclass(frozen=True)
 class MicroBatch:
     pieces: list[Piece]
     """Its `schedule.micro_batch_splits` pieces (one without splits)."""
     weights: list[float]
     """Each piece's trained tokens over those of the global batch (over every data rank)."""
+    pairs: Pairs | None = None
+    """Preference pairs: their parts, positions and spans."""
 
 
 class BatchPreparer:
@@ -54,10 +76,12 @@ class BatchPreparer:
         labels = [self.sequence_data.chunk(batch.labels) for batch in batches]
         counts = [self._piece_counts(chunk) for chunk in labels]
         total = float(sum(sum(piece) for piece in counts))
+        spans = [_pair_spans(batch) if batch.parts is not None else None for batch in batches]
+        pairs = float(sum(count for _, count in filter(None, spans)))
         if self.data.size > 1:
-            summed = torch.tensor(total, device=self.device)
+            summed = torch.tensor([total, pairs], dtype=torch.float64, device=self.device)
             dist.all_reduce(summed, group=self.data.group)
-            total = summed.item()
+            total, pairs = summed.tolist()
         return [
             MicroBatch(
                 self._cut(
@@ -66,9 +90,23 @@ class BatchPreparer:
                     self._attention_documents(batch),
                 ),
                 [count / total if total else 0.0 for count in piece_counts],
+                None if span is None else self._pairs(batch, *span, pairs),
             )
-            for batch, chunk, piece_counts in zip(batches, labels, counts, strict=True)
+            for batch, chunk, piece_counts, span in zip(
+                batches, labels, counts, spans, strict=True
+            )
         ]
+
+    def _pairs(self, batch: Batch, spans: Tensor, count: int, total: float) -> Pairs:
+        assert batch.parts is not None and batch.position_ids is not None
+        device = self.device
+        return Pairs(
+            batch.parts.to(device, torch.int64, non_blocking=True),
+            batch.position_ids.to(device, non_blocking=True),
+            spans.to(device, non_blocking=True),
+            count,
+            count / total if total else 0.0,
+        )
 
     def _cut(self, input_ids: Tensor, labels: Tensor, documents: Tensor | None) -> list[Piece]:
         """The micro-batch's pieces: their token ids and labels, and the document ids from the
@@ -98,6 +136,23 @@ class BatchPreparer:
         where plain causal attention (the fastest kernels) is the same. With sequence-data
         parallelism, those of the sequences up to the end of this rank's chunk."""
         ids = batch.document_ids
+        if batch.parts is not None:  # preference pairs: each keeps to itself, always
+            return ids.to(self.device, non_blocking=True)
         if self.cross_document_attention or bool((ids == ids[:, :1]).all()):
             return None
         return self.sequence_data.prefix(ids).to(self.device, non_blocking=True)
+
+
+def _pair_spans(batch: Batch) -> tuple[Tensor, int]:
+    """`Pairs.spans` of a micro-batch of preference pairs, and the number of pairs."""
+    assert batch.parts is not None
+    parts, labels = batch.parts.long(), batch.labels
+    documents = batch.document_ids.long()
+    rows = torch.arange(parts.shape[0])[:, None].expand_as(parts)
+    answer = (labels != IGNORED) & (parts > 0)
+    keys = rows * (int(documents.max()) + 1) + documents  # one per pair of the micro-batch
+    _, pair = torch.unique(keys[answer], return_inverse=True)
+    spans = torch.full(parts.shape, -1, dtype=torch.int64)
+    spans[answer] = 2 * pair + parts[answer] - 1
+    return spans.reshape(-1), int(pair.max()) + 1 if pair.numel() else 0
+

@@ -96,19 +96,25 @@ class Engine:
         return summed[0]
 
     def take_named_losses(self) -> dict[str, float]:
-        """With several head losses: each of the last passes' (NAME_loss, its mean over the
-        global batch, unweighted), as `forward_backward` and `evaluate` return the total."""
-        names = self.runner.losses
-        if len(names) < 2 or self._named is None:
+        """The last passes' head losses when there are several (NAME_loss, each its mean over
+        the global batch, unweighted, as `forward_backward` and `evaluate` return the total)
+        and DPO's metrics (TRL's names, means over the pairs)."""
+        if self._named is None:
             return {}
         values, self._named = self._named.tolist(), None
-        return {f"{name}_loss": value for name, value in zip(names, values, strict=True)}
+        losses = self.runner.losses
+        named = dict(zip(self.runner.named_keys, values, strict=True))
+        return {
+            (f"{key}_loss" if key in losses else key): value
+            for key, value in named.items()
+            if key not in losses or len(losses) > 1
+        }
 
     def _with_named(self, total: Tensor) -> Tensor:
-        """[total, each head loss's part on this rank] (zeros on ranks that hold no head): one
-        reduction for all."""
+        """[total, each head loss's and metric's part on this rank] (zeros on ranks that hold
+        no head): one reduction for all."""
         named = self.runner.named_losses
-        parts = [named.get(name, torch.zeros_like(total)) for name in self.runner.losses]
+        parts = [named.get(key, torch.zeros_like(total)) for key in self.runner.named_keys]
         return torch.stack([total, *(part.to(total.dtype) for part in parts)])
 
     def optimizer_step(self) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Reference models (`reference_models`): frozen models run beside the trained one, forward
-passes only, their final hidden states handed to the head losses that read them (a
-distillation teacher). Each is a `GPTModel` of its checkpoint's architecture on the trained
+passes only, what the head losses read of them handed over: a distillation teacher's final
+hidden states, a DPO reference's log-probabilities of each answer. Each is a `GPTModel` of its checkpoint's architecture on the trained
 model's mesh (tensor-parallel slices, ZeRO-3 shards), all of its parameters in weights-only
 buffers: no gradients, no optimizer state, no autograd graph."""
 
@@ -19,10 +19,11 @@ from fastllm.checkpoint import peft
 from fastllm.checkpoint.formats import open_model
 from fastllm.config.model import HeadConfig
 from fastllm.config.trainer import ReferenceModelConfig
+from fastllm.engine.batch import Pairs
 from fastllm.engine.model_stages import ModelStages
 from fastllm.engine.weights_io import load_full_parameters
 from fastllm.model.gpt import GPTModel
-from fastllm.model.head_losses import Teacher
+from fastllm.model.head_losses import Teacher, sequence_log_probs
 from fastllm.model.parameters import freeze
 from fastllm.parallel.mesh import ParallelMesh
 
@@ -33,13 +34,32 @@ class ReferenceModel:
     stages: ModelStages
 
     @torch.no_grad()
-    def teacher(self, input_ids: Tensor, document_ids: Tensor | None) -> Teacher:
-        """Its final-normed hidden states for `input_ids` and its head."""
+    def teacher(
+        self,
+        input_ids: Tensor,
+        labels: Tensor,
+        document_ids: Tensor | None,
+        pairs: Pairs | None,
+        *,
+        hidden: bool,
+    ) -> Teacher:
+        """What the losses read of it for these tokens: with `hidden`, its final-normed hidden
+        states and its head; for preference `pairs`, each answer's log-probability."""
         model = self.model
-        context = model.context(input_ids, document_ids=document_ids)
-        hidden, _ = model.run_positions(0, len(model.layers) + 1, input_ids, context)
+        context = model.context(
+            input_ids,
+            document_ids=document_ids,
+            position_ids=None if pairs is None else pairs.positions,
+            branch_ids=None if pairs is None else pairs.parts,
+        )
+        states, _ = model.run_positions(0, len(model.layers) + 1, input_ids, context)
         self.stages.release_weights()  # ZeRO-3: its gathered weights until the next micro-batch
-        return Teacher(hidden, model.head_weight)
+        log_probs = None
+        if pairs is not None:
+            log_probs = sequence_log_probs(model, states, labels, pairs.spans)
+        if not hidden:
+            return Teacher(log_probs=log_probs)
+        return Teacher(states, model.head_weight, log_probs)
 
 
 def build_reference(

@@ -82,6 +82,7 @@ class Attention(torch.nn.Module):
         rotary: tuple[Tensor, Tensor] | None,
         document_ids: Tensor | None = None,
         cache: Any = None,
+        branch_ids: Tensor | None = None,
     ) -> Tensor:
         """Attention over norm(x) (the block's input, normalized by the q/k/v projection);
         `document_ids` cover the keys (with sequence-data parallelism, the sequence up to the
@@ -97,8 +98,9 @@ class Attention(torch.nn.Module):
             out = self._attend_by_chunk(q, k, v, document_ids)
         elif cache is None:
             out = attention(
-                q, k, v, causal=True, window_size=self.window_size, document_ids=document_ids
-            )
+                q, k, v, causal=True, window_size=self.window_size, document_ids=document_ids,
+                branch_ids=branch_ids,
+            )  # fmt: skip
         else:
             out = self._attend_with_cache(q, k, v, cache, document_ids)
         out = out.reshape(batch, length, self.q_size)

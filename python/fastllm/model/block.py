@@ -39,8 +39,9 @@ class TransformerBlock(torch.nn.Module):
         rotary: tuple[Tensor, Tensor] | None,
         document_ids: Tensor | None = None,
         cache: Any = None,
+        branch_ids: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """The new residual stream and the block's auxiliary loss (MoE router), if any."""
-        x = x + self.attention(x, self.norm_1, rotary, document_ids, cache)
+        x = x + self.attention(x, self.norm_1, rotary, document_ids, cache, branch_ids)
         out, auxiliary = self.mlp(x, self.norm_2)
         return x + out, auxiliary

@@ -33,6 +33,9 @@ class Context:
     document_ids: Tensor | None
     cache: Any = None
     """A Hugging Face cache, when generating."""
+    branch_ids: Tensor | None = None
+    """Preference pairs (batch, seq): 0 the shared prompt, 1 and 2 its answers, which attend to
+    the prompt and never to each other (`kernels.attention`)."""
 
 
 class Embedding(torch.nn.Embedding):
@@ -123,11 +126,13 @@ class GPTModel(torch.nn.Module):
         document_ids: Tensor | None = None,
         position_ids: Tensor | None = None,
         cache: Any = None,
+        branch_ids: Tensor | None = None,
     ) -> Context:
         """What every layer of one batch reads besides the residual stream.
 
         `document_ids` (batch, seq) keeps attention inside documents of packed samples, and
-        positions restart with each document unless `position_ids` are given. With
+        positions restart with each document unless `position_ids` are given; `branch_ids`
+        (preference pairs) keep each answer from the other's. With
         sequence-data parallelism `input_ids` are this rank's chunks of the sequences and
         `document_ids` cover them up to the end of the last one."""
         length = input_ids.shape[1]
@@ -144,7 +149,7 @@ class GPTModel(torch.nn.Module):
             else:
                 position_ids = self.sequence_data.positions(length, input_ids.device)
         rotary = None if self.rotary is None else self.rotary(position_ids)
-        return Context(rotary, document_ids, cache)
+        return Context(rotary, document_ids, cache, branch_ids)
 
     def run_positions(
         self,
@@ -165,7 +170,9 @@ class GPTModel(torch.nn.Module):
             x = self.embeddings(x)
         auxiliary: Tensor | None = None
         for layer in self.layers[max(first, 1) - 1 : min(last, num_layers)]:
-            x, layer_auxiliary = layer(x, context.rotary, context.document_ids, context.cache)
+            x, layer_auxiliary = layer(
+                x, context.rotary, context.document_ids, context.cache, context.branch_ids
+            )
             if layer_auxiliary is not None:
                 auxiliary = layer_auxiliary if auxiliary is None else auxiliary + layer_auxiliary
         if last <= num_layers:

@@ -1,5 +1,5 @@
-"""The losses of the output head (`model.base_model.head.losses`), each a mean over the trained
-tokens of the hidden states it is given, by name. Every one runs through a fused chunked head:
+"""The losses of the output head (`model.base_model.head.losses`), by name: each a mean over the
+trained tokens of the hidden states it is given (DPO's over their preference pairs). Every one runs through a fused chunked head:
 neither the model's logits nor a teacher's exist whole. Under tensor parallelism the vocabulary
 is split and the vocab-parallel forms run."""
 
@@ -10,22 +10,29 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
-from fastllm.config.model import DistillationLossConfig, LabelLossConfig, Loss
+from fastllm.config.model import DistillationLossConfig, DPOLossConfig, LabelLossConfig, Loss
 from fastllm.model.gpt import GPTModel
 from fastllm.parallel.tensor import vocab_parallel_cross_entropy
-from fastllm.parallel.vocab_parallel_losses import vocab_parallel_distillation
+from fastllm.parallel.vocab_parallel_losses import (
+    vocab_parallel_distillation,
+    vocab_parallel_dpo,
+    vocab_parallel_sequence_log_probs,
+)
 from fastllm_kernels.cross_entropy import linear_cross_entropy
 from fastllm_kernels.distillation import linear_distillation
+from fastllm_kernels.preference import linear_dpo, linear_sequence_log_probs
 
 IGNORED = -100
 
 
 @dataclass(frozen=True)
 class Teacher:
-    """A reference model's final-normed hidden states for the same tokens, and its head."""
+    """What a reference model gives the losses for the same tokens: its final-normed hidden
+    states and its head (distillation), or its span log-probabilities (DPO)."""
 
-    hidden: Tensor
-    head_weight: Tensor
+    hidden: Tensor | None = None
+    head_weight: Tensor | None = None
+    log_probs: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -34,16 +41,32 @@ class HeadTargets:
     """Next-token labels (IGNORED: no loss)."""
     teachers: Mapping[str, Teacher] = field(default_factory=dict)
     """By reference model name."""
+    spans: Tensor | None = None
+    """Preference pairs: the span of each label (`engine.batch.Pairs.spans`)."""
+
+
+def sequence_log_probs(model: GPTModel, hidden: Tensor, labels: Tensor, spans: Tensor) -> Tensor:
+    """The summed label log-probabilities of each span (2 a pair: chosen, rejected) of `hidden`
+    under `model`'s head, without autograd (a reference model's)."""
+    rows, labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    count = int(spans.max()) + 1 if spans.numel() else 0
+    count += count % 2
+    if model.tensor.split:
+        return vocab_parallel_sequence_log_probs(
+            rows, model.head_weight, labels, spans, count, model.tensor
+        )
+    return linear_sequence_log_probs(rows, model.head_weight, labels, spans, count)
 
 
 def head_losses(
     model: GPTModel, hidden: Tensor, targets: HeadTargets, losses: Mapping[str, Loss]
-) -> dict[str, Tensor]:
-    """Each loss of `losses` on the final-normed `hidden` (batch, sequence, hidden)."""
+) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """Each loss of `losses` on the final-normed `hidden` (batch, sequence, hidden), and the
+    metrics of those that report some (DPO's, under TRL's names)."""
     rows = hidden.reshape(-1, hidden.shape[-1])
     labels = targets.labels.reshape(-1)
     tensor, weight = model.tensor, model.head_weight
-    values = {}
+    values, metrics = {}, {}
     for name, loss in losses.items():
         if isinstance(loss, LabelLossConfig):
             values[name] = (
@@ -53,6 +76,7 @@ def head_losses(
             )
         elif isinstance(loss, DistillationLossConfig):
             teacher = targets.teachers[loss.reference_model]
+            assert teacher.hidden is not None and teacher.head_weight is not None
             teacher_rows = teacher.hidden.reshape(-1, teacher.hidden.shape[-1])
             inputs = (rows, weight, teacher_rows, teacher.head_weight, labels != IGNORED)
             options = {"temperature": loss.temperature, "loss_type": loss.loss_type}
@@ -62,6 +86,19 @@ def head_losses(
                 )
             else:
                 values[name] = linear_distillation(*inputs, **options)
+        elif isinstance(loss, DPOLossConfig):
+            reference = targets.teachers[loss.reference_model].log_probs
+            assert targets.spans is not None and reference is not None
+            dpo = (loss.beta, loss.label_smoothing, loss.loss_type)
+            if tensor.split:
+                values[name], metrics = vocab_parallel_dpo(
+                    rows, weight, labels, targets.spans, reference, tensor, *dpo,
+                    recipe=model.head_recipe,
+                )  # fmt: skip
+            else:
+                values[name], metrics = linear_dpo(
+                    rows, weight, labels, targets.spans, reference, *dpo
+                )
         else:
             raise TypeError(f"unknown loss {loss!r}")
-    return values
+    return values, metrics

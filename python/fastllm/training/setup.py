@@ -65,9 +65,34 @@ def check_inputs(config: TrainerConfig) -> None:
         raise ConfigError(
             "training.validation.interval", "is set but data.validation_path is empty"
         )
+    _check_preference(config)
     resolve(config, int(os.environ.get("WORLD_SIZE", "1")))
     export = config.training.export
     if export.interval and export.format != "distributed":  # read at the first export
         from fastllm.checkpoint.formats import special_token_ids
 
         special_token_ids(Path(config.data.path[0]), "data.path[0]")
+
+
+def _check_preference(config: TrainerConfig) -> None:
+    """Preference pairs are trained with a dpo loss, and a dpo loss on preference pairs."""
+    from fastllm.config.model import DPOLossConfig
+    from fastllm.data.dataset import is_preference_dataset
+
+    losses = config.model.base_model.head.losses
+    dpo = next((name for name, loss in losses.items() if isinstance(loss, DPOLossConfig)), None)
+    for i, path in enumerate(config.data.path):
+        preference = is_preference_dataset(Path(path))
+        if preference and dpo is None:
+            raise ConfigError(
+                f"data.path[{i}]",
+                f"{path} holds preference pairs: train them with a dpo loss "
+                "(model.base_model.head.losses: {NAME: {type: dpo}})",
+            )
+        if dpo is not None and not preference:
+            raise ConfigError(
+                f"model.base_model.head.losses.{dpo}",
+                f"a dpo loss needs preference pairs, and data.path[{i}] ({path}) holds none "
+                "(fastllm prepare of prompt, chosen and rejected records)",
+            )
+

@@ -232,11 +232,11 @@ class Trainer:
                         len(window) * tokens_per_step / elapsed / self.distributed.world_size
                     )
                     record = {
-                        # the total, and with several head losses each (NAME_loss)
+                        # the loss, each head loss with several (NAME_loss), DPO's metrics
                         **{
                             key: sum(m[key] for m in window) / len(window)
                             for key in window[-1]
-                            if key.endswith("loss")
+                            if key not in ("lr", "grad_norm", "skipped")
                         },
                         "lr": metrics["lr"],
                         "grad_norm": metrics["grad_norm"]

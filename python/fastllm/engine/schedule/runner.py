@@ -30,8 +30,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fastllm.config.layout import StepShape
-from fastllm.config.model import LabelLossConfig, Loss
-from fastllm.engine.batch import MicroBatch, Piece
+from fastllm.config.model import DistillationLossConfig, DPOLossConfig, LabelLossConfig, Loss
+from fastllm.engine.batch import MicroBatch, Pairs, Piece
 from fastllm.engine.micro_sequences import KeyValueMemory, StagedKeyValueMemory
 from fastllm.engine.model_stages import ModelStages
 from fastllm.engine.reference import ReferenceModel
@@ -40,6 +40,7 @@ from fastllm.engine.stages import stages_read
 from fastllm.model.gpt import Context, GPTModel
 from fastllm.model.head_losses import HeadTargets, head_losses
 from fastllm.parallel import point_to_point
+from fastllm_kernels.preference import DPO_METRICS
 
 Memory = KeyValueMemory | StagedKeyValueMemory
 
@@ -75,6 +76,15 @@ class StepRunner:
         self.model, self.stages, self.shape = model, stages, shape
         self.losses = dict(losses or {"label": LabelLossConfig()})
         self.references = dict(references or {})
+        self._distilled = {
+            loss.reference_model
+            for loss in self.losses.values()
+            if isinstance(loss, DistillationLossConfig)
+        }
+        """The reference models whose hidden states a loss reads."""
+        dpo = any(isinstance(loss, DPOLossConfig) for loss in self.losses.values())
+        self.named_keys = [*self.losses, *(DPO_METRICS if dpo else ())]
+        """What `named_losses` holds, in a fixed order: the losses, then DPO's metrics."""
         self.named_losses: dict[str, Tensor] = {}
         """After `run` or `evaluate`: this rank's part of each loss (weighted as the total is),
         by name."""
@@ -134,12 +144,21 @@ class StepRunner:
             return None
         return KeyValueMemory() if self.whole else StagedKeyValueMemory()
 
-    def _context(self, pieces: Sequence[Piece], piece: int, memory: Memory | None) -> Context:
-        input_ids, _, documents = pieces[piece]
+    def _context(
+        self, micro_batch: MicroBatch, piece: int, memory: Memory | None
+    ) -> Context:
+        input_ids, _, documents = micro_batch.pieces[piece]
         cache = memory
         if isinstance(memory, StagedKeyValueMemory):
             cache = memory.piece(piece, piece * input_ids.shape[1])
-        return self.model.context(input_ids, document_ids=documents, cache=cache)
+        pairs = micro_batch.pairs  # one piece: a pair is never split
+        return self.model.context(
+            input_ids,
+            document_ids=documents,
+            cache=cache,
+            position_ids=None if pairs is None else pairs.positions,
+            branch_ids=None if pairs is None else pairs.parts,
+        )
 
     def run(self, micro_batches: Sequence[MicroBatch], loss_scale: float) -> Tensor:
         """Run the program of the micro-batches (a step's, or any multiple of the breadth-first
@@ -188,12 +207,12 @@ class StepRunner:
                 pieces, weights = micro_batches[m].pieces, micro_batches[m].weights
                 if step.forward:
                     if (m, p) not in contexts:
-                        contexts[(m, p)] = self._context(pieces, p, memory)
+                        contexts[(m, p)] = self._context(micro_batches[m], p, memory)
                     saved[step], value = self._forward(
                         step, pieces[p], contexts[(m, p)], produced, last, weights[p],
-                        loss_scale, named,
+                        loss_scale, named, micro_batches[m].pairs,
                     )  # fmt: skip
-                    loss += weights[p] * value
+                    loss += value
                 else:
                     forward = Step(step.stage, m, True, p)
                     if self.whole:
@@ -225,10 +244,11 @@ class StepRunner:
         weight: float,
         loss_scale: float,
         named: dict[str, Tensor],
+        pairs: Pairs | None = None,
     ) -> tuple[_Saved, Tensor]:
-        """The stage's forward pass: what it saves, and its unweighted loss contribution (the
-        last stage adds each of its losses times the piece's `weight` to `named`)."""
-        scale = weight * loss_scale
+        """The stage's forward pass: what it saves, and its weighted loss contribution (the
+        last stage adds each of its losses, and their metrics, weighted, to `named`). `weight`:
+        the piece's share of the trained tokens; `pairs`: its preference pairs."""
         input_ids, labels, documents = piece
         first_position, last_position = self._positions(step.stage)
         leaf = None
@@ -241,21 +261,34 @@ class StepRunner:
             x = leaf
         if step.stage == last:  # the reference models first: only their outputs are kept
             teachers = {
-                name: reference.teacher(input_ids, documents)
+                name: reference.teacher(
+                    input_ids, labels, documents, pairs, hidden=name in self._distilled
+                )
                 for name, reference in self.references.items()
             }
         out, auxiliary = self.model.run_positions(first_position, last_position, x, context)
         value = torch.zeros((), dtype=torch.float32, device=out.device)
         if auxiliary is not None:
-            value = value + auxiliary.detach().float()
-            auxiliary = auxiliary * scale
+            value = value + weight * auxiliary.detach().float()
+            auxiliary = auxiliary * (weight * loss_scale)
         if step.stage == last:
-            values = head_losses(self.model, out, HeadTargets(labels, teachers), self.losses)
-            out = sum(self.losses[name].weight * v for name, v in values.items())
+            spans = None if pairs is None else pairs.spans
+            targets = HeadTargets(labels, teachers, spans)
+            values, metrics = head_losses(self.model, out, targets, self.losses)
+            # Each loss weighted by its piece's share of the global batch: of the trained
+            # tokens, or of the preference pairs for DPO.
+            shares = {
+                name: pairs.share if pairs is not None and isinstance(loss, DPOLossConfig)
+                else weight
+                for name, loss in self.losses.items()
+            }  # fmt: skip
+            out = sum(self.losses[name].weight * shares[name] * v for name, v in values.items())
             for name, v in values.items():
-                named[name] = named.get(name, 0.0) + weight * v.detach().float()
+                named[name] = named.get(name, 0.0) + shares[name] * v.detach().float()
+            for name, v in metrics.items():  # DPO's, averaged over the pairs
+                named[name] = named.get(name, 0.0) + pairs.share * v.detach().float()
             value = value + out.detach().float()
-            return _Saved(leaf, out * scale, auxiliary), value
+            return _Saved(leaf, out * loss_scale, auxiliary), value
         produced[step] = out.detach()
         return _Saved(leaf, out, auxiliary), value
 
@@ -323,7 +356,7 @@ class StepRunner:
             pieces, weights = micro_batch.pieces, micro_batch.weights
             memory = self._memory()
             for p, piece in enumerate(pieces):
-                context = self._context(pieces, p, memory)
+                context = self._context(micro_batch, p, memory)
                 produced: dict[Step, Tensor] = {}
                 for stage in range(shape.num_stages):
                     rank, step = shape.rank_of(stage), Step(stage, m, True, p)
@@ -345,9 +378,10 @@ class StepRunner:
                     for needed in self._needs(stage):
                         stages.wait_for_weights(needed)
                     _, value = self._forward(
-                        step, piece, context, produced, last, weights[p], 1.0, named
-                    )
-                    loss += weights[p] * value
+                        step, piece, context, produced, last, weights[p], 1.0, named,
+                        micro_batch.pairs,
+                    )  # fmt: skip
+                    loss += value
                     stages.release_weights()
         self.named_losses = named
         return loss

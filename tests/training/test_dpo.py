@@ -1,0 +1,205 @@
+"""DPO against a reference model on preference pairs: the loss and gradients of the shared-prefix
+pairs against DPO's formula on a `transformers` model with each answer computed apart, the
+first step's loss log 2, TRL's metrics logged, and preference data refused without DPO."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+import yaml
+
+import fastllm
+from fastllm.config import BaseModelConfig, ConfigError, TrainerConfig, build
+from fastllm.config.data import DataConfig
+from fastllm.config.loading import load_raw
+from fastllm.config.model import DPOLossConfig
+from fastllm.data import DataLoader, SampleStream
+from fastllm.engine.batch import _pair_spans
+from fastllm.model.head_losses import HeadTargets, Teacher, head_losses, sequence_log_probs
+from fastllm.training.setup import check_inputs, with_pretrained_architecture
+from fastllm.training.trainer import Trainer
+from tests.data.chat_fixtures import write_tokenizer
+from tests.data.conftest import prepare
+from tests.data.test_preference import write_pairs
+from tests.model.hf_models import save_hf_model
+
+RECORDS = [
+    {"prompt": "What is 2 + 2?", "chosen": " 4, of course.", "rejected": " 5."},
+    {"prompt": "Capital of France?", "chosen": " Paris.", "rejected": " Lyon, I think."},
+    {"prompt": "The sky is", "chosen": " blue.", "rejected": " green."},
+    {"prompt": "Say hello", "chosen": " Hello!", "rejected": " No."},
+] * 4
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    """A tokenizer, a tiny Llama of its vocabulary (with the tokenizer's files, as a Hugging
+    Face directory), another of other weights, and the pairs prepared."""
+    root = tmp_path_factory.mktemp("dpo")
+    tokenizer = write_tokenizer(root / "tokenizer", "qwen2")
+    vocab = transformers.AutoTokenizer.from_pretrained(tokenizer).vocab_size + 16
+    policy, other = root / "policy", root / "other"
+    for seed, directory in ((0, policy), (1, other)):
+        save_hf_model("llama", directory, seed=seed, vocab_size=vocab)
+        for file in tokenizer.iterdir():
+            shutil.copy(file, directory)
+    data = prepare(write_pairs(root / "pairs.jsonl", RECORDS), tokenizer, root / "data")
+    return policy, other, data
+
+
+def micro_batch(data: Path, cache: Path, length: int = 48):
+    stream = SampleStream(
+        [str(data)], DataConfig(sampling="packed"), sequence_length=length, num_samples=2,
+        seed=3, cache_dir=cache,
+    )  # fmt: skip
+    return next(iter(DataLoader(stream, batch_size=2, micro_batch_size=2, pin_memory=False)))[0]
+
+
+def answer_log_probs(model, batch, row: int, document: int, part: int) -> torch.Tensor:
+    """log p(answer | prompt) of one pair's answer, computed on `prompt + answer` alone."""
+    mine = (batch.document_ids[row] == document) & (
+        (batch.parts[row] == 0) | (batch.parts[row] == part)
+    )
+    tokens, labels = batch.input_ids[row][mine], batch.labels[row][mine]
+    keep = (batch.parts[row][mine] == part) & (labels != -100)
+    logits = model(input_ids=tokens[None]).logits[0].float()
+    return F.log_softmax(logits, -1)[keep].gather(-1, labels[keep][:, None]).sum()
+
+
+def test_shared_prefix_pairs_give_dpo_of_each_answer_computed_apart(pairs, tmp_path: Path) -> None:
+    policy_dir, reference_dir, data = pairs
+    batch = micro_batch(data, tmp_path)
+    assert batch.parts is not None and batch.position_ids is not None
+    spans, count = _pair_spans(batch)
+    assert count >= 2
+
+    ours = fastllm.load_model(policy_dir)
+    ours.config = build(BaseModelConfig, msgspec.to_builtins(ours.config))
+    reference = fastllm.load_model(reference_dir)
+    losses = {"dpo": DPOLossConfig(beta=0.5, reference_model="reference")}
+
+    def context(model):
+        return model.context(
+            batch.input_ids, document_ids=batch.document_ids,
+            position_ids=batch.position_ids, branch_ids=batch.parts.long(),
+        )  # fmt: skip
+
+    with torch.no_grad():
+        hidden, _ = reference.run_positions(0, 3, batch.input_ids, context(reference))
+        reference_log_probs = sequence_log_probs(reference, hidden, batch.labels, spans)
+    hidden, _ = ours.run_positions(0, 3, batch.input_ids, context(ours))
+    targets = HeadTargets(
+        batch.labels, {"reference": Teacher(log_probs=reference_log_probs)}, spans
+    )
+    values, metrics = head_losses(ours, hidden, targets, losses)
+    values["dpo"].backward()
+
+    # DPO's formula on transformers' models, each answer on its own `prompt + answer`.
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32)
+    theirs_reference = transformers.AutoModelForCausalLM.from_pretrained(
+        reference_dir, dtype=torch.float32
+    )
+    keys = sorted(
+        {(r, int(d)) for r in range(2) for d in batch.document_ids[r][batch.parts[r] == 1].tolist()}
+    )
+    assert len(keys) == count
+    terms, chosen_rewards = [], []
+    for row, document in keys:
+        pi_c, pi_r = (answer_log_probs(theirs, batch, row, document, part) for part in (1, 2))
+        with torch.no_grad():
+            ref_c, ref_r = (
+                answer_log_probs(theirs_reference, batch, row, document, part) for part in (1, 2)
+            )
+        terms.append(-F.logsigmoid(0.5 * ((pi_c - ref_c) - (pi_r - ref_r))))
+        chosen_rewards.append(0.5 * (pi_c - ref_c).detach())
+    expected = torch.stack(terms).mean()
+    expected.backward()
+    assert values["dpo"].item() == pytest.approx(expected.item(), rel=1e-5)
+    assert metrics["rewards/chosen"].item() == pytest.approx(
+        torch.stack(chosen_rewards).mean().item(), rel=1e-4, abs=1e-6
+    )
+    # The gradients of every weight: q/k/v and the MLP's are fused in ours.
+    grads = {n: p.grad for n, p in theirs.named_parameters()}
+    our = dict(ours.named_parameters())
+    torch.testing.assert_close(
+        our["embeddings.weight"].grad, grads["model.embed_tokens.weight"], rtol=1e-4, atol=1e-6
+    )
+    torch.testing.assert_close(
+        our["layers.1.mlp.layer_2.weight"].grad,
+        grads["model.layers.1.mlp.down_proj.weight"],
+        rtol=1e-4,
+        atol=1e-6,
+    )
+    q = our["layers.0.attention.query_key_value.weight"].grad[
+        : grads["model.layers.0.self_attn.q_proj.weight"].shape[0]
+    ]
+    torch.testing.assert_close(
+        q, grads["model.layers.0.self_attn.q_proj.weight"], rtol=1e-4, atol=1e-6
+    )
+
+
+def dpo_config(pairs, experiment: Path, *extra: str) -> TrainerConfig:
+    policy, _, data = pairs
+    config = {
+        "run": {"experiment_dir": str(experiment)},
+        "pretrained": {"path": str(policy), "format": "llama"},
+        "reference_models": {"reference": {"pretrained": {"path": str(policy), "format": "llama"}}},
+        "model": {
+            "base_model": {
+                "head": {
+                    "losses": {"dpo": {"type": "dpo", "beta": 0.1, "reference_model": "reference"}}
+                }
+            },
+            "distributed": {"training_dtype": "float32", "seed": 1},
+        },
+        "training": {"train_iters": 4, "logs": {"interval": 1}, "checkpoint": {"interval": None}},
+        "batch": {"batch_size": 4, "sequence_length": 48, "micro_batch_size": 2},
+        "data": {"path": [str(data)], "sampling": "packed"},
+        "optimizer": {"learning_rate": {"base": 1e-3}, "weight_decay": 0.0},
+    }
+    path = experiment.parent / f"{experiment.name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return build(TrainerConfig, with_pretrained_architecture(load_raw([str(path)], list(extra))))
+
+
+def test_dpo_starts_at_log_2_and_logs_trl_metrics(pairs, tmp_path: Path) -> None:
+    config = dpo_config(pairs, tmp_path / "run")
+    check_inputs(config)
+    run = Trainer(config)
+    assert run.fit() is None
+    records = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    steps = [r for r in records if "loss" in r]
+    assert steps[0]["loss"] == pytest.approx(math.log(2), rel=1e-5)  # the policy is the reference
+    assert steps[0]["rewards/margins"] == pytest.approx(0.0, abs=1e-6)
+    for key in (
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/accuracies",
+        "logps/chosen",
+        "logps/rejected",
+    ):
+        assert key in steps[-1]
+    assert steps[-1]["rewards/margins"] > 0 and steps[-1]["loss"] < math.log(2)
+
+
+def test_preference_pairs_and_dpo_go_together(pairs, tmp_path: Path, dataset: Path) -> None:
+    config = dpo_config(
+        pairs, tmp_path / "run", "model.base_model.head.losses={}", "reference_models={}"
+    )
+    with pytest.raises(ConfigError, match="holds preference pairs") as caught:
+        check_inputs(config)
+    assert caught.value.path == "data.path[0]"
+    config = dpo_config(pairs, tmp_path / "run", f"data.path=[{dataset}]")
+    with pytest.raises(ConfigError, match="needs preference pairs") as caught:
+        check_inputs(config)
+    assert caught.value.path == "model.base_model.head.losses.dpo"
