@@ -313,9 +313,7 @@ class DPOLossConfig(LossConfig, tag="dpo"):
         super().validate()
         check_positive(self.beta, "beta")
         if not 0.0 <= self.label_smoothing < 0.5:
-            raise ConfigError(
-                "label_smoothing", f"must be in [0, 0.5), got {self.label_smoothing}"
-            )
+            raise ConfigError("label_smoothing", f"must be in [0, 0.5), got {self.label_smoothing}")
         if self.label_smoothing and self.loss_type == "ipo":
             raise ConfigError("label_smoothing", "applies to loss_type sigmoid only")
 

@@ -92,9 +92,7 @@ class BatchPreparer:
                 [count / total if total else 0.0 for count in piece_counts],
                 None if span is None else self._pairs(batch, *span, pairs),
             )
-            for batch, chunk, piece_counts, span in zip(
-                batches, labels, counts, spans, strict=True
-            )
+            for batch, chunk, piece_counts, span in zip(batches, labels, counts, spans, strict=True)
         ]
 
     def _pairs(self, batch: Batch, spans: Tensor, count: int, total: float) -> Pairs:
@@ -155,4 +153,3 @@ def _pair_spans(batch: Batch) -> tuple[Tensor, int]:
     spans = torch.full(parts.shape, -1, dtype=torch.int64)
     spans[answer] = 2 * pair + parts[answer] - 1
     return spans.reshape(-1), int(pair.max()) + 1 if pair.numel() else 0
-

@@ -95,4 +95,3 @@ def _check_preference(config: TrainerConfig) -> None:
                 f"a dpo loss needs preference pairs, and data.path[{i}] ({path}) holds none "
                 "(fastllm prepare of prompt, chosen and rejected records)",
             )
-

@@ -144,9 +144,7 @@ class StepRunner:
             return None
         return KeyValueMemory() if self.whole else StagedKeyValueMemory()
 
-    def _context(
-        self, micro_batch: MicroBatch, piece: int, memory: Memory | None
-    ) -> Context:
+    def _context(self, micro_batch: MicroBatch, piece: int, memory: Memory | None) -> Context:
         input_ids, _, documents = micro_batch.pieces[piece]
         cache = memory
         if isinstance(memory, StagedKeyValueMemory):
