@@ -203,3 +203,58 @@ def test_preference_pairs_and_dpo_go_together(pairs, tmp_path: Path, dataset: Pa
     with pytest.raises(ConfigError, match="needs preference pairs") as caught:
         check_inputs(config)
     assert caught.value.path == "model.base_model.head.losses.dpo"
+
+
+def preference_dataset(root: Path) -> Path:
+    """The pairs prepared with a tokenizer of fewer tokens than the tests' tiny model's 512."""
+    if not (root / "pairs" / "data").is_dir():
+        tokenizer = write_tokenizer(root / "pairs" / "tokenizer", "qwen2")
+        prepare(
+            write_pairs(root / "pairs" / "pairs.jsonl", RECORDS), tokenizer, root / "pairs" / "data"
+        )
+    return root / "pairs" / "data"
+
+
+DPO_LAYOUTS = {
+    "zero3": ("model.multi_stage.zero_stage=3",),
+    "tensor": (
+        "model.distributed.tensor_parallel=2",
+        "model.distributed.sequence_tensor_parallel=true",
+    ),
+}
+
+
+def dpo_run(dataset: Path, reference: Path) -> tuple[str, ...]:
+    """The tiny model (drawn from the seed) trained by DPO against `reference`."""
+    return (
+        f"data.path=[{dataset}]", "data.sampling=packed", "data.fim=null", "training.train_iters=3",
+        "model.base_model.head.losses={dpo: {type: dpo, beta: 0.5, reference_model: reference}}",
+        f"reference_models.reference.pretrained.path={reference}",
+    )  # fmt: skip
+
+
+def layouts(dataset: Path, one_process, root: Path) -> dict:
+    from tests.training.conftest import Layout
+    from tests.training.test_distillation import TEACHER_RUN
+
+    reference = one_process(*TEACHER_RUN) / "export" / "4"
+    pairs_data = preference_dataset(root)
+    return {
+        f"dpo_{name}": Layout(2, (*dpo_run(pairs_data, reference), *layout))
+        for name, layout in DPO_LAYOUTS.items()
+    }
+
+
+@pytest.mark.parametrize("layout", sorted(DPO_LAYOUTS))
+def test_two_ranks_training_dpo_match_one_process(launched, one_process, layout: str) -> None:
+    double = launched[f"dpo_{layout}"].succeeded()
+    dataset = double.parent / "pairs" / "data"
+    from tests.training.test_distillation import TEACHER_RUN, logged
+
+    reference = one_process(*TEACHER_RUN) / "export" / "4"
+    single = one_process(*dpo_run(dataset, reference))
+    for key in ("loss", "rewards/margins", "logps/chosen"):
+        expected, got = logged(single, key), logged(double, key)
+        assert sorted(got) == sorted(expected) == [1, 2, 3]
+        for step, value in expected.items():
+            assert got[step] == pytest.approx(value, rel=1e-4, abs=1e-6), (key, step)

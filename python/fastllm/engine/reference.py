@@ -53,13 +53,16 @@ class ReferenceModel:
             branch_ids=None if pairs is None else pairs.parts,
         )
         states, _ = model.run_positions(0, len(model.layers) + 1, input_ids, context)
-        self.stages.release_weights()  # ZeRO-3: its gathered weights until the next micro-batch
         log_probs = None
         if pairs is not None:
             log_probs = sequence_log_probs(model, states, labels, pairs.spans)
         if not hidden:
             return Teacher(log_probs=log_probs)
         return Teacher(states, model.head_weight, log_probs)
+
+    def release(self) -> None:
+        """ZeRO-3: free its gathered weights (once the losses have read its head)."""
+        self.stages.release_weights()
 
 
 def build_reference(

@@ -273,6 +273,8 @@ class StepRunner:
             spans = None if pairs is None else pairs.spans
             targets = HeadTargets(labels, teachers, spans)
             values, metrics = head_losses(self.model, out, targets, self.losses)
+            for reference in self.references.values():
+                reference.release()
             # Each loss weighted by its piece's share of the global batch: of the trained
             # tokens, or of the preference pairs for DPO.
             shares = {
