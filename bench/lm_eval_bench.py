@@ -162,8 +162,8 @@ def run(system: str, task: str, work: Path, args: argparse.Namespace) -> dict[st
         from transformers import AutoTokenizer
 
         import fastllm
-        from fastllm.evaluate import context_length, generation_eos
         from fastllm.evaluation.lm_eval_model import FastLLMLM
+        from fastllm.evaluation.model_files import context_length, generation_eos
 
         directory = work / "model"
         tokenizer = AutoTokenizer.from_pretrained(str(directory))

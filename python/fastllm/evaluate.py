@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastllm.config import ConfigError
 from fastllm.config.evaluate import EvaluateConfig
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+from fastllm.evaluation.model_files import context_length, generation_eos, load_tokenizer
 
 RESULTS_FILE = "evaluation.json"
 """Where the results go in the model's directory when the config names no `output`."""
@@ -34,8 +31,10 @@ def evaluate(config: EvaluateConfig) -> dict[str, dict[str, Any]] | None:
                 f"evaluators.{name}.include_path", f"{evaluator.include_path}: no such directory"
             )
     tokenizer_directory = Path(config.tokenizer) if config.tokenizer else model_directory
-    tokenizer = _tokenizer(
-        tokenizer_directory, "tokenizer" if config.tokenizer else "pretrained.path"
+    tokenizer = load_tokenizer(
+        tokenizer_directory,
+        "tokenizer" if config.tokenizer else "pretrained.path",
+        "set tokenizer to the directory of the model's tokenizer",
     )
     # Imported once the paths are known to be good (torch, transformers and lm-eval take
     # seconds); the tasks are checked before the model is loaded.
@@ -72,56 +71,6 @@ def evaluate(config: EvaluateConfig) -> dict[str, dict[str, Any]] | None:
     _print_tables(results)
     print(f"results: {output}")
     return results
-
-
-def _tokenizer(directory: Path, key: str) -> PreTrainedTokenizerBase:
-    """The tokenizer of `directory` as lm-eval's hf backend loads it (AutoTokenizer)."""
-    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-    if not directory.is_dir():
-        raise ConfigError(key, f"{directory}: no such directory")
-    if not any((directory / name).is_file() for name in names):
-        raise ConfigError(
-            key,
-            f"{directory} has no tokenizer files ({', '.join(names)}): set tokenizer to the "
-            "directory of the model's tokenizer",
-        )
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(directory))
-    except (OSError, ValueError) as error:
-        raise ConfigError(key, f"{directory}: not a tokenizer ({error})") from None
-
-
-def _hf_config(directory: Path) -> dict[str, Any]:
-    """The Hugging Face config of the model: config.json, or the one a fastllm export keeps
-    in metadata.json; empty when there is none."""
-    for name, field in (("config.json", None), ("metadata.json", "hf_config")):
-        path = directory / name
-        if path.is_file():
-            value = json.loads(path.read_text(encoding="utf-8"))
-            value = value.get(field) if field else value
-            if isinstance(value, dict):
-                return value
-    return {}
-
-
-def context_length(directory: Path, tokenizer: PreTrainedTokenizerBase) -> int:
-    """The context length lm-eval's hf backend would use: the config's, else the
-    tokenizer's, else 2048."""
-    from lm_eval.models.utils import resolve_max_length
-
-    return resolve_max_length(SimpleNamespace(**_hf_config(directory)), tokenizer)
-
-
-def generation_eos(directory: Path) -> list[int] | None:
-    """The end-of-sequence tokens of generation_config.json (what `generate` stops at in the
-    hf backend), if the directory has one."""
-    path = directory / "generation_config.json"
-    if not path.is_file():
-        return None
-    eos = json.loads(path.read_text(encoding="utf-8")).get("eos_token_id")
-    return None if eos is None else [eos] if isinstance(eos, int) else list(eos)
 
 
 def _print_tables(results: dict[str, dict[str, Any]]) -> None:

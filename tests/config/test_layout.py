@@ -101,7 +101,19 @@ TEACHER = (
     "reference_models.teacher.pretrained.path=teacher",
     "model.base_model.head.losses={kd: {type: distillation}}",
 )
+LM_EVAL = "training.evaluators.mc.evaluator={type: lm_eval, tasks: [copa]}"
 ROW_SETTINGS = {
+    ("training.evaluators", "model.distributed.tensor_parallel"):
+        (LM_EVAL, "model.distributed.tensor_parallel=2"),
+    ("training.evaluators", "model.distributed.pipeline_parallel"):
+        (LM_EVAL, "model.distributed.pipeline_parallel=2"),
+    ("training.evaluators", "model.distributed.sequence_data_parallel"):
+        (LM_EVAL, "model.distributed.sequence_data_parallel=2"),
+    ("training.evaluators", "model.distributed.expert_parallel"):
+        (LM_EVAL, "model.base_model.transformer.num_experts=4",
+         "model.base_model.transformer.add_linear_biases=only_attn_qkv",
+         "model.distributed.expert_parallel=2"),
+    ("training.evaluators", "model.multi_stage.zero_stage"): (LM_EVAL, "model.multi_stage.zero_stage=3"),
     ("training.compile", "model.distributed.tensor_parallel"):
         ("training.compile=true", "model.distributed.tensor_parallel=2"),
     ("training.compile", "model.distributed.sequence_data_parallel"):

@@ -1,6 +1,8 @@
 """`training.evaluators`: what a run measures besides its training loss, each under its own
 name and at its own interval, in Fast-LLM's shape:
-`evaluators: {NAME: {interval, offset, evaluator: {type: loss, iterations, dataset_name}}}`.
+`evaluators: {NAME: {interval, offset, evaluator: {type: loss, iterations, dataset_name}}}`,
+or `evaluator: {type: lm_eval, tasks, …}` (lm-evaluation-harness tasks, the class that
+`fastllm evaluate`'s evaluators are too).
 
 An evaluator type is a variant of `EvaluatorConfig` (its `type`), listed in `Evaluator`, with
 one runner in `fastllm.training.evaluators`."""
@@ -42,8 +44,48 @@ class LossEvaluatorConfig(EvaluatorConfig, tag="loss"):
         return name if self.dataset_name is None else self.dataset_name
 
 
-Evaluator = LossEvaluatorConfig
-"""Every evaluator type (a union of the variants, chosen by `type`)."""
+class LmEvalEvaluatorConfig(EvaluatorConfig, tag="lm_eval"):
+    """Tasks of EleutherAI's lm-evaluation-harness, run on the model (in training: the model
+    being trained, in place, its documents split over the data-parallel ranks)."""
+
+    tasks: list[str] = msgspec.field(default_factory=list)
+    """Task (or group) names, as lm-eval's `--tasks` takes them."""
+    num_fewshot: int | None = None
+    """Examples in each prompt (none: each task's default)."""
+    limit: int | float | None = None
+    """Documents per task: a count, or a fraction below 1 of each task (none: all)."""
+    batch_size: int = 16
+    """Sequences per forward pass, on each data-parallel rank."""
+    include_path: str | None = None
+    """A directory of task YAML files to add to lm-eval's (local tasks)."""
+    max_length: int | None = None
+    """Context length: rolling windows and truncation (none: as lm-eval's hf backend finds it
+    for the model's directory: config.json's max_position_embeddings, else the tokenizer's
+    model_max_length, else 2048; in training, as for the run's fastllm export, which has no
+    config.json)."""
+    max_gen_toks: int = 256
+    """Generated tokens per request when a task sets no `max_gen_toks`."""
+    bootstrap_iters: int = 100000
+    """Bootstrap resamples for the standard error of a metric that is not a mean (0: none)."""
+
+    def validate(self) -> None:
+        if not self.tasks:
+            raise ConfigError("tasks", "is required: name at least one lm-eval task")
+        check_positive(self.batch_size, "batch_size")
+        check_positive(self.max_length, "max_length")
+        check_positive(self.max_gen_toks, "max_gen_toks")
+        check_non_negative(self.bootstrap_iters, "bootstrap_iters")
+        check_non_negative(self.num_fewshot, "num_fewshot")
+        if self.limit is not None and not (
+            self.limit > 0 and (isinstance(self.limit, int) or self.limit < 1)
+        ):
+            raise ConfigError(
+                "limit", f"must be a positive count or a fraction below 1, got {self.limit}"
+            )
+
+
+Evaluator = LossEvaluatorConfig | LmEvalEvaluatorConfig
+"""Every evaluator type (a union of the variants, chosen by `type`; default loss)."""
 
 
 class TrainingEvaluatorConfig(Section):

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from fastllm.config.evaluation import LmEvalEvaluatorConfig
 from fastllm.config.section import ConfigError
 
 if TYPE_CHECKING:
@@ -181,6 +182,16 @@ _DISTRIBUTED_EXPORT = Condition(
     lambda export: export.interval is not None and export.format == "distributed",
     "training.export.format=distributed with an interval",
 )
+_LM_EVAL = Condition(
+    "training.evaluators",
+    lambda evaluators: any(
+        isinstance(e.evaluator, LmEvalEvaluatorConfig) for e in evaluators.values()
+    ),
+    "training.evaluators, an lm_eval evaluator",
+)
+_WHOLE_MODEL = (
+    "lm-eval runs the model's plain forward pass, which needs every weight whole on each rank"
+)
 
 COMPATIBILITY: tuple[Incompatibility, ...] = (
     *(
@@ -207,6 +218,20 @@ COMPATIBILITY: tuple[Incompatibility, ...] = (
             ("schedule.micro_batch_splits", "a reference model runs whole micro-batches"),
             ("model.distributed.sequence_data_parallel", "not yet tested with reference models"),
             ("model.distributed.expert_parallel", "not yet tested with reference models"),
+        )
+    ),
+    *(
+        Incompatibility(_LM_EVAL, other, _WHOLE_MODEL)
+        for other in (
+            _above_one("model.distributed.tensor_parallel"),
+            _above_one("model.distributed.pipeline_parallel"),
+            _above_one("model.distributed.sequence_data_parallel"),
+            _above_one("model.distributed.expert_parallel"),
+            Condition(
+                "model.multi_stage.zero_stage",
+                lambda stage: stage == 3,
+                "model.multi_stage.zero_stage=3",
+            ),
         )
     ),
     Incompatibility(_COMPILE, _above_one("model.distributed.tensor_parallel"), _GRAPHS),
@@ -259,7 +284,7 @@ def check_compatible(config: TrainerConfig) -> None:
 
 def _show(value: Any) -> str:
     """A value as YAML writes it (a section as flow-style JSON)."""
-    if isinstance(value, msgspec.Struct):
+    if isinstance(value, msgspec.Struct | dict):
         return json.dumps(msgspec.to_builtins(value))
     return str(value).lower() if isinstance(value, bool) else str(value)
 

@@ -247,6 +247,14 @@ class Engine:
         """Views of the shards of `kinds` (e.g. `("master",)`, a distributed export)."""
         return sharded_state(self.stages, kinds)
 
+    def wait_for_weights(self) -> None:
+        """Every weight of this rank current: ZeRO-1/2 leave a step's all-gathers in flight
+        for each stage's forward pass to wait on, which a forward pass outside the runner
+        (lm-eval's, reading the head's weight directly) must not count on."""
+        for group in self.stages.all_groups:
+            if group.refresh is not None:
+                group.refresh.wait_all()
+
     def whole_parameters(self) -> Iterator[tuple[str, Tensor]]:
         """Every parameter whole (every rank takes part: tensor slices are gathered, ZeRO-3
         gathers each stage)."""

@@ -3,6 +3,7 @@ few-shot sampling, splitting of the documents over the ranks, metrics and gather
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from lm_eval import simple_evaluate
@@ -10,10 +11,10 @@ from lm_eval.api.model import LM
 from lm_eval.tasks import TaskManager
 
 from fastllm.config import ConfigError
-from fastllm.config.evaluate import LmEvalConfig
+from fastllm.config.evaluation import LmEvalEvaluatorConfig
 
 
-def task_manager(config: LmEvalConfig, key: str = "") -> TaskManager:
+def task_manager(config: LmEvalEvaluatorConfig, key: str = "") -> TaskManager:
     """lm-eval's index of the tasks of `config`, each checked to exist (`ConfigError` naming
     `key`.tasks otherwise). Tasks all found in `include_path` are indexed from there alone:
     indexing lm-eval's own thousands of task files takes seconds."""
@@ -32,7 +33,7 @@ def task_manager(config: LmEvalConfig, key: str = "") -> TaskManager:
     return manager
 
 
-def run_tasks(lm: LM, config: LmEvalConfig, manager: TaskManager) -> dict[str, Any] | None:
+def run_tasks(lm: LM, config: LmEvalEvaluatorConfig, manager: TaskManager) -> dict[str, Any] | None:
     """lm-eval's results (`results`, `versions`, `n-shot`, `configs`, …; no samples) of the
     tasks of `config` (found in `manager`) on `lm`, on rank 0; None on the other ranks."""
     results = simple_evaluate(
@@ -45,3 +46,19 @@ def run_tasks(lm: LM, config: LmEvalConfig, manager: TaskManager) -> dict[str, A
         task_manager=manager,
     )
     return None if results is None else dict(results)
+
+
+def numeric_metrics(results: dict[str, Any]) -> dict[str, float]:
+    """The finite numeric metrics of lm-eval's `results`, as TASK_METRIC (`copa_acc`,
+    `copa_acc_stderr`; a filter other than lm-eval's `none` appended: `gsm8k_exact_match_
+    strict-match`)."""
+    metrics = {}
+    for task, values in results["results"].items():
+        for key, value in values.items():
+            metric, comma, applied = key.partition(",")
+            if not comma or isinstance(value, bool) or not isinstance(value, int | float):
+                continue  # alias, sample counts; a standard error lm-eval could not give ("N/A")
+            if math.isfinite(value):
+                name = metric if applied == "none" else f"{metric}_{applied}"
+                metrics[f"{task}_{name}"] = float(value)
+    return metrics

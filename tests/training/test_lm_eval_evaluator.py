@@ -1,0 +1,110 @@
+"""The lm_eval evaluator inside training (`training.evaluators.NAME.evaluator.type=lm_eval`):
+the test tasks of tests/evaluation run on the model being trained at the evaluator's steps,
+logged as NAME_TASK_METRIC with the numbers `fastllm evaluate` gives on the run's checkpoint
+of the same step; two data-parallel ranks give the numbers of one; an evaluation leaves the
+model training and the random generators as they were; bad tasks are refused before step 1."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fastllm.evaluation.tasks import numeric_metrics
+from tests.data.conftest import run_cli
+from tests.evaluation.conftest import TASKS, TASKS_DIRECTORY
+from tests.training.conftest import Launched, Layout, train_arguments
+from tests.training.test_evaluators import records, trainer_of
+
+EVALUATOR = "training.evaluators.tiny"
+SETTINGS = (  # the evaluator's settings, as fastllm evaluate takes them too
+    f"tasks={TASKS}", f"include_path={TASKS_DIRECTORY}", "max_length=48", "batch_size=3",
+    "bootstrap_iters=0",
+)  # fmt: skip
+LM_EVAL = (  # after steps 1 and 4 (offset 1, interval 3); the checkpoint of step 4 at the end
+    "training.train_iters=4", f"{EVALUATOR}.interval=3", f"{EVALUATOR}.offset=1",
+    f"{EVALUATOR}.evaluator.type=lm_eval",
+    *(f"{EVALUATOR}.evaluator.{setting}" for setting in SETTINGS),
+)  # fmt: skip
+METRICS = {
+    f"tiny_{task}_{metric}"
+    for task, metrics in (
+        ("fastllm_multiple_choice", ("acc", "acc_norm")),
+        ("fastllm_perplexity", ("word_perplexity", "byte_perplexity", "bits_per_byte")),
+        ("fastllm_generation", ("exact_match",)),
+    )
+    for metric in metrics
+}
+"""What the evaluator logs: every numeric metric of each task (no standard errors without
+bootstrap resamples, which the perplexities need)."""
+
+
+def layouts(dataset: Path, one_process: Callable[..., Path], root: Path) -> dict[str, Layout]:
+    return {"two_data_ranks": Layout(2, LM_EVAL)}
+
+
+def evaluated(experiment: Path) -> dict[int, dict[str, Any]]:
+    """The evaluator's metrics by step."""
+    return {
+        record["step"]: {k: v for k, v in record.items() if k.startswith("tiny_")}
+        for record in records(experiment)
+        if any(k.startswith("tiny_") for k in record)
+    }
+
+
+def test_the_evaluator_logs_at_its_steps_what_fastllm_evaluate_gives_on_the_checkpoint(
+    dataset: Path, one_process: Callable[..., Path], tmp_path: Path
+) -> None:
+    experiment = one_process(*LM_EVAL)
+    logged = evaluated(experiment)
+    assert sorted(logged) == [1, 4]
+    assert set(logged[4]) == METRICS
+    assert logged[1] != logged[4]  # the weights of each step
+    output = tmp_path / "results.json"
+    result = run_cli(
+        "evaluate", f"pretrained.path={experiment / 'checkpoint' / '4'}", f"tokenizer={dataset}",
+        *(f"evaluators.tiny.{setting}" for setting in SETTINGS), f"output={output}",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    expected = numeric_metrics(json.loads(output.read_text())["tiny"])
+    assert logged[4] == {f"tiny_{name}": value for name, value in expected.items()}
+
+
+def test_two_data_parallel_ranks_log_the_metrics_of_one(
+    launched: dict[str, Launched], one_process: Callable[..., Path]
+) -> None:
+    two, one = evaluated(launched["two_data_ranks"].succeeded()), evaluated(one_process(*LM_EVAL))
+    assert two.keys() == one.keys()
+    for step, metrics in one.items():
+        assert two[step].keys() == metrics.keys()
+        for name, value in metrics.items():  # the weights agree to the reductions' rounding
+            assert math.isclose(two[step][name], value, rel_tol=1e-5), (step, name)
+
+
+def test_an_evaluation_leaves_the_model_training_and_the_random_generators_as_they_were(
+    dataset: Path, tmp_path: Path
+) -> None:
+    trainer = trainer_of(
+        train_arguments(dataset, tmp_path, *LM_EVAL, f"{EVALUATOR}.evaluator.limit=2")
+    )
+    torch.rand(1)  # not the state of the run's seed (1234), which lm-eval seeds too
+    before = torch.get_rng_state()
+    metrics = trainer.evaluate("tiny")
+    assert metrics is not None and set(metrics) == METRICS
+    assert trainer.engine.model.training
+    assert torch.equal(torch.get_rng_state(), before)  # lm-eval seeds torch's generator
+
+
+def test_an_unknown_task_is_refused_before_the_first_step(dataset: Path, tmp_path: Path) -> None:
+    unknown = f"{EVALUATOR}.evaluator.tasks=[fastllm_multiple_choise]"
+    result = run_cli(*train_arguments(dataset, tmp_path / "run", *LM_EVAL, unknown))
+    assert result.returncode == 2
+    assert (
+        f"{EVALUATOR}.evaluator.tasks: unknown lm-eval task 'fastllm_multiple_choise'"
+        in result.stderr
+    )
+    assert records(tmp_path / "run") == []  # no step trained
