@@ -182,3 +182,36 @@ def test_masked_attention_on_fewer_keys_than_a_flex_block_on_gpu():
     assert_close(out, attention_reference(q, k, v, **options), atol=2e-2)
     out.sum().backward()
     assert all(t.grad is not None and t.grad.isfinite().all() for t in (q, k, v))
+
+
+def _pairs(batch: int, prompt: int, chosen: int, rejected: int, device="cpu"):
+    """Rows of one preference pair each: document ids and branch ids (0 the prompt, 1 and 2
+    its answers), as `engine.batch.Pairs` has them."""
+    branches = torch.tensor([0] * prompt + [1] * chosen + [2] * rejected, device=device)
+    branches = branches.expand(batch, -1).contiguous()
+    return torch.zeros_like(branches), branches
+
+
+def _apart(q, k, v, branches, part):
+    """Attention of one answer's queries over `prompt + answer` alone, as if computed apart."""
+    mine = (branches[0] == 0) | (branches[0] == part)
+    out = attention_reference(q[:, mine], k[:, mine], v[:, mine], causal=True)
+    return out[:, (branches[0] == part)[mine]]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, cuda])])
+def test_each_answer_of_a_pair_attends_as_if_alone_with_its_prompt(device):
+    torch.manual_seed(0)
+    sizes = (80, 40, 48) if device == "cuda" else (5, 4, 6)  # CUDA: the flex path (>= 128 keys)
+    documents, branches = _pairs(2, *sizes, device=device)
+    q, k, v = _qkv(2, sum(sizes), 4, 2, 16, device=device)
+    out = attention(q, k, v, causal=True, document_ids=documents, branch_ids=branches)
+    torch.testing.assert_close(
+        out, attention_reference(q, k, v, causal=True, document_ids=documents, branch_ids=branches)
+    )
+    for part in (1, 2):
+        torch.testing.assert_close(out[:, branches[0] == part], _apart(q, k, v, branches, part))
+    prompt = branches[0] == 0
+    torch.testing.assert_close(
+        out[:, prompt], attention_reference(q[:, prompt], k[:, prompt], v[:, prompt], causal=True)
+    )
