@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from itertools import chain
 from pathlib import Path
 
-import msgspec
 import torch
 
 from fastllm.checkpoint import peft
@@ -23,17 +23,13 @@ def load_model(
     the base weights, not merged), in eval mode, on `device` (default CPU) in `dtype`
     (default: as stored)."""
     source = open_model(path)
-    config = source.config
+    config, adapters = source.config, iter(())
     if adapter is not None:
-        architecture = peft.architecture_for(config, source.hf_config)
-        lora = peft.read_adapter_config(Path(adapter), config, architecture)
-        config = msgspec.structs.replace(config, peft=lora)
+        config, adapters = peft.with_adapter(config, source.hf_config, Path(adapter))
     with torch.device("meta"):
         model = GPTModel(config)
     model.to_empty(device=device or "cpu")
-    state = dict(source.tensors())
-    if adapter is not None:
-        state.update(peft.adapter_tensors(Path(adapter), config, architecture))
+    state = dict(chain(source.tensors(), adapters))
     if dtype is None:
         dtype = next(iter(state.values())).dtype
     model.to(dtype)

@@ -26,7 +26,7 @@ from fastllm.training.trainer import Trainer
 from tests.model.hf_models import save_hf_model
 from tests.model.test_lora import PEFT_MODULES
 from tests.training.conftest import Launched, Layout
-from tests.training.test_train_cli import losses
+from tests.training.test_frozen import assert_same_run
 
 LORA = {
     "type": "lora",
@@ -312,15 +312,6 @@ def test_two_ranks_with_lora_match_one_process(
     model = LAYOUTS[layout][0]
     single = one_process(*LORA_ARGS, *model, *FOUR_STEPS)
     double = launched[f"lora_{layout}"].succeeded()
-    expected, got = losses(single), losses(double)
-    assert sorted(got) == sorted(expected) == [1, 2, 3, 4]
-    for step, loss in expected.items():
-        assert got[step] == pytest.approx(loss, rel=1e-5), step
-    ours, theirs = (
-        load_file(run / "export" / "4" / "model.safetensors") for run in (double, single)
-    )
-    assert sorted(ours) == sorted(theirs)
-    for name, tensor in theirs.items():
-        torch.testing.assert_close(ours[name], tensor, rtol=1e-5, atol=1e-5, msg=name)
+    assert_same_run(single, double)
     start = load_file(single / "export" / "4" / "model.safetensors")
     assert any("_lora.b" in name and start[name].abs().max() > 0 for name in start)  # trained

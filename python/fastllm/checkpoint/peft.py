@@ -234,6 +234,18 @@ def adapter_tensors(
         yield rule.ours, rule.join([stored[PREFIX + name].float() for name in rule.theirs])
 
 
+def with_adapter(
+    config: BaseModelConfig, hf_config: dict[str, Any] | None, directory: Path
+) -> tuple[BaseModelConfig, Iterator[tuple[str, Tensor]]]:
+    """The model of `config` (its Hugging Face config `hf_config`, if any) with the PEFT
+    adapter in `directory`: its config, the adapter's LoRA added, and the adapter's tensors
+    under our names (read as they are iterated)."""
+    architecture = architecture_for(config, hf_config)
+    lora = read_adapter_config(directory, config, architecture)
+    adapted = msgspec.structs.replace(config, peft=lora)
+    return adapted, adapter_tensors(directory, adapted, architecture)
+
+
 def base_config(config: BaseModelConfig) -> BaseModelConfig:
     """The model without its adapters."""
     return msgspec.structs.replace(config, peft=NoPeftConfig())

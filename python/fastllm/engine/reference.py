@@ -80,10 +80,9 @@ def build_reference(
     architecture = msgspec.structs.replace(source.config, head=HeadConfig())  # no losses of its own
     adapters: Iterator[tuple[str, Tensor]] = iter(())
     if pretrained.adapter is not None:
-        name = peft.architecture_for(architecture, source.hf_config)
-        lora = peft.read_adapter_config(Path(pretrained.adapter), architecture, name)
-        architecture = msgspec.structs.replace(architecture, peft=lora)
-        adapters = peft.adapter_tensors(Path(pretrained.adapter), architecture, name)
+        architecture, adapters = peft.with_adapter(
+            architecture, source.hf_config, Path(pretrained.adapter)
+        )
     with torch.device("meta"):
         model = GPTModel(architecture, mesh)
     freeze(model)
