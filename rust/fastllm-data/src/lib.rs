@@ -33,6 +33,7 @@ mod random;
 mod sample_source;
 mod sampling;
 mod sampling_cache;
+mod sidecar;
 mod stable_hash;
 mod token;
 mod token_range;

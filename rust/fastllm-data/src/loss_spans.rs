@@ -15,16 +15,16 @@
 //! A document's spans are sorted, disjoint, non-empty and inside it; all little-endian.
 
 use std::ffi::OsString;
-use std::fs;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use crate::atomic_file::write_atomically;
+use crate::sidecar::{check_size, header_len, read_sidecar};
 use crate::DataError;
 
 const MAGIC: &[u8; 8] = b"FLLMSPAN";
 const VERSION: u64 = 1;
-const HEADER_LEN: usize = 8 + 4 * 8;
+const HEADER_LEN: usize = header_len(1);
 
 /// `PREFIX.spans`.
 pub(crate) fn spans_path(prefix: &Path) -> PathBuf {
@@ -44,42 +44,21 @@ impl LossSpans {
     /// Reads `PREFIX.spans` if there is one, checking it against the dataset's documents.
     pub fn open(prefix: &Path, document_lengths: &[i32]) -> Result<Option<Self>, DataError> {
         let path = spans_path(prefix);
-        let bytes = match fs::read(&path) {
-            Ok(bytes) => bytes,
-            Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-            Err(source) => return Err(DataError::Io { path, source }),
-        };
         let bad = |reason: String| DataError::BadLossSpans {
             path: path.clone(),
             reason,
         };
-        if bytes.len() < HEADER_LEN || &bytes[..8] != MAGIC {
-            return Err(bad(
-                "not a loss-span file (bad magic or truncated header)".into()
-            ));
-        }
-        let field = |i: usize| u64::from_le_bytes(bytes[8 + 8 * i..16 + 8 * i].try_into().unwrap());
-        let (version, documents, tokens, count) = (field(0), field(1), field(2), field(3));
-        if version != VERSION {
-            return Err(bad(format!("unsupported version {version}")));
-        }
-        let index_tokens: u64 = document_lengths.iter().map(|&l| l as u64).sum();
-        if documents != document_lengths.len() as u64 || tokens != index_tokens {
-            return Err(bad(format!(
-                "written for {documents} documents of {tokens} tokens, but the index has {} \
-                 documents of {index_tokens} tokens",
-                document_lengths.len()
-            )));
-        }
+        let Some(file) =
+            read_sidecar(&path, MAGIC, VERSION, 1, "loss-span", document_lengths, bad)?
+        else {
+            return Ok(None);
+        };
+        let (documents, count) = (document_lengths.len() as u64, file.fields[0]);
         let expected = HEADER_LEN as u128 + 8 * (u128::from(documents) + 1) + 8 * u128::from(count);
-        if expected != bytes.len() as u128 {
-            return Err(bad(format!(
-                "file is {} bytes but its header implies {expected} (truncated?)",
-                bytes.len()
-            )));
-        }
-        let offsets_end = HEADER_LEN + 8 * (documents as usize + 1);
-        let offsets: Vec<u64> = bytes[HEADER_LEN..offsets_end]
+        check_size(&file, expected, bad)?;
+        let bytes = file.body();
+        let offsets_end = 8 * (documents as usize + 1);
+        let offsets: Vec<u64> = bytes[..offsets_end]
             .chunks_exact(8)
             .map(|b| u64::from_le_bytes(b.try_into().unwrap()))
             .collect();

@@ -16,16 +16,16 @@
 //! `rejected_spans`): `0 < chosen_begin < chosen_end == rejected_begin < rejected_end ==`
 //! the document's length, so the prompt is tokens `0..chosen_begin`. All little-endian.
 
-use std::fs;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use crate::atomic_file::write_atomically;
+use crate::sidecar::{check_size, header_len, read_sidecar};
 use crate::DataError;
 
 const MAGIC: &[u8; 8] = b"FLLMPREF";
 const VERSION: u64 = 1;
-const HEADER_LEN: usize = 8 + 3 * 8;
+const HEADER_LEN: usize = header_len(0);
 
 /// `PREFIX.preference`.
 pub(crate) fn preference_path(prefix: &Path) -> PathBuf {
@@ -87,41 +87,19 @@ impl PreferenceSpans {
     /// Reads `PREFIX.preference` if there is one, checking it against the dataset's documents.
     pub fn open(prefix: &Path, document_lengths: &[i32]) -> Result<Option<Self>, DataError> {
         let path = preference_path(prefix);
-        let bytes = match fs::read(&path) {
-            Ok(bytes) => bytes,
-            Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-            Err(source) => return Err(DataError::Io { path, source }),
-        };
         let bad = |reason: String| DataError::BadPreferenceSpans {
             path: path.clone(),
             reason,
         };
-        if bytes.len() < HEADER_LEN || &bytes[..8] != MAGIC {
-            return Err(bad(
-                "not a preference-span file (bad magic or truncated header)".into(),
-            ));
-        }
-        let field = |i: usize| u64::from_le_bytes(bytes[8 + 8 * i..16 + 8 * i].try_into().unwrap());
-        let (version, documents, tokens) = (field(0), field(1), field(2));
-        if version != VERSION {
-            return Err(bad(format!("unsupported version {version}")));
-        }
-        let index_tokens: u64 = document_lengths.iter().map(|&l| l as u64).sum();
-        if documents != document_lengths.len() as u64 || tokens != index_tokens {
-            return Err(bad(format!(
-                "written for {documents} documents of {tokens} tokens, but the index has {} \
-                 documents of {index_tokens} tokens",
-                document_lengths.len()
-            )));
-        }
-        let expected = HEADER_LEN as u128 + 16 * u128::from(documents);
-        if expected != bytes.len() as u128 {
-            return Err(bad(format!(
-                "file is {} bytes but its header implies {expected} (truncated?)",
-                bytes.len()
-            )));
-        }
-        let pairs: Vec<PairSpans> = bytes[HEADER_LEN..]
+        let what = "preference-span";
+        let Some(file) = read_sidecar(&path, MAGIC, VERSION, 0, what, document_lengths, bad)?
+        else {
+            return Ok(None);
+        };
+        let documents = document_lengths.len() as u64;
+        check_size(&file, HEADER_LEN as u128 + 16 * u128::from(documents), bad)?;
+        let pairs: Vec<PairSpans> = file
+            .body()
             .chunks_exact(16)
             .map(|b| {
                 let word = |i: usize| u32::from_le_bytes(b[4 * i..4 * i + 4].try_into().unwrap());
