@@ -72,7 +72,7 @@ run_part() {
       timeout 100 python3 bench/sustained_matmul.py --seconds 60 --commit "$COMMIT" \
         --out "$RES/sustained_matmul.json" ;;
     kernels)
-      timeout 150 python3 bench/kernels.py --out "$RES/kernels.json" ;;
+      timeout 150 python3 bench/kernel_bench.py --out "$RES/kernels.json" ;;
     prepare)
       lscpu | grep -E "^(Model name|Socket|Core|Thread|CPU\(s\))"; grep -H . /sys/devices/system/cpu/cpu{0,1,16}/topology/thread_siblings_list
       # Against the Python pipelines on the standard library, then fastllm alone on it 32 times

@@ -2,7 +2,7 @@
 same computation, with the two ceilings measured in the same run (device copy bandwidth, bf16
 matmul rate). Writes JSON to --out and prints a table.
 
-    python bench/kernels.py --out bench/results/kernels.json
+    python bench/kernel_bench.py --out bench/results/kernels.json
 """
 
 from __future__ import annotations
