@@ -41,9 +41,12 @@ RECORDS = [
 
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    return llamas_and_pairs(tmp_path_factory.mktemp("dpo"))
+
+
+def llamas_and_pairs(root: Path) -> tuple[Path, Path, Path]:
     """A tokenizer, a tiny Llama of its vocabulary (with the tokenizer's files, as a Hugging
     Face directory), another of other weights, and the pairs prepared."""
-    root = tmp_path_factory.mktemp("dpo")
     tokenizer = write_tokenizer(root / "tokenizer", "qwen2")
     vocab = transformers.AutoTokenizer.from_pretrained(tokenizer).vocab_size + 16
     policy, other = root / "policy", root / "other"
