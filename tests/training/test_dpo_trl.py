@@ -33,6 +33,13 @@ OURS = (
     f"optimizer.weight_decay={WEIGHT_DECAY}",
     f"optimizer.gradient_norm_clipping={CLIPPING}",  # clips the first three steps here
 )
+# With answers that go on after the prompt's last space or mid-word: TRL tokenizes the prompt
+# followed by each answer whole, and the answers start where those tokens leave the prompt's.
+PAIRS = [
+    *RECORDS[:4],
+    {"prompt": "Answer in one word: ", "chosen": "green.", "rejected": "blue."},
+    {"prompt": "Capital of Fr", "chosen": "ance? Paris.", "rejected": "ance? Lyon."},
+]
 METRICS = (
     "rewards/chosen",
     "rewards/rejected",
@@ -45,7 +52,7 @@ Pair = tuple[list[int], list[int], list[int]]
 
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
-    return llamas_and_pairs(tmp_path_factory.mktemp("dpo_trl"))
+    return llamas_and_pairs(tmp_path_factory.mktemp("dpo_trl"), PAIRS)
 
 
 def pairs_of(batch: Batch) -> list[Pair]:
@@ -63,10 +70,13 @@ def pairs_of(batch: Batch) -> list[Pair]:
 
 
 def record_of(pair: Pair, tokenizer: transformers.PreTrainedTokenizerBase) -> dict[str, str]:
-    """The record whose texts the pair's tokens decode to (each answer less its EOS)."""
+    """The record whose texts the pair's tokens decode to (the prompt followed by each answer
+    less its EOS)."""
     prompt, chosen, rejected = pair
-    texts = [tokenizer.decode(ids) for ids in (prompt, chosen[:-1], rejected[:-1])]
-    matches = [r for r in RECORDS if [r["prompt"], r["chosen"], r["rejected"]] == texts]
+    texts = [tokenizer.decode(prompt + answer[:-1]) for answer in (chosen, rejected)]
+    matches = [
+        r for r in PAIRS if [r["prompt"] + r["chosen"], r["prompt"] + r["rejected"]] == texts
+    ]
     assert matches, texts
     return matches[0]
 
@@ -112,7 +122,9 @@ def test_four_steps_match_trl_dpo_trainer(pairs, tmp_path: Path) -> None:
     visited = [pair for step in steps for batch in step for pair in pairs_of(batch)]
     assert len(visited) == STEPS * PAIRS_PER_STEP
     tokenizer = transformers.AutoTokenizer.from_pretrained(policy)
-    theirs = trl_trainer(policy, [record_of(p, tokenizer) for p in visited], tmp_path / "trl")
+    records = [record_of(pair, tokenizer) for pair in visited]
+    assert all(record in records for record in PAIRS)
+    theirs = trl_trainer(policy, records, tmp_path / "trl")
     tokenized = [
         (r["prompt_ids"], r["chosen_ids"], r["rejected_ids"]) for r in theirs.train_dataset
     ]
