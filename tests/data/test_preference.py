@@ -40,6 +40,9 @@ RECORDS = [
         "chosen": [SYSTEM, USER, {"role": "assistant", "content": "Blue."}],
         "rejected": [SYSTEM, USER, {"role": "assistant", "content": "Red."}],
     },
+    # The prompt's last space goes with the answers: TRL tokenizes the prompt and each answer
+    # together, the answers starting where those tokens leave the prompt's.
+    {"prompt": "Answer in one word: ", "chosen": "green.", "rejected": "blue."},
 ]
 
 
@@ -54,17 +57,11 @@ def write_pairs(path: Path, records: list[dict]) -> Path:
     return path
 
 
-def common_prefix(*texts: str) -> str:
-    end = 0
-    while all(end < len(t) for t in texts) and len({t[end] for t in texts}) == 1:
-        end += 1
-    return texts[0][:end]
-
-
 def expected_pair(record: dict, tok: Tokenizer, hf, eos: int) -> tuple[list, list, list]:
-    """Prompt, chosen and rejected ids as TRL's extract_prompt, maybe_apply_chat_template and
-    tokenize_row make them (each part tokenized apart; strings framed by EOS after each
-    answer, messages by the template alone)."""
+    """Prompt, chosen and rejected ids as TRL's DPOTrainer (1.x) makes them: extract_prompt
+    and maybe_apply_chat_template make the texts, then the prompt alone and the prompt
+    followed by each answer are tokenized whole (strings framed by EOS after each answer,
+    messages by the template alone), the answers starting where those tokens part."""
     chosen, rejected = record["chosen"], record["rejected"]
     prompt = record.get("prompt")
     if prompt is None:  # TRL's extract_prompt
@@ -74,20 +71,28 @@ def expected_pair(record: dict, tok: Tokenizer, hf, eos: int) -> tuple[list, lis
         if isinstance(chosen, str) and chosen[shared - 1] == " ":
             shared -= 1
         prompt, chosen, rejected = chosen[:shared], chosen[shared:], rejected[shared:]
-    framing = []
     if isinstance(chosen, list):
-        text = hf.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
         whole_chosen = hf.apply_chat_template(prompt + chosen, tokenize=False)
         whole_rejected = hf.apply_chat_template(prompt + rejected, tokenize=False)
-        prompt = common_prefix(text, whole_chosen, whole_rejected)
-        chosen, rejected = whole_chosen[len(prompt) :], whole_rejected[len(prompt) :]
+        prompt = hf.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+        framing = []
     else:
-        framing = [eos]
+        whole_chosen, whole_rejected, framing = prompt + chosen, prompt + rejected, [eos]
 
     def ids(text: str) -> list[int]:
         return tok.encode(text, add_special_tokens=False).ids
 
-    return ids(prompt), ids(chosen) + framing, ids(rejected) + framing
+    prompt_ids = ids(prompt)
+    chosen_ids, rejected_ids = ids(whole_chosen) + framing, ids(whole_rejected) + framing
+    shared = min(common_start(prompt_ids, chosen_ids), common_start(prompt_ids, rejected_ids))
+    return prompt_ids[:shared], chosen_ids[shared:], rejected_ids[shared:]
+
+
+def common_start(a: list[int], b: list[int]) -> int:
+    shared = 0
+    while shared < min(len(a), len(b)) and a[shared] == b[shared]:
+        shared += 1
+    return shared
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +106,9 @@ def pairs(tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tupl
     return dataset, [expected_pair(r, tok, hf, eos) for r in RECORDS]
 
 
-def test_a_pair_is_one_document_prompt_once_then_chosen_then_rejected(pairs) -> None:
+def test_a_pair_is_one_document_prompt_once_then_chosen_then_rejected(
+    pairs, tokenizer_dir: Path
+) -> None:
     path, expected = pairs
     metadata = json.loads((path / "metadata.json").read_text())
     assert metadata["format"] == "preference" and metadata["documents"] == len(RECORDS)
@@ -116,6 +123,11 @@ def test_a_pair_is_one_document_prompt_once_then_chosen_then_rejected(pairs) -> 
         assert dataset.preference_spans(index) == ((p, p + c), (p + c, p + c + len(rejected)))
     # The template framed the messages' answers, EOS the strings'.
     assert expected[3][1][-2:] == expected[3][2][-2:]
+    # The whole text has " g" where the prompt alone ends with " ": the space goes with the
+    # answers (tokenized apart, the chosen one would start with "g").
+    prompt, chosen, _ = expected[-1]
+    decode = AutoTokenizer.from_pretrained(tokenizer_dir).decode
+    assert decode(prompt) == "Answer in one word:" and decode(chosen[:1]) == " g"
 
 
 def test_a_text_dataset_is_not_a_preference_dataset(tmp_path: Path, tokenizer_dir: Path) -> None:
@@ -198,7 +210,7 @@ def test_pairs_longer_than_the_sequence_are_left_out_and_counted(
     for tokens, ids, parts in zip(samples.tokens, samples.document_ids, samples.parts, strict=True):
         for pair in set(ids[parts != PADDING].tolist()):
             assert tokens[ids == pair].tolist() in fitting
-    with pytest.raises(ConfigError, match="none of the 5 preference pairs fits"):
+    with pytest.raises(ConfigError, match=f"none of the {len(RECORDS)} preference pairs fits"):
         SampleStream(
             [str(path)], DataConfig(), sequence_length=sizes[0] - 1, num_samples=1, seed=0,
             cache_dir=tmp_path / "cache",
@@ -219,14 +231,15 @@ def test_bad_records_are_reported_as_file_and_line(tokenizer_dir: Path, tmp_path
         },
         {"prompt": "Q" * 300, "chosen": "a long answer", "rejected": "b"},
         {"prompt": ["not", "messages"], "chosen": answer, "rejected": answer},
+        {"prompt": "W", "chosen": "hat?", "rejected": "hat."},  # "What" is one token
         RECORDS[3],
     ]
     path = write_pairs(tmp_path / "pairs.jsonl", lines)
     out = prepare(path, tokenizer_dir, tmp_path / "out", "input.max_pair_tokens=200")
     report = json.loads((out / "metadata.json").read_text())
-    assert report["documents"] == 2 and report["bad_records"] == 7
+    assert report["documents"] == 2 and report["bad_records"] == 8
     quoted = report["first_bad_records"]
-    assert [record.split(": ", 1)[0] for record in quoted] == [f"{path}:{n}" for n in range(2, 9)]
+    assert [record.split(": ", 1)[0] for record in quoted] == [f"{path}:{n}" for n in range(2, 10)]
     reasons = [record.split(": ", 1)[1] for record in quoted]
     assert reasons[0] == 'no field "rejected"'
     assert reasons[1] == "the chosen answer is empty"
@@ -235,6 +248,7 @@ def test_bad_records_are_reported_as_file_and_line(tokenizer_dir: Path, tmp_path
     assert reasons[4].startswith("the prompt parts differ: message 1 is a user message")
     assert "more than max_pair_tokens 200" in reasons[5]
     assert "message 0" in reasons[6]
+    assert reasons[7].startswith("the prompt has no tokens of its own")
 
     result = run_cli(
         "prepare", f"input.path={path}", f"tokenizer.path={tokenizer_dir}",

@@ -41,9 +41,12 @@ RECORDS = [
 
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    return llamas_and_pairs(tmp_path_factory.mktemp("dpo"))
+
+
+def llamas_and_pairs(root: Path, records: list[dict] = RECORDS) -> tuple[Path, Path, Path]:
     """A tokenizer, a tiny Llama of its vocabulary (with the tokenizer's files, as a Hugging
-    Face directory), another of other weights, and the pairs prepared."""
-    root = tmp_path_factory.mktemp("dpo")
+    Face directory), another of other weights, and `records` prepared."""
     tokenizer = write_tokenizer(root / "tokenizer", "qwen2")
     vocab = transformers.AutoTokenizer.from_pretrained(tokenizer).vocab_size + 16
     policy, other = root / "policy", root / "other"
@@ -51,7 +54,7 @@ def pairs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
         save_hf_model("llama", directory, seed=seed, vocab_size=vocab)
         for file in tokenizer.iterdir():
             shutil.copy(file, directory)
-    data = prepare(write_pairs(root / "pairs.jsonl", RECORDS), tokenizer, root / "data")
+    data = prepare(write_pairs(root / "pairs.jsonl", records), tokenizer, root / "data")
     return policy, other, data
 
 

@@ -1,11 +1,14 @@
 //! One preference record to one document: the prompt's tokens once, then the chosen answer's,
-//! then the rejected answer's, each part tokenized apart (as TRL's `DPOTrainer` tokenizes
-//! them), so that both answers follow the very same prompt tokens.
+//! then the rejected answer's, as TRL's `DPOTrainer` (1.x) makes them: the prompt alone and the
+//! prompt followed by each answer are tokenized whole, and the answers start where those tokens
+//! part, so that an answer's tokens are those of the whole text (an answer after a prompt that
+//! ends with a space, or mid-word, is not tokenized as if the text broke there) and both
+//! answers follow the very same prompt tokens.
 //!
-//! Strings: the prompt framed by BOS (when `add_bos`), each answer by EOS (when `add_eos`).
+//! Strings: the texts framed by BOS (when `add_bos`), each answer by EOS (when `add_eos`).
 //! Lists of messages: rendered with the chat template as TRL's `maybe_apply_chat_template`
-//! renders them (the prompt with the generation prompt, each answer as what the whole
-//! conversation adds to it), framed by the template alone.
+//! renders them (the prompt with the generation prompt, each whole conversation without),
+//! framed by the template alone.
 
 use serde_json::Value as Json;
 
@@ -13,7 +16,7 @@ use super::encode::{DocumentEncoder, Refusal, Scratch};
 use crate::input::PreferencePair;
 use crate::PairSpans;
 
-/// The parts of a pair as text to tokenize.
+/// A pair as texts to tokenize: the prompt, and the prompt followed by each answer.
 struct PairText {
     prompt: String,
     chosen: String,
@@ -41,32 +44,40 @@ impl DocumentEncoder<'_> {
                 ))
             }
         };
-        for (name, answer) in [("chosen", &text.chosen), ("rejected", &text.rejected)] {
-            if answer.is_empty() {
+        let encode = |text: &str, answer: bool| -> Result<Vec<u32>, Refusal> {
+            let mut tokens = Vec::new();
+            if framed {
+                tokens.extend(self.framing.bos);
+            }
+            self.tokenizer.encode(text, &mut tokens)?;
+            if framed && answer {
+                tokens.extend(self.framing.eos);
+            }
+            Ok(tokens)
+        };
+        let prompt = encode(&text.prompt, false)?;
+        let chosen = encode(&text.chosen, true)?;
+        let rejected = encode(&text.rejected, true)?;
+        // TRL's prompt: the tokens the prompt alone shares with both whole texts.
+        let shared = common_start(&prompt, &chosen).min(common_start(&prompt, &rejected));
+        if shared == 0 {
+            return Err(Refusal::Bad(
+                "the prompt has no tokens of its own (it is empty, or its tokens merge with the \
+                 answers'): nothing would predict the answers' first tokens"
+                    .into(),
+            ));
+        }
+        for (name, whole) in [("chosen", &chosen), ("rejected", &rejected)] {
+            if whole.len() == shared {
                 return Err(Refusal::Bad(format!("the {name} answer is empty")));
             }
         }
         let tokens = &mut scratch.tokens;
-        if framed {
-            tokens.extend(self.framing.bos);
-        }
-        self.tokenizer.encode(&text.prompt, tokens)?;
-        let prompt = tokens.len() as u32;
-        if prompt == 0 {
-            return Err(Refusal::Bad(
-                "the prompt is empty: nothing would predict the answers' first tokens".into(),
-            ));
-        }
-        let answer = |text: &str, tokens: &mut Vec<u32>| -> Result<u32, Refusal> {
-            let start = tokens.len();
-            self.tokenizer.encode(text, tokens)?;
-            if framed {
-                tokens.extend(self.framing.eos);
-            }
-            Ok((tokens.len() - start) as u32)
-        };
-        let chosen = answer(&text.chosen, tokens)?;
-        let rejected = answer(&text.rejected, tokens)?;
+        tokens.extend_from_slice(&prompt[..shared]);
+        tokens.extend_from_slice(&chosen[shared..]);
+        tokens.extend_from_slice(&rejected[shared..]);
+        let [prompt, chosen, rejected] =
+            [shared, chosen.len() - shared, rejected.len() - shared].map(|n| n as u32);
         let length = tokens.len() as u64;
         if let Some(limit) = self.max_pair_tokens.filter(|&limit| length > limit) {
             return Err(Refusal::Bad(format!(
@@ -119,20 +130,17 @@ impl DocumentEncoder<'_> {
             messages.extend_from_slice(answer);
             render(&messages, false)
         };
-        let prompt_text = render(&prompt, true)?;
-        let (chosen, rejected) = (whole(chosen)?, whole(rejected)?);
-        // TRL's way: the prompt is what its rendering shares with the whole conversations (a
-        // template may write the generation prompt otherwise once an answer follows).
-        let shared = common_prefix(common_prefix(&prompt_text, &chosen), &rejected).len();
+        // A template may write the generation prompt otherwise once an answer follows: the
+        // prompt's tokens are only those the whole conversations share with it.
         Ok(PairText {
-            prompt: chosen[..shared].to_owned(),
-            chosen: chosen[shared..].to_owned(),
-            rejected: rejected[shared..].to_owned(),
+            prompt: render(&prompt, true)?,
+            chosen: whole(chosen)?,
+            rejected: whole(rejected)?,
         })
     }
 }
 
-/// The parts of a pair of strings; without a prompt, TRL's `extract_prompt`: the answers'
+/// The texts of a pair of strings; without a prompt, TRL's `extract_prompt`: the answers'
 /// common start, less a space just before where they differ.
 fn strings(prompt: Option<&Json>, chosen: &str, rejected: &str) -> Result<PairText, Refusal> {
     let (prompt, chosen, rejected) = match prompt {
@@ -150,10 +158,15 @@ fn strings(prompt: Option<&Json>, chosen: &str, rejected: &str) -> Result<PairTe
             (&chosen[..shared], &chosen[shared..], &rejected[shared..])
         }
     };
+    for (name, answer) in [("chosen", chosen), ("rejected", rejected)] {
+        if answer.is_empty() {
+            return Err(Refusal::Bad(format!("the {name} answer is empty")));
+        }
+    }
     Ok(PairText {
         prompt: prompt.to_owned(),
-        chosen: chosen.to_owned(),
-        rejected: rejected.to_owned(),
+        chosen: format!("{prompt}{chosen}"),
+        rejected: format!("{prompt}{rejected}"),
     })
 }
 
@@ -193,6 +206,11 @@ fn describe_role(role: Option<String>) -> String {
     role.map_or_else(|| "missing".to_owned(), |role| format!("a {role} message"))
 }
 
+/// How many tokens `a` and `b` share from their start.
+fn common_start(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
 /// The longest common start of `a` and `b`, on a character boundary.
 fn common_prefix<'a>(a: &'a str, b: &str) -> &'a str {
     let end = a
@@ -214,24 +232,29 @@ mod tests {
     }
 
     #[test]
-    fn an_implicit_string_prompt_is_trls_common_start_less_the_last_space() {
+    fn an_implicit_string_prompt_is_trls_common_start_less_the_last_space_and_leads_each_text() {
         let text = |result: Result<PairText, Refusal>| {
             let text = result.ok().unwrap();
             (text.prompt, text.chosen, text.rejected)
         };
         assert_eq!(
             text(strings(None, "The sky is blue.", "The sky is green.")),
-            ("The sky is".into(), " blue.".into(), " green.".into())
+            (
+                "The sky is".into(),
+                "The sky is blue.".into(),
+                "The sky is green.".into()
+            )
         );
         assert_eq!(
             text(strings(None, "Café ☕ oui", "Café ☕ non")),
-            ("Café ☕".into(), " oui".into(), " non".into())
+            ("Café ☕".into(), "Café ☕ oui".into(), "Café ☕ non".into())
         );
         assert_eq!(
             text(strings(Some(&json!("Q:")), " a", " b")),
-            ("Q:".into(), " a".into(), " b".into())
+            ("Q:".into(), "Q: a".into(), "Q: b".into())
         );
         assert!(strings(Some(&json!(["Q"])), "a", "b").is_err());
+        assert!(strings(Some(&json!("Q:")), "", "b").is_err());
     }
 
     #[test]
