@@ -99,8 +99,8 @@ def test_shared_prefix_pairs_give_dpo_of_each_answer_computed_apart(pairs, tmp_p
     targets = HeadTargets(
         batch.labels, {"reference": Teacher(log_probs=reference_log_probs)}, spans
     )
-    values, metrics = head_losses(ours, hidden, targets, losses)
-    values["dpo"].backward()
+    total, values, metrics = head_losses(ours, hidden, targets, losses, {"dpo": 1.0})
+    total.backward()
 
     # DPO's formula on transformers' models, each answer on its own `prompt + answer`.
     theirs = transformers.AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32)

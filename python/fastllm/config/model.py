@@ -270,6 +270,12 @@ class LabelLossConfig(LossConfig, tag="label"):
     trained tokens of the global batch."""
 
 
+class ZLossConfig(LossConfig, tag="z_loss"):
+    """The z-loss (PaLM): the mean over the trained tokens (those the label loss counts) of
+    logsumexp(logits)², which keeps the head's log-normalizer near zero; from the label loss's
+    own pass over the logits (typical weights: 1e-4)."""
+
+
 class DistillationLossConfig(LossConfig, tag="distillation"):
     """The divergence between a teacher's (a reference model's) next-token distribution and
     the model's, both at `temperature`, averaged over the trained tokens; neither model's
@@ -322,7 +328,7 @@ class DPOLossConfig(LossConfig, tag="dpo"):
         return {self.reference_model}
 
 
-Loss = LabelLossConfig | DistillationLossConfig | DPOLossConfig
+Loss = LabelLossConfig | ZLossConfig | DistillationLossConfig | DPOLossConfig
 """Every loss type (a union of the variants, chosen by `type`)."""
 
 

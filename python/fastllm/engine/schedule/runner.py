@@ -272,9 +272,6 @@ class StepRunner:
         if step.stage == last:
             spans = None if pairs is None else pairs.spans
             targets = HeadTargets(labels, teachers, spans)
-            values, metrics = head_losses(self.model, out, targets, self.losses)
-            for reference in self.references.values():
-                reference.release()
             # Each loss weighted by its piece's share of the global batch: of the trained
             # tokens, or of the preference pairs for DPO.
             shares = {
@@ -282,9 +279,12 @@ class StepRunner:
                 else weight
                 for name, loss in self.losses.items()
             }  # fmt: skip
-            out = sum(self.losses[name].weight * shares[name] * v for name, v in values.items())
+            weights = {name: loss.weight * shares[name] for name, loss in self.losses.items()}
+            out, values, metrics = head_losses(self.model, out, targets, self.losses, weights)
+            for reference in self.references.values():
+                reference.release()
             for name, v in values.items():
-                named[name] = named.get(name, 0.0) + shares[name] * v.detach().float()
+                named[name] = named.get(name, 0.0) + shares[name] * v.float()
             for name, v in metrics.items():  # DPO's, averaged over the pairs
                 named[name] = named.get(name, 0.0) + pairs.share * v.detach().float()
             value = value + out.detach().float()
