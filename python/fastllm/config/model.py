@@ -314,6 +314,11 @@ class DPOLossConfig(LossConfig, tag="dpo"):
     loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
     """sigmoid: DPO; ipo: IPO's squared loss on the length-normalized margin, as TRL computes
     it."""
+    reference_log_probs: Literal["in_step", "precomputed"] = "in_step"
+    """in_step: the reference model runs on each micro-batch, in the step; precomputed: its
+    log-probabilities of every pair of the run's preference datasets are computed once before
+    training (TRL's precompute_ref_log_probs), kept in EXPERIMENT_DIR/cache/reference_log_probs
+    and read by the step, and its weights are freed before the first step."""
 
     def validate(self) -> None:
         super().validate()
@@ -341,6 +346,16 @@ class HeadConfig(Section):
         dpo = [name for name, loss in self.losses.items() if isinstance(loss, DPOLossConfig)]
         if len(dpo) > 1:
             raise ConfigError("losses", f"{dpo}: one dpo loss at most")
+
+    @property
+    def precomputed_references(self) -> set[str]:
+        """The reference models whose log-probabilities a dpo loss reads precomputed: they
+        never run in the step."""
+        return {
+            loss.reference_model
+            for loss in self.losses.values()
+            if isinstance(loss, DPOLossConfig) and loss.reference_log_probs == "precomputed"
+        }
 
     @property
     def preference(self) -> bool:
