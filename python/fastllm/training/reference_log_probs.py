@@ -19,6 +19,7 @@ import hashlib
 import json
 import math
 import os
+import time
 import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -50,17 +51,30 @@ def reference_log_probs(trainer: Trainer, name: str, paths: dict[str, str]) -> d
     keys = {path: _key(trainer, name, path) for path in paths}
     files = {path: directory / f"{_digest(key)}.npz" for path, key in keys.items()}
     tables = {path: _read(files[path], key) for path, key in keys.items()}
+    main = trainer.distributed.is_main
     if _all_ranks_have(trainer, all(table is not None for table in tables.values())):
+        if main:
+            print(
+                f"fastllm: reference_models.{name}: log-probabilities read from {directory}",
+                flush=True,
+            )
         return {path: table for path, table in tables.items() if table is not None}
+    start = time.perf_counter()
     reference = trainer.engine.build_reference(name)
     try:
         computed = {path: _compute(trainer, reference, path, key) for path, key in paths.items()}
     finally:
         del reference
         _free_memory(trainer.distributed.device)
-    if trainer.distributed.is_main:
+    if main:
         for path, table in computed.items():
             _write(files[path], keys[path], table)
+        pairs = sum(len(table) for table in computed.values())
+        print(
+            f"fastllm: reference_models.{name}: log-probabilities of {pairs:,} pair(s) computed "
+            f"in {time.perf_counter() - start:.1f} s, kept in {directory}",
+            flush=True,
+        )
     return computed
 
 
