@@ -127,6 +127,10 @@ class SampleSource:
     def sample_length(self) -> int:
         """Tokens per sample: the sequence length plus one (inputs and shifted labels)."""
 
+    def sample_pairs(self, sample: int) -> tuple[int, list[int]]:
+        """The dataset (its place in `prefixes`) and the pairs (its documents) of sample
+        `sample` of preference pairs: pair `k` of the list is the sample's document `k`."""
+
     def fill(
         self,
         first_sample: int,

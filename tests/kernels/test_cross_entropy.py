@@ -8,6 +8,8 @@ from fastllm_kernels.cross_entropy import (
     cross_entropy,
     linear_cross_entropy,
     linear_cross_entropy_reference,
+    linear_label_losses,
+    linear_label_losses_reference,
 )
 from tests.kernels.conftest import assert_close, cuda, triton_on_cpu
 
@@ -62,6 +64,30 @@ def test_linear_cross_entropy_z_loss_and_label_smoothing(z_loss, label_smoothing
     _check(loss, expected, [hidden, weight])
     reference = linear_cross_entropy_reference(hidden, weight, labels, **options)
     assert_close(reference, expected)
+
+
+@triton_on_cpu
+@pytest.mark.parametrize(("label_weight", "z_loss"), [(1.0, 0.0), (0.7, 0.05), (0.0, 0.1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_label_losses_mix_cross_entropy_and_z_loss_by_weight(label_weight, z_loss, dtype):
+    hidden, weight, labels = _inputs(29, 16, 70, dtype=dtype)
+    total, parts = linear_label_losses(
+        hidden, weight, labels, label_weight=label_weight, z_loss=z_loss, chunk_size=8
+    )
+    # Plain torch: the cross-entropy, and the mean of logsumexp² over the labelled tokens.
+    logits = hidden.float() @ weight.float().T
+    valid = labels != -100
+    cross_entropy = F.cross_entropy(logits, labels)
+    z = (torch.logsumexp(logits, -1)[valid] ** 2).mean()
+    assert not parts.requires_grad
+    assert_close(parts, torch.stack([cross_entropy, z]).detach(), rtol=1e-5, atol=1e-5)
+    tolerances = {"rtol": 2e-2, "atol": 2e-3} if dtype == torch.bfloat16 else None
+    _check(total, label_weight * cross_entropy + z_loss * z, [hidden, weight], tolerances)
+    reference, reference_parts = linear_label_losses_reference(
+        hidden, weight, labels, label_weight, z_loss
+    )
+    assert_close(reference, label_weight * cross_entropy + z_loss * z, rtol=1e-5, atol=1e-5)
+    assert_close(reference_parts, parts, rtol=1e-5, atol=1e-5)
 
 
 @triton_on_cpu

@@ -1,6 +1,6 @@
-"""The vocab-parallel sequence log-probabilities, DPO and distillation on two Gloo processes
-against the one-process ops on the whole vocabulary: values and gradients (the weight's
-through a gradient sink for DPO)."""
+"""The vocab-parallel label loss and z-loss, sequence log-probabilities, DPO and distillation on
+two Gloo processes against the one-process ops on the whole vocabulary: values and gradients
+(the weight's through a gradient sink for the label losses and DPO)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,10 @@ import torch.distributed as dist
 from fastllm.parallel.process_group import setup_distributed
 from fastllm.parallel.tensor import TensorDimension, enter
 from fastllm.parallel.vocab_parallel_losses import (
-    vocab_parallel_distillation, vocab_parallel_dpo, vocab_parallel_sequence_log_probs,
+    vocab_parallel_distillation, vocab_parallel_dpo, vocab_parallel_label_losses,
+    vocab_parallel_sequence_log_probs,
 )
+from fastllm_kernels.cross_entropy import linear_label_losses
 from fastllm_kernels.distillation import linear_distillation
 from fastllm_kernels.preference import linear_dpo, linear_sequence_log_probs
 from fastllm_kernels.recipe import WeightRecipe
@@ -42,6 +44,25 @@ def check(rank: int) -> None:
     labels[spans < 0] = -100
     reference = torch.randn(6, generator=generator) - 10.0
     local_weight = weight.chunk(size)[rank]
+
+    # The label losses: the cross-entropy alone, mixed with the z-loss, the z-loss alone; the
+    # prompts' labels are ignored, and chunks of 5 rows.
+    for label_weight, z_loss in [(1.0, 0.0), (0.5, 0.02), (0.0, 0.1)]:
+        weights = {"label_weight": label_weight, "z_loss": z_loss}
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        expected, expected_parts = linear_label_losses(h, w, labels, **weights)
+        expected_grads = grads(expected, h, w)
+        h, w = hidden.clone().requires_grad_(), local_weight.clone().requires_grad_()
+        sunk = torch.empty(w.shape)
+        recipe = WeightRecipe(gradient_sink=lambda product: product(sunk, False))
+        loss, parts = vocab_parallel_label_losses(enter(h, tp), w, labels, tp, recipe=recipe,
+                                                  chunk_size=5, **weights)
+        torch.testing.assert_close(loss, expected)
+        torch.testing.assert_close(parts, expected_parts)
+        hidden_grad, weight_grad = grads(loss, h, w)
+        torch.testing.assert_close(hidden_grad, expected_grads[0])
+        assert weight_grad is None  # in the sink
+        torch.testing.assert_close(sunk, expected_grads[1].chunk(size)[rank])
 
     expected = linear_sequence_log_probs(hidden, weight, labels, spans, 6)
     ours = vocab_parallel_sequence_log_probs(hidden, local_weight, labels, spans, 6, tp, chunk_size=4)
@@ -90,7 +111,7 @@ dist.destroy_process_group()
 """
 
 
-def test_vocab_parallel_dpo_and_distillation_match_the_one_process_ops(
+def test_vocab_parallel_head_losses_match_the_one_process_ops(
     two_ranks: CliResult,
 ) -> None:
     assert two_ranks.returncode == 0, two_ranks.stderr

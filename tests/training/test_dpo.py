@@ -1,12 +1,16 @@
 """DPO against a reference model on preference pairs: the loss and gradients of the shared-prefix
 pairs against DPO's formula on a `transformers` model with each answer computed apart, the
-first step's loss log 2, TRL's metrics logged, and preference data refused without DPO."""
+first step's loss log 2, TRL's metrics logged, preference data refused without DPO, the
+reference's log-probabilities precomputed (the in-step losses, an exact resume, files keyed and
+checked, two data ranks), and two ranks against one process."""
 
 from __future__ import annotations
 
 import json
 import math
 import shutil
+import weakref
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -17,12 +21,13 @@ import transformers
 import yaml
 
 import fastllm
-from fastllm.config import BaseModelConfig, ConfigError, TrainerConfig, build
+from fastllm.config import BaseModelConfig, ConfigError, TrainerConfig, build, load_config
 from fastllm.config.data import DataConfig
 from fastllm.config.loading import load_raw
 from fastllm.config.model import DPOLossConfig
 from fastllm.data import DataLoader, SampleStream
 from fastllm.engine.batch import _pair_spans
+from fastllm.engine.engine import Engine
 from fastllm.model.head_losses import HeadTargets, Teacher, head_losses, sequence_log_probs
 from fastllm.training.setup import check_inputs, with_pretrained_architecture
 from fastllm.training.trainer import Trainer
@@ -81,7 +86,8 @@ def test_shared_prefix_pairs_give_dpo_of_each_answer_computed_apart(pairs, tmp_p
     policy_dir, reference_dir, data = pairs
     batch = micro_batch(data, tmp_path)
     assert batch.parts is not None and batch.position_ids is not None
-    spans, count = _pair_spans(batch)
+    spans, rows, _ = _pair_spans(batch)
+    count = rows.numel()
     assert count >= 2
 
     ours = fastllm.load_model(policy_dir)
@@ -102,8 +108,8 @@ def test_shared_prefix_pairs_give_dpo_of_each_answer_computed_apart(pairs, tmp_p
     targets = HeadTargets(
         batch.labels, {"reference": Teacher(log_probs=reference_log_probs)}, spans
     )
-    values, metrics = head_losses(ours, hidden, targets, losses)
-    values["dpo"].backward()
+    total, values, metrics = head_losses(ours, hidden, targets, losses, {"dpo": 1.0})
+    total.backward()
 
     # DPO's formula on transformers' models, each answer on its own `prompt + answer`.
     theirs = transformers.AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32)
@@ -208,6 +214,105 @@ def test_preference_pairs_and_dpo_go_together(pairs, tmp_path: Path, dataset: Pa
     assert caught.value.path == "model.base_model.head.losses.dpo"
 
 
+PRECOMPUTED = "model.base_model.head.losses.dpo.reference_log_probs=precomputed"
+
+
+@pytest.fixture
+def built(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """The names of the reference models built outside the step (`Engine.build_reference`);
+    each must be gone (its weights freed) by the time the next one is built, and when the test
+    ends."""
+    names: list[str] = []
+    models: list[weakref.ref] = []
+    build_reference = Engine.build_reference
+
+    def counted(engine: Engine, name: str):
+        assert all(model() is None for model in models)
+        names.append(name)
+        reference = build_reference(engine, name)
+        models.append(weakref.ref(reference.model))
+        return reference
+
+    monkeypatch.setattr(Engine, "build_reference", counted)
+    yield names
+    assert all(model() is None for model in models)
+
+
+def logged_steps(experiment: Path) -> dict[int, dict]:
+    records = [json.loads(line) for line in (experiment / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in records if "loss" in r}
+
+
+def test_precomputed_reference_log_probs_give_the_in_step_losses_and_resume_exactly(
+    pairs, tmp_path: Path, built: list[str]
+) -> None:
+    _, other, _ = pairs
+    against = f"reference_models.reference.pretrained.path={other}"  # not the policy: no log 2
+
+    def fit(experiment: Path, *extra: str) -> Trainer:
+        run = Trainer(dpo_config(pairs, experiment, against, *extra))
+        assert run.fit() is None
+        return run
+
+    fit(tmp_path / "in_step")
+    assert built == []
+    whole = fit(tmp_path / "whole", PRECOMPUTED)
+    assert built == ["reference"] and whole.engine.references == {}
+    (file,) = (tmp_path / "whole" / "cache" / "reference_log_probs").iterdir()
+    assert file.suffix == ".npz"  # renamed into place: no staging file left beside it
+    expected, got = logged_steps(tmp_path / "in_step"), logged_steps(tmp_path / "whole")
+    assert sorted(got) == sorted(expected) == [1, 2, 3, 4]
+    keys = ("loss", "rewards/margins", "rewards/chosen", "logps/chosen", "logps/rejected")
+    assert expected[1]["rewards/margins"] != 0.0
+    for step, record in expected.items():
+        for key in keys:
+            assert got[step][key] == pytest.approx(record[key], rel=1e-5, abs=1e-7), (step, key)
+
+    # Two steps, then resumed to four: the second launch reads the file, never the reference.
+    fit(tmp_path / "resumed", PRECOMPUTED, "training.train_iters=2")
+    fit(tmp_path / "resumed", PRECOMPUTED)
+    assert built == ["reference"] * 2
+    resumed = logged_steps(tmp_path / "resumed")
+    for step, record in logged_steps(tmp_path / "whole").items():
+        assert {k: resumed[step][k] for k in keys} == {k: record[k] for k in keys}, step
+
+
+def test_precomputed_reference_log_probs_are_never_read_stale_or_damaged(
+    pairs, tmp_path: Path, built: list[str]
+) -> None:
+    policy, other, _ = pairs
+    cache = tmp_path / "run" / "cache" / "reference_log_probs"
+
+    def table(reference: Path) -> torch.Tensor:
+        path = f"reference_models.reference.pretrained.path={reference}"
+        loader = Trainer(dpo_config(pairs, tmp_path / "run", PRECOMPUTED, path)).data_loader()
+        assert loader.reference_log_probs is not None
+        return loader.reference_log_probs
+
+    first = table(other)
+    (file,) = cache.iterdir()
+    assert table(policy).ne(first).any()  # another reference: another file
+    assert len(built) == 2 and len(list(cache.iterdir())) == 2
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])  # damaged
+    assert torch.equal(table(other), first) and len(built) == 3
+    assert torch.equal(table(other), first) and len(built) == 3  # whole again: read
+
+
+def test_precomputed_reference_log_probs_free_a_reference_no_other_loss_reads() -> None:
+    losses = (
+        "model.base_model.head.losses={dpo: {type: dpo, reference_log_probs: precomputed}, "
+        "kd: {type: distillation, reference_model: reference}}"
+    )
+    with pytest.raises(
+        ConfigError, match=r"frees reference_models.reference .* \['kd'\]"
+    ) as caught:
+        load_config(
+            TrainerConfig, ["examples/tiny.yaml"],
+            [losses, "reference_models.reference.pretrained.path=x"],
+        )  # fmt: skip
+    assert caught.value.path == "model.base_model.head.losses.dpo.reference_log_probs"
+
+
 def preference_dataset(root: Path) -> Path:
     """The pairs prepared with a tokenizer of fewer tokens than the tests' tiny model's 512."""
     if not (root / "pairs" / "data").is_dir():
@@ -220,6 +325,8 @@ def preference_dataset(root: Path) -> Path:
 
 DPO_LAYOUTS = {
     "zero3": ("model.multi_stage.zero_stage=3",),
+    # Each data rank computes the reference's log-probabilities of its share of the pairs.
+    "zero3_precomputed": ("model.multi_stage.zero_stage=3", PRECOMPUTED),
     "tensor": (
         "model.distributed.tensor_parallel=2",
         "model.distributed.sequence_tensor_parallel=true",

@@ -270,6 +270,12 @@ class LabelLossConfig(LossConfig, tag="label"):
     trained tokens of the global batch."""
 
 
+class ZLossConfig(LossConfig, tag="z_loss"):
+    """The z-loss (PaLM): the mean over the trained tokens (those the label loss counts) of
+    logsumexp(logits)², which keeps the head's log-normalizer near zero; from the label loss's
+    own pass over the logits (typical weights: 1e-4)."""
+
+
 class DistillationLossConfig(LossConfig, tag="distillation"):
     """The divergence between a teacher's (a reference model's) next-token distribution and
     the model's, both at `temperature`, averaged over the trained tokens; neither model's
@@ -308,6 +314,11 @@ class DPOLossConfig(LossConfig, tag="dpo"):
     loss_type: Literal["sigmoid", "ipo"] = "sigmoid"
     """sigmoid: DPO; ipo: IPO's squared loss on the length-normalized margin, as TRL computes
     it."""
+    reference_log_probs: Literal["in_step", "precomputed"] = "in_step"
+    """in_step: the reference model runs on each micro-batch, in the step; precomputed: its
+    log-probabilities of every pair of the run's preference datasets are computed once before
+    training (TRL's precompute_ref_log_probs), kept in EXPERIMENT_DIR/cache/reference_log_probs
+    and read by the step, and its weights are freed before the first step."""
 
     def validate(self) -> None:
         super().validate()
@@ -322,7 +333,7 @@ class DPOLossConfig(LossConfig, tag="dpo"):
         return {self.reference_model}
 
 
-Loss = LabelLossConfig | DistillationLossConfig | DPOLossConfig
+Loss = LabelLossConfig | ZLossConfig | DistillationLossConfig | DPOLossConfig
 """Every loss type (a union of the variants, chosen by `type`)."""
 
 
@@ -335,6 +346,16 @@ class HeadConfig(Section):
         dpo = [name for name, loss in self.losses.items() if isinstance(loss, DPOLossConfig)]
         if len(dpo) > 1:
             raise ConfigError("losses", f"{dpo}: one dpo loss at most")
+
+    @property
+    def precomputed_references(self) -> set[str]:
+        """The reference models whose log-probabilities a dpo loss reads precomputed: they
+        never run in the step."""
+        return {
+            loss.reference_model
+            for loss in self.losses.values()
+            if isinstance(loss, DPOLossConfig) and loss.reference_log_probs == "precomputed"
+        }
 
     @property
     def preference(self) -> bool:

@@ -9,7 +9,7 @@ from fastllm.config.data import DataConfig
 from fastllm.config.evaluation import check_evaluators
 from fastllm.config.formats import HF_ARCHITECTURES, ModelFormat, inexpressible
 from fastllm.config.layout import check_compatible, check_shape
-from fastllm.config.model import LoRAConfig, ModelConfig
+from fastllm.config.model import DPOLossConfig, LoRAConfig, ModelConfig
 from fastllm.config.schedule import ScheduleConfig
 from fastllm.config.section import ConfigError, Section
 from fastllm.config.training import BatchConfig, OptimizerConfig, RunConfig, TrainingConfig
@@ -111,3 +111,18 @@ class TrainerConfig(Section):
                 f"reference_models.{reference}",
                 "no loss of model.base_model.head.losses reads it",
             )
+        for name, loss in losses.items():
+            if not isinstance(loss, DPOLossConfig) or loss.reference_log_probs != "precomputed":
+                continue
+            others = sorted(
+                other
+                for other, reader in losses.items()
+                if other != name and loss.reference_model in reader.reference_models
+            )
+            if others:
+                raise ConfigError(
+                    f"model.base_model.head.losses.{name}.reference_log_probs",
+                    f"precomputed frees reference_models.{loss.reference_model} before training, "
+                    f"and model.base_model.head.losses {others} read it in the step; set "
+                    "in_step",
+                )

@@ -44,6 +44,22 @@ class TokenDataset:
         return [shard.num_tokens for shard in self._shards]
 
     @property
+    def shard_documents(self) -> list[int]:
+        return [len(shard) for shard in self._shards]
+
+    @property
+    def files(self) -> list[Path]:
+        """The files it is read from: metadata.json, if any, and each shard's `.bin`, `.idx`
+        and sidecars (`.spans`, `.preference`)."""
+        found = [self.path / "metadata.json"] if self.metadata else []
+        for prefix in self.prefixes:
+            for suffix in (".bin", ".idx", ".spans", ".preference"):
+                file = prefix.with_name(prefix.name + suffix)
+                if file.is_file():
+                    found.append(file)
+        return found
+
+    @property
     def shard_has_loss_spans(self) -> list[bool]:
         return [shard.has_loss_spans for shard in self._shards]
 

@@ -47,14 +47,22 @@ class Batch:
     context is the prompt's, never the chosen answer.
 
     `parts` and `position_ids` are None for other datasets, whose positions follow from
-    `document_ids`. Every field is per token, so micro-batches and sequence splits cut them
-    like the inputs."""
+    `document_ids`. Every field but the last two is per token, so micro-batches and sequence
+    splits cut them like the inputs; the last two are per pair of each row."""
 
     input_ids: Tensor
     labels: Tensor
     document_ids: Tensor
     parts: Tensor | None = None
     position_ids: Tensor | None = None
+    pair_ids: Tensor | None = None
+    """Preference pairs: (micro_batch_size, most pairs in a row) int64, which pair of the
+    stream (`SampleStream.sample_pairs`) each document of a row is: row r's document k is pair
+    `pair_ids[r, k]`; -1 past a row's last pair."""
+    reference_log_probs: Tensor | None = None
+    """(micro_batch_size, most pairs in a row, 2) fp32: a reference model's log-probabilities
+    of the chosen and the rejected answer of those pairs, when the loader was given them (DPO's
+    `reference_log_probs: precomputed`); NaN past a row's last pair."""
 
 
 def pair_positions(document_ids: np.ndarray, parts: np.ndarray) -> np.ndarray:
@@ -77,7 +85,11 @@ class DataLoader:
 
     Step s covers samples [s * batch_size, (s + 1) * batch_size) of the stream, so every
     sample is seen once whatever the number of ranks, and a run resumed at `consumed_samples`
-    continues exactly where it stopped."""
+    continues exactly where it stopped.
+
+    `reference_log_probs`: for a stream of preference pairs, the (num_pairs, 2) log-probabilities
+    of each pair's chosen and rejected answer under a reference model, by pair id; each batch
+    then carries those of its pairs."""
 
     def __init__(
         self,
@@ -90,6 +102,7 @@ class DataLoader:
         consumed_samples: int = 0,
         prefetch: int = 4,
         pin_memory: bool | None = None,
+        reference_log_probs: Tensor | None = None,
     ) -> None:
         if batch_size % world_size or (batch_size // world_size) % micro_batch_size:
             raise ValueError(
@@ -100,6 +113,12 @@ class DataLoader:
         self.consumed_samples = consumed_samples
         self.prefetch = max(prefetch, 1)
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        if reference_log_probs is not None and reference_log_probs.shape != (stream.num_pairs, 2):
+            raise ValueError(
+                f"reference_log_probs: {tuple(reference_log_probs.shape)}, not the "
+                f"({stream.num_pairs}, 2) of the stream's pairs"
+            )
+        self.reference_log_probs = reference_log_probs
 
     @property
     def steps_left(self) -> int:
@@ -112,27 +131,39 @@ class DataLoader:
         labels = tokens[:, 1:].clone()
         labels[torch.from_numpy(samples.loss_mask[:, 1:]) == 0] = -100
         input_ids, document_ids = tokens[:, :-1], torch.from_numpy(samples.document_ids[:, :-1])
-        parts = position_ids = None
-        if samples.parts is not None:
+        parts = position_ids = pair_ids = reference = None
+        if samples.parts is not None and samples.pair_ids is not None:
             pair_parts = samples.parts[:, :-1]
             parts = torch.from_numpy(np.ascontiguousarray(pair_parts))
             position_ids = torch.from_numpy(
                 pair_positions(samples.document_ids[:, :-1], pair_parts)
             )
+            pair_ids = torch.from_numpy(samples.pair_ids)
+            if self.reference_log_probs is not None:
+                reference = self.reference_log_probs[pair_ids.clamp(min=0)]
+                reference[pair_ids < 0] = float("nan")
         if self.pin_memory:
             input_ids, labels, document_ids = (
                 t.pin_memory() for t in (input_ids, labels, document_ids)
             )
             if parts is not None and position_ids is not None:
                 parts, position_ids = parts.pin_memory(), position_ids.pin_memory()
+            if reference is not None:  # the rest stays on the host (engine.batch)
+                reference = reference.pin_memory()
         m = self.micro_batch_size
+
+        def rows(t: Tensor | None, i: int) -> Tensor | None:
+            return None if t is None else t[i : i + m]
+
         return [
             Batch(
                 input_ids[i : i + m],
                 labels[i : i + m],
                 document_ids[i : i + m],
-                None if parts is None else parts[i : i + m],
-                None if position_ids is None else position_ids[i : i + m],
+                rows(parts, i),
+                rows(position_ids, i),
+                rows(pair_ids, i),
+                rows(reference, i),
             )
             for i in range(0, per_rank, m)
         ]

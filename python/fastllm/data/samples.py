@@ -34,6 +34,10 @@ class Samples:
     tokens takes P + C + R + 1 positions: the prompt but its last token, that token then the
     chosen answer, that token again then the rejected answer; loss_mask is 1 on the answers'
     own tokens."""
+    pair_ids: np.ndarray | None = None
+    """Preference pairs only: (count, most pairs in a sample) int64, which pair of the stream
+    (`SampleStream.sample_pairs`) each document of a sample is: document k of sample i is pair
+    `pair_ids[i, k]`; -1 past a sample's last pair."""
 
 
 PROMPT, CHOSEN, REJECTED, PADDING = 0, 1, 2, -1
@@ -156,6 +160,9 @@ class SampleStream:
         """The datasets hold preference pairs: samples have `parts`."""
         self.skipped_pairs = self._source.skipped_pairs
         """Preference pairs left out for being longer than the sequence (never cut)."""
+        shards = [count for dataset in datasets for count in dataset.shard_documents]
+        self._pair_offsets = np.cumsum([0, *shards])
+        """Where each shard's pairs start in the stream's numbering (`pair_ids`)."""
         if os.environ.get("RANK", "0") == "0":
             if self.skipped_samples:
                 print(
@@ -174,6 +181,17 @@ class SampleStream:
     def __len__(self) -> int:
         return len(self._source)
 
+    @property
+    def num_pairs(self) -> int:
+        """Pairs of its datasets (preference pairs), numbered 0 … num_pairs - 1 over the
+        datasets in order, each dataset's in its own order: the pair ids of `sample_pairs`."""
+        return int(self._pair_offsets[-1])
+
+    def sample_pairs(self, sample: int) -> np.ndarray:
+        """The pair ids of sample `sample` of preference pairs, by its document order."""
+        shard, pairs = self._source.sample_pairs(sample)
+        return np.asarray(pairs, dtype=np.int64) + self._pair_offsets[shard]
+
     def read(self, first: int, count: int) -> Samples:
         shape = (count, self.sample_length)
         tokens = np.empty(shape, dtype=np.int64)
@@ -190,7 +208,13 @@ class SampleStream:
             )
         except _native.TokenRangeError as error:
             raise ConfigError(self.key, _beyond_vocabulary(error)) from None
-        return Samples(tokens, document_ids, loss_mask, parts)
+        pair_ids = None
+        if self.is_preference:
+            pairs = [self.sample_pairs(first + i) for i in range(count)]
+            pair_ids = np.full((count, max(map(len, pairs), default=0)), -1, dtype=np.int64)
+            for row, ids in zip(pair_ids, pairs, strict=True):
+                row[: len(ids)] = ids
+        return Samples(tokens, document_ids, loss_mask, parts, pair_ids)
 
 
 def _beyond_vocabulary(error: _native.TokenRangeError) -> str:

@@ -45,6 +45,11 @@ class Pairs:
     share: float
     """`count` over the pairs of the global batch (over every data rank): the weight of its
     pair-averaged losses."""
+    ids: Tensor | None = None
+    """(count,) on the host: each pair's id in its sample stream (`Batch.pair_ids`)."""
+    reference: Tensor | None = None
+    """(2 × count,) fp32: the reference's log-probabilities of each pair's chosen and rejected
+    answer, when the batch came with them (`Batch.reference_log_probs`)."""
 
 
 @dataclass(frozen=True)
@@ -77,7 +82,7 @@ class BatchPreparer:
         counts = [self._piece_counts(chunk) for chunk in labels]
         total = float(sum(sum(piece) for piece in counts))
         spans = [_pair_spans(batch) if batch.parts is not None else None for batch in batches]
-        pairs = float(sum(count for _, count in filter(None, spans)))
+        pairs = float(sum(rows.numel() for _, rows, _ in filter(None, spans)))
         if self.data.size > 1:
             summed = torch.tensor([total, pairs], dtype=torch.float64, device=self.device)
             dist.all_reduce(summed, group=self.data.group)
@@ -95,15 +100,29 @@ class BatchPreparer:
             for batch, chunk, piece_counts, span in zip(batches, labels, counts, spans, strict=True)
         ]
 
-    def _pairs(self, batch: Batch, spans: Tensor, count: int, total: float) -> Pairs:
+    def _pairs(
+        self, batch: Batch, spans: Tensor, rows: Tensor, documents: Tensor, total: float
+    ) -> Pairs:
         assert batch.parts is not None and batch.position_ids is not None
-        device = self.device
+        device, count = self.device, rows.numel()
+        ids = None if batch.pair_ids is None else batch.pair_ids[rows, documents]
+        reference = None
+        if batch.reference_log_probs is not None:
+            reference = batch.reference_log_probs[rows, documents].reshape(-1)
+            if reference.isnan().any():
+                raise ValueError(
+                    "reference log-probabilities missing for pairs of the batch: the table "
+                    "given to the loader does not cover its pairs"
+                )
+            reference = reference.to(device, non_blocking=True)
         return Pairs(
             batch.parts.to(device, torch.int64, non_blocking=True),
             batch.position_ids.to(device, non_blocking=True),
             spans.to(device, non_blocking=True),
             count,
             count / total if total else 0.0,
+            ids,
+            reference,
         )
 
     def _cut(self, input_ids: Tensor, labels: Tensor, documents: Tensor | None) -> list[Piece]:
@@ -141,15 +160,17 @@ class BatchPreparer:
         return self.sequence_data.prefix(ids).to(self.device, non_blocking=True)
 
 
-def _pair_spans(batch: Batch) -> tuple[Tensor, int]:
-    """`Pairs.spans` of a micro-batch of preference pairs, and the number of pairs."""
+def _pair_spans(batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
+    """`Pairs.spans` of a micro-batch of preference pairs, and the row and the document (id)
+    of each of its pairs, in their order: by row, then by document."""
     assert batch.parts is not None
     parts, labels = batch.parts.long(), batch.labels
     documents = batch.document_ids.long()
     rows = torch.arange(parts.shape[0])[:, None].expand_as(parts)
     answer = (labels != IGNORED) & (parts > 0)
-    keys = rows * (int(documents.max()) + 1) + documents  # one per pair of the micro-batch
-    _, pair = torch.unique(keys[answer], return_inverse=True)
+    per_row = int(documents.max()) + 1
+    keys = rows * per_row + documents  # one per pair of the micro-batch
+    unique, pair = torch.unique(keys[answer], return_inverse=True)
     spans = torch.full(parts.shape, -1, dtype=torch.int64)
     spans[answer] = 2 * pair + parts[answer] - 1
-    return spans.reshape(-1), int(pair.max()) + 1 if pair.numel() else 0
+    return spans.reshape(-1), unique // per_row, unique % per_row

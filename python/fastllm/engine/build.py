@@ -27,7 +27,7 @@ from fastllm.engine.model_stages import ModelStages
 from fastllm.engine.optimizer import AdamW
 from fastllm.engine.precision import DTYPES, LossScaler
 from fastllm.engine.recompute import apply_recompute
-from fastllm.engine.reference import build_reference
+from fastllm.engine.reference import build_references
 from fastllm.engine.schedule.runner import StepRunner
 from fastllm.engine.weights_io import load_full_parameters, whole_shape
 from fastllm.model import GPTModel
@@ -69,17 +69,10 @@ def build(config: TrainerConfig, distributed: Distributed | None = None) -> Engi
     fp8_histories = _apply_fp8(model, config, layout, device)
     if config.training.compile:
         apply_compile(model)
-    references = {
-        name: build_reference(
-            reference,
-            mesh,
-            compute_dtype=dtype,
-            device=device,
-            zero_stage=multi_stage.zero_stage,
-            layers_per_stage=multi_stage.layers_per_stage,
-        )
-        for name, reference in config.reference_models.items()
-    }
+    # Those whose log-probabilities are precomputed run outside the step, when the data
+    # loaders ask for them (training.reference_log_probs).
+    in_step = set(config.reference_models) - config.model.base_model.head.precomputed_references
+    references = build_references(config, in_step, mesh, device)
     runner = StepRunner(
         model,
         stages,

@@ -32,7 +32,7 @@ from fastllm.engine.learning_rate import learning_rate
 from fastllm.engine.model_stages import ModelStages
 from fastllm.engine.optimizer import AdamW
 from fastllm.engine.precision import LossScaler
-from fastllm.engine.reference import ReferenceModel
+from fastllm.engine.reference import ReferenceModel, build_references
 from fastllm.engine.replicated_check import check_replicated
 from fastllm.engine.schedule.runner import StepRunner
 from fastllm.engine.weights_io import whole_parameters
@@ -69,7 +69,8 @@ class Engine:
     state: TrainingState
     """Where the run is: optimizer steps, consumed samples, skipped steps."""
     references: dict[str, ReferenceModel] = field(default_factory=dict)
-    """The frozen models the head losses read (`reference_models`)."""
+    """The frozen models the head losses read in the step (`reference_models` but those whose
+    log-probabilities are precomputed)."""
     _named: Tensor | None = field(default=None, repr=False)
     """The last passes' head losses, by `runner.losses` order, until taken."""
 
@@ -246,6 +247,12 @@ class Engine:
     def sharded(self, kinds: tuple[str, ...]) -> Any:
         """Views of the shards of `kinds` (e.g. `("master",)`, a distributed export)."""
         return sharded_state(self.stages, kinds)
+
+    def build_reference(self, name: str) -> ReferenceModel:
+        """Reference model `name` of `reference_models`, on the engine's layout, its weights
+        loaded: one whose log-probabilities are precomputed, run before training and then
+        dropped (every rank calls it)."""
+        return build_references(self.config, {name}, self.mesh, self.distributed.device)[name]
 
     def wait_for_weights(self) -> None:
         """Every weight of this rank current: ZeRO-1/2 leave a step's all-gathers in flight

@@ -6,7 +6,7 @@ buffers: no gradients, no optimizer state, no autograd graph."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
@@ -18,9 +18,10 @@ from torch import Tensor
 from fastllm.checkpoint import peft
 from fastllm.checkpoint.formats import open_model
 from fastllm.config.model import HeadConfig
-from fastllm.config.trainer import ReferenceModelConfig
+from fastllm.config.trainer import ReferenceModelConfig, TrainerConfig
 from fastllm.engine.batch import Pairs
 from fastllm.engine.model_stages import ModelStages
+from fastllm.engine.precision import DTYPES
 from fastllm.engine.weights_io import load_full_parameters
 from fastllm.model.gpt import GPTModel
 from fastllm.model.head_losses import Teacher, sequence_log_probs
@@ -63,6 +64,26 @@ class ReferenceModel:
     def release(self) -> None:
         """ZeRO-3: free its gathered weights (once the losses have read its head)."""
         self.stages.release_weights()
+
+
+def build_references(
+    config: TrainerConfig, names: Collection[str], mesh: ParallelMesh, device: torch.device
+) -> dict[str, ReferenceModel]:
+    """The reference models `names` of `config.reference_models` on this rank, under the
+    trained model's layout, their weights loaded (every rank calls it)."""
+    multi_stage = config.model.multi_stage
+    return {
+        name: build_reference(
+            reference,
+            mesh,
+            compute_dtype=DTYPES[config.model.distributed.training_dtype],
+            device=device,
+            zero_stage=multi_stage.zero_stage,
+            layers_per_stage=multi_stage.layers_per_stage,
+        )
+        for name, reference in config.reference_models.items()
+        if name in names
+    }
 
 
 def build_reference(

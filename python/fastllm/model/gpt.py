@@ -15,12 +15,8 @@ from fastllm.model.normalization import Normalization
 from fastllm.model.parameters import TensorSplit, describe, set_layer
 from fastllm.model.rotary import RotaryTables, positions_in_documents
 from fastllm.parallel.mesh import ParallelMesh
-from fastllm.parallel.tensor import (
-    TensorDimension,
-    enter,
-    vocab_parallel_cross_entropy,
-    vocab_parallel_embedding,
-)
+from fastllm.parallel.tensor import TensorDimension, enter, vocab_parallel_embedding
+from fastllm.parallel.vocab_parallel_losses import vocab_parallel_label_losses
 from fastllm_kernels.cross_entropy import linear_cross_entropy
 from fastllm_kernels.recipe import WeightRecipe
 
@@ -182,9 +178,10 @@ class GPTModel(torch.nn.Module):
             return x, auxiliary
         hidden, labels = x.reshape(-1, x.shape[-1]), labels.reshape(-1)
         if self.tensor.split:
-            return vocab_parallel_cross_entropy(
+            loss, _ = vocab_parallel_label_losses(
                 hidden, self.head_weight, labels, self.tensor, recipe=self.head_recipe
-            ), auxiliary
+            )
+            return loss, auxiliary
         return linear_cross_entropy(hidden, self.head_weight, labels), auxiliary
 
     def hidden_states(self, input_ids: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor | None]:

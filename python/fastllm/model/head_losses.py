@@ -1,24 +1,31 @@
 """The losses of the output head (`model.base_model.head.losses`), by name: each a mean over the
-trained tokens of the hidden states it is given (DPO's over their preference pairs). Every one runs through a fused chunked head:
-neither the model's logits nor a teacher's exist whole. Under tensor parallelism the vocabulary
-is split and the vocab-parallel forms run."""
+trained tokens of the hidden states it is given (DPO's over their preference pairs). Every one
+runs through a fused chunked head: neither the model's logits nor a teacher's exist whole.
+Under tensor parallelism the vocabulary is split and the vocab-parallel forms run."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor
 
-from fastllm.config.model import DistillationLossConfig, DPOLossConfig, LabelLossConfig, Loss
+from fastllm.config.model import (
+    DistillationLossConfig,
+    DPOLossConfig,
+    LabelLossConfig,
+    Loss,
+    ZLossConfig,
+)
 from fastllm.model.gpt import GPTModel
-from fastllm.parallel.tensor import vocab_parallel_cross_entropy
 from fastllm.parallel.vocab_parallel_losses import (
     vocab_parallel_distillation,
     vocab_parallel_dpo,
+    vocab_parallel_label_losses,
     vocab_parallel_sequence_log_probs,
 )
-from fastllm_kernels.cross_entropy import linear_cross_entropy
+from fastllm_kernels.cross_entropy import linear_label_losses
 from fastllm_kernels.distillation import linear_distillation
 from fastllm_kernels.preference import linear_dpo, linear_sequence_log_probs
 
@@ -59,46 +66,65 @@ def sequence_log_probs(model: GPTModel, hidden: Tensor, labels: Tensor, spans: T
 
 
 def head_losses(
-    model: GPTModel, hidden: Tensor, targets: HeadTargets, losses: Mapping[str, Loss]
-) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-    """Each loss of `losses` on the final-normed `hidden` (batch, sequence, hidden), and the
-    metrics of those that report some (DPO's, under TRL's names)."""
+    model: GPTModel,
+    hidden: Tensor,
+    targets: HeadTargets,
+    losses: Mapping[str, Loss],
+    weights: Mapping[str, float],
+) -> tuple[Tensor, dict[str, Tensor], dict[str, Tensor]]:
+    """The losses of `losses` on the final-normed `hidden` (batch, sequence, hidden): their sum,
+    each times its `weights` entry, differentiable; each loss's value, detached; and the
+    metrics of those that report some (DPO's, under TRL's names). The label losses and z-losses
+    come from one pass over the logits."""
     rows = hidden.reshape(-1, hidden.shape[-1])
     labels = targets.labels.reshape(-1)
     tensor, weight = model.tensor, model.head_weight
-    values, metrics = {}, {}
-    for name, loss in losses.items():
-        if isinstance(loss, LabelLossConfig):
-            values[name] = (
-                vocab_parallel_cross_entropy(rows, weight, labels, tensor, recipe=model.head_recipe)
-                if tensor.split
-                else linear_cross_entropy(rows, weight, labels)
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    values: dict[str, Tensor] = {}
+    metrics: dict[str, Tensor] = {}
+    label = [name for name, loss in losses.items() if isinstance(loss, LabelLossConfig)]
+    z = [name for name, loss in losses.items() if isinstance(loss, ZLossConfig)]
+    if label or z:
+        label_weights = {
+            "label_weight": sum(weights[name] for name in label),
+            "z_loss": sum(weights[name] for name in z),
+        }
+        if tensor.split:
+            part, parts = vocab_parallel_label_losses(
+                rows, weight, labels, tensor, recipe=model.head_recipe, **label_weights
             )
-        elif isinstance(loss, DistillationLossConfig):
+        else:
+            part, parts = linear_label_losses(rows, weight, labels, **label_weights)
+        total = total + part
+        values |= dict.fromkeys(label, parts[0]) | dict.fromkeys(z, parts[1])
+    for name, loss in losses.items():
+        if isinstance(loss, LabelLossConfig | ZLossConfig):
+            continue
+        if isinstance(loss, DistillationLossConfig):
             teacher = targets.teachers[loss.reference_model]
             assert teacher.hidden is not None and teacher.head_weight is not None
             teacher_rows = teacher.hidden.reshape(-1, teacher.hidden.shape[-1])
             inputs = (rows, weight, teacher_rows, teacher.head_weight, labels != IGNORED)
             options = {"temperature": loss.temperature, "loss_type": loss.loss_type}
             if tensor.split:
-                values[name] = vocab_parallel_distillation(
+                value = vocab_parallel_distillation(
                     *inputs, tensor, recipe=model.head_recipe, **options
                 )
             else:
-                values[name] = linear_distillation(*inputs, **options)
+                value = linear_distillation(*inputs, **options)
         elif isinstance(loss, DPOLossConfig):
             reference = targets.teachers[loss.reference_model].log_probs
             assert targets.spans is not None and reference is not None
             dpo = (loss.beta, loss.label_smoothing, loss.loss_type)
             if tensor.split:
-                values[name], metrics = vocab_parallel_dpo(
+                value, metrics = vocab_parallel_dpo(
                     rows, weight, labels, targets.spans, reference, tensor, *dpo,
                     recipe=model.head_recipe,
                 )  # fmt: skip
             else:
-                values[name], metrics = linear_dpo(
-                    rows, weight, labels, targets.spans, reference, *dpo
-                )
+                value, metrics = linear_dpo(rows, weight, labels, targets.spans, reference, *dpo)
         else:
             raise TypeError(f"unknown loss {loss!r}")
-    return values, metrics
+        total = total + weights[name] * value
+        values[name] = value.detach()
+    return total, values, metrics

@@ -24,8 +24,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fastllm.parallel.dimension import Dimension
-from fastllm_kernels.linear import weight_gradient
-from fastllm_kernels.recipe import WeightRecipe
 
 
 class DeferredWork:
@@ -166,72 +164,3 @@ def vocab_parallel_embedding(ids: Tensor, weight: Tensor, tensor: TensorDimensio
     outside = (local < 0) | (local >= weight.shape[0])
     rows = F.embedding(local.masked_fill(outside, 0), weight)
     return leave(rows.masked_fill(outside.unsqueeze(-1), 0.0), tensor)
-
-
-def vocab_parallel_cross_entropy(
-    hidden: Tensor,
-    weight: Tensor,
-    labels: Tensor,
-    tensor: TensorDimension,
-    ignore_index: int = -100,
-    recipe: WeightRecipe | None = None,
-) -> Tensor:
-    """Mean cross-entropy of hidden (N, H) @ weight (V / size, H).T over the labels (N,) not
-    equal to `ignore_index`, the vocabulary split over the tensor ranks. Three all-reduces of
-    one value per token in the forward pass (maximum, sum of exponentials, target logit), none
-    in the backward pass: each rank's logit gradient is its own softmax slice. `hidden` must
-    come through `enter`, whose backward sums the hidden gradients of the ranks. The weight's
-    gradient goes to the sink of its `recipe`, if any."""
-    return _VocabParallelCrossEntropy.apply(hidden, weight, labels, tensor, ignore_index, recipe)
-
-
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any,
-        hidden: Tensor,
-        weight: Tensor,
-        labels: Tensor,
-        tensor: TensorDimension,
-        ignore_index: int,
-        recipe: WeightRecipe | None,
-    ) -> Tensor:
-        logits = _fp32_logits(hidden, weight)
-        maximum = logits.max(dim=-1).values
-        dist.all_reduce(maximum, op=dist.ReduceOp.MAX, group=tensor.group)
-        logits = logits.sub_(maximum.unsqueeze(-1))
-        local = labels - tensor.rank * weight.shape[0]
-        here = (local >= 0) & (local < weight.shape[0])
-        rows = torch.arange(labels.shape[0], device=labels.device)
-        picked = logits[rows, local.clamp(0, weight.shape[0] - 1)]
-        target = torch.where(here, picked, 0.0)  # the target logit minus the maximum
-        exponentials = logits.exp_()
-        total = exponentials.sum(dim=-1)
-        dist.all_reduce(total, group=tensor.group)
-        dist.all_reduce(target, group=tensor.group)
-        valid = labels != ignore_index
-        count = valid.sum().clamp(min=1).float()
-        losses = torch.where(valid, total.log() - target, 0.0)
-        # d loss / d logit_j = (softmax_j - [j = label]) / count, for valid rows only.
-        grad = exponentials.div_(total.unsqueeze(-1))
-        grad[rows[here], local[here]] -= 1.0
-        grad.mul_((valid.float() / count).unsqueeze(-1))
-        ctx.save_for_backward(grad.to(hidden.dtype), hidden, weight)
-        ctx.recipe = recipe
-        return losses.sum() / count
-
-    @staticmethod
-    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
-        grad, hidden, weight = ctx.saved_tensors
-        grad = grad * grad_output.to(grad.dtype)
-        d_hidden = grad @ weight
-        d_weight = weight_gradient(grad, hidden, ctx.recipe)
-        return d_hidden, d_weight, None, None, None, None
-
-
-def _fp32_logits(hidden: Tensor, weight: Tensor) -> Tensor:
-    if hidden.dtype == torch.float32:
-        return hidden @ weight.T
-    if hidden.is_cuda:
-        return torch.mm(hidden, weight.T, out_dtype=torch.float32)
-    return hidden.float() @ weight.float().T

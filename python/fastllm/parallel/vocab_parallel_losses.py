@@ -1,14 +1,13 @@
-"""The head's sequence log-probabilities, DPO and distillation losses with the vocabulary split
-in contiguous ranges over the tensor ranks, as `tensor.vocab_parallel_cross_entropy` does for
-the label loss: each rank holds a vocabulary slice of the head weight (and of the teacher's),
-computes its slice of each chunk's logits, and the per-token values that need the whole
-vocabulary (maxima, sums of exponentials, the target logit, the weighted sums of the
-divergences) are all-reduced over the tensor group: two all-reduces of a few values per token
-per chunk, none in the backward pass.
+"""The head's losses with the vocabulary split in contiguous ranges over the tensor ranks: the
+label loss and z-loss, sequence log-probabilities, DPO and distillation. Each rank holds a
+vocabulary slice of the head weight (and of the teacher's), computes its slice of each chunk's
+logits, and the per-token values that need the whole vocabulary (maxima, sums of exponentials,
+the target logit, the weighted sums of the divergences) are all-reduced over the tensor group:
+two all-reduces of a few values per token per chunk, none in the backward pass.
 
 The chunking, the pairing of DPO's spans and the folding of gradients are the single-process
-ops' (fastllm_kernels.preference, .distillation); only the row computation differs (torch here,
-with the collectives). `hidden` must come through `tensor.enter`, whose backward sums the
+ops' (fastllm_kernels.cross_entropy, .preference, .distillation); only the row computation
+differs (torch here, with the collectives). `hidden` must come through `tensor.enter`, whose backward sums the
 ranks' partial hidden gradients; the weight's gradient is this rank's slice, handed to the
 sink of its `recipe` if it has one."""
 
@@ -19,7 +18,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fastllm.parallel.tensor import TensorDimension
-from fastllm_kernels.cross_entropy import default_chunk_size
+from fastllm_kernels.cross_entropy import (
+    RowCrossEntropy,
+    chunked_label_losses,
+    default_chunk_size,
+)
 from fastllm_kernels.distillation import (
     DISTILLATION_LOSS_TYPES,
     RowDistillation,
@@ -35,6 +38,39 @@ from fastllm_kernels.preference import (
     dpo_metrics,
 )
 from fastllm_kernels.recipe import WeightRecipe
+
+IGNORED = -100
+"""The label of a position that trains nothing."""
+
+
+def vocab_parallel_label_losses(
+    hidden: Tensor,
+    weight: Tensor,
+    labels: Tensor,
+    tensor: TensorDimension,
+    *,
+    label_weight: float = 1.0,
+    z_loss: float = 0.0,
+    ignore_index: int = -100,
+    recipe: WeightRecipe | None = None,
+    chunk_size: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """`linear_label_losses` (mean reduction, no label smoothing) with weight (V / size, H)
+    this rank's vocabulary slice: the same loss and (cross-entropy, z-loss) on every tensor
+    rank."""
+    hidden, labels = _rows(hidden), labels.reshape(-1)
+    chunk_size = chunk_size or default_chunk_size(weight.shape[0])
+    scale = 1.0 / (labels != ignore_index).sum().clamp(min=1).float()
+    weights = (label_weight, z_loss)
+    rows = _cross_entropy_rows(tensor, ignore_index, *weights)
+
+    def compute(need_hidden: bool, need_weight: bool):
+        return chunked_label_losses(hidden, weight, labels, scale, weights, chunk_size,
+                                    need_hidden, need_weight, rows)  # fmt: skip
+
+    total, parts = with_precomputed_gradients(hidden, weight, compute, recipe)
+    assert parts is not None
+    return total, parts
 
 
 def vocab_parallel_sequence_log_probs(
@@ -114,14 +150,20 @@ def vocab_parallel_distillation(
     return with_precomputed_gradients(hidden, weight, compute, recipe)[0]
 
 
-def _label_rows(tensor: TensorDimension) -> RowLogProbs:
-    def rows(logits: Tensor, grad: Tensor | None, labels: Tensor, out: Tensor) -> None:
+def _cross_entropy_rows(
+    tensor: TensorDimension, ignore_index: int, label_weight: float, z_loss: float
+) -> RowCrossEntropy:
+    def rows(
+        logits: Tensor, grad: Tensor | None, labels: Tensor, losses: Tensor, lse: Tensor,
+        scale: Tensor,
+    ) -> None:  # fmt: skip
         vocab = logits.shape[1]
+        valid = labels != ignore_index
         maximum = logits.max(dim=-1).values
         dist.all_reduce(maximum, op=dist.ReduceOp.MAX, group=tensor.group)
         shifted = logits - maximum.unsqueeze(-1)
         local = labels - tensor.rank * vocab
-        here = (local >= 0) & (local < vocab)
+        here = valid & (local >= 0) & (local < vocab)
         local = local.clamp(0, vocab - 1).unsqueeze(-1)
         exponentials = shifted.exp()
         sums = torch.stack(
@@ -129,12 +171,29 @@ def _label_rows(tensor: TensorDimension) -> RowLogProbs:
         )
         dist.all_reduce(sums, group=tensor.group)  # sums of exponentials, target logits
         total, target = sums
-        out.copy_(total.log() - target)
-        if grad is not None:  # softmax - onehot, the one on the rank that holds the label
-            softmax = exponentials.div_(total.unsqueeze(-1))
-            grad.copy_(softmax.scatter_add_(1, local, -here.float().unsqueeze(-1)))
+        log_total = total.log()
+        row_lse = log_total + maximum
+        losses.copy_(torch.where(valid, log_total - target, 0.0))
+        lse.copy_(torch.where(valid, row_lse, 0.0))
+        if grad is not None:
+            # softmax·(w + 2·z_loss·lse) - w·onehot (the one on the rank that holds the
+            # label), w the label weight, times scale, on the counted rows.
+            factor = torch.where(valid, (label_weight + 2.0 * z_loss * row_lse) * scale, 0.0)
+            g = exponentials.div_(total.unsqueeze(-1)).mul_(factor.unsqueeze(-1))
+            onehot = torch.where(here, label_weight * scale, 0.0)
+            grad.copy_(g.scatter_add_(1, local, -onehot.unsqueeze(-1)))
 
     return rows
+
+
+def _label_rows(tensor: TensorDimension) -> RowLogProbs:
+    rows = _cross_entropy_rows(tensor, IGNORED, 1.0, 0.0)
+
+    def log_prob_rows(logits: Tensor, grad: Tensor | None, labels: Tensor, out: Tensor) -> None:
+        ones = torch.ones((), dtype=torch.float32, device=logits.device)
+        rows(logits, grad, labels, out, torch.empty_like(out), ones)
+
+    return log_prob_rows
 
 
 def _distillation_rows(

@@ -17,11 +17,13 @@ from typing import Any
 import msgspec
 import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from fastllm.checkpoint.saver import CheckpointSaver, remove_partials
 from fastllm.config import ConfigError, MachineError, TrainerConfig
 from fastllm.config.flops import flops_per_token
 from fastllm.data import DataLoader, SampleStream
+from fastllm.data.dataset import TokenDataset
 from fastllm.data.errors import BuildStopped
 from fastllm.engine.build import build
 from fastllm.engine.engine import Engine
@@ -33,6 +35,7 @@ from fastllm.training.evaluators import Evaluation, evaluations
 from fastllm.training.experiment_lock import ExperimentLock
 from fastllm.training.metrics import PEAK_FLOPS, MetricsLogger
 from fastllm.training.profiling import StepProfiler
+from fastllm.training.reference_log_probs import reference_log_probs
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,8 @@ class Trainer:
         validation)."""
         self.frozen_base: dict[str, Any] | None = None
         """Where the frozen weights come from, as checkpoints name it (`state.frozen_base`)."""
+        self._reference_tables: dict[str, Tensor] | None = None
+        """DPO's precomputed reference log-probabilities, by dataset path, once computed."""
 
     @property
     def experiment_dir(self) -> Path:
@@ -79,6 +84,12 @@ class Trainer:
 
     # --- data ---------------------------------------------------------------------------------
 
+    @property
+    def sampling_cache(self) -> Path:
+        """Where sampling indices are cached (`data.cache_dir`)."""
+        cache = self.config.data.cache_dir
+        return Path(cache) if cache else self.experiment_dir / "cache" / "sampling"
+
     def sample_stream(
         self,
         paths: list[str],
@@ -88,14 +99,13 @@ class Trainer:
     ) -> SampleStream:
         """The samples of `paths`; `stop` ends the building of its indices (`BuildStopped`)."""
         data = self.config.data
-        cache = data.cache_dir or str(self.experiment_dir / "cache" / "sampling")
         return SampleStream(
             paths,
             data,
             sequence_length=self.config.batch.sequence_length,
             num_samples=num_samples,
             seed=self.config.model.distributed.seed,
-            cache_dir=cache,
+            cache_dir=self.sampling_cache,
             weights=data.weights if key == "data.path" else None,
             key=key,
             vocab_size=self.config.model.base_model.vocab_size,
@@ -115,7 +125,9 @@ class Trainer:
 
     def loader(self, stream: SampleStream, consumed_samples: int = 0) -> DataLoader:
         """This rank's share of each batch of `stream`, in micro-batches (whole sequences: the
-        ranks of a sequence-data group share them, and the engine takes this rank's chunk)."""
+        ranks of a sequence-data group share them, and the engine takes this rank's chunk);
+        with DPO's reference log-probabilities precomputed, its pairs' (every rank calls it:
+        the first call computes them)."""
         batch, data = self.config.batch, self.engine.mesh.sample_groups
         return DataLoader(
             stream,
@@ -125,7 +137,36 @@ class Trainer:
             world_size=data.size,
             consumed_samples=consumed_samples,
             prefetch=self.config.data.prefetch,
+            reference_log_probs=self._reference_log_probs(stream),
         )
+
+    def _reference_log_probs(self, stream: SampleStream) -> Tensor | None:
+        """The precomputed reference log-probabilities of the pairs of `stream`, by pair id;
+        at the first call, those of every preference dataset the run reads."""
+        names = self.config.model.base_model.head.precomputed_references
+        if not names or not stream.is_preference:
+            return None
+        (name,) = names  # of the one dpo loss
+        if self._reference_tables is None:
+            self._reference_tables = reference_log_probs(self, name, self._preference_paths())
+        tables = self._reference_tables
+        return torch.cat([tables[str(dataset.path)] for dataset in stream.datasets])
+
+    def _preference_paths(self) -> dict[str, str]:
+        """The preference datasets the run reads (training, validation, named), by path, with
+        their config keys."""
+        data = self.config.data
+        keyed = {
+            "data.path": data.path,
+            "data.validation_path": data.validation_path,
+            **{f"data.datasets.{name}.path": d.path for name, d in data.datasets.items()},
+        }
+        found: dict[str, str] = {}
+        for key, paths in keyed.items():
+            for i, path in enumerate(paths):
+                if TokenDataset(path).is_preference:
+                    found.setdefault(str(Path(path)), f"{key}[{i}]")
+        return found
 
     def evaluate(
         self, name: str, stop: Callable[[], bool] | None = None

@@ -155,6 +155,9 @@ pub enum DataError {
     #[error("FIM would move the answers of the preference pairs in {path}")]
     FimWithPreference { path: PathBuf },
 
+    #[error("the samples hold no preference pairs")]
+    NotPreference,
+
     #[error(
         "a preference batch needs a buffer of parts as long as its tokens ({tokens}), got \
          {parts}; other batches none"

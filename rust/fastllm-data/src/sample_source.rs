@@ -236,6 +236,34 @@ impl SampleSource {
         self.skipped_pairs
     }
 
+    /// The dataset (its place among those [`new`](Self::new) took) and the pairs (its
+    /// documents) of sample `sample` of a stream of preference pairs: pair `k` of the list is
+    /// document `k` of the sample as [`fill`](Self::fill) writes it.
+    pub fn sample_pairs(&self, sample: usize) -> Result<(usize, &[u32]), DataError> {
+        if sample >= self.len() {
+            return Err(DataError::SampleOutOfRange {
+                sample,
+                samples: self.len(),
+            });
+        }
+        let (dataset, dataset_sample) = self.locate(sample);
+        match &self.indices[dataset] {
+            DatasetIndex::Pairs(index) => Ok((dataset, index.sample(dataset_sample)?)),
+            DatasetIndex::Tokens(_) => Err(DataError::NotPreference),
+        }
+    }
+
+    /// The dataset of blended sample `sample`, and which of that dataset's samples it is.
+    fn locate(&self, sample: usize) -> (usize, usize) {
+        match &self.blending {
+            Some(blending) => (
+                blending.dataset_indices()[sample] as usize,
+                blending.sample_indices()[sample] as usize,
+            ),
+            None => (0, sample),
+        }
+    }
+
     /// Samples in the stream.
     pub fn len(&self) -> usize {
         self.num_samples
@@ -366,13 +394,7 @@ impl SampleSource {
         let mut parts = parts.map(|parts| parts.chunks_exact_mut(length));
         for (k, ((tokens, document_ids), loss_mask)) in samples.enumerate() {
             let sample = first + k;
-            let (dataset, dataset_sample) = match &self.blending {
-                Some(blending) => (
-                    blending.dataset_indices()[sample] as usize,
-                    blending.sample_indices()[sample] as usize,
-                ),
-                None => (0, sample),
-            };
+            let (dataset, dataset_sample) = self.locate(sample);
             match (&self.indices[dataset], parts.as_mut()) {
                 (DatasetIndex::Pairs(index), Some(parts)) => self.fill_pairs(
                     &self.datasets[dataset],
@@ -715,9 +737,71 @@ mod tests {
         }
         seen.sort_unstable();
         assert_eq!(seen, [0, 1, 2]);
+        for sample in 0..3 {
+            let pair = tokens[sample * 17] / 100;
+            assert_eq!(
+                source.sample_pairs(sample).unwrap(),
+                (0, &[pair as u32][..])
+            );
+        }
+        assert!(matches!(
+            source.sample_pairs(3),
+            Err(DataError::SampleOutOfRange { sample: 3, .. })
+        ));
 
         let error = source.fill(0, &mut tokens, &mut ids, &mut mask, None);
         assert!(matches!(error, Err(DataError::BadPartsBuffer { .. })));
+    }
+
+    #[test]
+    fn sample_pairs_name_each_documents_dataset_and_pair() {
+        let dir = tempfile::tempdir().unwrap();
+        let lengths = [
+            vec![(3, 2, 1), (1, 1, 2), (4, 3, 3), (2, 2, 2), (1, 1, 1)],
+            vec![(2, 1, 1), (5, 1, 2), (1, 3, 1)],
+        ];
+        for (name, lengths) in ["a", "b"].iter().zip(&lengths) {
+            write_pairs(&dir.path().join(name), lengths);
+        }
+        let datasets = ["a", "b"]
+            .map(|name| IndexedDataset::open(dir.path().join(name)).unwrap())
+            .into_iter()
+            .collect();
+        let (length, count) = (24, 12);
+        let config = SampleSourceConfig {
+            sequence_length: length as u32 - 1,
+            num_samples: count,
+            seed: 5,
+            mode: SamplingMode::Packed,
+            weights: None,
+            cache_dir: dir.path().join("cache"),
+            threads: 1,
+            vocab_size: None,
+        };
+        let source = SampleSource::new(datasets, config, None, &Cancel::default()).unwrap();
+        let n = count * length;
+        let (mut tokens, mut ids, mut mask, mut parts) =
+            (vec![0; n], vec![0; n], vec![0; n], vec![0; n]);
+        source
+            .fill(0, &mut tokens, &mut ids, &mut mask, Some(&mut parts))
+            .unwrap();
+        let mut datasets_seen = [false; 2];
+        for sample in 0..count {
+            let (dataset, pairs) = source.sample_pairs(sample).unwrap();
+            datasets_seen[dataset] = true;
+            let row = sample * length..(sample + 1) * length;
+            for (k, &pair) in pairs.iter().enumerate() {
+                let document: Vec<usize> = row
+                    .clone()
+                    .filter(|&t| ids[t] == k as i32 && parts[t] != part::PADDING)
+                    .collect();
+                let (p, c, r) = lengths[dataset][pair as usize];
+                assert_eq!(document.len() as u32, p + c + r + 1);
+                assert_eq!(tokens[document[0]], 100 * i64::from(pair));
+            }
+            assert!(ids[row].iter().all(|&id| id as usize <= pairs.len()));
+        }
+        assert_eq!(datasets_seen, [true, true]);
     }
 
     #[test]

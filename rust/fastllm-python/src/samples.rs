@@ -195,6 +195,14 @@ impl SampleSource {
         self.inner.sample_length()
     }
 
+    /// The dataset (its place in `prefixes`) and the pairs (its documents) of sample `sample`
+    /// of preference pairs: pair `k` of the list is the sample's document `k`.
+    fn sample_pairs(&self, sample: u64) -> PyResult<(usize, Vec<u32>)> {
+        let sample = usize::try_from(sample).unwrap_or(usize::MAX);
+        let (dataset, pairs) = self.inner.sample_pairs(sample).map_err(data_error)?;
+        Ok((dataset, pairs.to_vec()))
+    }
+
     /// Write samples `first_sample, first_sample + 1, …` into flat contiguous buffers of
     /// `count * sample_length` elements each; `parts` for preference pairs only.
     #[pyo3(signature = (first_sample, tokens, document_ids, loss_mask, parts=None))]

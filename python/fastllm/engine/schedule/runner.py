@@ -38,7 +38,7 @@ from fastllm.engine.reference import ReferenceModel
 from fastllm.engine.schedule.program import Op, Program, Step, build_programs, dependency
 from fastllm.engine.stages import stages_read
 from fastllm.model.gpt import Context, GPTModel
-from fastllm.model.head_losses import HeadTargets, head_losses
+from fastllm.model.head_losses import HeadTargets, Teacher, head_losses
 from fastllm.parallel import point_to_point
 from fastllm_kernels.preference import DPO_METRICS
 
@@ -82,6 +82,12 @@ class StepRunner:
             if isinstance(loss, DistillationLossConfig)
         }
         """The reference models whose hidden states a loss reads."""
+        self._precomputed = {
+            loss.reference_model
+            for loss in self.losses.values()
+            if isinstance(loss, DPOLossConfig) and loss.reference_log_probs == "precomputed"
+        }
+        """The reference models whose log-probabilities come with the batches' pairs."""
         dpo = any(isinstance(loss, DPOLossConfig) for loss in self.losses.values())
         self.named_keys = [*self.losses, *(DPO_METRICS if dpo else ())]
         """What `named_losses` holds, in a fixed order: the losses, then DPO's metrics."""
@@ -264,6 +270,13 @@ class StepRunner:
                 )
                 for name, reference in self.references.items()
             }
+            for name in self._precomputed:
+                if pairs is None or pairs.reference is None:
+                    raise ValueError(
+                        f"reference_models.{name}: its log-probabilities are precomputed, and "
+                        "the batch came without them (DataLoader's reference_log_probs)"
+                    )
+                teachers[name] = Teacher(log_probs=pairs.reference)
         out, auxiliary = self.model.run_positions(first_position, last_position, x, context)
         value = torch.zeros((), dtype=torch.float32, device=out.device)
         if auxiliary is not None:
@@ -272,9 +285,6 @@ class StepRunner:
         if step.stage == last:
             spans = None if pairs is None else pairs.spans
             targets = HeadTargets(labels, teachers, spans)
-            values, metrics = head_losses(self.model, out, targets, self.losses)
-            for reference in self.references.values():
-                reference.release()
             # Each loss weighted by its piece's share of the global batch: of the trained
             # tokens, or of the preference pairs for DPO.
             shares = {
@@ -282,9 +292,12 @@ class StepRunner:
                 else weight
                 for name, loss in self.losses.items()
             }  # fmt: skip
-            out = sum(self.losses[name].weight * shares[name] * v for name, v in values.items())
+            weights = {name: loss.weight * shares[name] for name, loss in self.losses.items()}
+            out, values, metrics = head_losses(self.model, out, targets, self.losses, weights)
+            for reference in self.references.values():
+                reference.release()
             for name, v in values.items():
-                named[name] = named.get(name, 0.0) + shares[name] * v.detach().float()
+                named[name] = named.get(name, 0.0) + shares[name] * v.float()
             for name, v in metrics.items():  # DPO's, averaged over the pairs
                 named[name] = named.get(name, 0.0) + pairs.share * v.detach().float()
             value = value + out.detach().float()
