@@ -1,5 +1,6 @@
 """Helpers shared by the training benchmarks (train_bench.py, scale_bench.py): provenance,
-a random-token dataset, result files, markdown tables and optional plotting.
+a random-token dataset, random Llama checkpoints and their FLOPs, result files, markdown tables
+and optional plotting.
 
 Importing this module must stay cheap (no torch): `--plot` runs on machines without a GPU."""
 
@@ -223,3 +224,70 @@ class EnergyMeter:
 
     def joules(self) -> float | None:
         return None if self._handle is None else self._read(self._handle) / 1e3
+
+
+# ---------------------------------------------------------------- models and their FLOPs
+
+
+def write_random_llama(
+    directory: Path,
+    example: str,
+    *,
+    shrink: dict[str, int] | None = None,
+    seed: int,
+    device: str,
+) -> dict[str, Any]:
+    """A Hugging Face Llama directory of random bf16 weights in the geometry of
+    examples/EXAMPLE (fastllm's own conversion of its config), `shrink` replacing some of its
+    transformers keys (a CPU-sized model); returns its geometry."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fastllm.checkpoint.hf_config import to_hf_config
+    from fastllm.config import TrainerConfig, load_config
+
+    base = load_config(TrainerConfig, [EXAMPLES / example]).model.base_model
+    hf_config = LlamaConfig.from_dict({**to_hf_config(base, "llama"), **(shrink or {})})
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaForCausalLM._from_config(hf_config, dtype=torch.bfloat16)
+    model.save_pretrained(directory)
+    del model
+    if device != "cpu":
+        torch.cuda.empty_cache()  # the runs measured are other processes: leave them the GPU
+    return hf_geometry(hf_config)
+
+
+def hf_geometry(config: Any) -> dict[str, Any]:
+    """What the FLOP counts need of a transformers Llama config."""
+    heads = config.num_attention_heads
+    return {
+        "layers": config.num_hidden_layers,
+        "hidden": config.hidden_size,
+        "heads": heads,
+        "kv_heads": config.num_key_value_heads,
+        "head_size": getattr(config, "head_dim", None) or config.hidden_size // heads,
+        "ffn": config.intermediate_size,
+        "vocab": config.vocab_size,
+        "tied_embeddings": config.tie_word_embeddings,
+    }
+
+
+def forward_flops(
+    geometry: dict[str, Any], *, tokens: float, head_rows: float, attended_pairs: float
+) -> float:
+    """The FLOPs of one forward pass of a (gated-MLP) Llama: 2 per matmul weight per token
+    through the blocks (`tokens`), the same for the output head over the rows it is applied
+    to (`head_rows`: a fused head may skip the rows without a label), and 4 × heads × head
+    size per layer for each (query, key) pair that attention computes (QKᵀ and PV). Norms,
+    rotary, softmaxes and the embedding lookup are not counted. A trained pass (forward,
+    input and weight gradients) costs 3 times this."""
+    g = geometry
+    attention_out = g["heads"] * g["head_size"]
+    block = (
+        g["hidden"] * (attention_out + 2 * g["kv_heads"] * g["head_size"])  # query, key, value
+        + attention_out * g["hidden"]  # dense
+        + 3 * g["hidden"] * g["ffn"]  # gate, up, down
+    )
+    matmuls = 2 * (g["layers"] * block * tokens + g["vocab"] * g["hidden"] * head_rows)
+    return matmuls + 4 * g["layers"] * attention_out * attended_pairs

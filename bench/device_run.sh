@@ -20,6 +20,8 @@
 #   nvidia-h200:    bash bench/device_run.sh HASH lora-7b lora-8b   (issue 34: LoRA on one GPU)
 #   nvidia-h200:    bash bench/device_run.sh HASH energy-1b   (issue 36: logged energy against NVML)
 #   nvidia-h200:    bash bench/device_run.sh HASH lmeval-1b   (issue 36; carry .whl: lm-eval's wheels)
+#   nvidia-h200:    bash bench/device_run.sh HASH dpo-1b   (issue 35; carry .whl: TRL's wheels)
+#   nvidia-h200:    bash bench/device_run.sh HASH distill-1b   (issue 35; a call of its own)
 # A second setting of a train part in the same call (its results under train_MODEL_TAG):
 #   ... && APPEND=1 SYSTEMS=fastllm SET=model.multi_stage.recompute=none TAG=store \
 #          bash bench/device_run.sh HASH train-1b
@@ -41,7 +43,9 @@
 # joules a step's matmuls and attention take at the power limit, issue 16); energy-1b (issue
 # 36: a llama-1b run's logged energy against NVML read by the benchmark); lora-7b, lora-8b
 # (issue 34: LoRA rank 16 against full fine-tuning and HF + PEFT + compile; llama-8b with LoRA);
-# lmeval-1b (issue 36: lm-eval's hf backend against fastllm's model interface on llama-1b).
+# lmeval-1b (issue 36: lm-eval's hf backend against fastllm's model interface on llama-1b);
+# dpo-1b (issue 35: DPO of llama-1b against TRL's DPOTrainer, reference in the step and
+# precomputed); distill-1b (issue 35: llama-1b distilled from a llama-8b-geometry teacher).
 set -uo pipefail
 COMMIT=$1
 shift
@@ -379,6 +383,33 @@ write_random_dataset(Path('/tmp/freeze1b/data'), vocab_size=128256, tokens=8_000
       python3 -c "import lm_eval, datasets, pytablewriter" || return 1
       python3 bench/lm_eval_bench.py ${LMEVAL_ARGS:-} --commit "$COMMIT" \
         --out "$RES/lm_eval_1b${TAG:+_$TAG}" 2>&1 | grep -v "it/s\]" | tail -12 ;;
+    dpo-1b)
+      # Issue 35: DPO of a random llama-1b, 8 pairs a step of a 512-token prompt with 512-token
+      # chosen and rejected answers: TRL 1.16's DPOTrainer (bf16 autocast on fp32 weights,
+      # Liger's kernels, its fused LM head, fused AdamW) against `fastllm train -c
+      # examples/dpo-llama3-1b.yaml`, the reference in the step, then precomputed; each system
+      # and mode in a fresh process; tokens/s as TRL counts them, MFU over the FLOPs each
+      # computes, peak memory. DPO_ARGS: more arguments (e.g. "--modes reference",
+      # "--trl-dtype bfloat16", "--pairs-per-row 2 --micro-batch 4", "--trl-checkpointing").
+      # trl, liger-kernel, datasets and its pure-Python needs come as wheels in DPO_WHEELS
+      # (default .whl, carried; the same folder as lmeval-1b's), made here by
+      #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+      #     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+      #     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+      #     --platform manylinux1_x86_64 -d .whl trl==1.16.0 liger-kernel==0.8.5 \
+      #     datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
+      for wheel in "${DPO_WHEELS:-.whl}"/*.whl; do python3 -m zipfile -e "$wheel" "$SITE"; done
+      python3 -c "import trl, liger_kernel, datasets" || return 1
+      timeout 570 python3 bench/dpo_bench.py ${DPO_ARGS:-} --timeout 130 --commit "$COMMIT" \
+        --out "$RES/dpo_1b${TAG:+_$TAG}" 2>&1 | grep -v "it/s\]" | tail -16 ;;
+    distill-1b)
+      # Issue 35: `fastllm train -c examples/distill-llama3-1b.yaml`, a random llama-1b learning
+      # from a random llama-8b-geometry teacher (both written here as Hugging Face directories,
+      # about 19 GB), 8 sequences of 4096 a step in micro-batches of 2: tokens/s, MFU over both
+      # models' FLOPs (target 50%), peak memory. DISTILL_ARGS: more arguments (e.g.
+      # "--micro-batch 4", "--set model.multi_stage.recompute=none").
+      timeout 570 python3 bench/distill_bench.py ${DISTILL_ARGS:-} --timeout 330 \
+        --commit "$COMMIT" --out "$RES/distill_1b${TAG:+_$TAG}" 2>&1 | tail -8 ;;
     *) echo "unknown part $1"; return 2 ;;
   esac
 }
