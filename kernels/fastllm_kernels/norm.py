@@ -63,10 +63,13 @@ class _NormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps, is_rms):
         rows = as_rows(x)
-        y, mean, rstd = norm_forward(rows, weight, bias, eps, is_rms)
+        # The output is a tensor of its own, not a view made here: its caller may change it
+        # in place (rotary turns normalized queries and keys in place).
+        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        _, mean, rstd = norm_forward(rows, weight, bias, eps, is_rms, y.view(rows.shape))
         ctx.save_for_backward(rows, weight, mean, rstd)
         ctx.is_rms, ctx.bias_dtype = is_rms, None if bias is None else bias.dtype
-        return y.view(x.shape)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
@@ -78,12 +81,18 @@ class _NormFunction(torch.autograd.Function):
 
 
 def norm_forward(
-    rows: Tensor, weight: Tensor, bias: Tensor | None, eps: float, is_rms: bool
+    rows: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    eps: float,
+    is_rms: bool,
+    out: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """The normalized (rows, n_cols) rows, their means (LayerNorm) and reciprocal std devs."""
+    """The normalized (rows, n_cols) rows (written to `out`, contiguous, if given), their means
+    (LayerNorm) and reciprocal std devs."""
     n_rows, n_cols = rows.shape
     block, num_warps = row_block(n_cols)
-    y = torch.empty((n_rows, n_cols), dtype=rows.dtype, device=rows.device)
+    y = torch.empty((n_rows, n_cols), dtype=rows.dtype, device=rows.device) if out is None else out
     rstd = torch.empty(n_rows, dtype=torch.float32, device=rows.device)
     mean = rstd if is_rms else torch.empty_like(rstd)  # never written for RMSNorm
     _norm_forward_kernel[(n_rows,)](

@@ -47,6 +47,33 @@ MOE = (
             "qwen2_moe",
             "shared_expert_gate is False (qwen2_moe has gated shared experts)",
         ),
+        ("qwen3-8b", (), "llama", "query_norm is 'rms_norm' (llama has no QK-norm)"),
+        ("llama3-8b", (), "qwen3", "query_norm is 'none' (qwen3 has an rms_norm of the queries"),
+        (
+            "olmo2-7b",
+            ("model.base_model.transformer.normalization_placement=pre",),
+            "qwen3",
+            "query_key_norm_scope is 'projection' (qwen3 has an rms_norm of the queries and of "
+            "the keys over each head)",
+        ),
+        (
+            "qwen3-8b",
+            ("model.base_model.transformer.key_norm.epsilon=1e-5",),
+            "qwen3",
+            "key_norm.epsilon is 1e-05 (qwen3 has one epsilon, normalization.epsilon 1e-06)",
+        ),
+        (
+            "qwen3-8b",
+            ("model.base_model.transformer.normalization_placement=post",),
+            "qwen3",
+            "normalization_placement is 'post' (qwen3 has pre-norm blocks)",
+        ),
+        (
+            "olmo2-7b",
+            ("model.base_model.transformer.normalization_placement=sandwich",),
+            "olmo2",
+            "normalization_placement is 'sandwich' (olmo2 has post-norm blocks)",
+        ),
     ],
 )
 def test_an_export_format_that_cannot_express_the_model_is_refused_when_loaded(
@@ -67,6 +94,8 @@ def test_an_export_format_that_cannot_express_the_model_is_refused_when_loaded(
         ("mistral-7b", "mistral"),
         ("mixtral-8x7b", "mixtral"),
         ("qwen2-7b", "qwen2"),
+        ("qwen3-8b", "qwen3"),
+        ("olmo2-7b", "olmo2"),
         ("starcoder2-3b", "starcoder2"),
         ("tiny", "starcoder2"),
         ("mixtral-8x7b", "fastllm"),

@@ -42,6 +42,8 @@ PUBLISHED_PARAMETERS = {
     "mixtral-8x7b": 46_702_792_704,
     "starcoder2-3b": 3_030_371_328,
     "qwen2-7b": 7_615_616_512,
+    "qwen3-8b": 8_190_735_360,
+    "olmo2-7b": 7_298_617_344,
 }
 
 
@@ -174,6 +176,17 @@ def test_derived_defaults_follow_the_fields_they_derive_from() -> None:
             "model.base_model.transformer.head_groups=3",
             "model.base_model.transformer.head_groups",
             "num_attention_heads (8) must be divisible by head_groups (3)",
+        ),
+        (
+            "model.base_model.transformer.query_key_norm_scope=projection",
+            "model.base_model.transformer.query_key_norm_scope",
+            "is 'projection' but neither query_norm nor key_norm is set",
+        ),
+        (
+            "model.base_model.transformer="
+            "{query_norm: {type: layer_norm}, query_key_norm_scope: projection}",
+            "model.base_model.transformer.query_norm",
+            "layer_norm over the whole projection (query_key_norm_scope: projection) is not",
         ),
         ("batch.micro_batch_size=3", "batch.micro_batch_size", "must divide batch_size (1)"),
         ("model.base_model.vocab_size=0", "model.base_model.vocab_size", "must be positive, got 0"),

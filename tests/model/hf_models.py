@@ -63,6 +63,23 @@ CONFIGS = {
             "rope_theta": 1000000.0,
         },
     ),
+    "qwen3": (
+        transformers.Qwen3Config,
+        transformers.Qwen3ForCausalLM,
+        {
+            "head_dim": 16,  # not hidden_size / heads: a per-head norm of its own size
+            "rope_theta": 1000000.0,
+            "use_sliding_window": True,
+            "sliding_window": 5,
+            "max_window_layers": 0,  # every layer slides
+            "rms_norm_eps": 1e-6,
+        },
+    ),
+    "olmo2": (
+        transformers.Olmo2Config,
+        transformers.Olmo2ForCausalLM,
+        {"rope_theta": 500000.0, "rms_norm_eps": 1e-6},
+    ),
     "starcoder2": (
         transformers.Starcoder2Config,
         transformers.Starcoder2ForCausalLM,

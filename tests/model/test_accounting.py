@@ -28,6 +28,16 @@ MOE_VARIANTS = {
                          "add_linear_biases=false", "num_shared_experts=2", "shared_expert_gate=true"],
 }  # fmt: skip
 
+NORM_VARIANTS = {
+    "qk-norm-per-head": ["query_norm={type: rms_norm}", "key_norm={type: rms_norm}"],
+    "qk-layer-norm-per-head": ["query_norm={type: layer_norm}", "key_norm={type: layer_norm}"],
+    "qk-norm-over-projection": ["query_norm={}", "key_norm={}", "head_groups=2",
+                                "query_key_norm_scope=projection"],
+    "key-norm-alone": ["key_norm={}"],
+    "post-norms": ["normalization_placement=post"],
+    "sandwich-norms": ["normalization_placement=sandwich"],
+}  # fmt: skip
+
 
 def config_of(example: str, overrides: list[str]) -> TrainerConfig:
     return load_config(TrainerConfig, [ROOT / "examples" / f"{example}.yaml"], overrides)
@@ -63,6 +73,30 @@ def test_num_parameters_counts_all_and_active_experts(variant: str) -> None:
     assert base.num_parameters() == total
     assert base.num_parameters(active=True) == total - unused > 0
     assert unused > 0
+
+
+@pytest.mark.parametrize("variant", sorted(NORM_VARIANTS))
+def test_num_parameters_counts_every_norm(variant: str) -> None:
+    overrides = [f"model.base_model.transformer.{o}" for o in NORM_VARIANTS[variant]]
+    config = config_of("tiny", SMALL + overrides)
+    assert config.model.base_model.num_parameters() == sizes(config)[0]
+
+
+@pytest.mark.parametrize("scope", ["head", "projection"])
+def test_flops_per_token_count_a_query_key_norm_over_every_head(scope: str) -> None:
+    """A norm counts 6 FLOPs per element it scales, as the block's norms do per hidden
+    element: per head, its one weight of a head's size scales all heads."""
+
+    def flops(*overrides: str) -> float:
+        transformer = ["head_groups=2", *overrides]
+        config = config_of(
+            "tiny", [*SMALL, *(f"model.base_model.transformer.{o}" for o in transformer)]
+        )
+        return flops_per_token(config.model.base_model, 64)
+
+    norms = ("query_norm={}", "key_norm={}", f"query_key_norm_scope={scope}")
+    layers, heads, head_groups, kv_channels = 2, 4, 2, 8
+    assert flops(*norms) - flops() == 6 * layers * (heads + head_groups) * kv_channels
 
 
 def test_flops_per_token_count_only_the_routed_experts() -> None:

@@ -139,7 +139,7 @@ def test_hf_to_fastllm_to_hf_reproduces_every_tensor(architecture: str, tmp_path
     assert reloaded.config.model_type == architecture
 
 
-@pytest.mark.parametrize("architecture", ["llama", "starcoder2", "mixtral"])
+@pytest.mark.parametrize("architecture", ["llama", "starcoder2", "mixtral", "qwen3", "olmo2"])
 def test_generate_matches_transformers_greedy_decoding(architecture: str, tmp_path: Path) -> None:
     from fastllm.hf import FastLLMForCausalLM
 
@@ -191,6 +191,45 @@ def test_yarn_rotary_matches_transformers_past_the_original_context(
     assert isinstance(ours.config.transformer.rotary, YarnRotaryConfig)
     input_ids = torch.randint(0, 97, (1, 160), generator=torch.Generator().manual_seed(2))
     assert relative_error(ours(input_ids), theirs(input_ids).logits) <= 1e-5
+
+
+@pytest.mark.parametrize("architecture", ["qwen2", "qwen3"])
+@pytest.mark.parametrize(("max_window_layers", "window"), [(0, 5), (2, None)])
+def test_qwen_sliding_windows_match_transformers_both_ways(
+    architecture: str, max_window_layers: int, window: int | None, tmp_path: Path
+) -> None:
+    """The layers from max_window_layers on slide (transformers' layer_types): all of the two
+    or none, read and written back."""
+    windows = {"use_sliding_window": True, "sliding_window": 5}
+    theirs = save_hf_model(
+        architecture, tmp_path / "hf", **windows, max_window_layers=max_window_layers
+    )
+    ours = fastllm.load_model(tmp_path / "hf")
+    assert ours.config.transformer.window_size == window
+    input_ids = torch.randint(0, 97, (2, 13), generator=torch.Generator().manual_seed(3))
+    assert relative_error(ours(input_ids), theirs(input_ids).logits) <= 1e-5
+    convert(
+        build(
+            ConvertConfig,
+            {
+                "input": {"format": architecture, "path": str(tmp_path / "hf")},
+                "output": {"type": architecture, "path": str(tmp_path / "back")},
+            },
+        )
+    )
+    import transformers
+
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    assert relative_error(back(input_ids).logits, theirs(input_ids).logits) <= 1e-6
+
+
+def test_sliding_windows_in_some_qwen_layers_only_are_refused(tmp_path: Path) -> None:
+    from fastllm.config import ConfigError
+
+    windows = {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1}
+    save_hf_model("qwen3", tmp_path, **windows)
+    with pytest.raises(ConfigError, match="layer_types: sliding windows in some layers only"):
+        fastllm.load_model(tmp_path)
 
 
 @pytest.mark.parametrize(

@@ -45,9 +45,22 @@ LLAMA = (  # RMSNorm, gated MLP, no biases, four key/value heads, untied
 )
 TENSOR_2 = ("model.distributed.tensor_parallel=2",)
 SEQUENCE = ("model.distributed.sequence_tensor_parallel=true",)
+QK_NORMS = (
+    "model.base_model.transformer.query_norm={type: rms_norm, epsilon: 1.0e-5}",
+    "model.base_model.transformer.key_norm={type: rms_norm, epsilon: 1.0e-5}",
+)
+QWEN3 = (*LLAMA, *QK_NORMS)  # QK-norm over each head
+OLMO2 = (  # norms after attention and the MLP, QK-norm over all heads, no sliding window
+    *LLAMA,
+    *QK_NORMS,
+    "model.base_model.transformer.query_key_norm_scope=projection",
+    "model.base_model.transformer.normalization_placement=post",
+    "model.base_model.transformer.window_size=null",
+    "model.base_model.transformer.head_groups=2",
+)
 
 
-MODELS = {"starcoder2": (), "llama": LLAMA}
+MODELS = {"starcoder2": (), "llama": LLAMA, "qwen3": QWEN3, "olmo2": OLMO2}
 
 
 @pytest.fixture(scope="module")
@@ -61,6 +74,7 @@ def layouts(dataset: Path, one_process: Callable[..., Path], root: Path) -> dict
     """The layouts of this module (trained for the fixture `launched`, see conftest.py)."""
     llama_reference = one_process(*COMMON, *MODELS["llama"])
     starcoder2, llama = (*COMMON, *MODELS["starcoder2"]), (*COMMON, *MODELS["llama"])
+    qwen3, olmo2 = (*COMMON, *MODELS["qwen3"]), (*COMMON, *MODELS["olmo2"])
     zero = "model.multi_stage.zero_stage="
     return {
         "tp2xdp2-zero1": Layout(4, (*starcoder2, *TENSOR_2, f"{zero}1", *SEQUENCE)),
@@ -70,6 +84,8 @@ def layouts(dataset: Path, one_process: Callable[..., Path], root: Path) -> dict
         "tp2xdp2-zero3": Layout(4, (*starcoder2, *TENSOR_2, f"{zero}3", *SEQUENCE)),
         "tp2-starcoder2": Layout(2, (*starcoder2, *TENSOR_2, *SEQUENCE)),
         "tp2-llama": Layout(2, (*llama, *TENSOR_2, "model.multi_stage.recompute=full")),
+        "tp2-qwen3": Layout(2, (*qwen3, *TENSOR_2)),
+        "tp2xdp2-zero3-olmo2": Layout(4, (*olmo2, *TENSOR_2, f"{zero}3")),
         # Step-5 checkpoints resumed in another layout, raising train_iters from 5 to 10.
         "tp2xdp2-zero3-resumed-on-dp2": Layout(
             2, starcoder2, root / "tp2xdp2-zero3" / "checkpoint" / "5"
@@ -141,6 +157,44 @@ def test_two_tensor_ranks_match_one_process(
         assert ours[name].shape == tensor.shape, name
     if model == "llama":  # its key/value heads split four ways too
         assert_restores_exactly_on_four_tensor_ranks(run / "checkpoint" / "5")
+
+
+@pytest.mark.parametrize(
+    ("model", "layout"),
+    [
+        # Each rank normalizes its heads with the replicated weight (gradients summed over
+        # the ranks); sequence parallelism.
+        ("qwen3", "tp2-qwen3"),
+        # The queries' and keys' norms over all heads, each rank holding its heads' slice of
+        # the weight and summing their squares with the other's; the blocks' post-norms,
+        # replicated (gradients not summed); data parallelism with ZeRO-3.
+        ("olmo2", "tp2xdp2-zero3-olmo2"),
+    ],
+    ids=["qwen3-sequence-parallel", "olmo2-zero3"],
+)
+def test_query_key_and_post_norms_on_tensor_ranks_match_one_process(
+    tmp_path: Path,
+    references: dict[str, Path],
+    launched: dict[str, Launched],
+    model: str,
+    layout: str,
+) -> None:
+    run = launched[layout].succeeded()
+    assert_same_run(references[model], run)
+    # Adam hides a gradient summed once too often (as a replicated norm's would be) from the
+    # weights; not from the gradient norm.
+    expected, got = metric(references[model], "grad_norm"), metric(run, "grad_norm")
+    assert got == pytest.approx(expected, rel=1e-5)
+    converted = {}
+    for name, experiment in (("ours", run), ("theirs", references[model])):
+        converted[name] = tmp_path / f"hf_{name}"
+        result = run_cli(
+            "convert", "input.format=distributed", f"input.path={experiment / 'export' / '10'}",
+            f"output.format={model}", f"output.path={converted[name]}",
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+    ours, theirs = (load_file(converted[n] / "model.safetensors") for n in ("ours", "theirs"))
+    assert_close_weights(ours, theirs)
 
 
 def assert_restores_exactly_on_four_tensor_ranks(checkpoint: Path) -> None:

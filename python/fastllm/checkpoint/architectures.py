@@ -58,22 +58,82 @@ def _llama_to_hf(config: BaseModelConfig, hf: dict[str, Any]) -> None:
     hf["mlp_bias"] = t.biases_elsewhere
 
 
+def _layer_windows_from_hf(
+    hf: dict[str, Any], transformer: dict[str, Any], slides: Callable[[int, int], bool]
+) -> None:
+    """Qwen's sliding windows, with use_sliding_window: in the layers transformers 5 lists in
+    layer_types, or for an older config.json, in each layer i for which
+    slides(i, max_window_layers); in all layers or none."""
+    window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+    layers = hf["num_hidden_layers"]
+    first = hf.get("max_window_layers", layers)
+    kinds = hf.get("layer_types") or [
+        "sliding_attention" if slides(i, first) else "full_attention" for i in range(layers)
+    ]
+    sliding = bool(window) and "sliding_attention" in kinds
+    if sliding and "full_attention" in kinds:
+        raise ConfigError(
+            "config.json:layer_types",
+            "sliding windows in some layers only (max_window_layers) are not supported",
+        )
+    if sliding:
+        transformer["window_size"] = window
+
+
+def _layer_windows_to_hf(config: BaseModelConfig, hf: dict[str, Any]) -> None:
+    t = config.transformer
+    sliding = t.window_size is not None
+    hf["rms_norm_eps"] = t.normalization.epsilon
+    hf["use_sliding_window"] = sliding
+    hf["sliding_window"] = t.window_size
+    hf["max_window_layers"] = 0 if sliding else t.num_layers
+    hf["layer_types"] = [("sliding" if sliding else "full") + "_attention"] * t.num_layers
+
+
+def _from_max_window_layers(layer: int, max_window_layers: int) -> bool:
+    """Qwen2's and Qwen3's sliding layers: those from max_window_layers on."""
+    return layer >= max_window_layers
+
+
 def _qwen2_from_hf(hf: dict[str, Any], transformer: dict[str, Any]) -> None:
     transformer["add_linear_biases"] = "only_attn_qkv"
-    if hf.get("use_sliding_window") and hf.get("sliding_window"):
-        if hf.get("max_window_layers", hf["num_hidden_layers"]) < hf["num_hidden_layers"]:
-            raise ConfigError(
-                "config.json:max_window_layers", "per-layer sliding windows are not supported"
-            )
-        transformer["window_size"] = hf["sliding_window"]
+    _layer_windows_from_hf(hf, transformer, _from_max_window_layers)
 
 
-def _qwen2_to_hf(config: BaseModelConfig, hf: dict[str, Any]) -> None:
-    t = config.transformer
-    hf["rms_norm_eps"] = t.normalization.epsilon
-    hf["use_sliding_window"] = t.window_size is not None
-    hf["sliding_window"] = t.window_size
-    hf["max_window_layers"] = t.num_layers
+def _refuse_attention_biases(hf: dict[str, Any]) -> None:
+    if hf.get("attention_bias"):
+        raise ConfigError(
+            "config.json:attention_bias",
+            "biases on q, k, v and the output projection but not the MLP are not supported",
+        )
+
+
+def _rms_norm(hf: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "rms_norm", "epsilon": hf.get("rms_norm_eps", 1e-6)}
+
+
+def _qwen3_from_hf(hf: dict[str, Any], transformer: dict[str, Any]) -> None:
+    _refuse_attention_biases(hf)
+    _layer_windows_from_hf(hf, transformer, _from_max_window_layers)
+    transformer["query_norm"] = transformer["key_norm"] = _rms_norm(hf)
+    transformer["query_key_norm_scope"] = "head"
+
+
+def _qwen3_to_hf(config: BaseModelConfig, hf: dict[str, Any]) -> None:
+    _layer_windows_to_hf(config, hf)
+    hf["attention_bias"] = False
+
+
+def _olmo2_from_hf(hf: dict[str, Any], transformer: dict[str, Any]) -> None:
+    _refuse_attention_biases(hf)
+    transformer["normalization_placement"] = "post"
+    transformer["query_norm"] = transformer["key_norm"] = _rms_norm(hf)
+    transformer["query_key_norm_scope"] = "projection"
+
+
+def _olmo2_to_hf(config: BaseModelConfig, hf: dict[str, Any]) -> None:
+    hf["rms_norm_eps"] = config.transformer.normalization.epsilon
+    hf["attention_bias"] = False
 
 
 def _mixtral_from_hf(hf: dict[str, Any], transformer: dict[str, Any]) -> None:
@@ -103,7 +163,8 @@ def _mixtral_mlp(config: BaseModelConfig, ours: str, theirs: str) -> Iterator[Ru
 
 
 def _qwen2_moe_from_hf(hf: dict[str, Any], transformer: dict[str, Any]) -> None:
-    _qwen2_from_hf(hf, transformer)
+    # Qwen2-MoE's sliding layers: every other one, from the first, below max_window_layers.
+    _layer_windows_from_hf(hf, transformer, lambda i, first: i % 2 == 0 and i < first)
     if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
         raise ConfigError(
             "config.json:mlp_only_layers",
@@ -128,7 +189,7 @@ def _qwen2_moe_from_hf(hf: dict[str, Any], transformer: dict[str, Any]) -> None:
 def _qwen2_moe_to_hf(config: BaseModelConfig, hf: dict[str, Any]) -> None:
     t = config.transformer
     assert t.ffn_hidden_size is not None
-    _qwen2_to_hf(config, hf)
+    _layer_windows_to_hf(config, hf)
     hf["qkv_bias"] = t.biases_in_attention_qkv
     hf["moe_intermediate_size"] = t.ffn_hidden_size
     hf["shared_expert_intermediate_size"] = t.num_shared_experts * t.ffn_hidden_size
@@ -208,7 +269,7 @@ ARCHITECTURES = {
             "qwen2",
             "Qwen2ForCausalLM",
             from_hf=_qwen2_from_hf,
-            to_hf=_qwen2_to_hf,
+            to_hf=_layer_windows_to_hf,
             mlp_rules=_gated_mlp,
         ),
         Architecture(
@@ -217,6 +278,20 @@ ARCHITECTURES = {
             from_hf=_qwen2_moe_from_hf,
             to_hf=_qwen2_moe_to_hf,
             mlp_rules=_qwen2_moe_mlp,
+        ),
+        Architecture(
+            "qwen3",
+            "Qwen3ForCausalLM",
+            from_hf=_qwen3_from_hf,
+            to_hf=_qwen3_to_hf,
+            mlp_rules=_gated_mlp,
+        ),
+        Architecture(
+            "olmo2",
+            "Olmo2ForCausalLM",
+            from_hf=_olmo2_from_hf,
+            to_hf=_olmo2_to_hf,
+            mlp_rules=_gated_mlp,
         ),
         Architecture(
             "starcoder2",

@@ -29,7 +29,7 @@ from fastllm.checkpoint.hf_config import from_hf_config, to_hf_config
 from fastllm.checkpoint.hf_weights import rules
 from fastllm.checkpoint.safetensors_io import SafetensorsReader, ShardedWriter
 from fastllm.config import BaseModelConfig, ConfigError, build
-from fastllm.config.model import LoRAConfig
+from fastllm.config.model import LoRAConfig, TransformerConfig
 from fastllm.config.yaml_io import load_yaml_file
 
 TOKENIZER_FILES = (
@@ -182,6 +182,24 @@ def _json_object(path: Path) -> dict[str, Any]:
     return value
 
 
+_LATER_TRANSFORMER_KEYS = (
+    "normalization_placement",
+    "query_norm",
+    "key_norm",
+    "query_key_norm_scope",
+)
+"""Keys of `transformer` that fastllm-format configs have had since QK-norm and post-norms."""
+
+
+def _omit_later_defaults(transformer: dict[str, Any]) -> None:
+    """`_LATER_TRANSFORMER_KEYS` left out at their defaults, as a model without those
+    features has always been written."""
+    defaults = {f.name: f.default for f in msgspec.structs.fields(TransformerConfig)}
+    for key in _LATER_TRANSFORMER_KEYS:
+        if transformer[key] == defaults[key]:
+            del transformer[key]
+
+
 def _until_stopped(
     tensors: Iterator[tuple[str, Tensor]], stop: Callable[[], bool]
 ) -> Iterator[tuple[str, Tensor]]:
@@ -233,6 +251,7 @@ def write_model(
         del base_model["head"]  # how it was trained, not part of the model
         if not lora:  # as a model without adapters has always been written
             del base_model["peft"]
+        _omit_later_defaults(base_model["transformer"])
         section = {"model": {"base_model": base_model}}
         (output / "config.yaml").write_text(yaml.safe_dump(section, sort_keys=False))
         metadata = {"format": "fastllm", "hf_config": source.hf_config}

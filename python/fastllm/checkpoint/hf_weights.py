@@ -19,10 +19,9 @@ def rules(config: BaseModelConfig, architecture: str) -> Iterator[Rule]:
     for i in range(t.num_layers):
         ours, theirs = f"layers.{i}", f"model.layers.{i}"
         attention = f"{theirs}.self_attn"
-        norm_parameters = _norm_parameters(config)
-        for name in norm_parameters:
-            yield same(f"{ours}.norm_1.{name}", f"{theirs}.input_layernorm.{name}")
-            yield same(f"{ours}.norm_2.{name}", f"{theirs}.post_attention_layernorm.{name}")
+        for our_norm, their_norm in _BLOCK_NORMS[t.normalization_placement]:
+            for name in _norm_parameters(config):
+                yield same(f"{ours}.{our_norm}.{name}", f"{theirs}.{their_norm}.{name}")
         qkv_parameters = ("weight", "bias") if t.biases_in_attention_qkv else ("weight",)
         for name in qkv_parameters:
             yield concat(
@@ -33,11 +32,28 @@ def rules(config: BaseModelConfig, architecture: str) -> Iterator[Rule]:
         dense_parameters = ("weight", "bias") if t.biases_elsewhere else ("weight",)
         for name in dense_parameters:
             yield same(f"{ours}.attention.dense.{name}", f"{attention}.o_proj.{name}")
+        for our_norm, their_norm in (("query_norm", "q_norm"), ("key_norm", "k_norm")):
+            if getattr(t, our_norm) is not None:  # an rms_norm (formats.inexpressible)
+                yield same(
+                    f"{ours}.attention.{our_norm}.weight", f"{attention}.{their_norm}.weight"
+                )
         yield from ARCHITECTURES[architecture].mlp_rules(config, f"{ours}.mlp", theirs)
     for name in _norm_parameters(config):
         yield same(f"final_norm.{name}", f"model.norm.{name}")
     if not config.tie_word_embeddings:
         yield same("head.weight", "lm_head.weight")
+
+
+_BLOCK_NORMS = {
+    "pre": (("norm_1", "input_layernorm"), ("norm_2", "post_attention_layernorm")),
+    "post": (
+        ("post_norm_1", "post_attention_layernorm"),
+        ("post_norm_2", "post_feedforward_layernorm"),
+    ),
+}
+"""A block's norms by `normalization_placement`, ours and Hugging Face's (whose
+post_attention_layernorm is the MLP's input norm in a pre-norm block and attention's output
+norm in a post-norm one)."""
 
 
 def _norm_parameters(config: BaseModelConfig) -> tuple[str, ...]:

@@ -10,7 +10,9 @@ def flops_per_token(
 ) -> float:
     """Training FLOPs per token, torchtitan's formula: 6 × (parameters that multiply, i.e. all
     but the embedding lookup; of a mixture of experts only the experts a token is routed to)
-    + 12 × layers × heads × head size × sequence (attention, counted whole).
+    + 12 × layers × heads × head size × sequence (attention, counted whole). A norm counts
+    as its weight (and bias) would as a matmul's: 6 × the elements it scales, so a norm over
+    each head (QK-norm) counts every head, not its one weight of a head's size.
 
     Frozen parameters (`freeze`, and under LoRA with `freeze_others` all but the adapters)
     need no weight gradient: 4 × their count (the forward pass and the input gradient), and
@@ -25,17 +27,18 @@ def flops_per_token(
     norms = 4 if freeze.norms or others else 6
     frozen_blocks = freeze.frozen_blocks()
     before_training = freeze.embeddings or others  # no backward pass before a trained one
+    weights = counts.block - counts.block_norms
+    block = weights + counts.block_norm_elements + counts.adapters
     total = 0.0
-    for block in range(t.num_layers):
-        frozen = block in frozen_blocks
+    for index in range(t.num_layers):
+        frozen = index in frozen_blocks
         before_training = before_training and frozen
         if before_training:
-            total += 2 * (counts.block + counts.adapters) + attention / 3
+            total += 2 * block + attention / 3
         elif frozen:
-            total += 4 * (counts.block + counts.adapters) + attention
+            total += 4 * block + attention
         else:
-            weights = counts.block - counts.block_norms
-            total += (4 if others else 6) * weights + norms * counts.block_norms
+            total += (4 if others else 6) * weights + norms * counts.block_norm_elements
             total += 6 * counts.adapters + attention
     head = config.vocab_size * t.hidden_size  # tied or not, the head multiplies
     return total + norms * counts.final_norm + (4 if freeze.head or others else 6) * head

@@ -11,7 +11,16 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:
     from fastllm.config.model import BaseModelConfig
 
-HF_ARCHITECTURES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "starcoder2")
+HF_ARCHITECTURES = (
+    "llama",
+    "mistral",
+    "mixtral",
+    "qwen2",
+    "qwen2_moe",
+    "qwen3",
+    "olmo2",
+    "starcoder2",
+)
 """Hugging Face `model_type`s that fastllm converts to and from."""
 MODEL_FORMATS = ("fastllm", "distributed", "peft", *HF_ARCHITECTURES)
 """fastllm (safetensors + config.yaml), distributed (what training writes: per-rank shards and
@@ -40,6 +49,11 @@ class Expressible:
     """Its experts come with gated shared experts, which a model must then have (Qwen2-MoE)."""
     renormalize: frozenset[bool] = frozenset({True, False})
     """The `expert_renormalize` values it can express."""
+    placement: str = "pre"
+    """Where its blocks normalize (`normalization_placement`)."""
+    query_key_norm: str | None = None
+    """The `query_key_norm_scope` of its QK-norm, an RMSNorm of both the queries and the keys
+    with the blocks' epsilon (which it must then have); None: it has none."""
 
 
 _NO_BIASES: frozenset[Biases] = frozenset({(False, False)})
@@ -78,6 +92,23 @@ EXPRESSIBLE = {
         window=True,
         biases=frozenset({(True, False), (False, False)}),
         shared_experts=True,
+    ),
+    "qwen3": Expressible(
+        layer_norm=False,
+        gated=True,
+        experts=False,
+        window=True,
+        biases=_NO_BIASES,
+        query_key_norm="head",
+    ),
+    "olmo2": Expressible(
+        layer_norm=False,
+        gated=True,
+        experts=False,
+        window=False,
+        biases=_NO_BIASES,
+        placement="post",
+        query_key_norm="projection",
     ),
     "starcoder2": Expressible(
         layer_norm=True,
@@ -148,8 +179,43 @@ def inexpressible(config: BaseModelConfig, architecture: str) -> str | None:
             t.expert_renormalize,
             "renormalized routing weights",
         ),
+        (
+            t.normalization_placement != can.placement,
+            "normalization_placement",
+            t.normalization_placement,
+            f"{can.placement}-norm blocks",
+        ),
+        *_query_key_norm_checks(config, can),
     ]
     for failed, key, value, needs in checks:
         if failed:
             return f"model.base_model.transformer.{key} is {value!r} ({architecture} has {needs})"
     return None
+
+
+Check = tuple[bool, str, object, str]
+"""(failed, key, its value, what the architecture has)."""
+_SCOPES = {"head": "each head", "projection": "all heads together"}
+
+
+def _query_key_norm_checks(config: BaseModelConfig, can: Expressible) -> list[Check]:
+    """The checks of `inexpressible` for QK-norm: both norms, as the architecture has them,
+    or neither."""
+    t = config.transformer
+    norms = {key: getattr(t, key) for key in ("query_norm", "key_norm")}
+    if can.query_key_norm is None:
+        return [(n is not None, key, _norm_type(n), "no QK-norm") for key, n in norms.items()]
+    needs = f"an rms_norm of the queries and of the keys over {_SCOPES[can.query_key_norm]}"
+    scope = t.query_key_norm_scope
+    checks: list[Check] = [(scope != can.query_key_norm, "query_key_norm_scope", scope, needs)]
+    epsilon = t.normalization.epsilon
+    for key, norm in norms.items():
+        checks.append((_norm_type(norm) != "rms_norm", key, _norm_type(norm), needs))
+        if norm is not None:
+            one = f"one epsilon, normalization.epsilon {epsilon}"
+            checks.append((norm.epsilon != epsilon, f"{key}.epsilon", norm.epsilon, one))
+    return checks
+
+
+def _norm_type(norm: object) -> str:
+    return "none" if norm is None else norm.__struct_config__.tag  # type: ignore[attr-defined]

@@ -21,7 +21,7 @@ class NormalizationConfig(Section, tag_field="type"):
 
 
 class RMSNormConfig(NormalizationConfig, tag="rms_norm"):
-    """RMSNorm (Llama, Mistral, Mixtral, Qwen2): scale only."""
+    """RMSNorm (Llama, Mistral, Mixtral, Qwen2, Qwen3, OLMo 2): scale only."""
 
 
 class LayerNormConfig(NormalizationConfig, tag="layer_norm"):
@@ -88,11 +88,30 @@ class YarnRotaryConfig(DefaultRotaryConfig, tag="yarn"):
 
 Activation = Literal["silu", "gelu", "relu", "squared_relu"]
 LinearBiases = bool | Literal["nowhere", "everywhere", "only_attn_qkv"]
+NormalizationPlacement = Literal["pre", "post", "sandwich"]
+QueryKeyNormScope = Literal["head", "projection"]
 
 
 class TransformerConfig(Section):
     normalization: RMSNormConfig | LayerNormConfig = msgspec.field(default_factory=RMSNormConfig)
-    """Normalization before attention, before the MLP and before the head."""
+    """Normalization of the blocks (where `normalization_placement` says) and before the head."""
+    normalization_placement: NormalizationPlacement = "pre"
+    """Where each block normalizes: pre, the input of attention and of the MLP (Llama and most
+    models); post, their outputs, before each is added to the residual stream, which is never
+    normalized itself but before the head (OLMo 2); sandwich, both (Gemma 2 and 3). (Fast-LLM
+    has a normalization config for each of the four places: pre_mixer_normalization,
+    post_mixer_normalization, pre_mlp_normalization, post_mlp_normalization.)"""
+    query_norm: RMSNormConfig | LayerNormConfig | None = None
+    """Normalization of the queries after their projection and before rotary (QK-norm:
+    Qwen3, OLMo 2, Gemma 3), over what `query_key_norm_scope` says; null: not normalized."""
+    key_norm: RMSNormConfig | LayerNormConfig | None = None
+    """Normalization of the keys after their projection and before rotary, as `query_norm`."""
+    query_key_norm_scope: QueryKeyNormScope = "head"
+    """What `query_norm` and `key_norm` normalize: head, each head over its kv_channels, one
+    weight of kv_channels shared by the heads (Qwen3, Gemma 3; Fast-LLM's); projection, all the
+    heads of the projection together, one weight over all of them (OLMo 2; rms_norm only).
+    Under tensor parallelism each rank holds some heads: their mean square over all heads is
+    summed over the tensor ranks."""
     rotary: NoRotaryConfig | DefaultRotaryConfig | Llama3RotaryConfig | YarnRotaryConfig = (
         msgspec.field(default_factory=DefaultRotaryConfig)
     )
@@ -180,12 +199,41 @@ class TransformerConfig(Section):
         check_non_negative(self.num_shared_experts, "num_shared_experts")
         if self.shared_expert_gate and not self.num_shared_experts:
             raise ConfigError("shared_expert_gate", "needs num_shared_experts > 0")
+        self._validate_query_key_norms()
         if self.num_experts > 1 and self.biases_elsewhere:
             raise ConfigError(
                 "add_linear_biases",
                 f"experts have no biases: with num_experts ({self.num_experts}) > 1 it must be "
                 f"false, nowhere or only_attn_qkv, got {self.add_linear_biases!r}",
             )
+
+    def _validate_query_key_norms(self) -> None:
+        if self.query_key_norm_scope == "head":
+            return
+        norms = {"query_norm": self.query_norm, "key_norm": self.key_norm}
+        if not any(norms.values()):
+            raise ConfigError(
+                "query_key_norm_scope",
+                f"is {self.query_key_norm_scope!r} but neither query_norm nor key_norm is set",
+            )
+        for key, norm in norms.items():
+            if isinstance(norm, LayerNormConfig):
+                raise ConfigError(
+                    key,
+                    "layer_norm over the whole projection (query_key_norm_scope: projection) "
+                    "is not supported (its mean would need a second reduction over the tensor "
+                    "ranks; OLMo 2's is an rms_norm): use rms_norm, or scope head",
+                )
+
+    @property
+    def pre_norms(self) -> bool:
+        """The blocks normalize the inputs of attention and of the MLP."""
+        return self.normalization_placement in ("pre", "sandwich")
+
+    @property
+    def post_norms(self) -> bool:
+        """The blocks normalize the outputs of attention and of the MLP."""
+        return self.normalization_placement in ("post", "sandwich")
 
     @property
     def biases_in_attention_qkv(self) -> bool:
@@ -419,6 +467,19 @@ class BaseModelConfig(Section):
             router = h * t.num_experts + (h if t.shared_expert_gate else 0)
             mlp = (experts + t.num_shared_experts) * expert + router
         norm = 2 * h if isinstance(t.normalization, LayerNormConfig) else h
+        block_norms = (t.pre_norms + t.post_norms) * 2 * norm
+        block_norm_elements = block_norms
+        for query_key_norm, heads in (
+            (t.query_norm, t.num_attention_heads),
+            (t.key_norm, t.head_groups),
+        ):
+            if query_key_norm is None:
+                continue
+            # per head: one weight (and bias) of kv_channels, scaling every head
+            width = kv if t.query_key_norm_scope == "head" else heads * kv
+            vectors = 2 if isinstance(query_key_norm, LayerNormConfig) else 1
+            block_norms += vectors * width
+            block_norm_elements += vectors * heads * kv
         adapters = 0
         if isinstance(self.peft, LoRAConfig):
             outputs = {
@@ -438,8 +499,9 @@ class BaseModelConfig(Section):
         return ParameterCounts(
             embedding=self.vocab_size * h,
             head=0 if self.tie_word_embeddings else self.vocab_size * h,
-            block=attention + mlp + 2 * norm,
-            block_norms=2 * norm,
+            block=attention + mlp + block_norms,
+            block_norms=block_norms,
+            block_norm_elements=block_norm_elements,
             final_norm=norm,
             adapters=adapters,
         )
@@ -455,6 +517,10 @@ class ParameterCounts:
     block: int
     """One transformer block's, its norms included, its LoRA adapters not."""
     block_norms: int
+    """One transformer block's norm parameters (weights and biases)."""
+    block_norm_elements: int
+    """The elements per token one block's norms scale by their weights (and shift by their
+    biases): their parameters, but that a norm over each head scales every head."""
     final_norm: int
     adapters: int = 0
     """One transformer block's LoRA adapters."""

@@ -1,4 +1,5 @@
-"""Self-attention: one fused q/k/v projection, rotary, then the kernels' attention dispatch."""
+"""Self-attention: one fused q/k/v projection, QK-norm if any, rotary, then the kernels'
+attention dispatch."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from torch import Tensor
 
 from fastllm.config.model import LoRAConfig, TransformerConfig
 from fastllm.model.lora import adapter_of
-from fastllm.model.normalization import Normalization
+from fastllm.model.normalization import InputNorm, Normalization
 from fastllm.model.parameters import TensorSplit, describe
+from fastllm.model.query_key_norm import query_key_norm
 from fastllm.parallel.sequence_data import KeyValueGather, SequenceDataDimension
 from fastllm.parallel.tensor import TensorDimension, enter, leave
 from fastllm_kernels.attention import attention
@@ -74,11 +76,18 @@ class Attention(torch.nn.Module):
             lora, ("query", "key", "value"), hidden, (q_size, kv_size, kv_size), tensor
         )
         self.dense_lora = adapter_of(lora, ("dense",), q_size, (hidden,), tensor, row_parallel=True)
+        scope = config.query_key_norm_scope
+        self.query_norm = query_key_norm(
+            config.query_norm, scope, self.heads, self.head_size, tensor
+        )
+        self.key_norm = query_key_norm(
+            config.key_norm, scope, self.kv_heads, self.head_size, tensor
+        )
 
     def forward(
         self,
         x: Tensor,
-        norm: Normalization,
+        norm: InputNorm,
         rotary: tuple[Tensor, Tensor] | None,
         document_ids: Tensor | None = None,
         cache: Any = None,
@@ -93,7 +102,7 @@ class Attention(torch.nn.Module):
         if self.sequence_data.split:
             q, k, v = self._project_gathering_keys(x, norm, cos, sin)
         else:
-            q, k, v = split_qkv_rotary(self._qkv(x, norm), self.heads, self.kv_heads, cos, sin)
+            q, k, v = self._split_rotary(self._qkv(x, norm), cos, sin)
         if self.sequence_data.split:
             out = self._attend_by_chunk(q, k, v, document_ids)
         elif cache is None:
@@ -110,7 +119,7 @@ class Attention(torch.nn.Module):
             dense = self.dense_lora.add_to(dense, out)
         return leave(dense, self.tensor, self.dense.bias) if self.tensor.split else dense
 
-    def _qkv(self, x: Tensor, norm: Normalization) -> Tensor:
+    def _qkv(self, x: Tensor, norm: InputNorm) -> Tensor:
         """The q/k/v projection of norm(x), with its adapters' update (which read norm(x)
         itself, so the norm is not fused into the projection then)."""
         weight, bias = self.query_key_value.weight, self.query_key_value.bias
@@ -121,7 +130,7 @@ class Attention(torch.nn.Module):
         return self.query_key_value_lora.add_to(qkv, normed)
 
     def _project_gathering_keys(
-        self, x: Tensor, norm: Normalization, cos: Tensor | None, sin: Tensor | None
+        self, x: Tensor, norm: InputNorm, cos: Tensor | None, sin: Tensor | None
     ) -> tuple[Tensor, Tensor, Tensor]:
         """q of this chunk, k and v of the causal prefix: keys and values are projected first,
         so that their all-gather runs while the queries are projected and rotated (a weight
@@ -138,17 +147,34 @@ class Attention(torch.nn.Module):
             rows = slice(self.q_size, None)
             kv = norm.project(x, weight[rows], None if bias is None else bias[rows])
         k, v = kv.view(batch, length, 2 * self.kv_heads, self.head_size).chunk(2, dim=2)
-        if cos is not None and sin is not None:
+        if self.key_norm is not None:
+            k = _normed_rotated(k, self.key_norm, cos, sin)
+        elif cos is not None and sin is not None:
             k = apply_rotary(k.contiguous(), cos, sin)
         pending = KeyValueGather(k, v.contiguous(), self.sequence_data)
         if not whole:
             rows = slice(None, self.q_size)
             q = norm.project(x, weight[rows], None if bias is None else bias[rows])
         q = q.reshape(batch, length, self.heads, self.head_size)
-        if cos is not None and sin is not None:  # in place: not on a view of the projection's
+        if self.query_norm is not None:
+            q = _normed_rotated(q, self.query_norm, cos, sin)
+        elif cos is not None and sin is not None:  # in place: not on a view of the projection's
             q = apply_rotary(q.clone(), cos, sin)
         k, v = pending.finish()
         return q, k, v
+
+    def _split_rotary(
+        self, qkv: Tensor, cos: Tensor | None, sin: Tensor | None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v from the fused projection, q and k through their norms (if any) and rotary."""
+        if self.query_norm is None and self.key_norm is None:
+            return split_qkv_rotary(qkv, self.heads, self.kv_heads, cos, sin)
+        q, k, v = split_qkv_rotary(qkv, self.heads, self.kv_heads, None, None)
+        return (
+            _normed_rotated(q, self.query_norm, cos, sin),
+            _normed_rotated(k, self.key_norm, cos, sin),
+            v,
+        )
 
     def _attend_by_chunk(
         self, q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor | None
@@ -183,3 +209,12 @@ class Attention(torch.nn.Module):
         return attention(
             q, keys, values, causal=True, window_size=self.window_size, document_ids=document_ids
         )
+
+
+def _normed_rotated(
+    x: Tensor, norm: Normalization | None, cos: Tensor | None, sin: Tensor | None
+) -> Tensor:
+    """Queries or keys (batch, seq, heads, head size) through their norm, if any, then rotary,
+    into a new tensor (rotary turns its input in place)."""
+    x = x.clone() if norm is None else norm(x)
+    return x if cos is None or sin is None else apply_rotary(x, cos, sin)

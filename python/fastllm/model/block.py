@@ -1,4 +1,5 @@
-"""One transformer block: pre-norm attention and MLP, each added to the residual stream."""
+"""One transformer block: attention and MLP, each added to the residual stream, with norms
+before them, after them or both (`normalization_placement`)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,15 @@ from torch import Tensor
 from fastllm.config.model import LoRAConfig, TransformerConfig
 from fastllm.model.attention import Attention
 from fastllm.model.mlp import MLP, MixtureOfExperts
-from fastllm.model.normalization import Normalization
+from fastllm.model.normalization import InputNorm, NoNormalization, Normalization
 from fastllm.parallel.mesh import ParallelMesh
 
 
 class TransformerBlock(torch.nn.Module):
+    """norm_1 and norm_2 normalize the inputs of attention and of the MLP (their first
+    projections fuse them); post_norm_1 and post_norm_2 their outputs, the residual stream as
+    every tensor rank holds it."""
+
     def __init__(
         self,
         config: TransformerConfig,
@@ -24,14 +29,16 @@ class TransformerBlock(torch.nn.Module):
     ) -> None:
         super().__init__()
         mesh = mesh or ParallelMesh.single()
-        self.norm_1 = Normalization(config.normalization, config.hidden_size)
+        self.norm_1 = _input_norm(config)
         self.attention = Attention(config, layer_index, mesh.tensor, mesh.sequence_data, lora)
-        self.norm_2 = Normalization(config.normalization, config.hidden_size)
+        self.post_norm_1 = _output_norm(config)
+        self.norm_2 = _input_norm(config)
         self.mlp: MLP | MixtureOfExperts = (
             MixtureOfExperts(config, mesh.tensor, mesh.expert)
             if config.num_experts > 1
             else MLP(config, mesh.tensor, lora)
         )
+        self.post_norm_2 = _output_norm(config)
 
     def forward(
         self,
@@ -42,6 +49,19 @@ class TransformerBlock(torch.nn.Module):
         branch_ids: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """The new residual stream and the block's auxiliary loss (MoE router), if any."""
-        x = x + self.attention(x, self.norm_1, rotary, document_ids, cache, branch_ids)
+        out = self.attention(x, self.norm_1, rotary, document_ids, cache, branch_ids)
+        x = x + (out if self.post_norm_1 is None else self.post_norm_1(out))
         out, auxiliary = self.mlp(x, self.norm_2)
-        return x + out, auxiliary
+        return x + (out if self.post_norm_2 is None else self.post_norm_2(out)), auxiliary
+
+
+def _input_norm(config: TransformerConfig) -> InputNorm:
+    if not config.pre_norms:
+        return NoNormalization()
+    return Normalization(config.normalization, config.hidden_size)
+
+
+def _output_norm(config: TransformerConfig) -> Normalization | None:
+    if not config.post_norms:
+        return None
+    return Normalization(config.normalization, config.hidden_size, tensor_partial=False)

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from fastllm.config.model import LoRAConfig, TransformerConfig
 from fastllm.model.lora import adapter_of
-from fastllm.model.normalization import Normalization
+from fastllm.model.normalization import InputNorm, Normalization
 from fastllm.model.parameters import TensorSplit, describe
 from fastllm.parallel.dimension import Dimension
 from fastllm.parallel.expert import exchange
@@ -83,19 +83,19 @@ class MLP(torch.nn.Module):
         self.layer_1_lora = adapter_of(lora, ("mlp_1",) * inputs, hidden, (full,) * inputs, tensor)
         self.layer_2_lora = adapter_of(lora, ("mlp_2",), full, (hidden,), tensor, row_parallel=True)
 
-    def forward(self, x: Tensor, norm: Normalization) -> tuple[Tensor, None]:
+    def forward(self, x: Tensor, norm: InputNorm) -> tuple[Tensor, None]:
         """The MLP of norm(x) (the block's residual stream, normalized by the first projection)."""
         out = self.partial(enter(x, self.tensor), norm)
         if not self.tensor.split:
             return out, None
         return leave(out, self.tensor, self.layer_2.bias), None
 
-    def partial(self, x: Tensor, norm: Normalization) -> Tensor:
+    def partial(self, x: Tensor, norm: InputNorm) -> Tensor:
         """This tensor rank's part of the MLP of norm(x), x already through `enter` (whole);
         the second layer's bias added only when not split (`leave` adds it after the sum)."""
         adapted = self.layer_1_lora is not None or self.layer_2_lora is not None
-        fused = self.gated and self.recompute_activation and norm.recompute
-        if fused and not self.tensor.split and not adapted:
+        fused = isinstance(norm, Normalization) and norm.recompute and self.gated
+        if fused and self.recompute_activation and not self.tensor.split and not adapted:
             # The MLP from the norm on as one op, which fuses it where the recipes allow (FP8);
             # tensor-parallel ranks keep the two projections apart.
             return gated_mlp(
@@ -235,7 +235,7 @@ class MixtureOfExperts(torch.nn.Module):
             describe(self.shared_gate, "weight", weight_decay=True, tensor_partial=True)
         self.load: Tensor | None = None
 
-    def forward(self, x: Tensor, norm: Normalization) -> tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor, norm: InputNorm) -> tuple[Tensor, Tensor]:
         """The mixture of norm(x), the block's residual stream."""
         x = enter(x, self.tensor)
         normed = norm(x)

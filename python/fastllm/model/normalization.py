@@ -1,4 +1,5 @@
-"""The normalization layers: RMSNorm or LayerNorm, fused with the projection that reads them."""
+"""The normalization layers: RMSNorm or LayerNorm, fused with the projection that reads them,
+and the absent norm of a block that normalizes only the outputs of its layers."""
 
 from __future__ import annotations
 
@@ -14,20 +15,33 @@ from fastllm_kernels.recipe import WeightRecipe
 
 
 class Normalization(torch.nn.Module):
-    """RMSNorm (weight) or LayerNorm (weight and bias) through the fused kernels."""
+    """RMSNorm (weight) or LayerNorm (weight and bias) through the fused kernels, over the last
+    dimension of its input."""
 
     recompute = True
     """`project` recomputes the norm's output in the backward pass rather than storing it."""
 
-    def __init__(self, config: NormalizationConfig, hidden_size: int) -> None:
+    def __init__(
+        self, config: NormalizationConfig, size: int, *, tensor_partial: bool = True
+    ) -> None:
+        """`tensor_partial`: replicated over the tensor ranks, each of which computes only its
+        part of the gradient (a norm feeding split projections sees only this rank's columns
+        of them; one over each head sees only this rank's heads); else a norm of the residual
+        stream itself, whose gradient every tensor rank computes whole (under sequence-tensor
+        parallelism, for its chunk of the sequence)."""
         super().__init__()
         self.epsilon = config.epsilon
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size))
+        self.weight = torch.nn.Parameter(torch.ones(size))
         has_bias = isinstance(config, LayerNormConfig)
-        self.bias = torch.nn.Parameter(torch.zeros(hidden_size)) if has_bias else None
-        # Replicated over tensor ranks; each sees only its columns of the projection after it.
+        self.bias = torch.nn.Parameter(torch.zeros(size)) if has_bias else None
         for name in ("weight", "bias"):
-            describe(self, name, weight_decay=False, tensor_partial=True)
+            describe(
+                self,
+                name,
+                weight_decay=False,
+                tensor_partial=tensor_partial,
+                sequence_tensor_parallel_replicated=not tensor_partial,
+            )
 
     def forward(self, x: Tensor) -> Tensor:
         if self.bias is None:
@@ -43,3 +57,20 @@ class Normalization(torch.nn.Module):
             return linear(self(x), weight, bias, recipe)
         rms = self.bias is None
         return norm_linear(x, self.weight, self.bias, self.epsilon, rms, weight, bias, recipe)
+
+
+class NoNormalization(torch.nn.Module):
+    """`Normalization`'s interface with the input left as it is: what attention and the MLP
+    read in a block whose norms come after them (`normalization_placement: post`)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x
+
+    def project(
+        self, x: Tensor, weight: Tensor, bias: Tensor | None, recipe: WeightRecipe | None = None
+    ) -> Tensor:
+        return linear(x, weight, bias, recipe)
+
+
+InputNorm = Normalization | NoNormalization
+"""What attention and the MLP apply to the residual stream before their first projection."""

@@ -86,6 +86,29 @@ def counted_once(x: Tensor, tensor: TensorDimension) -> Tensor:
     return _CountedOnce.apply(x, tensor.size) if tensor.split else x
 
 
+def summed(x: Tensor, tensor: TensorDimension) -> Tensor:
+    """The sum over the tensor ranks of x, each rank's part of a statistic of a tensor they
+    split (the squares of its heads, for a norm over all heads), which each rank then applies
+    to its own slice: all-reduce forward, and all-reduce backward, since each rank's gradient
+    of the sum covers only its own slice's use of it."""
+    return _Summed.apply(x, tensor) if tensor.split else x
+
+
+class _Summed(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, tensor: TensorDimension) -> Tensor:
+        ctx.tensor = tensor
+        out = x.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, group=tensor.group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        out = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, group=ctx.tensor.group)
+        return out, None
+
+
 class _CountedOnce(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, size: int) -> Tensor:
