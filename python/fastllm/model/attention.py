@@ -45,7 +45,8 @@ class Attention(torch.nn.Module):
             config.head_groups // tensor.size,
             config.kv_channels,
         )
-        self.window_size = config.window_size
+        self.window_size = config.window_of(layer_index)
+        self.scale = config.attention_scale
         self.q_size, self.kv_size = self.heads * self.head_size, self.kv_heads * self.head_size
         qkv_bias, dense_bias = config.biases_in_attention_qkv, config.biases_elsewhere
         hidden = config.hidden_size
@@ -108,7 +109,7 @@ class Attention(torch.nn.Module):
         elif cache is None:
             out = attention(
                 q, k, v, causal=True, window_size=self.window_size, document_ids=document_ids,
-                branch_ids=branch_ids,
+                scale=self.scale, branch_ids=branch_ids,
             )  # fmt: skip
         else:
             out = self._attend_with_cache(q, k, v, cache, document_ids)
@@ -192,6 +193,7 @@ class Attention(torch.nn.Module):
                     causal=True,
                     window_size=self.window_size,
                     document_ids=None if document_ids is None else document_ids[:, :end],
+                    scale=self.scale,
                 )
             )
             offset += length
@@ -207,8 +209,9 @@ class Attention(torch.nn.Module):
         keys, values = cache.update(k.transpose(1, 2), v.transpose(1, 2), self.layer_index)
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)
         return attention(
-            q, keys, values, causal=True, window_size=self.window_size, document_ids=document_ids
-        )
+            q, keys, values, causal=True, window_size=self.window_size, document_ids=document_ids,
+            scale=self.scale,
+        )  # fmt: skip
 
 
 def _normed_rotated(
