@@ -16,7 +16,7 @@ import pytest
 
 from tests.data.conftest import run_cli
 from tests.training.conftest import Launched, Layout, Script, train_arguments
-from tests.training.test_tensor_parallel import assert_same_run
+from tests.training.test_tensor_parallel import GEMMA3, assert_same_run, metric
 
 COMMON = (
     "model.base_model.transformer.num_layers=4",
@@ -75,6 +75,7 @@ def layouts(
             for stage in (1, 2, 3)
         },
         "pp2xtp2": Layout(4, (*pipeline, *TENSOR_2)),
+        "pp2xtp2-gemma3": Layout(4, (*pipeline, *TENSOR_2, *GEMMA3)),
         "pp2xtp2xdp2-zero3": Layout(
             8, (*pipeline, *TENSOR_2[:2], "model.multi_stage.zero_stage=3", two_per_data_rank)
         ),
@@ -96,6 +97,20 @@ def assert_same_validation(reference: Path, run: Path) -> None:
     assert sorted(got) == [5, 10]
     for step, value in got.items():
         assert value == pytest.approx(expected[step], rel=1e-5), step
+
+
+def test_gemma3_style_model_on_pipeline_and_tensor_ranks_matches_one_process(
+    dataset: Path, one_process: Callable[..., Path], launched: dict[str, Launched]
+) -> None:
+    """Its sliding and global blocks (their windows and rotaries) split over two stages; its
+    zero-centered norms (1 + weight, replicated) and scaled embeddings over two tensor ranks
+    with sequence parallelism."""
+    reference = one_process(f"data.validation_path=[{dataset}]", *COMMON, *GEMMA3)
+    run = launched["pp2xtp2-gemma3"].succeeded()
+    assert_same_run(reference, run)
+    assert_same_validation(reference, run)
+    expected, got = metric(reference, "grad_norm"), metric(run, "grad_norm")
+    assert got == pytest.approx(expected, rel=1e-5)
 
 
 @pytest.mark.parametrize("name", PP2)
