@@ -59,7 +59,9 @@ class Embedding(torch.nn.Embedding):
             x = super().forward(input_ids)
         if self.scale is None:
             return x
-        return x * torch.tensor(self.scale, dtype=x.dtype, device=x.device)
+        # Rounded as transformers rounds it, to fp32 then to the compute dtype (on the host:
+        # no copy to the device).
+        return x * float(torch.tensor(self.scale, dtype=torch.float32).to(x.dtype))
 
 
 class GPTModel(torch.nn.Module):
