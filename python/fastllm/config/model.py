@@ -24,7 +24,7 @@ class NormalizationConfig(Section, tag_field="type"):
 
 
 class RMSNormConfig(NormalizationConfig, tag="rms_norm"):
-    """RMSNorm (Llama, Mistral, Mixtral, Qwen2, Qwen3, OLMo 2): scale only."""
+    """RMSNorm (Llama, Mistral, Mixtral, Qwen2, Qwen3, OLMo 2, Gemma 3): scale only."""
 
 
 class LayerNormConfig(NormalizationConfig, tag="layer_norm"):
