@@ -70,6 +70,12 @@ MOE = (
         ),
         (
             "gemma3-4b",
+            ("model.base_model.transformer.activation_type=silu",),
+            "gemma3_text",
+            "activation_type is 'silu' (gemma3_text has tanh GELU (GeGLU))",
+        ),
+        (
+            "gemma3-4b",
             ("model.base_model.transformer.attention_scale=0.07",),
             "gemma3_text",
             "attention_scale is 0.07 (gemma3_text has n ** -0.5 for a whole n)",

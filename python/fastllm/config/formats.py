@@ -58,7 +58,7 @@ class Expressible:
     with the blocks' epsilon (which it must then have); None: it has none."""
     gemma: bool = False
     """Gemma 3's options, which a model must then have: zero-centered norms (all of them),
-    embeddings scaled by sqrt(hidden_size); and those it may have: sliding and global blocks
+    embeddings scaled by sqrt(hidden_size), tanh GELU; and those it may have: sliding and global blocks
     (`global_attention_interval`, a plain `window_rotary`) and an `attention_scale` of
     n ** -0.5 for a whole n. The other architectures have none of them."""
 
@@ -262,6 +262,8 @@ def _gemma_checks(config: BaseModelConfig, gemma: bool) -> list[Check]:
         default = scale is None or scale == t.kv_channels**-0.5
         checks.append((not default, "attention_scale", scale, "kv_channels ** -0.5"))
         return checks
+    activation = t.activation_type
+    checks.append((activation != "gelu", "activation_type", activation, "tanh GELU (GeGLU)"))
     scale = t.kv_channels**-0.5 if t.attention_scale is None else t.attention_scale
     whole = round(scale**-2) ** -0.5 == scale
     checks.append((not whole, "attention_scale", scale, "n ** -0.5 for a whole n"))

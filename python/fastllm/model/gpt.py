@@ -34,11 +34,10 @@ class Context:
     """Preference pairs (batch, seq): 0 the shared prompt, 1 and 2 its answers, which attend to
     the prompt and never to each other (`kernels.attention`)."""
     window_rotary: tuple[Tensor, Tensor] | None = None
-    """cos and sin of the sliding blocks, when they have a rotary of their own."""
+    """cos and sin of the sliding blocks (`rotary` unless they have a rotary of their own)."""
 
     def rotary_of(self, block: TransformerBlock) -> tuple[Tensor, Tensor] | None:
-        slides = block.attention.window_size is not None
-        return self.window_rotary if slides and self.window_rotary is not None else self.rotary
+        return self.rotary if block.attention.window_size is None else self.window_rotary
 
 
 class Embedding(torch.nn.Embedding):
@@ -121,10 +120,11 @@ class GPTModel(torch.nn.Module):
         self.rotary = _rotary_tables(transformer.rotary, transformer.kv_channels)
         window_rotary = transformer.window_rotary
         self.window_rotary = (
-            None
+            self.rotary
             if window_rotary is None
             else _rotary_tables(window_rotary, transformer.kv_channels)
         )
+        """The sliding blocks' tables (`rotary` unless they have their own; None: no rotary)."""
 
     @property
     def head_weight(self) -> Tensor:
@@ -166,7 +166,10 @@ class GPTModel(torch.nn.Module):
             else:
                 position_ids = self.sequence_data.positions(length, input_ids.device)
         rotary = None if self.rotary is None else self.rotary(position_ids)
-        window_rotary = None if self.window_rotary is None else self.window_rotary(position_ids)
+        window_rotary = rotary
+        if self.window_rotary is not self.rotary:
+            tables = self.window_rotary
+            window_rotary = None if tables is None else tables(position_ids)
         return Context(rotary, document_ids, cache, branch_ids, window_rotary)
 
     def run_positions(
