@@ -45,11 +45,12 @@ def test_converted_back_through_fastllm_runs_as_the_original(
 
 def test_an_older_gemma3_config_json_reads_as_transformers_5(tmp_path: Path) -> None:
     """Before transformers 5: sliding_window_pattern, rope_local_base_freq and the global
-    layers' rope_theta and rope_scaling, in place of layer_types and rope_parameters."""
+    layers' rope_theta and rope_scaling, in place of layer_types and rope_parameters; and no
+    tie_word_embeddings, Gemma 3's default being tied."""
     theirs = save_hf_model("gemma3_text", tmp_path)
     path = tmp_path / "config.json"
     config = json.loads(path.read_text())
-    for key in ("layer_types", "rope_parameters"):
+    for key in ("layer_types", "rope_parameters", "tie_word_embeddings"):
         del config[key]
     config |= {
         "sliding_window_pattern": 2,

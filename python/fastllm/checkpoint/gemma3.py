@@ -39,6 +39,8 @@ def gemma3_from_hf(hf: dict[str, Any], transformer: dict[str, Any]) -> None:
     }
     if not hf.get("rope_parameters") and "rope_theta" not in hf:
         transformer["rotary"]["theta"] = 1_000_000.0  # transformers' default for global layers
+    # transformers' default for Gemma 3 (the common keys, read after this, default to untied)
+    hf.setdefault("tie_word_embeddings", True)
     _windows_from_hf(hf, transformer)
 
 
