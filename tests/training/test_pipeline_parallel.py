@@ -100,17 +100,35 @@ def assert_same_validation(reference: Path, run: Path) -> None:
 
 
 def test_gemma3_style_model_on_pipeline_and_tensor_ranks_matches_one_process(
-    dataset: Path, one_process: Callable[..., Path], launched: dict[str, Launched]
+    dataset: Path, tmp_path: Path, one_process: Callable[..., Path], launched: dict[str, Launched]
 ) -> None:
     """Its sliding and global blocks (their windows and rotaries) split over two stages; its
     zero-centered norms (1 + weight, replicated) and scaled embeddings over two tensor ranks
-    with sequence parallelism."""
+    with sequence parallelism. Its export, converted to gemma3_text, runs in transformers as
+    in fastllm."""
+    import torch
+    import transformers
+
+    import fastllm
+    from tests.model.test_parity import relative_error
+
     reference = one_process(f"data.validation_path=[{dataset}]", *COMMON, *GEMMA3)
     run = launched["pp2xtp2-gemma3"].succeeded()
     assert_same_run(reference, run)
     assert_same_validation(reference, run)
     expected, got = metric(reference, "grad_norm"), metric(run, "grad_norm")
     assert got == pytest.approx(expected, rel=1e-5)
+    export, hf = run / "export" / "10", tmp_path / "hf"
+    result = run_cli(
+        "convert", "input.format=distributed", f"input.path={export}",
+        "output.format=gemma3_text", f"output.path={hf}",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(hf).eval()
+    input_ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        ours = fastllm.load_model(export)(input_ids)
+        assert relative_error(ours, theirs(input_ids).logits) <= 1e-5
 
 
 @pytest.mark.parametrize("name", PP2)
