@@ -60,6 +60,9 @@ def test_phases_may_change_until_they_begin() -> None:
     )
     assert changed_keys(saved, planned, step=10) == []  # the phase of step 10 begins after it
     assert changed_keys(saved, builtins("training.train_iters=20"), step=4) == []
+    written_before_phases = builtins()
+    del written_before_phases["training"]["phases"]
+    assert changed_keys(written_before_phases, builtins(), step=4) == []
 
 
 def test_changes_to_phases_that_began_are_listed_by_full_key() -> None:

@@ -86,12 +86,13 @@ def test_the_boundary_switches_blend_and_schedule_and_resumes_bit_for_bit(
         [5e-4, 1e-3, last, last * 2 / 3, last / 3, 0.0], rel=1e-12
     )
 
-    # Stopped after step 2 (before the boundary), resumed and stopped after step 5 (it crossed
-    # the boundary in between), resumed to the end.
+    # Stopped after step 3 (at the boundary, before crossing it), resumed and stopped after
+    # step 5 (it crossed the boundary in between), resumed to the end. (The blend a run
+    # resumed at any step reads is the next test's.)
     interrupted = tmp_path / "interrupted"
     arguments = train_arguments(dataset, interrupted, *phased(dataset, other))
     with monkeypatch.context() as patch:
-        stopped_after({2, 5}, patch)
+        stopped_after({BEGIN, 5}, patch)
         first, second = in_process(*arguments), in_process(*arguments)
     assert (first.returncode, second.returncode) == (143, 143), first.stderr + second.stderr
     assert switch not in first.stdout and switch in second.stdout

@@ -112,11 +112,12 @@ def _compare(saved: Any, new: Any, key: list[str | int], changes: list[Change]) 
 def _begun(config: dict[str, Any], step: int) -> dict[str, Any]:
     """`config` with its `training.phases` cut to those that began before `step`, by index."""
     training = config.get("training")
-    if not isinstance(training, dict) or not isinstance(training.get("phases"), list):
+    if not isinstance(training, dict):
         return config
+    phases = training.get("phases") or []  # none in the configs of checkpoints before phases
     begun = {
         i: phase
-        for i, phase in enumerate(training["phases"])
+        for i, phase in enumerate(phases)
         if not isinstance(phase, dict) or phase.get("begin_step", 0) < step
     }
     return {**config, "training": {**training, "phases": begun}}

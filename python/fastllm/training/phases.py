@@ -1,10 +1,26 @@
-"""The line a run prints when one of its `training.phases` begins."""
+"""A run's `training.phases` in the loop: their loaders one after the other, and the line a
+run prints when a phase begins."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from fastllm.config import TrainerConfig
 from fastllm.config.phases import data_phases
+from fastllm.data import Batch, DataLoader
 from fastllm.engine.learning_rate import phased_learning_rate
+
+
+class PhasedLoader:
+    """The steps of `loaders` (one per blend of the run, from the current step on), one loader
+    after the other: each starts its background thread once the one before is done."""
+
+    def __init__(self, loaders: list[DataLoader]) -> None:
+        self.loaders = loaders
+
+    def __iter__(self) -> Iterator[list[Batch]]:
+        for loader in self.loaders:
+            yield from loader
 
 
 def describe_phase(config: TrainerConfig, index: int) -> str:

@@ -6,11 +6,10 @@ Custom loops use the parts (`data_loader`, `engine.train_step`, `save_checkpoint
 
 from __future__ import annotations
 
-import itertools
 import math
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from fastllm.checkpoint.saver import CheckpointSaver, remove_partials
 from fastllm.config import ConfigError, MachineError, TrainerConfig
 from fastllm.config.flops import flops_per_token
 from fastllm.config.phases import data_phases
-from fastllm.data import Batch, DataLoader, SampleStream
+from fastllm.data import DataLoader, SampleStream
 from fastllm.data.dataset import TokenDataset
 from fastllm.data.errors import BuildStopped
 from fastllm.engine.build import build
@@ -36,7 +35,7 @@ from fastllm.training.energy import EnergyMeter
 from fastllm.training.evaluators import Evaluation, evaluations
 from fastllm.training.experiment_lock import ExperimentLock
 from fastllm.training.metrics import PEAK_FLOPS, MetricsLogger
-from fastllm.training.phases import describe_phase
+from fastllm.training.phases import PhasedLoader, describe_phase
 from fastllm.training.profiling import StepProfiler
 from fastllm.training.reference_log_probs import reference_log_probs
 
@@ -119,7 +118,7 @@ class Trainer:
             stop=stop,
         )
 
-    def data_loader(self, stop: Callable[[], bool] | None = None) -> Iterator[list[Batch]]:
+    def data_loader(self, stop: Callable[[], bool] | None = None) -> PhasedLoader:
         """Training batches (this rank's micro-batches of each step) from the current data
         position to the end of training, phase after phase (`training.phases`); `stop` ends the
         building of the sampling indices (`BuildStopped`), which are all built here."""
@@ -144,7 +143,7 @@ class Trainer:
                 else max(0, run.step - phase.begin_step) * batch_size
             )
             loaders.append(self.loader(stream, position))
-        return itertools.chain.from_iterable(loaders)
+        return PhasedLoader(loaders)
 
     def loader(self, stream: SampleStream, consumed_samples: int = 0) -> DataLoader:
         """This rank's share of each batch of `stream`, in micro-batches (whole sequences: the
