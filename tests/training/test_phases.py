@@ -8,6 +8,7 @@ import json
 import math
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -21,17 +22,25 @@ from fastllm.training import Trainer
 from fastllm.training.setup import check_inputs
 from tests.data.conftest import prepare
 from tests.data.conftest import run_cli as in_process
-from tests.training.conftest import STDLIB, train_arguments
+from tests.training.conftest import STDLIB, Launched, Layout, train_arguments
+from tests.training.test_train_cli import assert_same_losses
 
 BEGIN, STEPS, BATCH = 3, 6, 4
 
 
-@pytest.fixture(scope="module")
-def other(dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Another dataset (the urllib package's sources) made with the same tokenizer."""
-    output = tmp_path_factory.mktemp("other") / "dataset"
-    tokenizer = dataset.parent / "tokenizer"
-    return prepare(STDLIB / "urllib", tokenizer, output, "input.extensions=[.py]")
+def other_dataset(dataset: Path) -> Path:
+    """Another dataset beside `dataset` (the urllib package's sources) made with its
+    tokenizer, at the first call."""
+    output = dataset.parent / "urllib"
+    if not output.is_dir():
+        tokenizer = dataset.parent / "tokenizer"
+        prepare(STDLIB / "urllib", tokenizer, output, "input.extensions=[.py]")
+    return output
+
+
+@pytest.fixture
+def other(dataset: Path) -> Path:
+    return other_dataset(dataset)
 
 
 def phased(dataset: Path, other: Path) -> tuple[str, ...]:
@@ -42,6 +51,11 @@ def phased(dataset: Path, other: Path) -> tuple[str, ...]:
         f"training.phases=[{{begin_step: {BEGIN}, data: {{path: [{dataset}, {other}], "
         "weights: [1, 3]}, learning_rate: {decay_style: linear}}]",
     )
+
+
+def layouts(dataset: Path, one_process: Callable[..., Path], root: Path) -> dict[str, Layout]:
+    """The two-phase run on two data-parallel ranks (trained for the fixture `launched`)."""
+    return {"two-ranks": Layout(2, phased(dataset, other_dataset(dataset)))}
 
 
 def records(experiment: Path) -> list[dict]:
@@ -67,15 +81,17 @@ def stopped_after(steps: set[int], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Engine, "train_step", step_then_signal)
 
 
+SWITCH = "fastllm: phase 1 (training.phases[0]) begins after step 3; data ["
+
+
 def test_the_boundary_switches_blend_and_schedule_and_resumes_bit_for_bit(
-    dataset: Path, other: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    dataset: Path,
+    other: Path,
+    one_process: Callable[..., Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    straight = tmp_path / "straight"
-    result = in_process(*train_arguments(dataset, straight, *phased(dataset, other)))
-    assert result.returncode == 0, result.stderr
-    switch = "fastllm: phase 1 (training.phases[0]) begins after step 3; data ["
-    assert result.stdout.count(switch) == 1, result.stdout
-    logged = records(straight)
+    logged = records(one_process(*phased(dataset, other)))
     assert [r["step"] for r in logged if "phase" in r] == [BEGIN + 1]
     assert [r["phase"] for r in logged if "phase" in r] == [1]
     # tiny.yaml's cosine schedule (1e-3 to 1e-4; warmup 2, decay 8 steps here) until the
@@ -95,10 +111,10 @@ def test_the_boundary_switches_blend_and_schedule_and_resumes_bit_for_bit(
         stopped_after({BEGIN, 5}, patch)
         first, second = in_process(*arguments), in_process(*arguments)
     assert (first.returncode, second.returncode) == (143, 143), first.stderr + second.stderr
-    assert switch not in first.stdout and switch in second.stdout
+    assert SWITCH not in first.stdout and second.stdout.count(SWITCH) == 1, second.stdout
     third = in_process(*arguments)
     assert third.returncode == 0, third.stderr
-    assert "resumed from" in third.stdout and switch not in third.stdout
+    assert "resumed from" in third.stdout and SWITCH not in third.stdout
     losses = {r["step"]: r["loss"] for r in logged if "loss" in r}
     resumed = records(interrupted)
     assert {r["step"]: r["loss"] for r in resumed if "loss" in r} == losses
@@ -158,3 +174,15 @@ def test_a_phase_naming_a_missing_dataset_is_refused(dataset: Path, tmp_path: Pa
         check_inputs(config)
     assert error.value.path == "training.phases[0].data.path[0]"
     assert "no such dataset" in error.value.message
+
+
+def test_two_ranks_match_one_process_across_the_boundary(
+    dataset: Path,
+    other: Path,
+    launched: dict[str, Launched],
+    one_process: Callable[..., Path],
+) -> None:
+    two = launched["two-ranks"]
+    assert two.result.stdout.count(SWITCH) == 1, "rank 0 says it, once"
+    assert_same_losses(one_process(*phased(dataset, other)), two.succeeded(), STEPS, rel=1e-5)
+    assert [r["step"] for r in records(two.experiment) if "phase" in r] == [BEGIN + 1]
