@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
-from fastllm.config import ConfigError, TrainerConfig, load_config
+from fastllm.config import ConfigError, TrainerConfig, build, load_config
 from fastllm.config.phases import DataPhase, data_phases, phase_seed
+from fastllm.config.yaml_io import parse_yaml
+from tests.conftest import ROOT
 
 
 def config(*overrides: str) -> TrainerConfig:
@@ -79,3 +83,13 @@ def test_a_bad_phase_is_refused_naming_its_key(phases: str, key: str, message: s
         config(f"training.phases={phases}")
     assert error.value.path == key
     assert message in error.value.message
+
+
+def test_the_annealing_example_of_the_data_page_loads() -> None:
+    page = (ROOT / "docs" / "data.md").read_text()
+    match = re.search(r"## Training phases.*?```yaml\n(.*?)```", page, re.S)
+    assert match is not None
+    run = build(TrainerConfig, parse_yaml(match.group(1), "docs/data.md"))
+    (first, anneal) = data_phases(run)
+    assert (first.path, first.end_step) == (["data/web"], 8000)
+    assert (anneal.begin_step, anneal.weights) == (8000, [0.3, 0.7])
