@@ -17,6 +17,7 @@ from fastllm.parallel.sequence_data import KeyValueGather, SequenceDataDimension
 from fastllm.parallel.tensor import TensorDimension, enter, leave
 from fastllm_kernels.attention import attention
 from fastllm_kernels.linear import linear
+from fastllm_kernels.qk_norm_rotary import split_qkv_norm_rotary
 from fastllm_kernels.recipe import WeightRecipe
 from fastllm_kernels.rotary import apply_rotary, split_qkv_rotary
 
@@ -170,6 +171,12 @@ class Attention(torch.nn.Module):
         """q, k, v from the fused projection, q and k through their norms (if any) and rotary."""
         if self.query_norm is None and self.key_norm is None:
             return split_qkv_rotary(qkv, self.heads, self.kv_heads, cos, sin)
+        fused = _per_head_rms_weights(self.query_norm, self.key_norm)
+        if fused is not None:
+            query_weight, key_weight, epsilon = fused
+            return split_qkv_norm_rotary(
+                qkv, self.heads, self.kv_heads, cos, sin, query_weight, key_weight, epsilon
+            )
         q, k, v = split_qkv_rotary(qkv, self.heads, self.kv_heads, None, None)
         return (
             _normed_rotated(q, self.query_norm, cos, sin),
@@ -212,6 +219,20 @@ class Attention(torch.nn.Module):
             q, keys, values, causal=True, window_size=self.window_size, document_ids=document_ids,
             scale=self.scale,
         )  # fmt: skip
+
+
+def _per_head_rms_weights(
+    query_norm: Normalization | None, key_norm: Normalization | None
+) -> tuple[Tensor | None, Tensor | None, float] | None:
+    """The weights and epsilon of QK-norms the fused split-norm-rotary kernel computes: RMSNorms
+    over each head (or none) with one epsilon; None for others (LayerNorm, over all heads)."""
+    norms = [norm for norm in (query_norm, key_norm) if norm is not None]
+    if any(type(norm) is not Normalization or norm.bias is not None for norm in norms):
+        return None
+    if len({norm.epsilon for norm in norms}) != 1:
+        return None
+    weights = [None if norm is None else norm.weight for norm in (query_norm, key_norm)]
+    return weights[0], weights[1], norms[0].epsilon
 
 
 def _normed_rotated(

@@ -51,7 +51,8 @@ def resume(trainer: Trainer) -> Path | None:
     if trainer.distributed.is_main:
         for problem in problems:
             warnings.warn(f"skipping a bad checkpoint: {problem}", stacklevel=2)
-        if changed := resume_warning(manifest["config"], msgspec.to_builtins(trainer.config)):
+        config, step = msgspec.to_builtins(trainer.config), saved.counters["step"]
+        if changed := resume_warning(manifest["config"], config, step):
             warnings.warn(changed, stacklevel=2)
     checkpointing.load(trainer.engine, saved)
     return directory
