@@ -224,14 +224,15 @@ class Attention(torch.nn.Module):
 def _per_head_rms_weights(
     query_norm: Normalization | None, key_norm: Normalization | None
 ) -> tuple[Tensor | None, Tensor | None, float] | None:
-    """The weights and epsilon of QK-norms the fused split-norm-rotary kernel computes: RMSNorms
-    over each head (or none) with one epsilon; None for others (LayerNorm, over all heads)."""
+    """The scales (the weights, or 1 + them for zero-centered norms) and epsilon of QK-norms the
+    fused split-norm-rotary kernel computes: RMSNorms over each head (or none) with one
+    epsilon; None for others (LayerNorm, over all heads)."""
     norms = [norm for norm in (query_norm, key_norm) if norm is not None]
     if any(type(norm) is not Normalization or norm.bias is not None for norm in norms):
         return None
     if len({norm.epsilon for norm in norms}) != 1:
         return None
-    weights = [None if norm is None else norm.weight for norm in (query_norm, key_norm)]
+    weights = [None if norm is None else norm.scale for norm in (query_norm, key_norm)]
     return weights[0], weights[1], norms[0].epsilon
 
 
