@@ -1,14 +1,15 @@
 //! `fastllm prepare` and the document reader, for Python: the work runs on Rust threads while
 //! Python polls the progress (for its progress bar) and can cancel.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use crossbeam_channel::{SendTimeoutError, Sender};
 use fastllm_data::{
-    prepare, DocumentReader as Reader, InputFormat, InputSpec, PreferenceFields, PrepareError,
-    PrepareOptions, PrepareReport, Progress, TrainOn,
+    prepare, DocumentReader as Reader, FedBatch, FedKind, Feed, InputFormat, InputSpec,
+    PreferenceFields, PrepareError, PrepareOptions, PrepareReport, Progress, TrainOn,
 };
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -62,15 +63,20 @@ fn prepare_error(error: PrepareError) -> PyErr {
 
 type Outcome = Result<PrepareReport, PrepareError>;
 
+/// Fed batches waiting for the reader: enough to keep it busy while Python makes the next.
+const FED_BATCHES_QUEUED: usize = 4;
+
 /// A `prepare` running on a background thread.
 #[pyclass(frozen, module = "fastllm._native")]
 pub struct PrepareJob {
     progress: Arc<Progress>,
     thread: Mutex<Option<JoinHandle<Outcome>>>,
+    /// Where `feed` sends records, for a job started with `feed_inputs`, until `close_feed`.
+    feed: Mutex<Option<Sender<FedBatch>>>,
 }
 
 #[pyfunction]
-#[pyo3(signature = (*, paths, format, field, extensions, messages_field, loss_masking_spans, chat_template, train_on, tokenizer, eos_token, bos_token, add_eos, add_bos, output, shard_size_tokens, workers, strict, overwrite, prompt_text, chosen_text, rejected_text, max_pair_tokens))]
+#[pyo3(signature = (*, paths, format, field, extensions, messages_field, loss_masking_spans, chat_template, train_on, tokenizer, eos_token, bos_token, add_eos, add_bos, output, shard_size_tokens, workers, strict, overwrite, prompt_text, chosen_text, rejected_text, max_pair_tokens, feed_inputs=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn start_prepare(
     paths: Vec<String>,
@@ -95,8 +101,32 @@ pub fn start_prepare(
     chosen_text: String,
     rejected_text: String,
     max_pair_tokens: Option<u64>,
+    feed_inputs: Option<Vec<(PathBuf, u64)>>,
 ) -> PyResult<PrepareJob> {
+    let (sender, feed) = match feed_inputs {
+        None => (None, None),
+        Some(inputs) => {
+            let (sender, batches) = crossbeam_channel::bounded(FED_BATCHES_QUEUED);
+            let format = match format {
+                "jsonl" => InputFormat::Jsonl,
+                "chat" => InputFormat::Chat,
+                "preference" => InputFormat::Preference,
+                other => {
+                    return Err(PyValueError::new_err(format!(
+                        "fed records are jsonl, chat or preference, not {other:?}"
+                    )))
+                }
+            };
+            let feed = Feed {
+                inputs,
+                format,
+                batches,
+            };
+            (Some(sender), Some(feed))
+        }
+    };
     let options = PrepareOptions {
+        feed,
         input: InputSpec {
             messages_field,
             loss_masking_spans,
@@ -127,6 +157,7 @@ pub fn start_prepare(
     Ok(PrepareJob {
         progress,
         thread: Mutex::new(Some(thread)),
+        feed: Mutex::new(sender),
     })
 }
 
@@ -147,6 +178,70 @@ impl PrepareJob {
     /// another machine's run, which it may not remove).
     fn warnings(&self) -> Vec<String> {
         self.progress.warnings()
+    }
+
+    /// Sends records of input `input` (read from `file`) to a job started with `feed_inputs`:
+    /// `values` are texts (`kind` "text") or JSON objects ("json"), one per row of `rows`; a
+    /// None value is a bad record whose reason is the next of `reasons`. Waits while the job
+    /// is busy; returns False once the job has ended (its error, if any, is `wait`'s).
+    #[pyo3(signature = (*, input, file, kind, rows, values, reasons, skipped, bytes))]
+    #[allow(clippy::too_many_arguments)]
+    fn feed(
+        &self,
+        py: Python<'_>,
+        input: usize,
+        file: PathBuf,
+        kind: &str,
+        rows: Vec<u64>,
+        values: Vec<Option<String>>,
+        reasons: Vec<String>,
+        skipped: u64,
+        bytes: u64,
+    ) -> PyResult<bool> {
+        let kind = match kind {
+            "text" => FedKind::Text,
+            "json" => FedKind::Json,
+            other => return Err(PyValueError::new_err(format!("unknown kind {other:?}"))),
+        };
+        if rows.len() != values.len() {
+            return Err(PyValueError::new_err("rows and values differ in length"));
+        }
+        let Some(sender) = self.feed.lock().expect("not poisoned").clone() else {
+            return Err(PyRuntimeError::new_err("the job takes no (more) records"));
+        };
+        let mut batch = FedBatch {
+            input,
+            file: Arc::<Path>::from(file),
+            bytes,
+            kind,
+            rows,
+            values,
+            reasons,
+            skipped,
+        };
+        Ok(py.detach(|| loop {
+            match sender.send_timeout(batch, Duration::from_millis(20)) {
+                Ok(()) => return true,
+                Err(SendTimeoutError::Disconnected(_)) => return false,
+                Err(SendTimeoutError::Timeout(back)) => {
+                    let ended = self
+                        .thread
+                        .lock()
+                        .expect("not poisoned")
+                        .as_ref()
+                        .is_none_or(|t| t.is_finished());
+                    if ended {
+                        return false;
+                    }
+                    batch = back;
+                }
+            }
+        }))
+    }
+
+    /// Says that every record was sent: the job finishes once it has written them.
+    fn close_feed(&self) {
+        self.feed.lock().expect("not poisoned").take();
     }
 
     /// Ask the job to stop; it then fails, leaving no output behind.
@@ -211,6 +306,20 @@ impl DocumentReader {
         Ok(Self {
             inner: Mutex::new(inner),
         })
+    }
+
+    /// Each file to read, in order: (input path, format, file, bytes on disk).
+    fn files(&self) -> Vec<(PathBuf, String, PathBuf, u64)> {
+        let reader = self.inner.lock().expect("not poisoned");
+        let mut files = Vec::new();
+        for input in reader.inputs() {
+            let format = serde_json::to_value(input.format).expect("formats serialize");
+            let format = format.as_str().expect("a format is a string").to_owned();
+            for (file, bytes) in input.files() {
+                files.push((input.path.clone(), format.clone(), file.to_owned(), bytes));
+            }
+        }
+        files
     }
 
     /// The next documents (about `max_bytes` of text) and the bad records met on the way

@@ -1,0 +1,320 @@
+"""Records that Python reads for `prepare` and sends to the Rust pipeline (`PrepareJob.feed`),
+which parses and tokenizes them on all cores as it does the records of files: the rows of a
+Hugging Face dataset, and the records of any input passed through a transform."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import IO, Any, Literal
+
+from fastllm import _native
+from fastllm.config import ConfigError
+from fastllm.config.prepare import HuggingfaceInputConfig, InputConfig
+from fastllm.data.huggingface_dataset import TABLE_BYTES, HuggingfaceDataset
+from fastllm.data.record_transform import Kind, Transform, apply
+
+
+@dataclass
+class FedBatch:
+    """The keyword arguments of one `PrepareJob.feed` call."""
+
+    input: int
+    file: str
+    kind: Literal["text", "json"]
+    rows: list[int]
+    values: list[str | None]
+    reasons: list[str] = field(default_factory=list)
+    skipped: int = 0
+    bytes: int = 0
+
+
+@dataclass
+class RecordChunk:
+    """Consecutive records of one input for a transform: a dict each, or None for a record that
+    could not be read, whose reason is the next of `reasons`."""
+
+    input: int
+    file: str
+    rows: list[int]
+    records: list[dict[str, Any] | None]
+    reasons: list[str] = field(default_factory=list)
+    skipped: int = 0
+    bytes: int = 0
+
+
+@dataclass
+class FedInput:
+    """What a fed `prepare` job starts with: its sources (name, bytes), how its JSON records
+    are read, the record fields they use, and the batches to send."""
+
+    inputs: list[tuple[str, int]]
+    format: Kind
+    fields: dict[str, str | None]
+    batches: Iterator[FedBatch]
+
+
+# The fields of the documents a transform makes (see record_transform.apply).
+TRANSFORM_FIELDS: dict[str, str | None] = {
+    "field": "text",
+    "messages_field": "messages",
+    "loss_masking_spans": None,
+    "prompt_text": "prompt",
+    "chosen_text": "chosen",
+    "rejected_text": "rejected",
+}
+
+
+def transformed(
+    transform: Transform, inputs: list[tuple[str, int]], chunks: Iterable[RecordChunk]
+) -> FedInput:
+    """The documents `transform` makes of each record; the first one's kind is the dataset's
+    (the first chunk is transformed here, to know it)."""
+    kind: Kind | None = None
+
+    def batches() -> Iterator[FedBatch]:
+        nonlocal kind
+        for chunk in chunks:
+            values: list[str | None] = []
+            for row, record in zip(chunk.rows, chunk.records, strict=True):
+                if record is None:
+                    values.append(None)
+                    continue
+                location = f"{chunk.file}:{row}" if row else chunk.file
+                kind, value = apply(transform, record, location, kind)
+                values.append(value)
+            yield FedBatch(
+                chunk.input,
+                chunk.file,
+                "text" if kind in (None, "jsonl") else "json",
+                chunk.rows,
+                values,
+                chunk.reasons,
+                chunk.skipped,
+                chunk.bytes,
+            )
+
+    stream = batches()
+    first = next(stream, None)
+    head = [] if first is None else [first]
+    return FedInput(inputs, kind or "jsonl", TRANSFORM_FIELDS, _chain(head, stream))
+
+
+def _chain(head: list[FedBatch], rest: Iterator[FedBatch]) -> Iterator[FedBatch]:
+    yield from head
+    yield from rest
+
+
+# --- Hugging Face datasets ------------------------------------------------------------------
+
+
+def huggingface_input(
+    config: HuggingfaceInputConfig, dataset: HuggingfaceDataset, transform: Transform | None
+) -> FedInput:
+    inputs = [(dataset.name, dataset.bytes)]
+    if transform is not None:
+        chunks = (
+            RecordChunk(
+                0,
+                dataset.name,
+                list(range(first, first + table.num_rows)),
+                table.to_pylist(),
+                bytes=table.nbytes,
+            )
+            for first, table in dataset.tables()
+        )
+        return transformed(transform, inputs, chunks)
+    format = _dataset_format(config, dataset)
+    fields: dict[str, str | None] = {
+        "field": config.field,
+        "messages_field": config.messages_field,
+        "loss_masking_spans": config.loss_masking_spans,
+        "prompt_text": config.prompt_text,
+        "chosen_text": config.chosen_text,
+        "rejected_text": config.rejected_text,
+    }
+    if format == "jsonl" and config.loss_masking_spans is None:
+        return FedInput(inputs, format, fields, _text_batches(config.field, dataset))
+    columns = {
+        "jsonl": [config.field, config.loss_masking_spans],
+        "chat": [config.messages_field],
+        "preference": [config.prompt_text, config.chosen_text, config.rejected_text],
+    }[format]
+    present = [c for c in columns if c is not None and c in dataset.columns]
+    return FedInput(inputs, format, fields, _json_batches(present, dataset))
+
+
+def _dataset_format(config: HuggingfaceInputConfig, dataset: HuggingfaceDataset) -> Kind:
+    """The kind of record the columns hold; a column the format needs and the dataset lacks
+    is an error naming its key."""
+    columns = dataset.columns
+    format: Kind
+    if config.format == "auto":
+        if config.chosen_text in columns and config.rejected_text in columns:
+            format = "preference"
+        elif config.messages_field in columns and config.field not in columns:
+            format = "chat"
+        else:
+            format = "jsonl"
+    else:
+        format = {"text": "jsonl", "chat": "chat", "preference": "preference"}[config.format]
+    needed = {
+        "jsonl": ["field", "loss_masking_spans"],
+        "chat": ["messages_field"],
+        "preference": ["chosen_text", "rejected_text"],
+    }[format]
+    for key in needed:
+        column = getattr(config, key)
+        if column is not None and column not in columns:
+            raise ConfigError(
+                f"input.{key}",
+                f"{dataset.name} has no column {column!r}; its columns: {', '.join(columns)}",
+            )
+    if format == "jsonl":
+        features = getattr(dataset.dataset, "features", None) or {}
+        feature = features.get(config.field)
+        dtype = getattr(feature, "dtype", None)
+        if feature is not None and dtype not in ("string", "large_string"):
+            raise ConfigError(
+                "input.field",
+                f"{dataset.name}: column {config.field!r} holds {dtype or feature}, not strings",
+            )
+    return format
+
+
+def _text_batches(column: str, dataset: HuggingfaceDataset) -> Iterator[FedBatch]:
+    """The fast path: a string column's values, as they are."""
+    for first, table in dataset.tables():
+        values = table.column(column).to_pylist()
+        nulls = values.count(None)
+        yield FedBatch(
+            0,
+            dataset.name,
+            "text",
+            list(range(first, first + table.num_rows)),
+            values,
+            ["null instead of a string"] * nulls,
+            bytes=table.nbytes,
+        )
+
+
+def _json_batches(columns: list[str], dataset: HuggingfaceDataset) -> Iterator[FedBatch]:
+    """Conversations, pairs and texts with spans: the columns read, as JSON objects."""
+    for first, table in dataset.tables():
+        records = table.select(columns).to_pylist()
+        yield FedBatch(
+            0,
+            dataset.name,
+            "json",
+            list(range(first, first + table.num_rows)),
+            [json.dumps(record, ensure_ascii=False) for record in records],
+            bytes=table.nbytes,
+        )
+
+
+# --- Files, for a transform -----------------------------------------------------------------
+
+
+def file_chunks(config: InputConfig) -> tuple[list[tuple[str, int]], Iterator[RecordChunk]]:
+    """The inputs of `config` (expanded as `prepare` expands them) and their records as dicts:
+    a JSON object per line, a row per Parquet row, {text, path} per text file."""
+    try:
+        reader = _native.DocumentReader(
+            paths=config.path,
+            format=config.format,
+            field=config.field,
+            extensions=config.extensions,
+        )
+    except ValueError as error:
+        raise ConfigError("input.path", str(error)) from None
+    files = [(str(path), format, str(file), size) for path, format, file, size in reader.files()]
+    inputs: dict[str, int] = {}
+    for path, _, _, size in files:
+        inputs[path] = inputs.get(path, 0) + size
+    index = {path: i for i, path in enumerate(inputs)}
+
+    def chunks() -> Iterator[RecordChunk]:
+        for path, format, file, size in files:
+            if format in ("jsonl", "chat", "preference"):
+                yield from _json_lines(index[path], file)
+            elif format == "parquet":
+                yield from _parquet_rows(index[path], file, size)
+            else:
+                yield _whole_file(index[path], file, size, skip_binary=format == "files")
+
+    return list(inputs.items()), chunks()
+
+
+def _open_text(file: str) -> IO[bytes]:
+    if file.endswith(".gz"):
+        return gzip.open(file, "rb")
+    if file.endswith(".zst"):
+        try:
+            import zstandard
+        except ImportError:
+            raise ConfigError(
+                "input.transform", f"{file}: reading .zst in Python needs the zstandard package"
+            ) from None
+        return zstandard.ZstdDecompressor().stream_reader(open(file, "rb"), closefd=True)
+    return open(file, "rb")
+
+
+def _json_lines(input: int, file: str) -> Iterator[RecordChunk]:
+    chunk = RecordChunk(input, file, [], [])
+    with _open_text(file) as raw:
+        for number, line in enumerate(io.BufferedReader(raw), start=1):  # type: ignore[arg-type]
+            if not line.strip():
+                continue
+            chunk.rows.append(number)
+            chunk.bytes += len(line)
+            try:
+                record = json.loads(line)
+            except (ValueError, UnicodeDecodeError) as error:
+                record, reason = None, f"invalid JSON: {error}"
+            else:
+                reason = "" if isinstance(record, dict) else "not a JSON object"
+            if reason:
+                chunk.records.append(None)
+                chunk.reasons.append(reason)
+            else:
+                chunk.records.append(record)
+            if chunk.bytes >= TABLE_BYTES:
+                yield chunk
+                chunk = RecordChunk(input, file, [], [])
+    if chunk.rows:
+        yield chunk
+
+
+def _parquet_rows(input: int, file: str, size: int) -> Iterator[RecordChunk]:
+    import pyarrow.parquet as pq
+
+    parquet = pq.ParquetFile(file)
+    rows = max(parquet.metadata.num_rows, 1)
+    first = 1
+    for batch in parquet.iter_batches(batch_size=1024):
+        yield RecordChunk(
+            input,
+            file,
+            list(range(first, first + batch.num_rows)),
+            batch.to_pylist(),
+            bytes=size * batch.num_rows // rows,
+        )
+        first += batch.num_rows
+
+
+def _whole_file(input: int, file: str, size: int, *, skip_binary: bool) -> RecordChunk:
+    with open(file, "rb") as handle:
+        data = handle.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        text = None
+    if skip_binary and (text is None or "\0" in text):
+        return RecordChunk(input, file, [], [], skipped=1, bytes=size)
+    if text is None:
+        return RecordChunk(input, file, [0], [None], ["invalid UTF-8"], bytes=size)
+    return RecordChunk(input, file, [0], [{"text": text, "path": os.fspath(file)}], bytes=size)
