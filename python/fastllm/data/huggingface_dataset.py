@@ -18,10 +18,12 @@ if TYPE_CHECKING:
 
 # Text per table read: large enough for the tokenizer threads to share, small enough to hold.
 TABLE_BYTES = 1 << 20
-# Rows of the first table read, before their size is known (and of every table of a streamed
-# dataset, which is read in fixed batches).
-FIRST_ROWS = 256
+# Rows read first, to learn their size.
+FIRST_ROWS = 64
 MAX_ROWS = 1 << 16
+# A streamed dataset is read in batches of a fixed number of rows (learning their size first
+# would read its first file twice).
+STREAMED_ROWS = 1024
 
 
 @dataclass
@@ -42,7 +44,7 @@ class HuggingfaceDataset:
         arrow = self.dataset.with_format("arrow")
         if isinstance(self.dataset, datasets.IterableDataset):
             first = 1
-            for table in arrow.iter(batch_size=FIRST_ROWS):
+            for table in arrow.iter(batch_size=STREAMED_ROWS):
                 yield first, table
                 first += table.num_rows
             return
@@ -51,8 +53,13 @@ class HuggingfaceDataset:
             table = arrow[start : start + rows]
             yield start + 1, table
             start += table.num_rows
-            row_bytes = max(table.nbytes / max(table.num_rows, 1), 1.0)
-            rows = max(1, min(MAX_ROWS, int(TABLE_BYTES / row_bytes)))
+            rows = _rows(table, TABLE_BYTES)
+
+
+def _rows(table: pa.Table, target_bytes: int) -> int:
+    """Rows of the size of those of `table` that make about `target_bytes`."""
+    row_bytes = max(table.nbytes / max(table.num_rows, 1), 1.0)
+    return max(1, min(MAX_ROWS, int(target_bytes / row_bytes)))
 
 
 def open_dataset(config: HuggingfaceInputConfig) -> HuggingfaceDataset:

@@ -1,0 +1,152 @@
+"""`fastllm prepare` of a Hugging Face dataset against the same records in Parquet (issue 37:
+within 20%), on the CPU.
+
+The records are synthetic text (words of a fixed vocabulary, 20 to 400 words each), written
+once as a Parquet file and as a `save_to_disk` dataset, and tokenized with a 4,096-token
+byte-level BPE that `fastllm tokenizer train` learns from the first records. Each source is
+prepared once untimed, then --repeats times in this process (the first `load_dataset` of a
+process spends seconds importing, a one-time cost of the command, not of tokenizing); times are
+medians of the whole `prepare` call (reading, tokenizing, writing). The sources: Parquet (the Rust reader), the saved dataset
+(memory-mapped, rows fed to the Rust tokenizer), and `load_dataset("parquet", streaming=True)`
+of the same Parquet file. Every output's shards must equal the Parquet run's byte for byte.
+
+    python bench/prepare_hf_bench.py --records 200000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench_common import commit_info  # noqa: E402
+
+
+def synthetic_texts(records: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    words = ["".join(rng.choices(letters, k=rng.randint(2, 9))) for _ in range(20_000)]
+    texts = []
+    for _ in range(records):
+        sentence = rng.choices(words, k=rng.randint(20, 400))
+        texts.append(" ".join(sentence).capitalize() + ".")
+    return texts
+
+
+def train_tokenizer(texts: list[str], directory: Path) -> Path:
+    corpus = directory / "tokenizer_corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    output = directory / "tokenizer"
+    subprocess.run(
+        [sys.executable, "-m", "fastllm.cli", "tokenizer", "train", f"input.path={corpus}"]
+        + [f"output={output}", "vocab_size=4096"],
+        check=True,
+        capture_output=True,
+    )
+    return output
+
+
+def run_prepare(overrides: list[str], tokenizer: Path, output: Path) -> tuple[float, dict]:
+    from fastllm.config.loading import load_config
+    from fastllm.config.prepare import PrepareConfig
+    from fastllm.data.prepare import prepare
+
+    config = load_config(
+        PrepareConfig,
+        overrides=[*overrides, f"tokenizer.path={tokenizer}", f"output.path={output}"],
+    )
+    start = time.perf_counter()
+    report = prepare(config, overwrite=True, progress=False)
+    return time.perf_counter() - start, report
+
+
+def shards(output: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(output.glob("shard_*"))}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--records", type=int, default=200_000)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, help="write the results here as JSON")
+    args = parser.parse_args()
+
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    datasets.disable_progress_bars()
+    with tempfile.TemporaryDirectory() as scratch:
+        directory = Path(scratch)
+        texts = synthetic_texts(args.records, args.seed)
+        tokenizer = train_tokenizer(texts[:5000], directory)
+        table = pa.table({"id": list(range(len(texts))), "text": texts})
+        pq.write_table(table, directory / "records.parquet")
+        datasets.Dataset(table).save_to_disk(str(directory / "saved"))
+        text_bytes = sum(len(t.encode()) for t in texts)
+        del texts, table
+        sources = {
+            "parquet": [f"input.path=[{directory / 'records.parquet'}]"],
+            "hf_save_to_disk": ["input.type=huggingface", f"input.path={directory / 'saved'}"],
+            "hf_load_dataset_streaming": [
+                "input.type=huggingface",
+                "input.path=parquet",
+                f"input.data_files=[{directory / 'records.parquet'}]",
+            ],
+        }
+        results: dict[str, dict] = {}
+        reference: dict[str, bytes] | None = None
+        for name, overrides in sources.items():
+            # The first run of each source is not timed: the first load_dataset of a process
+            # spends seconds importing what it needs (paid once by `fastllm prepare`).
+            first_seconds, _ = run_prepare(overrides, tokenizer, directory / name)
+            seconds = []
+            for _ in range(args.repeats):
+                elapsed, report = run_prepare(overrides, tokenizer, directory / name)
+                seconds.append(elapsed)
+            written = shards(directory / name)
+            if reference is None:
+                reference = written
+            assert written == reference, f"{name}: the shards differ from Parquet's"
+            median = statistics.median(seconds)
+            results[name] = {
+                "untimed_first_run_seconds": first_seconds,
+                "seconds": seconds,
+                "median_seconds": median,
+                "tokens": report["tokens"],
+                "documents": report["documents"],
+                "tokens_per_s": report["tokens"] / median,
+            }
+            print(f"{name:28s} {report['tokens'] / median / 1e6:7.2f} M tokens/s  ({median:.2f} s)")
+        base = results["parquet"]["tokens_per_s"]
+        for name, result in results.items():
+            result["relative_to_parquet"] = result["tokens_per_s"] / base
+            print(f"{name:28s} {result['relative_to_parquet']:.3f} x Parquet's tokens/s")
+    summary = {
+        **commit_info(None),
+        "records": args.records,
+        "text_bytes": text_bytes,
+        "cpu_count": os.cpu_count(),
+        "datasets": datasets.__version__,
+        "pyarrow": pa.__version__,
+        "repeats": args.repeats,
+        "results": results,
+    }
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(summary, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
