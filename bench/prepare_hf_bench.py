@@ -47,9 +47,9 @@ def train_tokenizer(texts: list[str], directory: Path) -> Path:
     corpus = directory / "tokenizer_corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     output = directory / "tokenizer"
+    command = [sys.executable, "-m", "fastllm.cli", "tokenizer", "train"]
     subprocess.run(
-        [sys.executable, "-m", "fastllm.cli", "tokenizer", "train", f"input.path={corpus}"]
-        + [f"output={output}", "vocab_size=4096"],
+        [*command, f"input.path={corpus}", f"output={output}", "vocab_size=4096"],
         check=True,
         capture_output=True,
     )
