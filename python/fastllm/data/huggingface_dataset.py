@@ -53,7 +53,8 @@ class HuggingfaceDataset:
             table = arrow[start : start + rows]
             yield start + 1, table
             start += table.num_rows
-            rows = _rows(table, TABLE_BYTES)
+            # At most twice as many: a few short rows say little of those that follow.
+            rows = min(_rows(table, TABLE_BYTES), 2 * table.num_rows)
 
 
 def _rows(table: pa.Table, target_bytes: int) -> int:
@@ -96,6 +97,12 @@ def open_dataset(config: HuggingfaceInputConfig) -> HuggingfaceDataset:
             dataset, name = loaded, path
         size = sum(os.path.getsize(f["filename"]) for f in dataset.cache_files)
         return HuggingfaceDataset(name, dataset, list(dataset.column_names), size)
+    if os.path.isfile(path):
+        raise ConfigError(
+            "input.path",
+            f"{path} is a file, not a dataset: name its builder and the file (path: json, "
+            f"data_files: [{path}]), or read it with type: files",
+        )
     try:
         dataset = datasets.load_dataset(
             path,
