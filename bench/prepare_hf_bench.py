@@ -4,9 +4,11 @@ within 20%), on the CPU.
 The records are synthetic text (words of a fixed vocabulary, 20 to 400 words each), written
 once as a Parquet file and as a `save_to_disk` dataset, and tokenized with a 4,096-token
 byte-level BPE that `fastllm tokenizer train` learns from the first records. Each source is
-prepared once untimed, then --repeats times in this process (the first `load_dataset` of a
-process spends seconds importing, a one-time cost of the command, not of tokenizing); times are
-medians of the whole `prepare` call (reading, tokenizing, writing). The sources: Parquet (the Rust reader), the saved dataset
+prepared once untimed, then --repeats times in this process, the sources in turn (the first
+`load_dataset` of a process spends seconds importing, a one-time cost of the command, not of
+tokenizing). Times are medians of the whole `prepare` call (reading, tokenizing, writing), as
+wall time and as CPU time of every thread (the second holds up when other work shares the
+cores). The sources: Parquet (the Rust reader), the saved dataset
 (memory-mapped, rows fed to the Rust tokenizer), and `load_dataset("parquet", streaming=True)`
 of the same Parquet file. Every output's shards must equal the Parquet run's byte for byte.
 
@@ -19,6 +21,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import statistics
 import subprocess
 import sys
@@ -70,6 +73,12 @@ def run_prepare(overrides: list[str], tokenizer: Path, output: Path) -> tuple[fl
     return time.perf_counter() - start, report
 
 
+def _cpu_seconds() -> float:
+    """CPU time of this process, every thread (the Rust pipeline's too)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def shards(output: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(output.glob("shard_*"))}
 
@@ -105,34 +114,43 @@ def main() -> None:
                 f"input.data_files=[{directory / 'records.parquet'}]",
             ],
         }
-        results: dict[str, dict] = {}
+        results: dict[str, dict] = {name: {"seconds": [], "cpu_seconds": []} for name in sources}
         reference: dict[str, bytes] | None = None
+        # The first run of each source is not timed: the first load_dataset of a process
+        # spends seconds importing what it needs (paid once by `fastllm prepare`).
         for name, overrides in sources.items():
-            # The first run of each source is not timed: the first load_dataset of a process
-            # spends seconds importing what it needs (paid once by `fastllm prepare`).
-            first_seconds, _ = run_prepare(overrides, tokenizer, directory / name)
-            seconds = []
-            for _ in range(args.repeats):
-                elapsed, report = run_prepare(overrides, tokenizer, directory / name)
-                seconds.append(elapsed)
+            results[name]["untimed_first_run_seconds"], report = run_prepare(
+                overrides, tokenizer, directory / name
+            )
             written = shards(directory / name)
-            if reference is None:
-                reference = written
+            reference = reference or written
             assert written == reference, f"{name}: the shards differ from Parquet's"
-            median = statistics.median(seconds)
-            results[name] = {
-                "untimed_first_run_seconds": first_seconds,
-                "seconds": seconds,
-                "median_seconds": median,
-                "tokens": report["tokens"],
-                "documents": report["documents"],
-                "tokens_per_s": report["tokens"] / median,
-            }
-            print(f"{name:28s} {report['tokens'] / median / 1e6:7.2f} M tokens/s  ({median:.2f} s)")
-        base = results["parquet"]["tokens_per_s"]
+            results[name]["tokens"] = report["tokens"]
+            results[name]["documents"] = report["documents"]
+        # Round robin, so that a busy spell of the machine weighs on every source alike.
+        for _ in range(args.repeats):
+            for name, overrides in sources.items():
+                cpu = _cpu_seconds()
+                elapsed, _ = run_prepare(overrides, tokenizer, directory / name)
+                results[name]["seconds"].append(elapsed)
+                results[name]["cpu_seconds"].append(_cpu_seconds() - cpu)
+        for result in results.values():
+            result["median_seconds"] = statistics.median(result["seconds"])
+            result["median_cpu_seconds"] = statistics.median(result["cpu_seconds"])
+            result["tokens_per_s"] = result["tokens"] / result["median_seconds"]
+            result["tokens_per_cpu_s"] = result["tokens"] / result["median_cpu_seconds"]
+        base = results["parquet"]
         for name, result in results.items():
-            result["relative_to_parquet"] = result["tokens_per_s"] / base
-            print(f"{name:28s} {result['relative_to_parquet']:.3f} x Parquet's tokens/s")
+            result["relative_to_parquet"] = result["tokens_per_s"] / base["tokens_per_s"]
+            result["cpu_relative_to_parquet"] = (
+                result["tokens_per_cpu_s"] / base["tokens_per_cpu_s"]
+            )
+            print(
+                f"{name:26s} {result['tokens_per_s'] / 1e6:6.2f} M tokens/s "
+                f"({result['relative_to_parquet']:.3f}x Parquet's), "
+                f"{result['tokens_per_cpu_s'] / 1e6:6.2f} M tokens per CPU second "
+                f"({result['cpu_relative_to_parquet']:.3f}x)"
+            )
     summary = {
         **commit_info(None),
         "records": args.records,
