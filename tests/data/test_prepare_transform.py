@@ -4,6 +4,7 @@ documents written out as JSON lines do."""
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -45,12 +46,15 @@ def test_a_text_transform_applies_to_jsonl_parquet_and_datasets(
 ) -> None:
     texts = [f"{r['title']}\n\n{r['body']}" for r in ARTICLES]
     jsonl = write_records(tmp_path / "articles.jsonl", ARTICLES)
+    gzipped = tmp_path / "articles.jsonl.gz"
+    gzipped.write_bytes(gzip.compress(jsonl.read_bytes()))
     parquet = tmp_path / "articles.parquet"
     pq.write_table(pa.Table.from_pylist(ARTICLES), parquet, row_group_size=7)
     datasets.Dataset.from_list(ARTICLES).save_to_disk(str(tmp_path / "saved"))
     transform = f"input.transform={TRANSFORMS}:title_and_body"
     for name, path, overrides in [
         ("jsonl", jsonl, []),
+        ("gzip", gzipped, []),
         ("parquet", parquet, []),
         ("saved", tmp_path / "saved", ["input.type=huggingface"]),
     ]:

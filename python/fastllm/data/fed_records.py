@@ -154,7 +154,9 @@ def _dataset_format(config: HuggingfaceInputConfig, dataset: HuggingfaceDataset)
     columns = dataset.columns
     format: Kind
     if config.format == "auto":
-        if config.chosen_text in columns and config.rejected_text in columns:
+        if config.loss_masking_spans is not None:
+            format = "jsonl"
+        elif config.chosen_text in columns and config.rejected_text in columns:
             format = "preference"
         elif config.messages_field in columns and config.field not in columns:
             format = "chat"
@@ -174,21 +176,19 @@ def _dataset_format(config: HuggingfaceInputConfig, dataset: HuggingfaceDataset)
                 f"input.{key}",
                 f"{dataset.name} has no column {column!r}; its columns: {', '.join(columns)}",
             )
-    if format == "jsonl":
-        features = getattr(dataset.dataset, "features", None) or {}
-        feature = features.get(config.field)
-        dtype = getattr(feature, "dtype", None)
-        if feature is not None and dtype not in ("string", "large_string"):
-            raise ConfigError(
-                "input.field",
-                f"{dataset.name}: column {config.field!r} holds {dtype or feature}, not strings",
-            )
     return format
 
 
 def _text_batches(column: str, dataset: HuggingfaceDataset) -> Iterator[FedBatch]:
     """The fast path: a string column's values, as they are."""
+    import pyarrow as pa
+
     for first, table in dataset.tables():
+        kind = table.schema.field(column).type
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+            raise ConfigError(
+                "input.field", f"{dataset.name}: column {column!r} holds {kind}, not strings"
+            )
         values = table.column(column).to_pylist()
         nulls = values.count(None)
         yield FedBatch(
