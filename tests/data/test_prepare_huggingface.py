@@ -174,7 +174,7 @@ def chat_tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tokenizer(tmp_path_factory.mktemp("chat_tokenizer"), "qwen2")
 
 
-def test_conversations_and_pairs_give_the_bytes_of_the_same_jsonl(
+def test_conversations_pairs_and_masked_text_give_the_bytes_of_the_same_jsonl(
     chat_tokenizer: Path, tmp_path: Path
 ) -> None:
     pairs = [
@@ -183,10 +183,15 @@ def test_conversations_and_pairs_give_the_bytes_of_the_same_jsonl(
         {"prompt": "Traduis « café »", "chosen": " coffee ☕", "rejected": " tea"},
     ]
     conversations = [{"messages": c} for c in CONVERSATIONS]
+    masked = [
+        {"text": "Question: why? Answer: because.", "spans": [[0, 15]]},
+        {"text": "No mask here.", "spans": None},
+    ]
     for name, records, overrides in [
         ("chat", conversations, []),
         ("chat_all", conversations, ["input.train_on=all"]),
         ("preference", pairs, []),
+        ("text_masked", masked, ["input.loss_masking_spans=spans"]),
     ]:
         jsonl = write_records(tmp_path / f"{name}.jsonl", records)
         reference = prepare(jsonl, chat_tokenizer, tmp_path / f"{name}_jsonl", *overrides)

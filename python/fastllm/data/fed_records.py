@@ -205,13 +205,22 @@ def _text_batches(column: str, dataset: HuggingfaceDataset) -> Iterator[FedBatch
 def _json_batches(columns: list[str], dataset: HuggingfaceDataset) -> Iterator[FedBatch]:
     """Conversations, pairs and texts with spans: the columns read, as JSON objects."""
     for first, table in dataset.tables():
-        records = table.select(columns).to_pylist()
+        values = []
+        for row, record in enumerate(table.select(columns).to_pylist(), start=first):
+            try:
+                values.append(json.dumps(record, ensure_ascii=False))
+            except (TypeError, ValueError) as error:
+                raise ConfigError(
+                    "input.path",
+                    f"{dataset.name}:{row}: columns {', '.join(columns)} hold what JSON "
+                    f"cannot: {error}",
+                ) from None
         yield FedBatch(
             0,
             dataset.name,
             "json",
             list(range(first, first + table.num_rows)),
-            [json.dumps(record, ensure_ascii=False) for record in records],
+            values,
             bytes=table.nbytes,
         )
 
