@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 
@@ -39,3 +40,11 @@ def a_number(record: dict[str, Any]) -> int:
 
 
 NOT_CALLABLE = 3
+
+
+def stalls_past_the_first_megabyte(record: dict[str, Any]) -> str:
+    """Holds the run once its job has started (the first megabyte of records was sent), so
+    that a test can interrupt it there."""
+    if record["id"] == 1500:
+        time.sleep(120)
+    return record["text"]

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import gzip
 import json
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import datasets
@@ -14,10 +18,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from fastllm.data import fed_records, huggingface_dataset
+from tests.conftest import ROOT
 from tests.data.chat_fixtures import write_tokenizer
 from tests.data.conftest import TrainedTokenizer, prepare, run_cli
 from tests.data.megatron import read_dataset
 from tests.data.record_transforms import good_and_bad, question_and_answer
+from tests.data.test_prepare import interruptible_children, leftovers
 
 TRANSFORMS = "tests.data.record_transforms"
 
@@ -177,3 +183,40 @@ def test_keys_a_transform_makes_unused_are_refused_at_config_time(
     )
     assert result.returncode == 2
     assert "input.transform: expected an import path package.module:function" in result.stderr
+
+
+def test_an_interrupted_transform_leaves_no_output_nor_partial(
+    tokenizer: TrainedTokenizer, tmp_path: Path
+) -> None:
+    records = [{"id": i, "text": f"record {i} " * 100} for i in range(2000)]
+    jsonl = write_records(tmp_path / "records.jsonl", records)
+    output = tmp_path / "out"
+    arguments = [
+        f"input.path={jsonl}",
+        f"input.transform={TRANSFORMS}:stalls_past_the_first_megabyte",
+        f"tokenizer.path={tokenizer.path}",
+        f"output.path={output}",
+    ]
+    with interruptible_children():
+        process = subprocess.Popen(
+            [sys.executable, "-m", "fastllm.cli", "prepare", *arguments],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    deadline = time.monotonic() + 60
+    try:
+        while not leftovers(output):  # the job started: its staging folder is there
+            assert process.poll() is None, process.communicate()[1]
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 130, stderr
+    assert stderr.endswith("fastllm: interrupted\n"), stderr
+    assert not output.exists()
+    assert leftovers(output) == []
