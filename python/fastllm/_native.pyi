@@ -12,6 +12,8 @@ import numpy as np
 from numpy.typing import NDArray
 
 _Path: TypeAlias = str | os.PathLike[str]
+# An object with the buffer protocol, e.g. a pyarrow Buffer (collections.abc.Buffer from 3.12).
+_Buffer: TypeAlias = Any
 _InputFormat: TypeAlias = Literal["auto", "jsonl", "chat", "preference", "parquet", "text", "files"]
 
 def version() -> str:
@@ -179,6 +181,24 @@ class PrepareJob:
         of `rows`; a None value is a bad record whose reason is the next of `reasons`. Waits
         while the job is busy; returns False once the job has ended (its error, if any, is
         `wait`'s)."""
+
+    def feed_strings(
+        self,
+        *,
+        input: int,
+        file: _Path,
+        first_row: int,
+        validity: _Buffer | None,
+        offsets: _Buffer,
+        data: _Buffer,
+        offset: int,
+        length: int,
+        large: bool,
+        bytes: int,
+    ) -> bool:
+        """Like `feed` for the texts of an Arrow string array (`large`: large_string), read
+        from its buffers (validity bitmap, offsets, data) without Python strings: `length` rows
+        from element `offset`, the first of them row `first_row`."""
 
     def close_feed(self) -> None:
         """Says that every record was sent: the job finishes once it has written them."""

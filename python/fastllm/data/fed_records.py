@@ -32,6 +32,29 @@ class FedBatch:
     skipped: int = 0
     bytes: int = 0
 
+    def send(self, job: Any) -> bool:
+        return job.feed(**vars(self))
+
+
+@dataclass
+class FedStrings:
+    """The keyword arguments of one `PrepareJob.feed_strings` call: the texts of an Arrow
+    string array, handed over as its buffers (no Python string made)."""
+
+    input: int
+    file: str
+    first_row: int
+    validity: Any
+    offsets: Any
+    data: Any
+    offset: int
+    length: int
+    large: bool
+    bytes: int
+
+    def send(self, job: Any) -> bool:
+        return job.feed_strings(**vars(self))
+
 
 @dataclass
 class RecordChunk:
@@ -55,7 +78,7 @@ class FedInput:
     inputs: list[tuple[str, int]]
     format: Kind
     fields: dict[str, str | None]
-    batches: Iterator[FedBatch]
+    batches: Iterator[FedBatch | FedStrings]
 
 
 # The fields of the documents a transform makes (see record_transform.apply).
@@ -179,8 +202,8 @@ def _dataset_format(config: HuggingfaceInputConfig, dataset: HuggingfaceDataset)
     return format
 
 
-def _text_batches(column: str, dataset: HuggingfaceDataset) -> Iterator[FedBatch]:
-    """The fast path: a string column's values, as they are."""
+def _text_batches(column: str, dataset: HuggingfaceDataset) -> Iterator[FedStrings]:
+    """The fast path: a string column's values, as Arrow holds them."""
     import pyarrow as pa
 
     for first, table in dataset.tables():
@@ -189,17 +212,22 @@ def _text_batches(column: str, dataset: HuggingfaceDataset) -> Iterator[FedBatch
             raise ConfigError(
                 "input.field", f"{dataset.name}: column {column!r} holds {kind}, not strings"
             )
-        values = table.column(column).to_pylist()
-        nulls = values.count(None)
-        yield FedBatch(
-            0,
-            dataset.name,
-            "text",
-            list(range(first, first + table.num_rows)),
-            values,
-            ["null instead of a string"] * nulls,
-            bytes=table.nbytes,
-        )
+        row = first
+        for chunk in table.column(column).chunks:
+            validity, offsets, data = chunk.buffers()
+            yield FedStrings(
+                0,
+                dataset.name,
+                row,
+                validity,
+                offsets,
+                data,
+                chunk.offset,
+                len(chunk),
+                pa.types.is_large_string(kind),
+                chunk.nbytes,
+            )
+            row += len(chunk)
 
 
 def _json_batches(columns: list[str], dataset: HuggingfaceDataset) -> Iterator[FedBatch]:

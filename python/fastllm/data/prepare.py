@@ -94,7 +94,7 @@ def _feed(job: Any, fed: FedInput, bar: _ProgressBar) -> None:
     """Sends every batch, then says that was all; stops early once the job has ended (its
     error is then `wait`'s)."""
     for batch in fed.batches:
-        if not job.feed(**vars(batch)):
+        if not batch.send(job):
             break
         bar.update(job.progress())
     job.close_feed()

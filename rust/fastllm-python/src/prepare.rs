@@ -11,6 +11,7 @@ use fastllm_data::{
     prepare, DocumentReader as Reader, FedBatch, FedKind, Feed, InputFormat, InputSpec,
     PreferenceFields, PrepareError, PrepareOptions, PrepareReport, Progress, TrainOn,
 };
+use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -206,37 +207,71 @@ impl PrepareJob {
         if rows.len() != values.len() {
             return Err(PyValueError::new_err("rows and values differ in length"));
         }
-        let Some(sender) = self.feed.lock().expect("not poisoned").clone() else {
-            return Err(PyRuntimeError::new_err("the job takes no (more) records"));
-        };
-        let mut batch = FedBatch {
-            input,
-            file: Arc::<Path>::from(file),
-            bytes,
-            kind,
-            rows,
-            values,
-            reasons,
-            skipped,
-        };
-        Ok(py.detach(|| loop {
-            match sender.send_timeout(batch, Duration::from_millis(20)) {
-                Ok(()) => return true,
-                Err(SendTimeoutError::Disconnected(_)) => return false,
-                Err(SendTimeoutError::Timeout(back)) => {
-                    let ended = self
-                        .thread
-                        .lock()
-                        .expect("not poisoned")
-                        .as_ref()
-                        .is_none_or(|t| t.is_finished());
-                    if ended {
-                        return false;
-                    }
-                    batch = back;
+        self.send(
+            py,
+            FedBatch {
+                input,
+                file: Arc::<Path>::from(file),
+                bytes,
+                kind,
+                rows,
+                values,
+                reasons,
+                skipped,
+            },
+        )
+    }
+
+    /// Like `feed` for the texts of an Arrow string array (`large`: large_string), read from
+    /// its buffers (validity bitmap, offsets, data) without Python strings: `length` rows
+    /// from element `offset`, the first of them row `first_row`.
+    #[pyo3(signature = (*, input, file, first_row, validity, offsets, data, offset, length, large, bytes))]
+    #[allow(clippy::too_many_arguments)]
+    fn feed_strings(
+        &self,
+        py: Python<'_>,
+        input: usize,
+        file: PathBuf,
+        first_row: u64,
+        validity: Option<PyBuffer<i8>>,
+        offsets: PyBuffer<i8>,
+        data: PyBuffer<i8>,
+        offset: usize,
+        length: usize,
+        large: bool,
+        bytes: u64,
+    ) -> PyResult<bool> {
+        let (values, reasons) = {
+            let bytes_of = |buffer: &PyBuffer<i8>| {
+                // SAFETY: the buffer stays exported (and Arrow's memory unchanged) while
+                // `buffer` lives, which outlives this borrow.
+                unsafe {
+                    std::slice::from_raw_parts(buffer.buf_ptr() as *const u8, buffer.len_bytes())
                 }
-            }
-        }))
+            };
+            arrow_strings(
+                validity.as_ref().map(bytes_of),
+                bytes_of(&offsets),
+                bytes_of(&data),
+                offset,
+                length,
+                large,
+            )
+            .map_err(PyValueError::new_err)?
+        };
+        self.send(
+            py,
+            FedBatch {
+                input,
+                file: Arc::<Path>::from(file),
+                bytes,
+                kind: FedKind::Text,
+                rows: (first_row..first_row + length as u64).collect(),
+                values,
+                reasons,
+                skipped: 0,
+            },
+        )
     }
 
     /// Says that every record was sent: the job finishes once it has written them.
@@ -282,6 +317,79 @@ impl PrepareJob {
             .map(Some)
             .map_err(|e| PyRuntimeError::new_err(e.to_string()))
     }
+}
+
+impl PrepareJob {
+    /// Queues `batch` for the job, waiting while it is busy; false once the job has ended.
+    fn send(&self, py: Python<'_>, mut batch: FedBatch) -> PyResult<bool> {
+        let Some(sender) = self.feed.lock().expect("not poisoned").clone() else {
+            return Err(PyRuntimeError::new_err("the job takes no (more) records"));
+        };
+        Ok(py.detach(|| loop {
+            match sender.send_timeout(batch, Duration::from_millis(20)) {
+                Ok(()) => return true,
+                Err(SendTimeoutError::Disconnected(_)) => return false,
+                Err(SendTimeoutError::Timeout(back)) => {
+                    let ended = self
+                        .thread
+                        .lock()
+                        .expect("not poisoned")
+                        .as_ref()
+                        .is_none_or(|t| t.is_finished());
+                    if ended {
+                        return false;
+                    }
+                    batch = back;
+                }
+            }
+        }))
+    }
+}
+
+/// The texts of an Arrow string array from its buffers (Arrow's columnar layout): each value,
+/// or None for a null or invalid UTF-8, whose reasons come in order.
+fn arrow_strings(
+    validity: Option<&[u8]>,
+    offsets: &[u8],
+    data: &[u8],
+    offset: usize,
+    length: usize,
+    large: bool,
+) -> Result<(Vec<Option<String>>, Vec<String>), String> {
+    let width = if large { 8 } else { 4 };
+    let position = |i: usize| -> Option<usize> {
+        let at = (offset + i) * width;
+        let raw = offsets.get(at..at + width)?;
+        let value = match large {
+            true => i64::from_le_bytes(raw.try_into().ok()?),
+            false => i64::from(i32::from_le_bytes(raw.try_into().ok()?)),
+        };
+        usize::try_from(value).ok()
+    };
+    let (mut values, mut reasons) = (Vec::with_capacity(length), Vec::new());
+    for i in 0..length {
+        let bit = offset + i;
+        let present =
+            validity.is_none_or(|v| v.get(bit / 8).is_some_and(|b| b >> (bit % 8) & 1 == 1));
+        if !present {
+            values.push(None);
+            reasons.push("null instead of a string".to_owned());
+            continue;
+        }
+        let text = match (position(i), position(i + 1)) {
+            (Some(start), Some(end)) => data.get(start..end),
+            _ => None,
+        }
+        .ok_or_else(|| format!("string {i} of the array lies outside its buffers"))?;
+        match String::from_utf8(text.to_vec()) {
+            Ok(text) => values.push(Some(text)),
+            Err(_) => {
+                values.push(None);
+                reasons.push("invalid UTF-8".to_owned());
+            }
+        }
+    }
+    Ok((values, reasons))
 }
 
 /// Documents of the same inputs `prepare` reads, in order, batch by batch (for training a
