@@ -59,8 +59,11 @@ def test_saved_datasets_and_load_dataset_give_the_bytes_of_the_same_jsonl(
     dataset.save_to_disk(str(tmp_path / "saved"))
     split = datasets.DatasetDict({"train": dataset.select(range(3)), "test": dataset})
     split.save_to_disk(str(tmp_path / "saved_splits"))
+    large = table.cast(pa.schema([("id", pa.int64()), ("text", pa.large_string())]))
+    datasets.Dataset(large).save_to_disk(str(tmp_path / "saved_large"))
     runs = {
         "saved": (tmp_path / "saved", []),
+        "saved_large_strings": (tmp_path / "saved_large", []),
         "saved_split": (tmp_path / "saved_splits", ["input.split=test"]),
         "json_streamed": ("json", [f"input.data_files=[{jsonl}]"]),
         "parquet_cached": (
