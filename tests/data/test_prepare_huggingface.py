@@ -94,10 +94,10 @@ def test_a_dataset_is_read_a_few_rows_at_a_time_in_order(
     tables = huggingface_dataset.HuggingfaceDataset.tables
 
     def counted(self: huggingface_dataset.HuggingfaceDataset):  # type: ignore[no-untyped-def]
-        for first, table in tables(self):
+        for first, table, size in tables(self):
             assert first == sum(read) + 1
             read.append(table.num_rows)
-            yield first, table
+            yield first, table, size
 
     monkeypatch.setattr(huggingface_dataset.HuggingfaceDataset, "tables", counted)
     reference = prepare(jsonl, tokenizer.path, tmp_path / "from_jsonl")

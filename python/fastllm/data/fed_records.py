@@ -146,9 +146,9 @@ def huggingface_input(
                 dataset.name,
                 list(range(first, first + table.num_rows)),
                 table.to_pylist(),
-                bytes=table.nbytes,
+                bytes=size,
             )
-            for first, table in dataset.tables()
+            for first, table, size in dataset.tables()
         )
         return transformed(transform, inputs, chunks)
     format = _dataset_format(config, dataset)
@@ -206,7 +206,7 @@ def _text_batches(column: str, dataset: HuggingfaceDataset) -> Iterator[FedStrin
     """The fast path: a string column's values, as Arrow holds them."""
     import pyarrow as pa
 
-    for first, table in dataset.tables():
+    for first, table, size in dataset.tables():
         kind = table.schema.field(column).type
         if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
             raise ConfigError(
@@ -225,14 +225,14 @@ def _text_batches(column: str, dataset: HuggingfaceDataset) -> Iterator[FedStrin
                 chunk.offset,
                 len(chunk),
                 pa.types.is_large_string(kind),
-                chunk.nbytes,
+                size * len(chunk) // max(table.num_rows, 1),
             )
             row += len(chunk)
 
 
 def _json_batches(columns: list[str], dataset: HuggingfaceDataset) -> Iterator[FedBatch]:
     """Conversations, pairs and texts with spans: the columns read, as JSON objects."""
-    for first, table in dataset.tables():
+    for first, table, size in dataset.tables():
         values = []
         for row, record in enumerate(table.select(columns).to_pylist(), start=first):
             try:
@@ -249,7 +249,7 @@ def _json_batches(columns: list[str], dataset: HuggingfaceDataset) -> Iterator[F
             "json",
             list(range(first, first + table.num_rows)),
             values,
-            bytes=table.nbytes,
+            bytes=size,
         )
 
 

@@ -36,22 +36,22 @@ class HuggingfaceDataset:
     bytes: int
     """Size on disk, for progress; 0 when unknown (streamed)."""
 
-    def tables(self) -> Iterator[tuple[int, pa.Table]]:
-        """(row of the first record, counted from 1; the rows) in order, about `TABLE_BYTES` at a
-        time."""
+    def tables(self) -> Iterator[tuple[int, pa.Table, int]]:
+        """(row of the first record, counted from 1; the rows; the bytes on disk they stand for,
+        for progress) in order, about `TABLE_BYTES` at a time."""
         import datasets
 
         arrow = self.dataset.with_format("arrow")
         if isinstance(self.dataset, datasets.IterableDataset):
             first = 1
             for table in arrow.iter(batch_size=STREAMED_ROWS):
-                yield first, table
+                yield first, table, table.nbytes
                 first += table.num_rows
             return
-        start, rows = 0, FIRST_ROWS
-        while start < len(self.dataset):
+        start, rows, total = 0, FIRST_ROWS, len(self.dataset)
+        while start < total:
             table = arrow[start : start + rows]
-            yield start + 1, table
+            yield start + 1, table, self.bytes * table.num_rows // total
             start += table.num_rows
             # At most twice as many: a few short rows say little of those that follow.
             rows = min(_rows(table, TABLE_BYTES), 2 * table.num_rows)
