@@ -71,6 +71,7 @@ def test_saved_datasets_and_load_dataset_give_the_bytes_of_the_same_jsonl(
             [f"input.data_files=[{tmp_path / 'records.parquet'}]", "input.streaming=false"],
         ),
         "directory_streamed": (tmp_path, ["input.data_files=[records.parquet]"]),
+        "arrow_streamed": ("arrow", [f"input.data_files=[{tmp_path / 'saved' / '*.arrow'}]"]),
     }
     for name, (path, overrides) in runs.items():
         output = huggingface(path, tokenizer.path, tmp_path / "out" / name, *overrides)
