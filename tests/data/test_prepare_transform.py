@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from fastllm.data import fed_records, huggingface_dataset
+from fastllm.data import huggingface_dataset, record_files
 from tests.conftest import ROOT
 from tests.data.chat_fixtures import write_tokenizer
 from tests.data.conftest import TrainedTokenizer, prepare, run_cli
@@ -118,7 +118,7 @@ def test_transform_errors_name_the_record_and_the_key(
     # A record a batch: the third record fails once the job runs, which then leaves nothing.
     monkeypatch.setattr(huggingface_dataset, "FIRST_ROWS", 1)
     monkeypatch.setattr(huggingface_dataset, "TABLE_BYTES", 1)
-    monkeypatch.setattr(fed_records, "TABLE_BYTES", 1)
+    monkeypatch.setattr(record_files, "TABLE_BYTES", 1)
     records = [{"id": i, "text": f"record {i}"} for i in range(4)]
     jsonl = write_records(tmp_path / "records.jsonl", records)
     datasets.Dataset.from_list(records).save_to_disk(str(tmp_path / "saved"))

@@ -14,8 +14,9 @@ from fastllm import _native
 from fastllm.config import ConfigError
 from fastllm.config.prepare import HuggingfaceInputConfig, InputConfig, PrepareConfig
 from fastllm.data.errors import DataWriteError
-from fastllm.data.fed_records import FedInput, file_chunks, huggingface_input, transformed
+from fastllm.data.fed_records import FedInput, huggingface_input, transformed
 from fastllm.data.huggingface_dataset import open_dataset
+from fastllm.data.record_files import file_chunks
 from fastllm.data.record_transform import load_transform
 
 
