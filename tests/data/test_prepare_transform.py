@@ -71,6 +71,23 @@ def test_a_text_transform_applies_to_jsonl_parquet_and_datasets(
         assert metadata["inputs"][0]["documents"] == len(ARTICLES)
 
 
+def test_records_a_transform_cannot_receive_are_bad_records_located_by_line(
+    tokenizer: TrainedTokenizer, tmp_path: Path
+) -> None:
+    jsonl = tmp_path / "articles.jsonl"
+    lines = [json.dumps(r) for r in ARTICLES[:3]]
+    jsonl.write_text("\n".join([lines[0], "{broken", "", "[1, 2]", lines[1], lines[2]]) + "\n")
+    output = prepare(
+        jsonl, tokenizer.path, tmp_path / "out", f"input.transform={TRANSFORMS}:title_and_body"
+    )
+    texts = [f"{r['title']}\n\n{r['body']}" for r in ARTICLES[:3]]
+    assert read_dataset(output) == tokenizer.encode(texts)
+    metadata = json.loads((output / "metadata.json").read_text())
+    assert metadata["bad_records"] == 2
+    assert metadata["first_bad_records"][0].startswith(f"{jsonl}:2: invalid JSON")
+    assert metadata["first_bad_records"][1] == f"{jsonl}:4: not a JSON object"
+
+
 def test_a_transform_of_text_files_receives_their_text_and_path(
     tokenizer: TrainedTokenizer, tmp_path: Path
 ) -> None:
