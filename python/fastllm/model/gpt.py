@@ -9,11 +9,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fastllm.config.model import BaseModelConfig, LoRAConfig, NoRotaryConfig
+from fastllm.config import registry
+from fastllm.config.model import BaseModelConfig, LoRAConfig
 from fastllm.model.block import TransformerBlock
-from fastllm.model.normalization import Normalization
+from fastllm.model.normalization import normalization
 from fastllm.model.parameters import TensorSplit, describe, set_layer
-from fastllm.model.rotary import RotaryTables, positions_in_documents
+from fastllm.model.rotary import positions_in_documents
 from fastllm.parallel.mesh import ParallelMesh
 from fastllm.parallel.tensor import TensorDimension, enter, vocab_parallel_embedding
 from fastllm.parallel.vocab_parallel_losses import vocab_parallel_label_losses
@@ -82,7 +83,7 @@ class GPTModel(torch.nn.Module):
         self.layers = torch.nn.ModuleList(
             TransformerBlock(transformer, i, mesh, lora) for i in range(transformer.num_layers)
         )
-        self.final_norm = Normalization(transformer.normalization, hidden)
+        self.final_norm = normalization(transformer.normalization, hidden)
         self.head = (
             None if config.tie_word_embeddings else torch.nn.Linear(hidden, vocab, bias=False)
         )
@@ -99,10 +100,11 @@ class GPTModel(torch.nn.Module):
         for layer, modules in enumerate(self.layer_modules()):
             for module in modules:
                 set_layer(module, layer)
+        rotary = transformer.rotary
         self.rotary = (
             None
-            if isinstance(transformer.rotary, NoRotaryConfig)
-            else RotaryTables(transformer.rotary, transformer.kv_channels)
+            if rotary.implementation is None
+            else registry.implementation(rotary)(rotary, transformer.kv_channels)
         )
 
     @property
