@@ -96,7 +96,7 @@ def installed(point: str) -> dict[str, type[Component]]:
     """The components of `point`: those defined so far, and those of every installed package
     (their entry points are imported; one that fails raises a `ConfigError`)."""
     for entry in _entry_points(point):
-        _load_entry_point(point, entry, f"entry point {entry.value}")
+        _load_entry_point(point, entry, f"{GROUP.format(point=point)} {entry.name}")
     return registered(point)
 
 
@@ -115,7 +115,7 @@ def lookup(point: str, name: str, key: str) -> type[Component]:
         if entry.name == name:
             return _checked(point, _load_entry_point(point, entry, key), name, key)
     if ":" in name:
-        return _checked(point, _import(name, key, name), None, key)
+        return _checked(point, _import(name, key, f"type {name!r}"), None, key)
     names = sorted({*registered(point), *(entry.name for entry in _entry_points(point))})
     close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
     raise ConfigError(
@@ -133,8 +133,8 @@ def _entry_points(point: str) -> Iterator[importlib.metadata.EntryPoint]:
 
 
 def _load_entry_point(point: str, entry: importlib.metadata.EntryPoint, key: str) -> Any:
-    where = f"entry point {entry.name!r} of {GROUP.format(point=point)} ({entry.value})"
-    return _import(entry.value, key, where)
+    where = f"entry point of {GROUP.format(point=point)}: {entry.value}"
+    return _import(entry.value, key, f"type {entry.name!r} ({where})")
 
 
 def _import(path: str, key: str, what: str) -> Any:
@@ -147,7 +147,7 @@ def _import(path: str, key: str, what: str) -> Any:
             value = getattr(value, part)
     except Exception as error:  # any import error of the component's code, named
         raise ConfigError(
-            key, f"type {what!r} cannot be imported: {type(error).__name__}: {error}"
+            key, f"{what} cannot be imported: {type(error).__name__}: {error}"
         ) from error
     return value
 
@@ -170,7 +170,8 @@ def implementation(config: Component) -> Any:
     path = cls.implementation
     if path is None:
         raise TypeError(f"{cls.point} type {name_of(cls)!r} has no implementation")
-    return _import(path, f"{cls.point} type {name_of(cls)!r}", path)
+    name = name_of(cls)
+    return _import(path, f"{cls.point} type {name!r}", f"its implementation {path}")
 
 
 def class_path(cls: type) -> str:
@@ -212,7 +213,7 @@ def require(recorded: dict[str, dict[str, str]], where: str) -> None:
             try:
                 _import(path, where, path)
             except ConfigError as error:
-                missing.append(f"{point} type {name!r} ({error.message})")
+                missing.append(f"{point} type {name!r}: {error.message}")
     if missing:
         raise ConfigError(
             where,
