@@ -84,7 +84,8 @@ def test_a_components_own_checks_and_keys_are_refused_at_its_full_key() -> None:
 def test_an_unknown_type_lists_the_choices_and_how_to_add_one() -> None:
     error = refused({"type": "mpl"})
     assert error.path == f"{MLP_KEY}.type"
-    assert "unknown type 'mpl'; did you mean mlp?" in error.message
+    assert "unknown type 'mpl'; expected one of" in error.message
+    assert error.message.endswith("; did you mean mlp?")
     assert "module:Class" in error.message and "fastllm.mlp" in error.message
 
 

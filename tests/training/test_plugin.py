@@ -121,3 +121,20 @@ def test_converting_its_checkpoint_without_the_plugin_is_refused_naming_them(
     )  # a Hugging Face architecture has no layer of the plugin's
     assert result.returncode == 2
     assert "transformer.mlp.type is 'squared_relu' (not fastllm's)" in result.stderr
+
+
+def test_the_plugins_config_is_shown_and_validated_without_torch() -> None:
+    result = run_cli("config", "show", "-c", PLUGIN_CONFIG)
+    assert result.returncode == 0, result.stderr
+    assert (
+        "      mlp:\n        type: squared_relu\n        ffn_hidden_size: null\n" in result.stdout
+    )
+    assert "label_smoothing:\n          type: label_smoothing\n" in result.stdout
+    load = (
+        "import sys; from fastllm.config import TrainerConfig, load_config; "
+        f"load_config(TrainerConfig, [{PLUGIN_CONFIG!r}], []); print('torch' in sys.modules)"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", load], capture_output=True, text=True, cwd=ROOT, check=True
+    )
+    assert loaded.stdout == "False\n"  # the plugin's configs import no torch, as fastllm's

@@ -101,8 +101,8 @@ def _default_text(field: msgspec.structs.FieldInfo) -> str:
     elif field.default_factory is not msgspec.NODEFAULT:
         value = field.default_factory()
         if isinstance(value, msgspec.Struct):
-            tag = value.__struct_config__.tag
-            return f"type `{tag}`" if tag else "(section)"
+            config = value.__struct_config__
+            return f"{config.tag_field} `{config.tag}`" if config.tag else "(section)"
     else:
         return "required"
     if value is None:
@@ -120,7 +120,7 @@ def _section(
     plugins: bool = False,
 ) -> None:
     docs = field_docs(cls)
-    heading = f"## `{key}`" + (f" with `type: {tag}`" if tag else "")
+    heading = f"## `{key}`" + (f" with `{cls.__struct_config__.tag_field}: {tag}`" if tag else "")
     lines += ["", heading, ""]
     if tag and cls.__doc__ and cls.__doc__ is not Section.__doc__:
         lines += [" ".join(cls.__doc__.split()), ""]
@@ -133,10 +133,10 @@ def _section(
         variants = _variants(typing.get_args(field.type)[1] if by_name else field.type)
         point = any(registry.is_point(v) for v in variants)
         structs = [v for v in _components(variants, plugins) if _is_struct(v)]
-        if structs and (len(structs) > 1 or point) and not by_name:
-            kind = "`type:` " + " or ".join(f"`{v.__struct_config__.tag}`" for v in structs)
-            if point:
-                kind += " or a plugin's"
+        if structs and (len(structs) > 1 or point):
+            tag_field = structs[0].__struct_config__.tag_field
+            kind = f"`{tag_field}:` " + " or ".join(f"`{v.__struct_config__.tag}`" for v in structs)
+            kind += (" or a plugin's" if point else "") + (", by name" if by_name else "")
         else:
             kind = _type_name(field.type)
         doc = docs.get(field.encode_name, "").replace("|", "\\|")

@@ -120,11 +120,10 @@ def lookup(point: str, name: str, key: str) -> type[Component]:
     close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
     raise ConfigError(
         key,
-        f"unknown type {name!r}"
-        + (f"; did you mean {close[0]}?" if close else "")
-        + f" Expected one of {', '.join(names)}, the import path of a "
+        f"unknown type {name!r}; expected one of {', '.join(names)}, the import path of a "
         f"{_POINTS[point].__name__} subclass (module:Class), or a name that an installed "
-        f"package registers in the entry-point group {GROUP.format(point=point)}",
+        f"package registers in the entry-point group {GROUP.format(point=point)}"
+        + (f"; did you mean {close[0]}?" if close else ""),
     )
 
 

@@ -174,22 +174,24 @@ def _check_variant(
 def _check_component(
     point: type[registry.Component], value: dict[str, Any], key: list[str | int], default: Any
 ) -> _Built:
-    """A component of extension point `point`, chosen by its `type` (the field's default
-    component when there is none)."""
-    name = value.get("type")
-    type_key = format_key([*key, "type"])
+    """A component of extension point `point`, chosen by its `type` (the point's tag field;
+    the field's default component when there is none)."""
+    tag_field = point.__struct_config__.tag_field
+    assert tag_field is not None
+    name = value.get(tag_field)
+    type_key = format_key([*key, tag_field])
     if name is None:  # the field's default, else the point's first (`losses`: label)
         cls: type[msgspec.Struct] = (
             default
             if isinstance(default, type) and issubclass(default, point)
             else next(iter(registry.registered(point.point).values()))
         )
-        value = {"type": registry.name_of(cls), **value}
+        value = {tag_field: registry.name_of(cls), **value}
     elif not isinstance(name, str):
         raise ConfigError(type_key, f"unknown type {brief(name)}; expected a name or module:Class")
     else:
         cls = registry.lookup(point.point, name, type_key)
-        value = {**value, "type": registry.name_of(cls)}
+        value = {**value, tag_field: registry.name_of(cls)}
     return _Built(_convert(cls, _check_struct(cls, value, key), key))
 
 

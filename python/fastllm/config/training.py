@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 import msgspec
 
 from fastllm.config.evaluation import TrainingEvaluatorConfig
 from fastllm.config.formats import ModelFormat
+from fastllm.config.registry import Component
 from fastllm.config.section import ConfigError, Section, check_non_negative, check_positive
 
 
@@ -131,13 +130,18 @@ class BatchConfig(Section):
             )
 
 
-class LearningRateConfig(Section):
+class LearningRateConfig(Component, tag_field="decay_style"):
+    """The learning-rate schedule (extension point `learning_rate`), chosen by `decay_style`
+    (Fast-LLM's key): a linear warmup, then the shape its type says. The implementation of a
+    type is a function called as `rate(config, step, train_iters)` for the optimizer steps
+    after the warmup (engine/learning_rate.py says the contract)."""
+
+    point = "learning_rate"
+
     base: float = 0.0001
     """Peak learning rate."""
     warmup_iterations: int = 0
     """Steps of linear warmup from 0 to base."""
-    decay_style: Literal["constant", "linear", "cosine", "wsd"] = "constant"
-    """Shape after warmup; wsd is warmup-stable-decay (constant, then linear decay)."""
     decay_iterations: int | None = None
     """Steps of decay: after warmup for linear and cosine (default: to the end of training),
     at the end of training for wsd (default: the last 20% of it)."""
@@ -154,8 +158,33 @@ class LearningRateConfig(Section):
             )
 
 
+class ConstantLearningRateConfig(LearningRateConfig, tag="constant"):
+    """base after the warmup."""
+
+    implementation = "fastllm.engine.learning_rate:constant"
+
+
+class LinearLearningRateConfig(LearningRateConfig, tag="linear"):
+    """From base down to minimum in a straight line over decay_iterations."""
+
+    implementation = "fastllm.engine.learning_rate:linear"
+
+
+class CosineLearningRateConfig(LearningRateConfig, tag="cosine"):
+    """From base down to minimum along half a cosine over decay_iterations."""
+
+    implementation = "fastllm.engine.learning_rate:cosine"
+
+
+class WSDLearningRateConfig(LearningRateConfig, tag="wsd"):
+    """Warmup-stable-decay: base, then down to minimum in a straight line over the last
+    decay_iterations of the run."""
+
+    implementation = "fastllm.engine.learning_rate:warmup_stable_decay"
+
+
 class OptimizerConfig(Section):
-    learning_rate: LearningRateConfig = msgspec.field(default_factory=LearningRateConfig)
+    learning_rate: LearningRateConfig = msgspec.field(default_factory=ConstantLearningRateConfig)
     """Learning-rate schedule."""
     weight_decay: float = 0.01
     """Decoupled weight decay (AdamW); not applied to norms, biases and embeddings."""
