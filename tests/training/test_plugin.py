@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,8 @@ from fastllm.config import TrainerConfig, build, load_raw
 from fastllm.training.trainer import Trainer
 from tests.conftest import ROOT
 from tests.data.conftest import run_cli
-from tests.training.conftest import train_arguments
+from tests.training.conftest import Launched, Layout, train_arguments
+from tests.training.test_distillation import logged
 from tests.training.test_train_cli import losses
 
 PLUGIN_CONFIG = "examples/plugin/plugin.yaml"
@@ -138,3 +140,30 @@ def test_the_plugins_config_is_shown_and_validated_without_torch() -> None:
         [sys.executable, "-c", load], capture_output=True, text=True, cwd=ROOT, check=True
     )
     assert loaded.stdout == "False\n"  # the plugin's configs import no torch, as fastllm's
+
+
+PLUGIN_MLP = ("model.base_model.transformer.mlp={type: squared_relu}", "training.train_iters=3")
+PLUGIN_LAYOUTS = {
+    "plugin_tensor": (
+        "model.distributed.tensor_parallel=2",
+        "model.distributed.sequence_tensor_parallel=true",
+    ),
+    "plugin_zero_3": ("model.multi_stage.zero_stage=3",),
+}
+
+
+def layouts(dataset: Path, one_process: Callable[..., Path], root: Path) -> dict[str, Layout]:
+    return {name: Layout(2, (*PLUGIN_MLP, *layout)) for name, layout in PLUGIN_LAYOUTS.items()}
+
+
+@pytest.mark.parametrize("name", PLUGIN_LAYOUTS)
+def test_the_plugins_mlp_on_two_ranks_matches_one_process(
+    name: str, launched: dict[str, Launched], one_process: Callable[..., Path]
+) -> None:
+    """Its parameters' metadata is all the engine needs to split it over tensor ranks (its
+    declared splits) and to shard it with ZeRO-3."""
+    single, double = one_process(*PLUGIN_MLP), launched[name].succeeded()
+    expected, got = logged(single, "loss"), logged(double, "loss")
+    assert sorted(got) == sorted(expected) == [1, 2, 3]
+    for step, value in expected.items():
+        assert got[step] == pytest.approx(value, rel=1e-5), step
