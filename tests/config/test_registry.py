@@ -12,7 +12,13 @@ from typing import Any, ClassVar
 import pytest
 
 from fastllm.config import ConfigError, TrainerConfig, build, registry
-from fastllm.config.model import MLPBaseConfig, NormalizationConfig, TransformerConfig
+from fastllm.config.model import (
+    LossConfig,
+    MixerConfig,
+    MLPBaseConfig,
+    NormalizationConfig,
+    TransformerConfig,
+)
 from fastllm.config.reference import reference
 from fastllm.config.section import check_positive
 from fastllm.config.yaml_io import dump_yaml
@@ -186,3 +192,37 @@ def test_config_show_prints_a_component_named_by_import_path() -> None:
     result = fastllm("config", "validate", f"{MLP_KEY}.type=no_such_package:MLP")
     assert result.returncode == 2
     assert f"{MLP_KEY}.type: type 'no_such_package:MLP' cannot be imported" in result.stderr
+
+
+class PlainMixerConfig(MixerConfig, tag="test_plain_mixer"):
+    """A test mixer of another package that declares nothing."""
+
+    def num_parameters(self, transformer: TransformerConfig) -> int:
+        return 0
+
+
+class PlainLossConfig(LossConfig, tag="test_plain_loss"):
+    """A test loss of another package that declares nothing."""
+
+
+def test_what_a_mixer_or_a_loss_must_handle_is_refused_until_it_says_it_does() -> None:
+    mixer = {"model": {"base_model": {"transformer": {"mixer": {"type": "test_plain_mixer"}}}}}
+    build(TrainerConfig, mixer)
+    distributed = {"sequence_data_parallel": 2}
+    with pytest.raises(ConfigError) as caught:
+        build(TrainerConfig, {"model": {**mixer["model"], "distributed": distributed}})
+    assert caught.value.path == "model.base_model.transformer.mixer"
+    assert "model.distributed.sequence_data_parallel=2" in caught.value.message
+    with pytest.raises(ConfigError, match=r"schedule\.micro_batch_splits=2"):
+        build(TrainerConfig, {**mixer, "schedule": {"micro_batch_splits": 2}})
+    loss = {"type": "test_plain_loss"}
+    raw = {
+        "base_model": {"head": {"losses": {"mine": loss}}},
+        "distributed": {"tensor_parallel": 2},
+    }
+    with pytest.raises(ConfigError) as caught:
+        build(TrainerConfig, {"model": raw})
+    assert caught.value.path == "model.base_model.head.losses.mine"
+    assert "the head's vocabulary is split over the tensor ranks" in caught.value.message
+    label = {"base_model": {"head": {"losses": {"label": {}}}, "transformer": {"head_groups": 2}}}
+    build(TrainerConfig, {"model": {**label, "distributed": {"tensor_parallel": 2}}})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import msgspec
 
@@ -121,6 +121,14 @@ class MixerConfig(Component):
     contract)."""
 
     point = "mixer"
+    # Refused unless a mixer says it handles them (as attention does): it would otherwise see
+    # only part of each sequence, silently.
+    unsupported_settings: ClassVar[dict[str, str]] = {
+        "model.distributed.sequence_data_parallel": "each rank holds a chunk of each sequence, "
+        "whose earlier chunks a mixer gathers itself (parallel/sequence_data.py)",
+        "schedule.micro_batch_splits": "each piece of a sequence reads the earlier pieces "
+        "through the mixer's cache argument",
+    }
 
     def num_parameters(self, transformer: TransformerConfig) -> int:
         """One block's mixer parameters (for the counts the run reports and its FLOPs)."""
@@ -132,6 +140,7 @@ class AttentionConfig(MixerConfig, tag="attention"):
     kv_channels, window_size, query_norm, key_norm, rotary)."""
 
     implementation = "fastllm.model.attention:attention_mixer"
+    unsupported_settings: ClassVar[dict[str, str]] = {}
 
     def num_parameters(self, transformer: TransformerConfig) -> int:
         t = transformer
@@ -398,6 +407,12 @@ class LossConfig(Component):
     `loss(config, model, hidden, targets)` (model/head_losses.py says the contract)."""
 
     point = "head_loss"
+    # Refused unless a loss says it handles it (as fastllm's do): it would otherwise compute on
+    # this rank's part of the vocabulary as if it were all of it, silently.
+    unsupported_settings: ClassVar[dict[str, str]] = {
+        "model.distributed.tensor_parallel": "the head's vocabulary is split over the tensor "
+        "ranks (the vocab-parallel forms of parallel/vocab_parallel_losses.py)"
+    }
 
     weight: float = 1.0
     """Its weight in the total the model is trained on."""
@@ -415,17 +430,23 @@ class LabelLossConfig(LossConfig, tag="label"):
     """Next-token cross-entropy against the labels (the fused chunked head), averaged over the
     trained tokens of the global batch."""
 
+    unsupported_settings: ClassVar[dict[str, str]] = {}
+
 
 class ZLossConfig(LossConfig, tag="z_loss"):
     """The z-loss (PaLM): the mean over the trained tokens (those the label loss counts) of
     logsumexp(logits)², which keeps the head's log-normalizer near zero; from the label loss's
     own pass over the logits (typical weights: 1e-4)."""
 
+    unsupported_settings: ClassVar[dict[str, str]] = {}
+
 
 class DistillationLossConfig(LossConfig, tag="distillation"):
     """The divergence between a teacher's (a reference model's) next-token distribution and
     the model's, both at `temperature`, averaged over the trained tokens; neither model's
     logits exist whole (the fused chunked head)."""
+
+    unsupported_settings: ClassVar[dict[str, str]] = {}
 
     reference_model: str = "teacher"
     """The teacher, a name of `reference_models`; its vocabulary must be the model's."""
@@ -450,6 +471,8 @@ class DPOLossConfig(LossConfig, tag="dpo"):
     the chosen over the rejected answer minus the reference model's; the sequence
     log-probabilities from the fused chunked head. Logs TRL's metrics (rewards/chosen,
     rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen, logps/rejected)."""
+
+    unsupported_settings: ClassVar[dict[str, str]] = {}
 
     reference_model: str = "reference"
     """The reference model, a name of `reference_models` (usually the model it starts from)."""
