@@ -8,7 +8,7 @@ implementation, called as `loss(config, model, hidden, targets)`: `hidden` (toke
 are the final-normed hidden states of this rank's micro-batch (or piece), `targets.labels`
 their next-token labels (`labels.reshape(-1)` matches the rows; IGNORED: no loss),
 `model.head_weight` the head (vocab-split over `model.tensor` under tensor parallelism, which
-a loss that needs the whole vocabulary refuses through its config's `unsupported_settings`).
+`LossConfig` refuses unless a loss's `unsupported_settings` say it handles it).
 It returns the mean over the trained tokens, a differentiable scalar; the caller weights it
 by its `weight` and the micro-batch's share of the trained tokens of the batch."""
 

@@ -39,7 +39,11 @@ def normalization(
     """The layer of `config`'s component over `size` features (`tensor_partial`: as
     `Normalization` says)."""
     layer = registry.implementation(config)(config, size, tensor_partial=tensor_partial)
-    assert isinstance(layer, NormalizationLayer), f"{type(layer)} is not a NormalizationLayer"
+    if not isinstance(layer, NormalizationLayer):
+        raise TypeError(
+            f"normalization type {registry.name_of(type(config))!r} built a "
+            f"{type(layer).__qualname__}, not a NormalizationLayer (model/normalization.py)"
+        )
     return layer
 
 
