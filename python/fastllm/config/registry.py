@@ -1,15 +1,16 @@
 """The components a config chooses with `type:`, by extension point, open to code outside fastllm.
 
 An extension point is a config base class that declares `point` (`NormalizationConfig`,
-`MLPConfig`, `LossConfig`, …). A component is a subclass with a msgspec tag, its name: defining
-it registers it (built-ins and plugins alike). A `type:` value is found among the components
-registered so far, then in the entry points of the group `fastllm.POINT` of the installed
-packages (`squared_relu = my_plugin.mlp:SquaredReLUConfig`), then read as an import path
-(`my_plugin.mlp:SquaredReLUConfig`); the entry point or module is imported only then.
+`MLPBaseConfig`, `LossConfig`, …). A component is a subclass with a msgspec tag, its name:
+defining it registers it (fastllm's and other packages' alike). A `type:` value is found among
+the components defined so far, then in the entry points of the group `fastllm.POINT` of the
+installed packages (`squared_relu = my_plugin.config:SquaredReLUConfig`), then read as an
+import path (`my_plugin.config:SquaredReLUConfig`); the entry point or module is imported only
+then. docs/extending.md is the user's guide.
 
 The config is all this package knows: a component's runtime part (a torch module, a loss
-function) is named by its `implementation`, an import path the model or the engine imports
-(`implementation` below), so that config never imports torch.
+function) is named by its `implementation`, an import path that the model or the engine
+imports, so that config never imports torch.
 """
 
 from __future__ import annotations
