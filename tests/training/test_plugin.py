@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from fastllm.config import TrainerConfig, build, load_raw
+from fastllm.model.normalization import NoNormalization
 from fastllm.training.trainer import Trainer
 from tests.conftest import ROOT
 from tests.data.conftest import run_cli
@@ -55,11 +56,16 @@ def installed() -> None:
         pytest.fail("the example plugin is not installed: pip install ./examples/plugin")
 
 
-def test_the_plugins_loss_is_torchs_label_smoothed_cross_entropy_of_its_mlps_model(
-    dataset: Path, tmp_path: Path
-) -> None:
+def test_the_plugins_mlp_and_loss_compute_what_torch_does(dataset: Path, tmp_path: Path) -> None:
     run = plugin_trainer(dataset, tmp_path / "run", "training.train_iters=1")
-    assert type(run.engine.model.layers[0].mlp).__name__ == "SquaredReLUMLP"
+    mlp = run.engine.model.layers[0].mlp
+    assert type(mlp).__name__ == "SquaredReLUMLP"
+    x = torch.randn(2, 5, mlp.layer_1.in_features, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out, auxiliary = mlp(x, NoNormalization())
+        expected = F.relu(x @ mlp.layer_1.weight.T).square() @ mlp.layer_2.weight.T
+    torch.testing.assert_close(out, expected)
+    assert auxiliary is None
     batches = next(iter(run.data_loader()))
     with torch.no_grad():  # the weights the step starts from
         logits = torch.cat([run.engine.model(b.input_ids).float().flatten(0, 1) for b in batches])
