@@ -31,7 +31,6 @@ MLP_KEY = "model.base_model.transformer.mlp"
 class WideMLPConfig(MLPBaseConfig, tag="test_wide_mlp"):
     """A test MLP of another package."""
 
-    implementation = "tests.config.test_registry:no_layer"
     unsupported_settings: ClassVar[dict[str, str]] = {
         "model.distributed.pipeline_parallel": "a test says so"
     }

@@ -228,7 +228,13 @@ def check_settings(config: msgspec.Struct, defaults: msgspec.Struct) -> None:
     `unsupported_settings` are not at their value in `defaults` (the root's defaults)."""
     for key, component in components(config):
         for setting, reason in type(component).unsupported_settings.items():
-            value, default = _setting(config, setting), _setting(defaults, setting)
+            try:
+                value, default = _setting(config, setting), _setting(defaults, setting)
+            except AttributeError:
+                raise TypeError(
+                    f"{type(component).__qualname__}.unsupported_settings names {setting!r}, "
+                    "which is no config key"
+                ) from None
             if value != default:
                 raise ConfigError(
                     key,
