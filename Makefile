@@ -22,7 +22,7 @@ WHEEL_PLATFORMS := $(foreach p,manylinux_2_28_x86_64 manylinux_2_17_x86_64 manyl
 
 .PHONY: setup demo test fuzz lint format wheel reference docs clean
 
-setup: $(VENV)/.fastllm
+setup: $(VENV)/.fastllm $(VENV)/.plugin
 
 # Third-party packages: torch (a CUDA build from PyPI; it runs on the CPU too), triton, …
 $(VENV)/.requirements: requirements.txt
@@ -38,6 +38,12 @@ $(VENV)/.requirements: requirements.txt
 $(VENV)/.fastllm: $(VENV)/.requirements pyproject.toml kernels/pyproject.toml $(RUST_SOURCES)
 	$(BIN)/python -m pip install -q --no-deps --no-build-isolation -e ./kernels
 	$(BIN)/maturin develop --release --quiet 2>&1 | sed "/^Requirement already satisfied/d"
+	touch $@
+
+# The example plugin (examples/plugin), installed as a user installs theirs: the tests train with it.
+PLUGIN_SOURCES := $(shell find examples/plugin -name '*.py' -not -path '*/build/*') examples/plugin/pyproject.toml
+$(VENV)/.plugin: $(VENV)/.fastllm $(PLUGIN_SOURCES)
+	$(BIN)/python -m pip install -q --no-deps --no-build-isolation ./examples/plugin
 	touch $@
 
 demo: setup

@@ -24,6 +24,7 @@ PAGES = [
     "guarantees.md",
     "support.md",
     "architecture.md",
+    "extending.md",
 ]
 CODE = re.compile(r"`([^`\n]+)`")
 TOP_LEVEL = ("bench/", "python/", "kernels/", "rust/", "tests/", "examples/")

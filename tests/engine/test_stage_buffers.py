@@ -7,8 +7,8 @@ import copy
 import pytest
 import torch
 
-from fastllm.config import TrainerConfig, load_config
-from fastllm.config.training import LearningRateConfig
+from fastllm.config import TrainerConfig, load_config, registry
+from fastllm.config.training import CosineLearningRateConfig
 from fastllm.engine.learning_rate import learning_rate, phased_learning_rate
 from fastllm.engine.model_stages import ModelStages
 from fastllm.engine.optimizer import AdamW
@@ -77,7 +77,7 @@ def test_float32_steps_match_torch_adamw_with_clipping_and_decay_groups(
         lr=1.0, betas=(opt.beta_1, opt.beta_2), eps=opt.epsilon,
     )  # fmt: skip
     ours = AdamW(stages, opt)
-    schedule = LearningRateConfig(base=1e-2, warmup_iterations=2, decay_style="cosine")
+    schedule = CosineLearningRateConfig(base=1e-2, warmup_iterations=2)
     generator = torch.Generator().manual_seed(1)
     for step in range(4):
         ids = torch.randint(0, 61, (2, 2, 9), generator=generator)
@@ -185,7 +185,8 @@ def test_a_step_with_non_finite_gradients_is_skipped() -> None:
 
 @pytest.mark.parametrize("style", ["constant", "linear", "cosine", "wsd"])
 def test_schedules_warm_up_then_reach_their_minimum(style: str) -> None:
-    config = LearningRateConfig(base=1.0, warmup_iterations=4, decay_style=style, minimum=0.1)
+    schedule = registry.lookup("learning_rate", style, "optimizer.learning_rate.decay_style")
+    config = schedule(base=1.0, warmup_iterations=4, minimum=0.1)
     rates = [learning_rate(config, step, 20) for step in range(20)]
     assert rates[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
     assert max(rates) == pytest.approx(1.0)

@@ -13,7 +13,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastllm.config import TrainerConfig
+from fastllm.config import TrainerConfig, registry
 from tests.data.conftest import run_cli
 from tests.fuzz.conftest import examples, no_hang
 
@@ -30,11 +30,17 @@ def _struct(tp: Any) -> bool:
 
 def config_keys(cls: type[msgspec.Struct], prefix: str = "", needs: tuple[str, ...] = ()) -> list:
     """(key, its field type, the overrides that make the key exist) of every leaf under `cls`:
-    a tagged variant's keys need its `type`, a list of sections' keys their first item."""
+    a tagged variant's keys need its `type` (an extension point's variants: its components), a
+    list of sections' keys their first item."""
     keys = []
     for field in msgspec.structs.fields(cls):
         key = f"{prefix}{field.encode_name}"
-        structs = [v for v in _variants(field.type) if _struct(v)]
+        structs = [  # an extension point's: fastllm's components
+            component
+            for v in _variants(field.type)
+            if _struct(v)
+            for component in (registry.builtins(v.point).values() if registry.is_point(v) else [v])
+        ]
         if not structs:
             keys.append((key, field.type, needs))
         for struct in structs:

@@ -33,7 +33,7 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from fastllm import _native
-from fastllm.config import BaseModelConfig, ConfigError, build
+from fastllm.config import BaseModelConfig, ConfigError, build, registry
 from fastllm.model.parameters import TensorSplit
 
 MANIFEST = "manifest.json"
@@ -108,6 +108,9 @@ class Snapshot:
     """step, optimizer_steps, consumed_samples, skipped_steps, loss_scaler (checkpoints)."""
     extra: dict[str, Tensor] = field(default_factory=dict)
     """Tensors of this rank only, such as the RNG states."""
+    components: dict[str, dict[str, str]] = field(default_factory=dict)
+    """The components of other packages that `config` chooses (`registry.record`): reading
+    it needs them installed."""
 
     def manifest(self) -> dict[str, Any]:
         state = self.state
@@ -132,6 +135,7 @@ class Snapshot:
             "pipeline_parallel": state.pipeline_size,
             "world_size": state.tensor_size * state.data_size * state.pipeline_size,
             "config": self.config,
+            "components": self.components,
         }
 
 
@@ -245,6 +249,7 @@ class SavedCheckpoint:
         return self.manifest
 
     def model_config(self) -> BaseModelConfig:
+        registry.require(self.manifest.get("components", {}), str(self.directory / MANIFEST))
         try:
             raw = self.manifest["config"]["model"]["base_model"]
             return build(BaseModelConfig, raw)

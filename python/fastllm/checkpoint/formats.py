@@ -28,7 +28,7 @@ from fastllm.checkpoint.errors import WriteStopped
 from fastllm.checkpoint.hf_config import from_hf_config, to_hf_config
 from fastllm.checkpoint.hf_weights import rules
 from fastllm.checkpoint.safetensors_io import SafetensorsReader, ShardedWriter
-from fastllm.config import BaseModelConfig, ConfigError, build
+from fastllm.config import BaseModelConfig, ConfigError, build, registry
 from fastllm.config.model import LoRAConfig, TransformerConfig
 from fastllm.config.yaml_io import load_yaml_file
 
@@ -148,6 +148,8 @@ def open_model(directory: str | Path, expected_format: str | None = None) -> Mod
         source = ModelSource(directory, "distributed", saved.model_config(), distributed=saved)
     elif (directory / "config.yaml").is_file():
         raw = load_yaml_file(directory / "config.yaml")
+        if isinstance(raw, dict):
+            registry.require(raw.get("components") or {}, str(directory / "config.yaml"))
         try:
             base_raw = raw["model"]["base_model"]
         except (KeyError, TypeError):
@@ -191,15 +193,22 @@ _LATER_TRANSFORMER_KEYS = (
     "window_rotary",
     "attention_scale",
     "scale_embeddings",
+    "mixer",
+    "mlp",
 )
 """Keys of `transformer` that fastllm-format configs have had since QK-norm and post-norms
-(and Gemma 3's options)."""
+(and Gemma 3's options; mixer and mlp: since they are components)."""
 
 
 def _omit_later_defaults(transformer: dict[str, Any]) -> None:
     """`_LATER_TRANSFORMER_KEYS` (and a norm's zero_centered) left out at their defaults, as a
     model without those features has always been written."""
-    defaults = {f.name: f.default for f in msgspec.structs.fields(TransformerConfig)}
+    defaults = {
+        f.name: f.default
+        if f.default_factory is msgspec.NODEFAULT
+        else msgspec.to_builtins(f.default_factory())
+        for f in msgspec.structs.fields(TransformerConfig)
+    }
     for key in _LATER_TRANSFORMER_KEYS:
         if transformer[key] == defaults[key]:
             del transformer[key]
@@ -261,7 +270,9 @@ def write_model(
         if not lora:  # as a model without adapters has always been written
             del base_model["peft"]
         _omit_later_defaults(base_model["transformer"])
-        section = {"model": {"base_model": base_model}}
+        section: dict[str, Any] = {"model": {"base_model": base_model}}
+        if components := registry.record(source.config):
+            section["components"] = components  # what reading it needs installed
         (output / "config.yaml").write_text(yaml.safe_dump(section, sort_keys=False))
         metadata = {"format": "fastllm", "hf_config": source.hf_config}
         (output / "metadata.json").write_text(json.dumps(metadata, indent=2) + "\n")

@@ -8,6 +8,8 @@
   training, batch, optimizer) and `schedule`; `resume_changes`: what a resumed run changed.
 - `prepare`, `convert`: the configs of `fastllm prepare`, `tokenizer train` and `convert`;
   `formats`: the model formats fastllm reads and writes.
+- `registry`: the components every `type:` chooses among, fastllm's and other packages'
+  (extension points, entry points, import paths).
 - `reference`: the generated reference pages (the config keys from the field docs, the
   `layout.COMPATIBILITY` table).
 

@@ -4,8 +4,9 @@ name and at its own interval, in Fast-LLM's shape:
 or `evaluator: {type: lm_eval, tasks, …}` (lm-evaluation-harness tasks, the class that
 `fastllm evaluate`'s evaluators are too).
 
-An evaluator type is a variant of `EvaluatorConfig` (its `type`), listed in `Evaluator`, with
-one runner in `fastllm.training.evaluators`."""
+An evaluator type is a component of the extension point `evaluator` (a subclass of
+`EvaluatorConfig`, config/registry.py), whose implementation (an `Evaluation` of
+`fastllm.training.evaluators`) is built as `Evaluation(trainer, name, schedule, config)`."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from fastllm.config.registry import Component
 from fastllm.config.section import ConfigError, Section, check_non_negative, check_positive
 
 if TYPE_CHECKING:
@@ -23,13 +25,17 @@ VALIDATION = "validation"
 """The name of `training.validation`'s evaluator (its loss is validation_loss)."""
 
 
-class EvaluatorConfig(Section, tag_field="type"):
+class EvaluatorConfig(Component):
     """What an evaluator measures, by its `type`."""
+
+    point = "evaluator"
 
 
 class LossEvaluatorConfig(EvaluatorConfig, tag="loss"):
     """The mean loss over the trained tokens of a held-out dataset of `data.datasets`, on the
     model being trained (forward passes only, under the run's layout)."""
+
+    implementation = "fastllm.training.evaluators:loss_evaluation"
 
     iterations: int = 10
     """Batches (of batch.batch_size sequences) per evaluation."""
@@ -47,6 +53,8 @@ class LossEvaluatorConfig(EvaluatorConfig, tag="loss"):
 class LmEvalEvaluatorConfig(EvaluatorConfig, tag="lm_eval"):
     """Tasks of EleutherAI's lm-evaluation-harness, run on the model (in training: the model
     being trained, in place, its documents split over the data-parallel ranks)."""
+
+    implementation = "fastllm.training.evaluators:LmEvalEvaluation"
 
     tasks: list[str] = msgspec.field(default_factory=list)
     """Task (or group) names, as lm-eval's `--tasks` takes them."""
@@ -84,8 +92,8 @@ class LmEvalEvaluatorConfig(EvaluatorConfig, tag="lm_eval"):
             )
 
 
-Evaluator = LossEvaluatorConfig | LmEvalEvaluatorConfig
-"""Every evaluator type (a union of the variants, chosen by `type`; default loss)."""
+Evaluator = EvaluatorConfig
+"""Any evaluator type (a component of the `evaluator` point, chosen by `type`; default loss)."""
 
 
 class TrainingEvaluatorConfig(Section):

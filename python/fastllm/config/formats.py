@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from fastllm.config import registry
+
 if TYPE_CHECKING:
     from fastllm.config.model import BaseModelConfig
 
@@ -151,6 +153,10 @@ def inexpressible(config: BaseModelConfig, architecture: str) -> str | None:
     """Why `architecture` cannot express the model `config` describes (its first setting that
     the architecture has no field for), or None when it can."""
     t, can = config.transformer, EXPRESSIBLE[architecture]
+    for key, component in registry.components(t):
+        if not registry.is_builtin(type(component)):
+            name = registry.name_of(type(component))
+            return f"model.base_model.transformer.{key}.type is {name!r} (not fastllm's)"
     norm = t.normalization.__struct_config__.tag
     shared = t.num_shared_experts > 0
     biases = " or ".join(sorted(_BIAS_NAMES[b] for b in can.biases))

@@ -4,15 +4,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
 import msgspec
 
 from fastllm.config.layout import num_stages
+from fastllm.config.registry import Component
 from fastllm.config.section import ConfigError, Section, check_non_negative, check_positive
 
 
-class NormalizationConfig(Section, tag_field="type"):
+class NormalizationConfig(Component):
+    """A normalization layer (extension point `normalization`). Its implementation is built as
+    `Layer(config, size, tensor_partial=…)` (model/normalization.py says the contract)."""
+
+    point = "normalization"
+
     epsilon: float = 1e-5
     """Added to the variance before the square root."""
     zero_centered: bool = False
@@ -22,29 +28,46 @@ class NormalizationConfig(Section, tag_field="type"):
     def validate(self) -> None:
         check_positive(self.epsilon, "epsilon")
 
+    def num_parameters(self, size: int) -> int:
+        """Its parameters over `size` features."""
+        return size
+
 
 class RMSNormConfig(NormalizationConfig, tag="rms_norm"):
     """RMSNorm (Llama, Mistral, Mixtral, Qwen2, Qwen3, OLMo 2, Gemma 3): scale only."""
+
+    implementation = "fastllm.model.normalization:Normalization"
 
 
 class LayerNormConfig(NormalizationConfig, tag="layer_norm"):
     """LayerNorm (StarCoder2): mean subtracted, scale and bias."""
 
+    implementation = "fastllm.model.normalization:Normalization"
 
-class RotaryConfig(Section, tag_field="type"):
-    """Rotary position embedding."""
+    def num_parameters(self, size: int) -> int:
+        return 2 * size
 
 
-class NoRotaryConfig(RotaryConfig, tag="none"):
-    """No rotary embedding: the model has no position information."""
+class RotaryConfig(Component):
+    """Rotary position embedding (extension point `rotary`). Its implementation is built as
+    `Tables(config, head_size)` and called with the position ids, giving the (cos, sin) tables
+    attention rotates the queries and keys by (model/rotary.py)."""
+
+    point = "rotary"
 
 
 class DefaultRotaryConfig(RotaryConfig, tag="default"):
+    implementation = "fastllm.model.rotary:RotaryTables"
+
     theta: float = 10000.0
     """Base of the rotary frequencies."""
 
     def validate(self) -> None:
         check_positive(self.theta, "theta")
+
+
+class NoRotaryConfig(RotaryConfig, tag="none"):
+    """No rotary embedding: the model has no position information."""
 
 
 class Llama3RotaryConfig(DefaultRotaryConfig, tag="llama3"):
@@ -102,18 +125,85 @@ Activation = Literal["silu", "gelu", "relu", "squared_relu"]
 LinearBiases = bool | Literal["nowhere", "everywhere", "only_attn_qkv"]
 NormalizationPlacement = Literal["pre", "post", "sandwich"]
 QueryKeyNormScope = Literal["head", "projection"]
-Rotary = (
-    DefaultRotaryConfig
-    | NoRotaryConfig
-    | Llama3RotaryConfig
-    | YarnRotaryConfig
-    | LinearRotaryConfig
-)
-"""Every rotary type (a union of the variants, chosen by `type`; default without one)."""
+
+
+class MixerConfig(Component):
+    """What mixes the tokens of a block (extension point `mixer`). Its implementation is built
+    as `Layer(config, transformer, layer_index, mesh, lora)` (model/block.py says the
+    contract)."""
+
+    point = "mixer"
+    # Refused unless a mixer says it handles them (as attention does): it would otherwise see
+    # only part of each sequence, silently.
+    unsupported_settings: ClassVar[dict[str, str]] = {
+        "model.distributed.sequence_data_parallel": "each rank holds a chunk of each sequence, "
+        "whose earlier chunks a mixer gathers itself (parallel/sequence_data.py)",
+        "schedule.micro_batch_splits": "each piece of a sequence reads the earlier pieces "
+        "through the mixer's cache argument",
+    }
+
+    def num_parameters(self, transformer: TransformerConfig) -> int:
+        """One block's mixer parameters (for the counts the run reports and its FLOPs)."""
+        raise NotImplementedError(f"{type(self).__name__}.num_parameters")
+
+
+class AttentionConfig(MixerConfig, tag="attention"):
+    """Causal self-attention as the transformer's keys describe it (heads, head_groups,
+    kv_channels, window_size, query_norm, key_norm, rotary)."""
+
+    implementation = "fastllm.model.attention:attention_mixer"
+    unsupported_settings: ClassVar[dict[str, str]] = {}
+
+    def num_parameters(self, transformer: TransformerConfig) -> int:
+        t = transformer
+        assert t.kv_channels is not None, "validate() first"
+        h = t.hidden_size
+        q_size, kv_size = t.num_attention_heads * t.kv_channels, t.head_groups * t.kv_channels
+        count = h * (q_size + 2 * kv_size) + q_size * h
+        if t.biases_in_attention_qkv:
+            count += q_size + 2 * kv_size
+        return count + (h if t.biases_elsewhere else 0)
+
+
+class MLPBaseConfig(Component):
+    """The MLP of a block (extension point `mlp`). Its implementation is built as
+    `Layer(config, transformer, mesh, lora)` (model/block.py says the contract)."""
+
+    point = "mlp"
+
+    def num_parameters(self, transformer: TransformerConfig, *, active: bool = False) -> int:
+        """One block's MLP parameters; with `active`, those one token uses."""
+        raise NotImplementedError(f"{type(self).__name__}.num_parameters")
+
+
+class MLPConfig(MLPBaseConfig, tag="mlp"):
+    """The MLP the transformer's keys describe: dense (ffn_hidden_size, gated,
+    activation_type) or, with num_experts > 1, a mixture of experts."""
+
+    implementation = "fastllm.model.mlp:mlp_layer"
+
+    def num_parameters(self, transformer: TransformerConfig, *, active: bool = False) -> int:
+        t = transformer
+        assert t.ffn_hidden_size is not None, "validate() first"
+        h = t.hidden_size
+        inputs = 2 if t.gated else 1
+        expert = inputs * h * t.ffn_hidden_size + t.ffn_hidden_size * h
+        if t.num_experts == 1:
+            return expert + (inputs * t.ffn_hidden_size + h if t.biases_elsewhere else 0)
+        # experts have no biases (validate)
+        experts = t.num_experts_per_token if active else t.num_experts
+        router = h * t.num_experts + (h if t.shared_expert_gate else 0)
+        return (experts + t.num_shared_experts) * expert + router
 
 
 class TransformerConfig(Section):
-    normalization: RMSNormConfig | LayerNormConfig = msgspec.field(default_factory=RMSNormConfig)
+    mixer: MixerConfig = msgspec.field(default_factory=AttentionConfig)
+    """What mixes the tokens in each block (Fast-LLM's key): attention, or a component of
+    another package."""
+    mlp: MLPBaseConfig = msgspec.field(default_factory=MLPConfig)
+    """The MLP of each block (Fast-LLM's key): mlp, the one the keys below describe, or a
+    component of another package."""
+    normalization: NormalizationConfig = msgspec.field(default_factory=RMSNormConfig)
     """Normalization of the blocks (where `normalization_placement` says) and before the head."""
     normalization_placement: NormalizationPlacement = "pre"
     """Where each block normalizes: pre, the input of attention and of the MLP (Llama and most
@@ -121,10 +211,10 @@ class TransformerConfig(Section):
     normalized itself but before the head (OLMo 2); sandwich, both (Gemma 2 and 3). (Fast-LLM
     has a normalization config for each of the four places: pre_mixer_normalization,
     post_mixer_normalization, pre_mlp_normalization, post_mlp_normalization.)"""
-    query_norm: RMSNormConfig | LayerNormConfig | None = None
+    query_norm: NormalizationConfig | None = None
     """Normalization of the queries after their projection and before rotary (QK-norm:
     Qwen3, OLMo 2, Gemma 3), over what `query_key_norm_scope` says; null: not normalized."""
-    key_norm: RMSNormConfig | LayerNormConfig | None = None
+    key_norm: NormalizationConfig | None = None
     """Normalization of the keys after their projection and before rotary, as `query_norm`."""
     query_key_norm_scope: QueryKeyNormScope = "head"
     """What `query_norm` and `key_norm` normalize: head, each head over its kv_channels, one
@@ -132,7 +222,7 @@ class TransformerConfig(Section):
     heads of the projection together, one weight over all of them (OLMo 2; rms_norm only).
     Under tensor parallelism each rank holds some heads: their mean square over all heads is
     summed over the tensor ranks."""
-    rotary: Rotary = msgspec.field(default_factory=DefaultRotaryConfig)
+    rotary: RotaryConfig = msgspec.field(default_factory=DefaultRotaryConfig)
     """Rotary position embedding of queries and keys (of the global blocks only when
     `window_rotary` is set)."""
     num_layers: int = 12
@@ -161,7 +251,7 @@ class TransformerConfig(Section):
     """With window_size: every this-many-th block (blocks interval - 1, 2 × interval - 1, …,
     counted from 0) attends to the whole causal context and the others slide (Gemma 3: 6,
     Hugging Face's sliding_window_pattern); none: every block slides."""
-    window_rotary: Rotary | None = None
+    window_rotary: RotaryConfig | None = None
     """Rotary of the sliding blocks when global_attention_interval mixes them with global
     ones, `rotary` being the global blocks' (Gemma 3: theta 10000 here, 1e6 with linear
     scaling 8 there); none: `rotary` in every block."""
@@ -234,6 +324,12 @@ class TransformerConfig(Section):
         if self.shared_expert_gate and not self.num_shared_experts:
             raise ConfigError("shared_expert_gate", "needs num_shared_experts > 0")
         self._validate_query_key_norms()
+        if self.num_experts > 1 and not isinstance(self.mlp, MLPConfig):
+            raise ConfigError(
+                "num_experts",
+                f"is {self.num_experts}: a mixture of experts is mlp type mlp's, and mlp has "
+                f"type {self.mlp.__struct_config__.tag!r}",
+            )
         if self.num_experts > 1 and self.biases_elsewhere:
             raise ConfigError(
                 "add_linear_biases",
@@ -274,12 +370,13 @@ class TransformerConfig(Section):
                 f"is {self.query_key_norm_scope!r} but neither query_norm nor key_norm is set",
             )
         for key, norm in norms.items():
-            if isinstance(norm, LayerNormConfig):
+            if norm is not None and not isinstance(norm, RMSNormConfig):
                 raise ConfigError(
                     key,
-                    "layer_norm over the whole projection (query_key_norm_scope: projection) "
-                    "is not supported (its mean would need a second reduction over the tensor "
-                    "ranks; OLMo 2's is an rms_norm): use rms_norm, or scope head",
+                    f"{norm.__struct_config__.tag} over the whole projection "
+                    "(query_key_norm_scope: projection) is not supported (only rms_norm sums "
+                    "its mean square over the tensor ranks; OLMo 2's is an rms_norm): use "
+                    "rms_norm, or scope head",
                 )
 
     @property
@@ -355,8 +452,18 @@ class LoRAConfig(PeftConfig, tag="lora"):
         return self.alpha / self.rank
 
 
-class LossConfig(Section, tag_field="type"):
-    """One loss of the head (Fast-LLM's `losses` entries), by its `type`."""
+class LossConfig(Component):
+    """One loss of the head (Fast-LLM's `losses` entries), by its `type` (extension point
+    `head_loss`). The implementation of a loss of another package is a function called as
+    `loss(config, model, hidden, targets)` (model/head_losses.py says the contract)."""
+
+    point = "head_loss"
+    # Refused unless a loss says it handles it (as fastllm's do): it would otherwise compute on
+    # this rank's part of the vocabulary as if it were all of it, silently.
+    unsupported_settings: ClassVar[dict[str, str]] = {
+        "model.distributed.tensor_parallel": "the head's vocabulary is split over the tensor "
+        "ranks (the vocab-parallel forms of parallel/vocab_parallel_losses.py)"
+    }
 
     weight: float = 1.0
     """Its weight in the total the model is trained on."""
@@ -374,17 +481,23 @@ class LabelLossConfig(LossConfig, tag="label"):
     """Next-token cross-entropy against the labels (the fused chunked head), averaged over the
     trained tokens of the global batch."""
 
+    unsupported_settings: ClassVar[dict[str, str]] = {}
+
 
 class ZLossConfig(LossConfig, tag="z_loss"):
     """The z-loss (PaLM): the mean over the trained tokens (those the label loss counts) of
     logsumexp(logits)², which keeps the head's log-normalizer near zero; from the label loss's
     own pass over the logits (typical weights: 1e-4)."""
 
+    unsupported_settings: ClassVar[dict[str, str]] = {}
+
 
 class DistillationLossConfig(LossConfig, tag="distillation"):
     """The divergence between a teacher's (a reference model's) next-token distribution and
     the model's, both at `temperature`, averaged over the trained tokens; neither model's
     logits exist whole (the fused chunked head)."""
+
+    unsupported_settings: ClassVar[dict[str, str]] = {}
 
     reference_model: str = "teacher"
     """The teacher, a name of `reference_models`; its vocabulary must be the model's."""
@@ -409,6 +522,8 @@ class DPOLossConfig(LossConfig, tag="dpo"):
     the chosen over the rejected answer minus the reference model's; the sequence
     log-probabilities from the fused chunked head. Logs TRL's metrics (rewards/chosen,
     rewards/rejected, rewards/accuracies, rewards/margins, logps/chosen, logps/rejected)."""
+
+    unsupported_settings: ClassVar[dict[str, str]] = {}
 
     reference_model: str = "reference"
     """The reference model, a name of `reference_models` (usually the model it starts from)."""
@@ -438,8 +553,8 @@ class DPOLossConfig(LossConfig, tag="dpo"):
         return {self.reference_model}
 
 
-Loss = LabelLossConfig | ZLossConfig | DistillationLossConfig | DPOLossConfig
-"""Every loss type (a union of the variants, chosen by `type`)."""
+Loss = LossConfig
+"""Any loss type (a component of the `head_loss` point, chosen by `type`)."""
 
 
 class HeadConfig(Section):
@@ -487,6 +602,8 @@ class BaseModelConfig(Section):
     def validate(self) -> None:
         check_positive(self.vocab_size, "vocab_size")
         peft = self.peft
+        if isinstance(peft, LoRAConfig):
+            self._check_adapted_layers(peft)
         if isinstance(peft, LoRAConfig) and self.transformer.num_experts > 1:
             mlp = [layer for layer in peft.layers if layer in ("mlp_1", "mlp_2")]
             if mlp:
@@ -494,6 +611,22 @@ class BaseModelConfig(Section):
                     "peft.layers",
                     f"{mlp}: LoRA on the MLPs of a mixture of experts is not supported yet "
                     f"(num_experts {self.transformer.num_experts}); adapt attention only",
+                )
+
+    def _check_adapted_layers(self, lora: LoRAConfig) -> None:
+        """LoRA adapts the projections of the built-in attention and MLP only."""
+        t = self.transformer
+        for layers, component, builtin in (
+            (("query", "key", "value", "dense"), t.mixer, AttentionConfig),
+            (("mlp_1", "mlp_2"), t.mlp, MLPConfig),
+        ):
+            adapted = [layer for layer in lora.adapted() if layer in layers]
+            if adapted and not isinstance(component, builtin):
+                raise ConfigError(
+                    "peft.layers",
+                    f"{adapted}: LoRA adapts the projections of type "
+                    f"{builtin.__struct_config__.tag!r}, and transformer.{component.point} has "
+                    f"type {component.__struct_config__.tag!r}",
                 )
 
     def num_parameters(self, *, embeddings: bool = True, active: bool = False) -> int:
@@ -510,20 +643,10 @@ class BaseModelConfig(Section):
         assert t.kv_channels is not None and t.ffn_hidden_size is not None, "validate() first"
         h, kv = t.hidden_size, t.kv_channels
         q_size, kv_size = t.num_attention_heads * kv, t.head_groups * kv
-        attention = h * (q_size + 2 * kv_size) + q_size * h
-        if t.biases_in_attention_qkv:
-            attention += q_size + 2 * kv_size
-        if t.biases_elsewhere:
-            attention += h
+        attention = t.mixer.num_parameters(t)
+        mlp = t.mlp.num_parameters(t, active=active)
         mlp_inputs = 2 if t.gated else 1
-        expert = mlp_inputs * h * t.ffn_hidden_size + t.ffn_hidden_size * h
-        if t.num_experts == 1:
-            mlp = expert + (mlp_inputs * t.ffn_hidden_size + h if t.biases_elsewhere else 0)
-        else:  # experts have no biases (validate)
-            experts = t.num_experts_per_token if active else t.num_experts
-            router = h * t.num_experts + (h if t.shared_expert_gate else 0)
-            mlp = (experts + t.num_shared_experts) * expert + router
-        norm = 2 * h if isinstance(t.normalization, LayerNormConfig) else h
+        norm = t.normalization.num_parameters(h)
         block_norms = (t.pre_norms + t.post_norms) * 2 * norm
         block_norm_elements = block_norms
         for query_key_norm, heads in (
@@ -534,9 +657,8 @@ class BaseModelConfig(Section):
                 continue
             # per head: one weight (and bias) of kv_channels, scaling every head
             width = kv if t.query_key_norm_scope == "head" else heads * kv
-            vectors = 2 if isinstance(query_key_norm, LayerNormConfig) else 1
-            block_norms += vectors * width
-            block_norm_elements += vectors * heads * kv
+            block_norms += query_key_norm.num_parameters(width)
+            block_norm_elements += query_key_norm.num_parameters(heads * kv)
         adapters = 0
         if isinstance(self.peft, LoRAConfig):
             outputs = {

@@ -1,8 +1,9 @@
 """The generated pages of the documentation that the config package knows: the configuration
 reference (from the Structs and their field docs) and the table of settings that do not compose
 (from `layout.COMPATIBILITY`), so that neither can drift from the code.
-`python -m fastllm.config.reference [DIRECTORY]` rewrites them (`make reference`; default
-docs/reference); tests fail when a committed page is stale."""
+`python -m fastllm.config.reference [--plugins] [DIRECTORY]` rewrites them (`make reference`;
+default docs/reference; `--plugins` adds the components of the installed packages); tests fail
+when a committed page is stale."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from typing import Any
 
 import msgspec
 
+from fastllm.config import registry
 from fastllm.config.layout import COMPATIBILITY, Condition, Incompatibility
 from fastllm.config.section import Section
 from fastllm.config.trainer import TrainerConfig
@@ -63,6 +65,20 @@ def _is_struct(tp: Any) -> bool:
     return isinstance(tp, type) and issubclass(tp, msgspec.Struct)
 
 
+def _components(variants: list[Any], plugins: bool) -> list[Any]:
+    """`variants` with each extension point replaced by its components: fastllm's, and with
+    `plugins` those of the installed packages."""
+    found: list[Any] = []
+    for variant in variants:
+        if registry.is_point(variant):
+            point = variant.point
+            chosen = registry.installed(point) if plugins else registry.builtins(point)
+            found += chosen.values()
+        else:
+            found.append(variant)
+    return found
+
+
 def _type_name(tp: Any) -> str:
     if tp is type(None):
         return "null"
@@ -85,8 +101,8 @@ def _default_text(field: msgspec.structs.FieldInfo) -> str:
     elif field.default_factory is not msgspec.NODEFAULT:
         value = field.default_factory()
         if isinstance(value, msgspec.Struct):
-            tag = value.__struct_config__.tag
-            return f"type `{tag}`" if tag else "(section)"
+            config = value.__struct_config__
+            return f"{config.tag_field} `{config.tag}`" if config.tag else "(section)"
     else:
         return "required"
     if value is None:
@@ -96,9 +112,15 @@ def _default_text(field: msgspec.structs.FieldInfo) -> str:
     return f"`{str(value).lower() if isinstance(value, bool) else value}`"
 
 
-def _section(cls: type[msgspec.Struct], key: str, lines: list[str], tag: str | None = None) -> None:
+def _section(
+    cls: type[msgspec.Struct],
+    key: str,
+    lines: list[str],
+    tag: str | None = None,
+    plugins: bool = False,
+) -> None:
     docs = field_docs(cls)
-    heading = f"## `{key}`" + (f" with `type: {tag}`" if tag else "")
+    heading = f"## `{key}`" + (f" with `{cls.__struct_config__.tag_field}: {tag}`" if tag else "")
     lines += ["", heading, ""]
     if tag and cls.__doc__ and cls.__doc__ is not Section.__doc__:
         lines += [" ".join(cls.__doc__.split()), ""]
@@ -112,9 +134,12 @@ def _section(cls: type[msgspec.Struct], key: str, lines: list[str], tag: str | N
         variants = _variants(
             typing.get_args(field.type)[1 if by_name else 0] if by_name or listed else field.type
         )
-        structs = [v for v in variants if _is_struct(v)]
-        if structs and len(structs) > 1 and not by_name:
-            kind = "`type:` " + " or ".join(f"`{v.__struct_config__.tag}`" for v in structs)
+        point = any(registry.is_point(v) for v in variants)
+        structs = [v for v in _components(variants, plugins) if _is_struct(v)]
+        if structs and (len(structs) > 1 or point):
+            tag_field = structs[0].__struct_config__.tag_field
+            kind = f"`{tag_field}:` " + " or ".join(f"`{v.__struct_config__.tag}`" for v in structs)
+            kind += (" or a plugin's" if point else "") + (", by name" if by_name else "")
         else:
             kind = _type_name(field.type)
         doc = docs.get(field.encode_name, "").replace("|", "\\|")
@@ -123,23 +148,25 @@ def _section(cls: type[msgspec.Struct], key: str, lines: list[str], tag: str | N
         )
         if structs:
             child = f"{key}.{field.encode_name}" + (".NAME" if by_name else "[N]" if listed else "")
-            nested.append((child, structs, field))
-    for child_key, structs, _ in nested:
-        if len(structs) == 1:
-            _section(structs[0], child_key, lines)
+            nested.append((child, structs, point))
+    for child_key, structs, point in nested:
+        if len(structs) == 1 and not point:
+            _section(structs[0], child_key, lines, plugins=plugins)
         else:
             for variant in structs:
-                _section(variant, child_key, lines, tag=variant.__struct_config__.tag)
+                tag = variant.__struct_config__.tag
+                _section(variant, child_key, lines, tag=tag, plugins=plugins)
 
 
-def reference(root: type[msgspec.Struct] = TrainerConfig) -> str:
-    """The markdown reference of every key under `root`."""
+def reference(root: type[msgspec.Struct] = TrainerConfig, plugins: bool = False) -> str:
+    """The markdown reference of every key under `root`; the components of extension points
+    are fastllm's, and with `plugins` those of the installed packages too."""
     lines: list[str] = []
     for field in msgspec.structs.fields(root):
         by_name = typing.get_origin(field.type) is dict  # sections by name, at NAME
         inner = typing.get_args(field.type)[1] if by_name else field.type
         (struct,) = [v for v in _variants(inner) if _is_struct(v)]
-        _section(struct, field.encode_name + (".NAME" if by_name else ""), lines)
+        _section(struct, field.encode_name + (".NAME" if by_name else ""), lines, plugins=plugins)
     return "\n".join(lines).strip() + "\n"
 
 
@@ -167,10 +194,11 @@ This page is generated by `make reference` from the documentation of each field 
 """
 
 
-def config_page() -> str:
-    """The configuration reference page: every key of `TrainerConfig`."""
+def config_page(plugins: bool = False) -> str:
+    """The configuration reference page: every key of `TrainerConfig` (`plugins`: with the
+    components of the installed packages)."""
     notice = generated_notice("python -m fastllm.config.reference")
-    return CONFIG_INTRO.format(notice=notice) + "\n" + reference(TrainerConfig)
+    return CONFIG_INTRO.format(notice=notice) + "\n" + reference(TrainerConfig, plugins)
 
 
 COMPATIBILITY_INTRO = """\
@@ -234,4 +262,9 @@ def main(directory: Path, pages: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]) if len(sys.argv) > 1 else DIRECTORY, PAGES)
+    # --plugins: the components of the installed packages too (a user's own reference;
+    # docs/reference documents fastllm's alone)
+    plugins = "--plugins" in sys.argv[1:]
+    arguments = [a for a in sys.argv[1:] if a != "--plugins"]
+    pages = {**PAGES, "config.md": functools.partial(config_page, plugins)}
+    main(Path(arguments[0]) if arguments else DIRECTORY, pages)

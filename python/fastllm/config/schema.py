@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from fastllm.config import registry
 from fastllm.config.overrides import format_key, parse_key
 from fastllm.config.section import ConfigError, Section, brief
 
@@ -24,13 +25,54 @@ S = TypeVar("S", bound=Section)
 
 def build(cls: type[S], raw: dict[str, Any]) -> S:
     """The config of type `cls` described by `raw`, checked and with derived defaults filled."""
-    normalized = _check(cls, raw, [])
-    try:
-        config = msgspec.convert(normalized, cls)
-    except msgspec.ValidationError as error:
-        raise _explain(error, normalized) from None
+    config = _convert(cls, _check(cls, raw, []), [])
     _validate(config, [])
     return config
+
+
+class _Built:
+    """A component's config, converted where `_check` met it: msgspec cannot convert a field
+    typed as an extension point's base class into the subclass that `type` names, so the
+    fields holding components are left out of the conversion of their parent and set after."""
+
+    def __init__(self, config: msgspec.Struct) -> None:
+        self.config = config
+
+
+def _convert(cls: type[S], checked: Any, key: list[str | int]) -> S:
+    """`checked` (what `_check` returned for `cls` at `key`) converted to a `cls`."""
+    built: list[tuple[list[str | int], msgspec.Struct]] = []
+    plain = _take_built(checked, [], built)
+    try:
+        config = msgspec.convert(plain, cls)
+    except msgspec.ValidationError as error:
+        raise _explain(error, plain, key) from None
+    for path, component in built:
+        parent: Any = config
+        for part in path[:-1]:
+            parent = parent[part] if isinstance(parent, dict | list) else getattr(parent, str(part))
+        if isinstance(parent, dict | list):
+            parent[path[-1]] = component
+        else:
+            setattr(parent, str(path[-1]), component)
+    return config
+
+
+def _take_built(value: Any, path: list[str | int], built: list[Any]) -> Any:
+    """`value` without its `_Built` items, each added to `built` with its path."""
+    if isinstance(value, dict):
+        kept = {}
+        for name, item in value.items():
+            if isinstance(item, _Built):
+                built.append(([*path, name], item.config))
+            else:
+                kept[name] = _take_built(item, [*path, name], built)
+        return kept
+    if isinstance(value, list):
+        if any(isinstance(item, _Built) for item in value):
+            raise TypeError(f"{format_key(path)}: a list of components is not supported")
+        return [_take_built(item, [*path, i], built) for i, item in enumerate(value)]
+    return value
 
 
 def _suggest(word: str, choices: typing.Iterable[str]) -> str:
@@ -57,6 +99,9 @@ def _check(tp: Any, value: Any, key: list[str | int], default: Any = None) -> An
         return value
     _check_number(value, key)
     variants = _union_variants(tp)
+    points = [v for v in variants if registry.is_point(v)]
+    if points and isinstance(value, dict):
+        return _check_component(points[0], value, key, default)
     tagged = [v for v in variants if _tag(v) is not None]
     if tagged and isinstance(value, dict):
         return _check_variant(tagged, value, key, default)
@@ -126,6 +171,30 @@ def _check_variant(
     return _check_struct(chosen, value, key)
 
 
+def _check_component(
+    point: type[registry.Component], value: dict[str, Any], key: list[str | int], default: Any
+) -> _Built:
+    """A component of extension point `point`, chosen by its `type` (the point's tag field;
+    the field's default component when there is none)."""
+    tag_field = point.__struct_config__.tag_field
+    assert tag_field is not None
+    name = value.get(tag_field)
+    type_key = format_key([*key, tag_field])
+    if name is None:  # the field's default, else the point's first (`losses`: label)
+        cls: type[msgspec.Struct] = (
+            default
+            if isinstance(default, type) and issubclass(default, point)
+            else next(iter(registry.registered(point.point).values()))
+        )
+        value = {tag_field: registry.name_of(cls), **value}
+    elif not isinstance(name, str):
+        raise ConfigError(type_key, f"unknown type {brief(name)}; expected a name or module:Class")
+    else:
+        cls = registry.lookup(point.point, name, type_key)
+        value = {**value, tag_field: registry.name_of(cls)}
+    return _Built(_convert(cls, _check_struct(cls, value, key), key))
+
+
 def _check_struct(cls: type[msgspec.Struct], value: dict[str, Any], key: list[str | int]) -> Any:
     fields = {f.encode_name: f for f in msgspec.structs.fields(cls)}
     tag_field = cls.__struct_config__.tag_field
@@ -156,8 +225,9 @@ def _check_struct(cls: type[msgspec.Struct], value: dict[str, Any], key: list[st
 _AT = re.compile(r"^(?P<message>.*?)(?: - at `\$(?P<path>.*)`)?$", re.S)
 
 
-def _explain(error: msgspec.ValidationError, raw: Any) -> ConfigError:
-    """msgspec's message with the key path in our notation and the offending value."""
+def _explain(error: msgspec.ValidationError, raw: Any, prefix: list[str | int]) -> ConfigError:
+    """msgspec's message with the key path in our notation and the offending value (`raw`,
+    what was converted at `prefix`)."""
     match = _AT.match(str(error))
     assert match is not None
     message, path = match.group("message"), (match.group("path") or "").lstrip(".")
@@ -167,9 +237,9 @@ def _explain(error: msgspec.ValidationError, raw: Any) -> ConfigError:
         try:
             value = value[part]
         except (KeyError, IndexError, TypeError):
-            return ConfigError(format_key(key), message)
+            return ConfigError(format_key([*prefix, *key]), message)
     message = message[0].lower() + message[1:]
-    return ConfigError(format_key(key), f"{message.replace('`', '')}: {brief(value)}")
+    return ConfigError(format_key([*prefix, *key]), f"{message.replace('`', '')}: {brief(value)}")
 
 
 def _validate(config: msgspec.Struct, key: list[str | int]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
+from fastllm.config import registry
 from fastllm.config.bounds import check_bounds
 from fastllm.config.data import DataConfig
 from fastllm.config.evaluation import check_evaluators
@@ -93,6 +94,7 @@ class TrainerConfig(Section):
         check_bounds(self)
         # What needs no number of ranks is refused here, when the config is loaded.
         check_compatible(self)
+        registry.check_settings(self, TrainerConfig())
         check_shape(self)
 
     def _check_reference_models(self) -> None:

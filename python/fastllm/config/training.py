@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
-from typing import Literal
 
 import msgspec
 
 from fastllm.config.evaluation import TrainingEvaluatorConfig
 from fastllm.config.formats import ModelFormat
+from fastllm.config.registry import Component
 from fastllm.config.section import ConfigError, Section, check_non_negative, check_positive
 
 
@@ -158,13 +158,20 @@ class BatchConfig(Section):
             )
 
 
-class LearningRateConfig(Section):
-    base: float = 0.0001
-    """Peak learning rate."""
+class LearningRateConfig(Component, tag_field="decay_style"):
+    """The learning-rate schedule (extension point `learning_rate`), chosen by `decay_style`
+    (Fast-LLM's key): a linear warmup, then the shape its type says. The implementation of a
+    type is a function called as `rate(config, step, train_iters)` for the optimizer steps
+    after the warmup (engine/learning_rate.py says the contract)."""
+
+    point = "learning_rate"
+
+    base: float | None = None
+    """Peak learning rate; default 0.0001 (of a phase of `training.phases`: the learning rate
+    of the last step before the phase, so that the schedule goes on from it without a jump: a
+    WSD decay is `{decay_style: linear}`)."""
     warmup_iterations: int = 0
     """Steps of linear warmup from 0 to base."""
-    decay_style: Literal["constant", "linear", "cosine", "wsd"] = "constant"
-    """Shape after warmup; wsd is warmup-stable-decay (constant, then linear decay)."""
     decay_iterations: int | None = None
     """Steps of decay: after warmup for linear and cosine (default: to the end of training),
     at the end of training for wsd (default: the last 20% of it)."""
@@ -175,10 +182,36 @@ class LearningRateConfig(Section):
         check_non_negative(self.base, "base")
         check_non_negative(self.warmup_iterations, "warmup_iterations")
         check_positive(self.decay_iterations, "decay_iterations")
-        if not 0 <= self.minimum <= self.base:
+        check_non_negative(self.minimum, "minimum")
+        if self.base is not None and not self.minimum <= self.base:
             raise ConfigError(
                 "minimum", f"must be between 0 and base ({self.base}), got {self.minimum}"
             )
+
+
+class ConstantLearningRateConfig(LearningRateConfig, tag="constant"):
+    """base after the warmup."""
+
+    implementation = "fastllm.engine.learning_rate:constant"
+
+
+class LinearLearningRateConfig(LearningRateConfig, tag="linear"):
+    """From base down to minimum in a straight line over decay_iterations."""
+
+    implementation = "fastllm.engine.learning_rate:linear"
+
+
+class CosineLearningRateConfig(LearningRateConfig, tag="cosine"):
+    """From base down to minimum along half a cosine over decay_iterations."""
+
+    implementation = "fastllm.engine.learning_rate:cosine"
+
+
+class WSDLearningRateConfig(LearningRateConfig, tag="wsd"):
+    """Warmup-stable-decay: base, then down to minimum in a straight line over the last
+    decay_iterations of the run."""
+
+    implementation = "fastllm.engine.learning_rate:warmup_stable_decay"
 
 
 class PhaseDataConfig(Section):
@@ -204,22 +237,6 @@ class PhaseDataConfig(Section):
                 raise ConfigError(f"weights[{i}]", f"must be finite and positive, got {weight}")
 
 
-class PhaseLearningRateConfig(LearningRateConfig):
-    """The learning-rate schedule of a phase of `training.phases`."""
-
-    base: float | None = None  # type: ignore[assignment]
-    """Peak learning rate; default: the learning rate of the last step before the phase, so
-    that the schedule goes on from it without a jump (a WSD decay: `{decay_style: linear}`)."""
-
-    def validate(self) -> None:
-        if self.base is not None:
-            super().validate()
-            return
-        check_non_negative(self.warmup_iterations, "warmup_iterations")
-        check_positive(self.decay_iterations, "decay_iterations")
-        check_non_negative(self.minimum, "minimum")
-
-
 class PhaseConfig(Section):
     """A phase of `training.phases`: from `begin_step` on, another blend, another
     learning-rate schedule, or both."""
@@ -231,7 +248,7 @@ class PhaseConfig(Section):
     """The blend the phase trains on, sampled afresh from its own seed (drawn from
     `model.distributed.seed` and `begin_step`) with `data`'s other keys (sampling, FIM); none:
     the blend of the phase before goes on."""
-    learning_rate: PhaseLearningRateConfig | None = None
+    learning_rate: LearningRateConfig | None = None
     """The learning-rate schedule of the phase, with the keys of `optimizer.learning_rate`: its
     steps counted from `begin_step`, its end of training being the next phase that sets one (or
     `training.train_iters`); none: the schedule of the phase before goes on."""
@@ -240,8 +257,12 @@ class PhaseConfig(Section):
         check_positive(self.begin_step, "begin_step")
 
 
+DEFAULT_LEARNING_RATE = 0.0001
+"""`optimizer.learning_rate.base` when unset."""
+
+
 class OptimizerConfig(Section):
-    learning_rate: LearningRateConfig = msgspec.field(default_factory=LearningRateConfig)
+    learning_rate: LearningRateConfig = msgspec.field(default_factory=ConstantLearningRateConfig)
     """Learning-rate schedule."""
     weight_decay: float = 0.01
     """Decoupled weight decay (AdamW); not applied to norms, biases and embeddings."""
@@ -255,6 +276,8 @@ class OptimizerConfig(Section):
     """Clip the global gradient norm to this value (none: no clipping)."""
 
     def validate(self) -> None:
+        if self.learning_rate.base is None:  # a phase's goes on from the rate before it
+            self.learning_rate.base = DEFAULT_LEARNING_RATE
         check_non_negative(self.weight_decay, "weight_decay")
         for key in ("beta_1", "beta_2"):
             if not 0 <= getattr(self, key) < 1:

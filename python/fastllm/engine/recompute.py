@@ -9,7 +9,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fastllm.model import GPTModel
 from fastllm.model.mlp import MLP, MixtureOfExperts
-from fastllm.model.normalization import Normalization
+from fastllm.model.normalization import NormalizationLayer
 
 
 def apply_recompute(model: GPTModel, level: str) -> None:
@@ -19,7 +19,7 @@ def apply_recompute(model: GPTModel, level: str) -> None:
     input."""
     if level == "none":
         for module in model.modules():
-            if isinstance(module, Normalization):
+            if isinstance(module, NormalizationLayer):
                 module.recompute = False
             elif isinstance(module, (MLP, MixtureOfExperts)):
                 module.recompute_activation = False

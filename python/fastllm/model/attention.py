@@ -8,11 +8,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fastllm.config.model import LoRAConfig, TransformerConfig
+from fastllm.config.model import AttentionConfig, LoRAConfig, TransformerConfig
 from fastllm.model.lora import adapter_of
 from fastllm.model.normalization import InputNorm, Normalization
 from fastllm.model.parameters import TensorSplit, describe
 from fastllm.model.query_key_norm import query_key_norm
+from fastllm.parallel.mesh import ParallelMesh
 from fastllm.parallel.sequence_data import KeyValueGather, SequenceDataDimension
 from fastllm.parallel.tensor import TensorDimension, enter, leave
 from fastllm_kernels.attention import attention
@@ -20,6 +21,17 @@ from fastllm_kernels.linear import linear
 from fastllm_kernels.qk_norm_rotary import split_qkv_norm_rotary
 from fastllm_kernels.recipe import WeightRecipe
 from fastllm_kernels.rotary import apply_rotary, split_qkv_rotary
+
+
+def attention_mixer(
+    config: AttentionConfig,
+    transformer: TransformerConfig,
+    layer_index: int,
+    mesh: ParallelMesh,
+    lora: LoRAConfig | None,
+) -> Attention:
+    """The `attention` component's layer."""
+    return Attention(transformer, layer_index, mesh.tensor, mesh.sequence_data, lora)
 
 
 class Attention(torch.nn.Module):

@@ -1,5 +1,19 @@
-"""One transformer block: attention and MLP, each added to the residual stream, with norms
-before them, after them or both (`normalization_placement`)."""
+"""One transformer block: a mixer (attention) and an MLP, each added to the residual stream,
+with norms before them, after them or both (`normalization_placement`).
+
+The contracts of the `mixer` and `mlp` components (config/registry.py), whose layers the block
+builds from their configs:
+- a mixer's implementation is built as `Layer(config, transformer, layer_index, mesh, lora)`
+  and called as `layer(x, norm, rotary, document_ids, cache, branch_ids)`: x (batch, seq,
+  hidden) is the residual stream, `norm` the `NormalizationLayer` to read it through
+  (`norm.project(x, weight, bias)` fuses it into a first projection), `rotary` the (cos, sin)
+  tables or None; it returns (batch, seq, hidden), to be added to the residual stream.
+- an MLP's implementation is built as `Layer(config, transformer, mesh, lora)` and called as
+  `layer(x, norm)`; it returns its output (batch, seq, hidden) and its auxiliary loss or None.
+Both declare their parameters' metadata with `model.parameters.describe` (the engine lays out,
+shards and saves from it alone) and, under tensor parallelism, enter and leave the tensor
+group with `parallel.tensor.enter` / `leave` (or refuse the layout through their config's
+`unsupported_settings`)."""
 
 from __future__ import annotations
 
@@ -8,10 +22,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from fastllm.config import registry
 from fastllm.config.model import LoRAConfig, TransformerConfig
-from fastllm.model.attention import Attention
-from fastllm.model.mlp import MLP, MixtureOfExperts
-from fastllm.model.normalization import InputNorm, NoNormalization, Normalization
+from fastllm.model.normalization import (
+    InputNorm,
+    NoNormalization,
+    NormalizationLayer,
+    normalization,
+)
 from fastllm.parallel.mesh import ParallelMesh
 
 
@@ -30,14 +48,11 @@ class TransformerBlock(torch.nn.Module):
         super().__init__()
         mesh = mesh or ParallelMesh.single()
         self.norm_1 = _input_norm(config)
-        self.attention = Attention(config, layer_index, mesh.tensor, mesh.sequence_data, lora)
+        mixer = registry.implementation(config.mixer)
+        self.attention = mixer(config.mixer, config, layer_index, mesh, lora)
         self.post_norm_1 = _output_norm(config)
         self.norm_2 = _input_norm(config)
-        self.mlp: MLP | MixtureOfExperts = (
-            MixtureOfExperts(config, mesh.tensor, mesh.expert)
-            if config.num_experts > 1
-            else MLP(config, mesh.tensor, lora)
-        )
+        self.mlp = registry.implementation(config.mlp)(config.mlp, config, mesh, lora)
         self.post_norm_2 = _output_norm(config)
 
     def forward(
@@ -58,10 +73,10 @@ class TransformerBlock(torch.nn.Module):
 def _input_norm(config: TransformerConfig) -> InputNorm:
     if not config.pre_norms:
         return NoNormalization()
-    return Normalization(config.normalization, config.hidden_size)
+    return normalization(config.normalization, config.hidden_size)
 
 
-def _output_norm(config: TransformerConfig) -> Normalization | None:
+def _output_norm(config: TransformerConfig) -> NormalizationLayer | None:
     if not config.post_norms:
         return None
-    return Normalization(config.normalization, config.hidden_size, tensor_partial=False)
+    return normalization(config.normalization, config.hidden_size, tensor_partial=False)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from fastllm.config.model import FreezeConfig, LoRAConfig, NoPeftConfig
 from fastllm.model.gpt import GPTModel
 from fastllm.model.lora import LoRA
-from fastllm.model.normalization import Normalization
+from fastllm.model.normalization import NormalizationLayer
 from fastllm.model.parameters import freeze
 
 
@@ -27,5 +27,5 @@ def apply_freeze(
         freeze(model.layers[block])
     if config.norms:
         for module in model.modules():
-            if isinstance(module, Normalization):
+            if isinstance(module, NormalizationLayer):
                 freeze(module)

@@ -9,11 +9,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fastllm.config.model import BaseModelConfig, LoRAConfig, NoRotaryConfig, RotaryConfig
+from fastllm.config import registry
+from fastllm.config.model import BaseModelConfig, LoRAConfig, RotaryConfig
 from fastllm.model.block import TransformerBlock
-from fastllm.model.normalization import Normalization
+from fastllm.model.normalization import normalization
 from fastllm.model.parameters import TensorSplit, describe, set_layer
-from fastllm.model.rotary import RotaryTables, positions_in_documents
+from fastllm.model.rotary import positions_in_documents
 from fastllm.parallel.mesh import ParallelMesh
 from fastllm.parallel.tensor import TensorDimension, enter, vocab_parallel_embedding
 from fastllm.parallel.vocab_parallel_losses import vocab_parallel_label_losses
@@ -37,7 +38,9 @@ class Context:
     """cos and sin of the sliding blocks (`rotary` unless they have a rotary of their own)."""
 
     def rotary_of(self, block: TransformerBlock) -> tuple[Tensor, Tensor] | None:
-        return self.rotary if block.attention.window_size is None else self.window_rotary
+        # A mixer of another package slides over no window of ours: the global tables.
+        sliding = getattr(block.attention, "window_size", None) is not None
+        return self.window_rotary if sliding else self.rotary
 
 
 class Embedding(torch.nn.Embedding):
@@ -100,7 +103,7 @@ class GPTModel(torch.nn.Module):
         self.layers = torch.nn.ModuleList(
             TransformerBlock(transformer, i, mesh, lora) for i in range(transformer.num_layers)
         )
-        self.final_norm = Normalization(transformer.normalization, hidden)
+        self.final_norm = normalization(transformer.normalization, hidden)
         self.head = (
             None if config.tie_word_embeddings else torch.nn.Linear(hidden, vocab, bias=False)
         )
@@ -228,5 +231,9 @@ class GPTModel(torch.nn.Module):
         return loss if auxiliary is None else loss + auxiliary
 
 
-def _rotary_tables(config: RotaryConfig, head_size: int) -> RotaryTables | None:
-    return None if isinstance(config, NoRotaryConfig) else RotaryTables(config, head_size)
+def _rotary_tables(config: RotaryConfig, head_size: int) -> Any:
+    """The tables of a rotary component (its implementation built for `head_size`); None for
+    one without (no rotary)."""
+    if config.implementation is None:
+        return None
+    return registry.implementation(config)(config, head_size)

@@ -1,7 +1,16 @@
 """The losses of the output head (`model.base_model.head.losses`), by name: each a mean over the
 trained tokens of the hidden states it is given (DPO's over their preference pairs). Every one
 runs through a fused chunked head: neither the model's logits nor a teacher's exist whole.
-Under tensor parallelism the vocabulary is split and the vocab-parallel forms run."""
+Under tensor parallelism the vocabulary is split and the vocab-parallel forms run.
+
+A `head_loss` component of another package (config/registry.py) names a function as its
+implementation, called as `loss(config, model, hidden, targets)`: `hidden` (tokens, hidden)
+are the final-normed hidden states of this rank's micro-batch (or piece), `targets.labels`
+their next-token labels (`labels.reshape(-1)` matches the rows; IGNORED: no loss),
+`model.head_weight` the head (vocab-split over `model.tensor` under tensor parallelism, which
+`LossConfig` refuses unless a loss's `unsupported_settings` say it handles it).
+It returns the mean over the trained tokens, a differentiable scalar; the caller weights it
+by its `weight` and the micro-batch's share of the trained tokens of the batch."""
 
 from __future__ import annotations
 
@@ -11,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from fastllm.config import registry
 from fastllm.config.model import (
     DistillationLossConfig,
     DPOLossConfig,
@@ -124,7 +134,7 @@ def head_losses(
             else:
                 value, metrics = linear_dpo(rows, weight, labels, targets.spans, reference, *dpo)
         else:
-            raise TypeError(f"unknown loss {loss!r}")
+            value = registry.implementation(loss)(loss, model, rows, targets)
         total = total + weights[name] * value
         values[name] = value.detach()
     return total, values, metrics

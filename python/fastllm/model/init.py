@@ -2,7 +2,11 @@
 of each block scaled down by sqrt(2 * num_layers) (GPT-2, Megatron), zero biases, unit norms
 (zero weights of zero-centered ones, whose scale is 1 + weight);
 LoRA adapters as PEFT draws them: A uniform in ±1/sqrt(in features) (Kaiming-uniform with
-a = sqrt(5), torch.nn.Linear's default), B zero."""
+a = sqrt(5), torch.nn.Linear's default), B zero.
+
+A layer of another package (a component, config/registry.py) says how its parameters start:
+it defines `initializers(std, output_std, generator)`, the list of its parameters each with
+the function that fills it (`output_std`: for a projection back into the residual stream)."""
 
 from __future__ import annotations
 
@@ -51,7 +55,10 @@ def initializers(
     if model.head is not None:
         normal(model.head.weight, std)
     for module in model.modules():
-        if isinstance(module, Normalization):
+        if hasattr(module, "initializers"):
+            for parameter, fill in module.initializers(std, output_std, generator):
+                plan.append((names[id(parameter)], fill))
+        elif isinstance(module, Normalization):
             constant(module.weight, 0.0 if module.zero_centered else 1.0)
             constant(module.bias, 0.0)
         elif isinstance(module, Attention):
@@ -70,6 +77,12 @@ def initializers(
                 (names[id(module.a)], lambda t, b=bound: t.uniform_(-b, b, generator=generator))
             )
             constant(module.b, 0.0)
+    missing = sorted(set(names.values()) - {name for name, _ in plan})
+    if missing:
+        raise TypeError(
+            f"parameters no layer initializes: {missing[:5]} (a layer of another package "
+            "defines initializers(std, output_std, generator))"
+        )
     return plan
 
 

@@ -9,12 +9,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fastllm.config.model import LoRAConfig, TransformerConfig
+from fastllm.config.model import LoRAConfig, MLPConfig, TransformerConfig
 from fastllm.model.lora import adapter_of
 from fastllm.model.normalization import InputNorm, Normalization
 from fastllm.model.parameters import TensorSplit, describe
 from fastllm.parallel.dimension import Dimension
 from fastllm.parallel.expert import exchange
+from fastllm.parallel.mesh import ParallelMesh
 from fastllm.parallel.tensor import TensorDimension, counted_once, enter, leave
 from fastllm_kernels.activation import gated_activation_fused
 from fastllm_kernels.gated_linear import gated_linear
@@ -32,6 +33,19 @@ _ACTIVATIONS = {
     "relu": F.relu,
     "squared_relu": lambda x: F.relu(x).square(),
 }
+
+
+def mlp_layer(
+    config: MLPConfig,
+    transformer: TransformerConfig,
+    mesh: ParallelMesh,
+    lora: LoRAConfig | None,
+) -> MLP | MixtureOfExperts:
+    """The `mlp` component's layer: a mixture of experts with num_experts > 1 (LoRA does not
+    adapt it), else the dense MLP."""
+    if transformer.num_experts > 1:
+        return MixtureOfExperts(transformer, mesh.tensor, mesh.expert)
+    return MLP(transformer, mesh.tensor, lora)
 
 
 class MLP(torch.nn.Module):

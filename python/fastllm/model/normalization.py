@@ -1,11 +1,18 @@
 """The normalization layers: RMSNorm or LayerNorm, fused with the projection that reads them,
-and the absent norm of a block that normalizes only the outputs of its layers."""
+and the absent norm of a block that normalizes only the outputs of its layers.
+
+The contract of a `normalization` component (config/registry.py): its implementation is a
+`NormalizationLayer` built as `Layer(config, size, tensor_partial=…)` that maps (…, size) to
+(…, size), declares its parameters with `describe` (`tensor_partial` and
+`sequence_tensor_parallel_replicated` as `Normalization` passes them), and may fuse itself
+into the projection that reads it (`project`)."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
+from fastllm.config import registry
 from fastllm.config.model import LayerNormConfig, NormalizationConfig
 from fastllm.model.parameters import describe
 from fastllm_kernels.linear import linear
@@ -14,7 +21,33 @@ from fastllm_kernels.norm_linear import norm_linear
 from fastllm_kernels.recipe import WeightRecipe
 
 
-class Normalization(torch.nn.Module):
+class NormalizationLayer(torch.nn.Module):
+    """What attention and the MLP read their input through: `forward(x)` normalizes the last
+    dimension, `project` is linear(self(x), …), which a layer may fuse."""
+
+    def project(
+        self, x: Tensor, weight: Tensor, bias: Tensor | None, recipe: WeightRecipe | None = None
+    ) -> Tensor:
+        """linear(self(x), weight, bias) under the weight's `recipe` (the kernels' FP8 and
+        gradient-sink options, which `linear` applies)."""
+        return linear(self(x), weight, bias, recipe)
+
+
+def normalization(
+    config: NormalizationConfig, size: int, *, tensor_partial: bool = True
+) -> NormalizationLayer:
+    """The layer of `config`'s component over `size` features (`tensor_partial`: as
+    `Normalization` says)."""
+    layer = registry.implementation(config)(config, size, tensor_partial=tensor_partial)
+    if not isinstance(layer, NormalizationLayer):
+        raise TypeError(
+            f"normalization type {registry.name_of(type(config))!r} built a "
+            f"{type(layer).__qualname__}, not a NormalizationLayer (model/normalization.py)"
+        )
+    return layer
+
+
+class Normalization(NormalizationLayer):
     """RMSNorm (weight) or LayerNorm (weight and bias) through the fused kernels, over the last
     dimension of its input."""
 
@@ -67,18 +100,13 @@ class Normalization(torch.nn.Module):
         return norm_linear(x, self.scale, self.bias, self.epsilon, rms, weight, bias, recipe)
 
 
-class NoNormalization(torch.nn.Module):
-    """`Normalization`'s interface with the input left as it is: what attention and the MLP
-    read in a block whose norms come after them (`normalization_placement: post`)."""
+class NoNormalization(NormalizationLayer):
+    """The input left as it is: what attention and the MLP read in a block whose norms come
+    after them (`normalization_placement: post`)."""
 
     def forward(self, x: Tensor) -> Tensor:
         return x
 
-    def project(
-        self, x: Tensor, weight: Tensor, bias: Tensor | None, recipe: WeightRecipe | None = None
-    ) -> Tensor:
-        return linear(x, weight, bias, recipe)
 
-
-InputNorm = Normalization | NoNormalization
+InputNorm = NormalizationLayer
 """What attention and the MLP apply to the residual stream before their first projection."""

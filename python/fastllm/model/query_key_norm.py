@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from fastllm.config.model import NormalizationConfig, QueryKeyNormScope
-from fastllm.model.normalization import Normalization
+from fastllm.model.normalization import Normalization, NormalizationLayer, normalization
 from fastllm.model.parameters import TensorSplit, describe
 from fastllm.parallel.tensor import TensorDimension, summed
 from fastllm_kernels.norm import rms_norm
@@ -19,13 +19,13 @@ def query_key_norm(
     heads: int,
     head_size: int,
     tensor: TensorDimension,
-) -> Normalization | None:
+) -> NormalizationLayer | None:
     """The norm of the `heads` query or key heads this tensor rank holds, each (batch, seq,
     heads, head_size) in and out; None without one."""
     if config is None:
         return None
     if scope == "head":  # replicated; each tensor rank's gradient covers only its heads
-        return Normalization(config, head_size)
+        return normalization(config, head_size)
     return AllHeadsRMSNorm(config, heads, head_size, tensor)
 
 

@@ -17,7 +17,7 @@ import numpy
 import torch
 import torch.distributed as dist
 
-from fastllm.config import ConfigError
+from fastllm.config import ConfigError, registry
 from fastllm.config.evaluation import (
     VALIDATION,
     LmEvalEvaluatorConfig,
@@ -203,14 +203,15 @@ def evaluations(trainer: Trainer) -> dict[str, Evaluation]:
         )
     for name, schedule in config.training.evaluators.items():
         evaluator = schedule.evaluator
-        match evaluator:
-            case LossEvaluatorConfig():
-                dataset = evaluator.dataset(name)
-                paths = config.data.datasets[dataset].path
-                key = f"data.datasets.{dataset}.path"
-                found[name] = LossEvaluation(
-                    trainer, name, schedule, evaluator.iterations, paths, key
-                )
-            case LmEvalEvaluatorConfig():
-                found[name] = LmEvalEvaluation(trainer, name, schedule, evaluator)
+        found[name] = registry.implementation(evaluator)(trainer, name, schedule, evaluator)
     return found
+
+
+def loss_evaluation(
+    trainer: Trainer, name: str, schedule: TrainingEvaluatorConfig, config: LossEvaluatorConfig
+) -> LossEvaluation:
+    """The `loss` evaluator `name`: its dataset of `data.datasets`."""
+    dataset = config.dataset(name)
+    paths = trainer.config.data.datasets[dataset].path
+    key = f"data.datasets.{dataset}.path"
+    return LossEvaluation(trainer, name, schedule, config.iterations, paths, key)

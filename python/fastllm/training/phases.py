@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from fastllm.config import TrainerConfig
+from fastllm.config import TrainerConfig, registry
 from fastllm.config.phases import data_phases
 from fastllm.data import Batch, DataLoader
 from fastllm.engine.learning_rate import phased_learning_rate
@@ -50,6 +50,6 @@ def describe_phase(config: TrainerConfig, index: int) -> str:
 
         parts.append(
             f"learning rate {lr(phase.begin_step):.3g} at step {phase.begin_step + 1} to "
-            f"{lr(end - 1):.3g} at step {end} ({phase.learning_rate.decay_style})"
+            f"{lr(end - 1):.3g} at step {end} ({registry.name_of(type(phase.learning_rate))})"
         )
     return "; ".join(parts)

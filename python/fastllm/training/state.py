@@ -20,7 +20,7 @@ from fastllm.checkpoint.errors import CheckpointWriteError, WriteStopped
 from fastllm.checkpoint.fingerprint import fingerprint
 from fastllm.checkpoint.formats import ModelSource, copy_tokenizer_files, open_model, write_model
 from fastllm.checkpoint.saver import PARTIAL_SUFFIX, latest
-from fastllm.config import ConfigError, TrainerConfig, build
+from fastllm.config import ConfigError, TrainerConfig, build, registry
 from fastllm.config.model import FreezeConfig
 from fastllm.config.resume_changes import resume_warning
 from fastllm.engine import checkpointing
@@ -35,6 +35,7 @@ def save_checkpoint(trainer: Trainer, directory: Path | None = None) -> Path:
     EXPERIMENT_DIR/checkpoint/STEP, pruned to `training.checkpoint.keep`)."""
     engine = trainer.engine
     snapshot = checkpointing.to_snapshot(engine.state_dict(), msgspec.to_builtins(trainer.config))
+    snapshot.components = registry.record(trainer.config)
     if _frozen_names(trainer):
         snapshot.counters["base"] = frozen_base(trainer)
     final = directory or trainer.experiment_dir / "checkpoint" / str(engine.state.step)
@@ -111,6 +112,7 @@ def export(
             state=trainer.engine.sharded(("master",)),
             config=msgspec.to_builtins(trainer.config),
             counters={"step": trainer.engine.state.step},
+            components=registry.record(trainer.config),
         )
         trainer.checkpoints.save(
             snapshot,

@@ -1,0 +1,49 @@
+"""The plugin's components as the config sees them: a type name (the tag), fields with their
+docs (the reference shows them), checks, and the import path of the runtime part."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from fastllm.config.model import LossConfig, MLPBaseConfig, TransformerConfig
+from fastllm.config.section import ConfigError, check_positive
+
+
+class SquaredReLUMLPConfig(MLPBaseConfig, tag="squared_relu"):
+    """layer_2(relu(layer_1 x)²), no biases (Primer, So et al. 2021): an ungated MLP whose
+    activation is the square of the ReLU."""
+
+    implementation = "fastllm_example_plugin.mlp:SquaredReLUMLP"
+
+    ffn_hidden_size: int | None = None
+    """Width of the MLP; default the transformer's ffn_hidden_size."""
+
+    def validate(self) -> None:
+        check_positive(self.ffn_hidden_size, "ffn_hidden_size")
+
+    def width(self, transformer: TransformerConfig) -> int:
+        width = self.ffn_hidden_size or transformer.ffn_hidden_size
+        assert width is not None, "validate() first"
+        return width
+
+    def num_parameters(self, transformer: TransformerConfig, *, active: bool = False) -> int:
+        return 2 * transformer.hidden_size * self.width(transformer)
+
+
+class LabelSmoothingLossConfig(LossConfig, tag="label_smoothing"):
+    """Label-smoothed next-token cross-entropy (Szegedy et al. 2016): the cross-entropy
+    against (1 - smoothing) on the label plus smoothing spread evenly over the vocabulary,
+    averaged over the trained tokens."""
+
+    implementation = "fastllm_example_plugin.loss:label_smoothing_loss"
+    unsupported_settings: ClassVar[dict[str, str]] = {
+        "model.distributed.tensor_parallel": "it computes the logits over the whole vocabulary"
+    }
+
+    smoothing: float = 0.1
+    """The probability mass spread over the vocabulary (0: the label loss)."""
+
+    def validate(self) -> None:
+        super().validate()
+        if not 0.0 <= self.smoothing < 1.0:
+            raise ConfigError("smoothing", f"must be in [0, 1), got {self.smoothing}")

@@ -1,0 +1,175 @@
+"""The example plugin (examples/plugin, installed by `make setup`): a squared-ReLU MLP and a
+label-smoothed loss of another package train through `fastllm train`, resume from their
+checkpoint, and a run or a conversion without the plugin is refused naming it (exit code 2)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastllm.config import TrainerConfig, build, load_raw
+from fastllm.model.normalization import NoNormalization
+from fastllm.training.trainer import Trainer
+from tests.conftest import ROOT
+from tests.data.conftest import run_cli
+from tests.training.conftest import Launched, Layout, train_arguments
+from tests.training.test_distillation import logged
+from tests.training.test_train_cli import losses
+
+PLUGIN_CONFIG = "examples/plugin/plugin.yaml"
+SMOOTHING = 0.1
+RECORDED = {
+    "mlp": {"squared_relu": "fastllm_example_plugin.config:SquaredReLUMLPConfig"},
+    "head_loss": {"label_smoothing": "fastllm_example_plugin.config:LabelSmoothingLossConfig"},
+}
+WITHOUT_PLUGIN = (
+    "import sys; sys.modules['fastllm_example_plugin'] = None; "  # its imports fail
+    "from fastllm.cli import main; sys.exit(main(sys.argv[1:]))"
+)
+
+
+def plugin_arguments(dataset: Path, experiment: Path, *overrides: str) -> list[str]:
+    """The tests' tiny run, with examples/plugin/plugin.yaml's model and loss."""
+    arguments = train_arguments(dataset, experiment, *overrides)
+    arguments[arguments.index("-c") + 1] = PLUGIN_CONFIG
+    return arguments
+
+
+def plugin_trainer(dataset: Path, experiment: Path, *overrides: str) -> Trainer:
+    arguments = plugin_arguments(dataset, experiment, *overrides)
+    settings = [a for a in arguments[3:] if "=" in a]
+    return Trainer(build(TrainerConfig, load_raw([PLUGIN_CONFIG], settings)))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def installed() -> None:
+    try:
+        import fastllm_example_plugin  # noqa: F401
+    except ImportError:
+        pytest.fail("the example plugin is not installed: pip install ./examples/plugin")
+
+
+def test_the_plugins_mlp_and_loss_compute_what_torch_does(dataset: Path, tmp_path: Path) -> None:
+    run = plugin_trainer(dataset, tmp_path / "run", "training.train_iters=1")
+    mlp = run.engine.model.layers[0].mlp
+    assert type(mlp).__name__ == "SquaredReLUMLP"
+    x = torch.randn(2, 5, mlp.layer_1.in_features, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out, auxiliary = mlp(x, NoNormalization())
+        expected = F.relu(x @ mlp.layer_1.weight.T).square() @ mlp.layer_2.weight.T
+    torch.testing.assert_close(out, expected)
+    assert auxiliary is None
+    batches = next(iter(run.data_loader()))
+    with torch.no_grad():  # the weights the step starts from
+        logits = torch.cat([run.engine.model(b.input_ids).float().flatten(0, 1) for b in batches])
+    labels = torch.cat([b.labels.flatten() for b in batches])
+    metrics = run.engine.train_step(batches)
+    expected = F.cross_entropy(logits, labels, label_smoothing=SMOOTHING).item()
+    assert metrics["loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_the_plugin_trains_and_resumes_through_the_command_line(
+    dataset: Path, tmp_path: Path
+) -> None:
+    straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
+    for experiment, steps in ((straight, 4), (interrupted, 2), (interrupted, 4)):
+        result = run_cli(*plugin_arguments(dataset, experiment, f"training.train_iters={steps}"))
+        assert result.returncode == 0, result.stderr
+    assert "resumed from" in result.stdout
+    assert losses(interrupted) == losses(straight)
+    manifest = json.loads((interrupted / "checkpoint" / "4" / "manifest.json").read_text())
+    assert manifest["components"] == RECORDED
+
+
+def without_plugin(*arguments: str) -> subprocess.CompletedProcess[str]:
+    """`fastllm ARGUMENTS` in a process where the plugin cannot be imported."""
+    command = [sys.executable, "-c", WITHOUT_PLUGIN, *arguments]
+    return subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+
+
+def test_a_run_without_the_plugin_is_refused_naming_its_key_type_and_error(
+    dataset: Path, tmp_path: Path
+) -> None:
+    result = without_plugin(*plugin_arguments(dataset, tmp_path / "run"))
+    assert result.returncode == 2, result.stderr
+    assert "model.base_model.transformer.mlp.type: type 'squared_relu'" in result.stderr
+    assert "fastllm_example_plugin.config:SquaredReLUMLPConfig" in result.stderr
+    assert "cannot be imported: ModuleNotFoundError" in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_converting_its_checkpoint_without_the_plugin_is_refused_naming_them(
+    dataset: Path, tmp_path: Path
+) -> None:
+    experiment = tmp_path / "run"
+    result = run_cli(*plugin_arguments(dataset, experiment, "training.train_iters=1"))
+    assert result.returncode == 0, result.stderr
+    checkpoint = experiment / "checkpoint" / "1"
+    exported = tmp_path / "exported"
+    convert = ("convert", f"input.path={checkpoint}", "input.format=distributed")
+    result = without_plugin(*convert, f"output.path={exported}")
+    assert result.returncode == 2
+    for named in ("mlp type 'squared_relu'", "head_loss type 'label_smoothing'"):
+        assert named in result.stderr
+    assert "Install the packages that provide them" in result.stderr
+    assert not exported.exists()
+    result = run_cli(*convert, f"output.path={exported}")  # with it: converted, and recorded
+    assert result.returncode == 0, result.stderr
+    result = without_plugin(*convert[:1], f"input.path={exported}", f"output.path={tmp_path / 'x'}")
+    assert result.returncode == 2 and "mlp type 'squared_relu'" in result.stderr
+    result = run_cli(
+        "convert", f"input.path={exported}", "output.format=llama", f"output.path={tmp_path / 'hf'}"
+    )  # a Hugging Face architecture has no layer of the plugin's
+    assert result.returncode == 2
+    assert "transformer.mlp.type is 'squared_relu' (not fastllm's)" in result.stderr
+
+
+def test_the_plugins_config_is_shown_and_validated_without_torch() -> None:
+    result = run_cli("config", "show", "-c", PLUGIN_CONFIG)
+    assert result.returncode == 0, result.stderr
+    assert (
+        "      mlp:\n        type: squared_relu\n        ffn_hidden_size: null\n" in result.stdout
+    )
+    assert "label_smoothing:\n          type: label_smoothing\n" in result.stdout
+    load = (
+        "import sys; from fastllm.config import TrainerConfig, load_config; "
+        f"load_config(TrainerConfig, [{PLUGIN_CONFIG!r}], []); print('torch' in sys.modules)"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", load], capture_output=True, text=True, cwd=ROOT, check=True
+    )
+    assert loaded.stdout == "False\n"  # the plugin's configs import no torch, as fastllm's
+
+
+PLUGIN_MLP = ("model.base_model.transformer.mlp={type: squared_relu}", "training.train_iters=3")
+PLUGIN_LAYOUTS = {
+    "plugin_tensor": (
+        "model.distributed.tensor_parallel=2",
+        "model.distributed.sequence_tensor_parallel=true",
+    ),
+    "plugin_zero_3": ("model.multi_stage.zero_stage=3",),
+}
+
+
+def layouts(dataset: Path, one_process: Callable[..., Path], root: Path) -> dict[str, Layout]:
+    return {name: Layout(2, (*PLUGIN_MLP, *layout)) for name, layout in PLUGIN_LAYOUTS.items()}
+
+
+@pytest.mark.parametrize("name", PLUGIN_LAYOUTS)
+def test_the_plugins_mlp_on_two_ranks_matches_one_process(
+    name: str, launched: dict[str, Launched], one_process: Callable[..., Path]
+) -> None:
+    """Its parameters' metadata is all the engine needs to split it over tensor ranks (its
+    declared splits) and to shard it with ZeRO-3."""
+    single, double = one_process(*PLUGIN_MLP), launched[name].succeeded()
+    expected, got = logged(single, "loss"), logged(double, "loss")
+    assert sorted(got) == sorted(expected) == [1, 2, 3]
+    for step, value in expected.items():
+        assert got[step] == pytest.approx(value, rel=1e-5), step
