@@ -23,6 +23,7 @@ from fastllm.checkpoint.saver import CheckpointSaver, remove_partials
 from fastllm.config import ConfigError, MachineError, TrainerConfig
 from fastllm.config.flops import flops_per_token
 from fastllm.config.phases import data_phases
+from fastllm.config.training import check_cadences
 from fastllm.data import DataLoader, SampleStream
 from fastllm.data.dataset import TokenDataset
 from fastllm.data.errors import BuildStopped
@@ -229,6 +230,7 @@ class Trainer:
         validating, checkpointing and exporting at their intervals. SIGINT/SIGTERM (on any
         rank) end the current step or validation, write a checkpoint and return `Stopped`."""
         config, training = self.config, self.config.training
+        check_cadences(training)
         experiment = self.experiment_dir
         try:
             experiment.mkdir(parents=True, exist_ok=True)
