@@ -161,6 +161,31 @@ def test_a_full_disk_under_metrics_exits_1_naming_the_file(dataset: Path, tmp_pa
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("cache", ["token_range", "sampling"])
+def test_a_full_disk_under_the_sampling_cache_exits_1_in_one_line_naming_the_file(
+    dataset: Path, tmp_path: Path, cache: str
+) -> None:
+    # A first run names the cache files; in a second experiment the one written through
+    # `NAME.tmpPID` is a link to /dev/full, whose every write fails as a full disk does.
+    first, second = tmp_path / "first", tmp_path / "second"
+    result = run_cli(*train_arguments(dataset, first, "training.train_iters=1"))
+    assert result.returncode == 0, result.stderr
+    caches = second / "cache" / "sampling"
+    caches.mkdir(parents=True)
+    for file in (first / "cache" / "sampling").iterdir():
+        if file.name.startswith(cache):
+            (caches / f"{file.name}.tmp{os.getpid()}").symlink_to("/dev/full")
+            full = caches / file.name
+        else:
+            file.rename(caches / file.name)
+    result = run_cli(*train_arguments(dataset, second, "training.train_iters=1"))
+    assert result.returncode == 1, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("fastllm: error: ")
+    assert line.endswith(f"{full}: No space left on device (os error 28)")
+    assert not list(caches.glob("*.tmp*")), "no temporary file is left"
+
+
 def test_a_sampling_index_beyond_the_memory_exits_1_in_one_line(
     dataset: Path, tmp_path: Path
 ) -> None:
