@@ -239,7 +239,8 @@ class Trainer:
 
     def fit(self) -> Stopped | None:
         """Train to `training.train_iters`, resuming from the newest checkpoint, logging,
-        validating, checkpointing and exporting at their intervals. SIGINT/SIGTERM (on any
+        validating, checkpointing and exporting at their intervals (an interval the run would
+        never reach is a `ConfigError` before anything is written). SIGINT/SIGTERM (on any
         rank) end the current step or validation, write a checkpoint and return `Stopped`."""
         config, training = self.config, self.config.training
         check_cadences(training)
