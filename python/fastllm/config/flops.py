@@ -10,7 +10,8 @@ def flops_per_token(
 ) -> float:
     """Training FLOPs per token, torchtitan's formula: 6 × (parameters that multiply, i.e. all
     but the embedding lookup; of a mixture of experts only the experts a token is routed to)
-    + 12 × layers × heads × head size × sequence (attention, counted whole). A norm counts
+    + 12 × layers × heads × head size × keys (attention, counted whole: the sequence, or in a
+    sliding block the window where it is shorter, each query's keys). A norm counts
     as its weight (and bias) would as a matmul's: 6 × the elements it scales, so a norm over
     each head (QK-norm) counts every head, not its one weight of a head's size.
 
@@ -23,7 +24,7 @@ def flops_per_token(
     freeze = freeze or FreezeConfig()
     others = isinstance(config.peft, LoRAConfig) and config.peft.freeze_others
     counts = config.parameter_counts(active=True)
-    attention = 12 * t.num_attention_heads * t.kv_channels * sequence_length
+    heads = 12 * t.num_attention_heads * t.kv_channels
     norms = 4 if freeze.norms or others else 6
     frozen_blocks = freeze.frozen_blocks()
     before_training = freeze.embeddings or others  # no backward pass before a trained one
@@ -31,6 +32,7 @@ def flops_per_token(
     block = weights + counts.block_norm_elements + counts.adapters
     total = 0.0
     for index in range(t.num_layers):
+        attention = heads * min(t.window_of(index) or sequence_length, sequence_length)
         frozen = index in frozen_blocks
         before_training = before_training and frozen
         if before_training:
