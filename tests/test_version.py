@@ -4,6 +4,7 @@ the kernels package and fastllm's requirement on it repeat it, checked here."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import tomllib
@@ -42,3 +43,11 @@ def test_version_without_installed_metadata_is_the_extension_version() -> None:
     assert result.returncode == 0, result.stderr
     reported, native = result.stdout.split()
     assert reported == native == workspace_version()
+
+
+def test_the_install_page_names_the_workspace_version() -> None:
+    # docs/install.md shows the wheels' file names and what `fastllm --version` prints.
+    page = (ROOT / "docs" / "install.md").read_text()
+    named = re.findall(r"(?:fastllm(?:_kernels)?[- ]|extension )(\d+\.\d+\.\d+)", page)
+    assert len(named) >= 3, "the install page no longer names the wheels and the version line"
+    assert set(named) == {workspace_version()}, named

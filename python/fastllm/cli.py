@@ -10,13 +10,12 @@ stops there); anything else is a bug and keeps its traceback."""
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from fastllm.config import ConfigError, MachineError, TrainerConfig
+from fastllm.config import ConfigError, MachineError
 from fastllm.engine.schedule.simulator import EFFECTIVE_TFLOPS, LINK_GBPS
 
 EXIT_FINISHED, EXIT_MACHINE, EXIT_INPUT = 0, 1, 2
@@ -82,7 +81,10 @@ def _config_show(args: argparse.Namespace) -> None:
 
 
 def _config_validate(args: argparse.Namespace) -> None:
+    from fastllm.config.training import check_cadences
+
     config = _load_trainer_config(args)
+    check_cadences(config.training)  # what `fastllm train` refuses of the config alone
     layout = None
     if args.world_size is not None:
         from fastllm.config.layout import resolve
@@ -98,20 +100,12 @@ def _config_validate(args: argparse.Namespace) -> None:
         f"{transformer.num_layers} layers, hidden {transformer.hidden_size}, "
         f"vocabulary {base_model.vocab_size}"
     )
-    _warn_unreached(config)
     if layout is not None:
         import msgspec
         import yaml
 
         sizes = {"layout": msgspec.to_builtins(layout)}
         sys.stdout.write(yaml.safe_dump(sizes, sort_keys=False, default_flow_style=None))
-
-
-def _warn_unreached(config: TrainerConfig) -> None:
-    from fastllm.config.training import unreached_cadences
-
-    for line in unreached_cadences(config.training):
-        print(f"fastllm: warning: {line}", file=sys.stderr)
 
 
 def _count(number: int) -> str:
@@ -157,8 +151,6 @@ def _train(args: argparse.Namespace) -> int | None:
     _, overrides = _split_family(args.arguments)
     config = build(TrainerConfig, with_pretrained_architecture(load_raw(args.config, overrides)))
     check_inputs(config)
-    if os.environ.get("RANK", "0") == "0":
-        _warn_unreached(config)
     import torch
     import torch.distributed as dist
 

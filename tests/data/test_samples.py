@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from fastllm.config import ConfigError
+from fastllm.config import ConfigError, MachineError
 from fastllm.config.data import DataConfig
 from fastllm.data import DataLoader, Samples, SampleStream, TokenDataset
 from fastllm.data.errors import BuildStopped
@@ -274,6 +274,26 @@ def test_token_ids_beyond_the_vocabulary_are_refused_naming_the_bin_and_document
     assert (
         f"{shard}: document {document} holds token id {vocab_size}, outside 0..{vocab_size} "
         "(model.base_model.vocab_size)" in str(raised.value)
+    )
+
+
+def test_a_full_disk_while_caching_the_token_range_is_a_machine_error_naming_the_file(
+    dataset: Path, tokenizer: TrainedTokenizer, tmp_path: Path
+) -> None:
+    # The range's cache is written through `NAME.tmpPID`; that name, in a second cache
+    # directory, is a link to /dev/full, whose every write fails as a full disk does. (It was
+    # exit 2, bad input, naming data.path[0].)
+    vocab_size = tokenizer.reference.get_vocab_size()
+    first = tmp_path / "first"
+    stream(dataset, first, sequence_length=32, num_samples=4, vocab_size=vocab_size)
+    (cached,) = first.glob("token_range_*.txt")
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / f"{cached.name}.tmp{os.getpid()}").symlink_to("/dev/full")
+    with pytest.raises(MachineError) as raised:
+        stream(dataset, full, sequence_length=32, num_samples=4, vocab_size=vocab_size)
+    assert str(raised.value) == (
+        f"data.path[0]: {full / cached.name}: No space left on device (os error 28)"
     )
 
 

@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
+import signal
+import subprocess
+import sys
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,9 +32,11 @@ from fastllm.config.model import DPOLossConfig
 from fastllm.data import DataLoader, SampleStream
 from fastllm.engine.batch import _pair_spans
 from fastllm.engine.engine import Engine
+from fastllm.engine.reference import ReferenceModel
 from fastllm.model.head_losses import HeadTargets, Teacher, head_losses, sequence_log_probs
 from fastllm.training.setup import check_inputs, with_pretrained_architecture
-from fastllm.training.trainer import Trainer
+from fastllm.training.trainer import Stopped, Trainer
+from tests.conftest import ROOT
 from tests.data.chat_fixtures import write_tokenizer
 from tests.data.conftest import prepare
 from tests.data.test_preference import write_pairs
@@ -297,6 +303,98 @@ def test_precomputed_reference_log_probs_are_never_read_stale_or_damaged(
     file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])  # damaged
     assert torch.equal(table(other), first) and len(built) == 3
     assert torch.equal(table(other), first) and len(built) == 3  # whole again: read
+
+
+def test_a_signal_during_the_reference_precomputation_stops_it_before_its_next_step(
+    pairs, tmp_path: Path, built: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A whole epoch of the reference over a large preference dataset takes minutes: a SIGTERM
+    # during it stops the run before the next step of it, writing nothing (the reference
+    # freed, `built` checks), instead of at its end.
+    steps: list[int] = []
+    teacher = ReferenceModel.teacher
+
+    def counted(reference: ReferenceModel, *arguments, **options):
+        steps.append(1)
+        return teacher(reference, *arguments, **options)
+
+    monkeypatch.setattr(ReferenceModel, "teacher", counted)
+    Trainer(dpo_config(pairs, tmp_path / "whole", PRECOMPUTED)).data_loader()
+    assert len(steps) > 1, "a precomputation of one step could not show the stop"
+
+    def signalled(reference: ReferenceModel, *arguments, **options):
+        if not steps:
+            os.kill(os.getpid(), signal.SIGTERM)
+        steps.append(1)
+        return teacher(reference, *arguments, **options)
+
+    steps.clear()
+    monkeypatch.setattr(ReferenceModel, "teacher", signalled)
+    run = Trainer(dpo_config(pairs, tmp_path / "run", PRECOMPUTED))
+    assert run.fit() == Stopped(signal.SIGTERM, 0)
+    assert len(steps) == 1, "no step of the precomputation after the signal"
+    assert not (tmp_path / "run" / "cache" / "reference_log_probs").exists()
+    assert not (tmp_path / "run" / "checkpoint").exists() or not any(
+        (tmp_path / "run" / "checkpoint").iterdir()
+    )
+
+
+# Run on each rank by tests.run_in_sequence: rank 0 alone gets SIGTERM, at its first step of
+# the reference precomputation, or while it builds its sampling index (which it leaves, as a
+# stopped build does, while rank 1 goes on into the precomputation's collectives).
+STOPPED_ON_RANK_0 = """
+import os, signal
+import torch.distributed as dist
+from fastllm.cli import main
+from fastllm.data.errors import BuildStopped
+from fastllm.engine.reference import ReferenceModel
+from fastllm.training.trainer import Trainer
+
+def signal_rank_0():
+    if dist.get_rank() == 0:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+if {during!r} == "precomputation":
+    teacher = ReferenceModel.teacher
+    def signalled(reference, *arguments, **options):
+        signal_rank_0()
+        return teacher(reference, *arguments, **options)
+    ReferenceModel.teacher = signalled
+else:
+    sample_stream = Trainer.sample_stream
+    def stopped(trainer, paths, num_samples, key, stop=None, **options):
+        signal_rank_0()
+        if stop is not None and stop():
+            raise BuildStopped(key)
+        return sample_stream(trainer, paths, num_samples, key, stop, **options)
+    Trainer.sample_stream = stopped
+raise SystemExit(main({arguments!r}))
+"""
+
+
+@pytest.mark.parametrize("during", ["precomputation", "index"])
+def test_a_signal_to_one_rank_before_the_first_step_stops_every_rank_with_143(
+    pairs, tmp_path: Path, during: str
+) -> None:
+    # The ranks agree on the stop before the reference's first collective and between the
+    # steps of its precomputation; no rank waits in a collective the other left.
+    dpo_config(pairs, tmp_path / "run", PRECOMPUTED)  # writes run.yaml
+    arguments = ["train", "-c", str(tmp_path / "run.yaml"), PRECOMPUTED]
+    launch = tmp_path / "launch"
+    launch.mkdir()
+    spec = launch / "runs.json"
+    script = STOPPED_ON_RANK_0.format(during=during, arguments=arguments)
+    spec.write_text(json.dumps({"directory": str(launch), "runs": {"train": script}}))
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "--no-python", sys.executable, "-m", "tests.run_in_sequence", str(spec),
+    ]  # fmt: skip
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    for rank in range(2):
+        stderr = (launch / f"train.rank{rank}.stderr").read_text()
+        assert (launch / f"train.rank{rank}.code").read_text() == "143", stderr + result.stderr
+        assert "Traceback" not in stderr, stderr
+    assert not (tmp_path / "run" / "cache" / "reference_log_probs").exists()
 
 
 def test_precomputed_reference_log_probs_free_a_reference_no_other_loss_reads() -> None:

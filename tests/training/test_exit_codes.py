@@ -110,12 +110,10 @@ def test_sigterm_while_the_sampling_index_is_built_exits_143_within_seconds(
     assert not list(experiment.glob("cache/sampling/sampling_*")), "no index was cached"
 
 
-def test_sigterm_to_every_rank_of_torchrun_exits_143_without_a_traceback(
-    dataset: Path, tmp_path: Path
-) -> None:
-    # As a scheduler stops a job (SLURM signals each of its processes): the ranks, which got
-    # it at different moments, stop after the same step, checkpoint it and exit 143. The
-    # ranks run tests.run_in_sequence, which keeps each one's exit code and stderr.
+def long_torchrun(dataset: Path, tmp_path: Path) -> tuple[subprocess.Popen[str], Path, Path]:
+    """A long run on two ranks under torchrun, once it logged its first step; the ranks run
+    tests.run_in_sequence, which keeps each one's exit code and stderr in the launch directory.
+    Returns torchrun's process, the experiment and the launch directory."""
     experiment, launch = tmp_path / "run", tmp_path / "launch"
     launch.mkdir()
     spec = launch / "runs.json"
@@ -125,11 +123,12 @@ def test_sigterm_to_every_rank_of_torchrun_exits_143_without_a_traceback(
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         "--no-python", sys.executable, "-m", "tests.run_in_sequence", str(spec),
     ]  # fmt: skip
-    torchrun = start(command, experiment)
-    ranks = Path(f"/proc/{torchrun.pid}/task/{torchrun.pid}/children").read_text().split()
-    assert len(ranks) == 2
-    for rank in ranks:
-        os.kill(int(rank), signal.SIGTERM)
+    return start(command, experiment), experiment, launch
+
+
+def assert_every_rank_stopped_with_143(
+    torchrun: subprocess.Popen[str], experiment: Path, launch: Path
+) -> None:
     _, err = torchrun.communicate(timeout=120)
     assert torchrun.returncode != 0, err  # torchrun reports ranks that failed
     for rank in range(2):
@@ -137,6 +136,29 @@ def test_sigterm_to_every_rank_of_torchrun_exits_143_without_a_traceback(
         assert (launch / f"train.rank{rank}.code").read_text() == "143", stderr
         assert "Traceback" not in stderr, stderr
     assert len(committed_steps(experiment)) == 1
+
+
+def test_sigterm_to_every_rank_of_torchrun_exits_143_without_a_traceback(
+    dataset: Path, tmp_path: Path
+) -> None:
+    # As a scheduler stops a job (SLURM signals each of its processes): the ranks, which got
+    # it at different moments, stop after the same step, checkpoint it and exit 143.
+    torchrun, experiment, launch = long_torchrun(dataset, tmp_path)
+    ranks = Path(f"/proc/{torchrun.pid}/task/{torchrun.pid}/children").read_text().split()
+    assert len(ranks) == 2
+    for rank in ranks:
+        os.kill(int(rank), signal.SIGTERM)
+    assert_every_rank_stopped_with_143(torchrun, experiment, launch)
+
+
+def test_sigterm_to_torchrun_stops_every_rank_with_143_and_a_checkpoint(
+    dataset: Path, tmp_path: Path
+) -> None:
+    # torchrun passes the signal on to its ranks, then prints its own traceback and exits 1
+    # (its code, not ours); the ranks stop as if signalled themselves.
+    torchrun, experiment, launch = long_torchrun(dataset, tmp_path)
+    torchrun.send_signal(signal.SIGTERM)
+    assert_every_rank_stopped_with_143(torchrun, experiment, launch)
 
 
 def test_an_experiment_dir_under_a_file_is_refused_naming_it(dataset: Path, tmp_path: Path) -> None:
@@ -159,6 +181,31 @@ def test_a_full_disk_under_metrics_exits_1_naming_the_file(dataset: Path, tmp_pa
         == f"fastllm: error: cannot write {experiment / 'metrics.jsonl'}: No space left on device"
     )
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("cache", ["token_range", "sampling"])
+def test_a_full_disk_under_the_sampling_cache_exits_1_in_one_line_naming_the_file(
+    dataset: Path, tmp_path: Path, cache: str
+) -> None:
+    # A first run names the cache files; in a second experiment the one written through
+    # `NAME.tmpPID` is a link to /dev/full, whose every write fails as a full disk does.
+    first, second = tmp_path / "first", tmp_path / "second"
+    result = run_cli(*train_arguments(dataset, first, "training.train_iters=1"))
+    assert result.returncode == 0, result.stderr
+    caches = second / "cache" / "sampling"
+    caches.mkdir(parents=True)
+    for file in (first / "cache" / "sampling").iterdir():
+        if file.name.startswith(cache):
+            (caches / f"{file.name}.tmp{os.getpid()}").symlink_to("/dev/full")
+            full = caches / file.name
+        else:
+            file.rename(caches / file.name)
+    result = run_cli(*train_arguments(dataset, second, "training.train_iters=1"))
+    assert result.returncode == 1, result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("fastllm: error: ")
+    assert line.endswith(f"{full}: No space left on device (os error 28)")
+    assert not list(caches.glob("*.tmp*")), "no temporary file is left"
 
 
 def test_a_sampling_index_beyond_the_memory_exits_1_in_one_line(

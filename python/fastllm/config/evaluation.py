@@ -100,7 +100,8 @@ class TrainingEvaluatorConfig(Section):
     """An evaluator run during training, at its interval."""
 
     interval: int | None = None
-    """Steps between two evaluations (none: never)."""
+    """Steps between two evaluations (none: never); the first, after step `offset` (or
+    `interval` when offset is 0), at most `training.train_iters`."""
     offset: int = 0
     """Evaluations run after the steps offset + k × interval (k = 0, 1, …; there is no step
     0): offset 5 and interval 10 evaluate after steps 5, 15, 25…"""

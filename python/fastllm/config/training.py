@@ -47,7 +47,8 @@ class CheckpointConfig(Section):
 
 class ExportConfig(Section):
     interval: int | None = None
-    """Steps between two exports of the model weights (none: never)."""
+    """Steps between two exports of the model weights (none: never); at most
+    `training.train_iters`."""
     format: ModelFormat = "distributed"
     """Format of the exported weights."""
 
@@ -57,7 +58,7 @@ class ExportConfig(Section):
 
 class ValidationConfig(Section):
     interval: int | None = None
-    """Steps between two validations (none: never)."""
+    """Steps between two validations (none: never); at most `training.train_iters`."""
     iterations: int = 10
     """Batches per validation."""
 
@@ -68,9 +69,9 @@ class ValidationConfig(Section):
 
 class ProfileConfig(Section):
     step: int | None = None
-    """Profile the optimizer steps from this one (none: never): per rank, a trace viewable in
-    Perfetto or chrome://tracing and a table of the time per operator and kernel, under
-    EXPERIMENT_DIR/profile/."""
+    """Profile the optimizer steps from this one (none: never; at most `training.train_iters`):
+    per rank, a trace viewable in Perfetto or chrome://tracing and a table of the time per
+    operator and kernel, under EXPERIMENT_DIR/profile/."""
     steps: int = 1
     """Steps profiled."""
 
@@ -286,26 +287,35 @@ class OptimizerConfig(Section):
         check_positive(self.gradient_norm_clipping, "gradient_norm_clipping")
 
 
-def unreached_cadences(training: TrainingConfig) -> list[str]:
-    """One line for each cadence that the run ends before reaching (a likely mistake: an
-    export every 2000 steps of a 1000-step run writes none)."""
+def check_cadences(training: TrainingConfig) -> None:
+    """Refuse a cadence that the run ends before reaching: an export every 2000 steps of a
+    1000-step run would write none, an evaluator every 500 steps of a 100-step one would never
+    run. `ConfigError` naming the key, what would not happen and how to ask for it. A
+    checkpoint interval past the end is not refused: `checkpoint.at_end` says whether the last
+    step is checkpointed, and false asks for no checkpoint but an interruption's."""
+    steps = training.train_iters
+    none = ", or to null for none"
     cadences = [
-        ("training.export.interval", training.export.interval, "no export is written"),
-        ("training.validation.interval", training.validation.interval, "nothing is validated"),
-        ("training.profile.step", training.profile.step, "nothing is profiled"),
-        *(  # the first evaluation is after step offset, or interval when offset is 0
-            (f"training.evaluators.{name}.offset", evaluator.offset, "it never runs")
-            if evaluator.offset
-            else (f"training.evaluators.{name}.interval", evaluator.interval, "it never runs")
-            for name, evaluator in training.evaluators.items()
+        ("training.export.interval", training.export.interval, "no export would be written", none),
+        (
+            "training.validation.interval",
+            training.validation.interval,
+            "nothing would be validated",
+            none,
         ),
+        ("training.profile.step", training.profile.step, "nothing would be profiled", none),
     ]
-    if not training.checkpoint.at_end:
-        cadences.append(
-            ("training.checkpoint.interval", training.checkpoint.interval, "none is written")
-        )
-    return [
-        f"{key} is {value}, past training.train_iters ({training.train_iters}): {outcome}"
-        for key, value, outcome in cadences
-        if value is not None and value > training.train_iters > 0
-    ]
+    for name, evaluator in training.evaluators.items():
+        # The first evaluation is after step offset, or after step interval when offset is 0.
+        key = f"training.evaluators.{name}"
+        if evaluator.offset:
+            cadences.append((f"{key}.offset", evaluator.offset, "it would never run", ""))
+        else:
+            cadences.append((f"{key}.interval", evaluator.interval, "it would never run", none))
+    for key, value, outcome, remedy in cadences:
+        if value is not None and value > steps > 0:
+            raise ConfigError(
+                key,
+                f"is {value}, past training.train_iters ({steps}): {outcome}; set it to at most "
+                f"{steps}{remedy}",
+            )

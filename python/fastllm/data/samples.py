@@ -110,7 +110,9 @@ class SampleStream:
                     datasets[-1].check_token_range(vocab_size, cache_dir)
             except _native.TokenRangeError as error:
                 raise ConfigError(f"{key}[{i}]", _beyond_vocabulary(error)) from None
-            except (OSError, ValueError) as error:
+            except OSError as error:  # caching the range: a full or read-only disk
+                raise MachineError(f"{key}[{i}]: {error}") from None
+            except ValueError as error:
                 raise ConfigError(f"{key}[{i}]", str(error)) from None
         for i, dataset in enumerate(datasets):
             _check_loss_spans(dataset, f"{key}[{i}]")

@@ -21,6 +21,7 @@ import math
 import os
 import time
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,7 @@ from fastllm.checkpoint.fingerprint import file_fingerprint, fingerprint
 from fastllm.config.data import DataConfig
 from fastllm.data import DataLoader, SampleStream
 from fastllm.data.dataset import TokenDataset
+from fastllm.data.errors import BuildStopped
 from fastllm.engine.reference import ReferenceModel
 
 if TYPE_CHECKING:
@@ -42,11 +44,21 @@ VERSION = 1
 """Of the files' key: a change of what they hold or how it is computed raises it."""
 
 
-def reference_log_probs(trainer: Trainer, name: str, paths: dict[str, str]) -> dict[str, Tensor]:
+def reference_log_probs(
+    trainer: Trainer,
+    name: str,
+    paths: dict[str, str],
+    agree: Callable[[], bool] | None = None,
+) -> dict[str, Tensor]:
     """The (pairs, 2) log-probabilities under reference model `name` of the chosen and rejected
     answer of each pair of the preference datasets `paths` (each with its config key), by path,
     on the host: read from their files, or computed (every rank takes part) and written. Every
-    rank calls it, with the same arguments."""
+    rank calls it, with the same arguments. `agree` (a stop the ranks agree on) is asked first,
+    before any collective (a rank stopped earlier on its own signal asks it where it stopped),
+    and before each step of the computation: once true, `BuildStopped`, nothing written."""
+    stopped = agree or (lambda: False)
+    if stopped():
+        raise BuildStopped(f"reference_models.{name}")
     directory = trainer.experiment_dir / "cache" / "reference_log_probs"
     keys = {path: _key(trainer, name, path) for path in paths}
     files = {path: directory / f"{_digest(key)}.npz" for path, key in keys.items()}
@@ -62,7 +74,9 @@ def reference_log_probs(trainer: Trainer, name: str, paths: dict[str, str]) -> d
     start = time.perf_counter()
     reference = trainer.engine.build_reference(name)
     try:
-        computed = {path: _compute(trainer, reference, path, key) for path, key in paths.items()}
+        computed = {
+            path: _compute(trainer, reference, path, key, stopped) for path, key in paths.items()
+        }
     finally:
         del reference
         _free_memory(trainer.distributed.device)
@@ -135,10 +149,12 @@ def _all_ranks_have(trainer: Trainer, found: bool) -> bool:
 
 
 @torch.no_grad()
-def _compute(trainer: Trainer, reference: ReferenceModel, path: str, key: str) -> Tensor:
+def _compute(
+    trainer: Trainer, reference: ReferenceModel, path: str, key: str, stopped: Callable[[], bool]
+) -> Tensor:
     """The table of dataset `path`: the reference over packed samples that hold every pair
     that fits the sequence (at least once: one epoch, and the end of a sample of the next),
-    each data rank a micro-batch of each step."""
+    each data rank a micro-batch of each step; `stopped` is asked before each step."""
     config, engine = trainer.config, trainer.engine
     data, device = engine.mesh.data, trainer.distributed.device
     micro_batch = engine.layout.micro_batch_size
@@ -168,6 +184,8 @@ def _compute(trainer: Trainer, reference: ReferenceModel, path: str, key: str) -
     steps = iter(loader)
     try:
         for _ in range(math.ceil(samples / per_step)):
+            if stopped():
+                raise BuildStopped(key)
             for micro in engine.batches.prepare(next(steps)):
                 input_ids, labels, documents = micro.pieces[0]
                 assert micro.pairs is not None and micro.pairs.ids is not None

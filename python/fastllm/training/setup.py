@@ -11,6 +11,7 @@ import msgspec
 
 from fastllm.config import ConfigError, TrainerConfig
 from fastllm.config.layout import resolve
+from fastllm.config.training import check_cadences
 
 
 def with_pretrained_architecture(raw: dict[str, Any]) -> dict[str, Any]:
@@ -74,6 +75,7 @@ def check_inputs(config: TrainerConfig) -> None:
     for key, paths in (("data.path", config.data.path), *phases):
         _check_preference(config, key, paths)
     resolve(config, int(os.environ.get("WORLD_SIZE", "1")))
+    check_cadences(config.training)
     export = config.training.export
     if export.interval and export.format != "distributed":  # read at the first export
         from fastllm.checkpoint.formats import special_token_ids

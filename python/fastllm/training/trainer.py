@@ -23,6 +23,7 @@ from fastllm.checkpoint.saver import CheckpointSaver, remove_partials
 from fastllm.config import ConfigError, MachineError, TrainerConfig
 from fastllm.config.flops import flops_per_token
 from fastllm.config.phases import data_phases
+from fastllm.config.training import check_cadences
 from fastllm.data import DataLoader, SampleStream
 from fastllm.data.dataset import TokenDataset
 from fastllm.data.errors import BuildStopped
@@ -118,10 +119,14 @@ class Trainer:
             stop=stop,
         )
 
-    def data_loader(self, stop: Callable[[], bool] | None = None) -> PhasedLoader:
+    def data_loader(
+        self, stop: Callable[[], bool] | None = None, agree: Callable[[], bool] | None = None
+    ) -> PhasedLoader:
         """Training batches (this rank's micro-batches of each step) from the current data
         position to the end of training, phase after phase (`training.phases`); `stop` ends the
-        building of the sampling indices (`BuildStopped`), which are all built here."""
+        building of the sampling indices (`BuildStopped`), which are all built here, and
+        `agree` (asked by every rank at the same points) the precomputation of DPO's reference
+        log-probabilities, which runs here too."""
         batch_size, run = self.config.batch.batch_size, self.engine.state
         loaders = []
         for phase in data_phases(self.config):
@@ -142,14 +147,19 @@ class Trainer:
                 if phase.begin_step == 0
                 else max(0, run.step - phase.begin_step) * batch_size
             )
-            loaders.append(self.loader(stream, position))
+            loaders.append(self.loader(stream, position, agree))
         return PhasedLoader(loaders)
 
-    def loader(self, stream: SampleStream, consumed_samples: int = 0) -> DataLoader:
+    def loader(
+        self,
+        stream: SampleStream,
+        consumed_samples: int = 0,
+        agree: Callable[[], bool] | None = None,
+    ) -> DataLoader:
         """This rank's share of each batch of `stream`, in micro-batches (whole sequences: the
         ranks of a sequence-data group share them, and the engine takes this rank's chunk);
         with DPO's reference log-probabilities precomputed, its pairs' (every rank calls it:
-        the first call computes them)."""
+        the first call computes them, and `agree` stops that with `BuildStopped`)."""
         batch, data = self.config.batch, self.engine.mesh.sample_groups
         return DataLoader(
             stream,
@@ -159,10 +169,12 @@ class Trainer:
             world_size=data.size,
             consumed_samples=consumed_samples,
             prefetch=self.config.data.prefetch,
-            reference_log_probs=self._reference_log_probs(stream),
+            reference_log_probs=self._reference_log_probs(stream, agree),
         )
 
-    def _reference_log_probs(self, stream: SampleStream) -> Tensor | None:
+    def _reference_log_probs(
+        self, stream: SampleStream, agree: Callable[[], bool] | None
+    ) -> Tensor | None:
         """The precomputed reference log-probabilities of the pairs of `stream`, by pair id;
         at the first call, those of every preference dataset the run reads."""
         names = self.config.model.base_model.head.precomputed_references
@@ -170,7 +182,8 @@ class Trainer:
             return None
         (name,) = names  # of the one dpo loss
         if self._reference_tables is None:
-            self._reference_tables = reference_log_probs(self, name, self._preference_paths())
+            paths = self._preference_paths()
+            self._reference_tables = reference_log_probs(self, name, paths, agree)
         tables = self._reference_tables
         return torch.cat([tables[str(dataset.path)] for dataset in stream.datasets])
 
@@ -226,9 +239,11 @@ class Trainer:
 
     def fit(self) -> Stopped | None:
         """Train to `training.train_iters`, resuming from the newest checkpoint, logging,
-        validating, checkpointing and exporting at their intervals. SIGINT/SIGTERM (on any
+        validating, checkpointing and exporting at their intervals (an interval the run would
+        never reach is a `ConfigError` before anything is written). SIGINT/SIGTERM (on any
         rank) end the current step or validation, write a checkpoint and return `Stopped`."""
         config, training = self.config, self.config.training
+        check_cadences(training)
         experiment = self.experiment_dir
         try:
             experiment.mkdir(parents=True, exist_ok=True)
@@ -272,11 +287,17 @@ class Trainer:
         energy = EnergyMeter.of(self.distributed)
         phases = {phase.begin_step: i for i, phase in enumerate(training.phases)}
         try:
-            try:  # the sampling indices (minutes for a long run's) stop on this rank's signal
+            # The sampling indices (minutes for a long run's) stop on this rank's signal; DPO's
+            # reference precomputation, whose collectives every rank runs, where they agree.
+            try:
                 for evaluation in self.evaluations.values():
                     if evaluation.schedule.interval:  # its data is refused now, not at step N
                         evaluation.prepare(stop.asked)
-                loader = self.data_loader(stop.asked) if run.step < training.train_iters else []
+                loader = (
+                    self.data_loader(stop.asked, stop.agree)
+                    if run.step < training.train_iters
+                    else []
+                )
             except BuildStopped:
                 loader = []
             energy.start()
