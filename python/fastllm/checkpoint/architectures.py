@@ -9,6 +9,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from fastllm.checkpoint.deepseek_v3 import (
+    deepseek_v3_attention,
+    deepseek_v3_from_hf,
+    deepseek_v3_mlp,
+    deepseek_v3_to_hf,
+)
 from fastllm.checkpoint.hf_rules import Rule, concat, same, stack
 from fastllm.config import BaseModelConfig, ConfigError
 from fastllm.config.formats import HF_ARCHITECTURES
@@ -25,6 +31,9 @@ class Architecture:
     """Adds its own keys to a config.json."""
     mlp_rules: Callable[[BaseModelConfig, str, str], Iterator[Rule]]
     """Rules of one block's MLP: (config, our prefix, their layer prefix)."""
+    attention_rules: Callable[[BaseModelConfig, str, str], Iterator[Rule]] | None = None
+    """Rules of one block's attention, (config, our prefix, their layer prefix), when not
+    the common q/k/v/o projections."""
 
 
 def _window_from_hf(hf: dict[str, Any], transformer: dict[str, Any]) -> None:
@@ -292,6 +301,14 @@ ARCHITECTURES = {
             from_hf=_olmo2_from_hf,
             to_hf=_olmo2_to_hf,
             mlp_rules=_gated_mlp,
+        ),
+        Architecture(
+            "deepseek_v3",
+            "DeepseekV3ForCausalLM",
+            from_hf=deepseek_v3_from_hf,
+            to_hf=deepseek_v3_to_hf,
+            mlp_rules=deepseek_v3_mlp,
+            attention_rules=deepseek_v3_attention,
         ),
         Architecture(
             "starcoder2",

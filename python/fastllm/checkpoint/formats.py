@@ -187,8 +187,18 @@ _LATER_TRANSFORMER_KEYS = (
     "query_norm",
     "key_norm",
     "query_key_norm_scope",
+    "expert_score_function",
+    "expert_bias",
+    "expert_bias_update_rate",
+    "expert_groups",
+    "expert_groups_per_token",
+    "expert_routed_scaling_factor",
+    "first_dense_layers",
+    "dense_ffn_hidden_size",
+    "latent_attention",
 )
-"""Keys of `transformer` that fastllm-format configs have had since QK-norm and post-norms."""
+"""Keys of `transformer` that fastllm-format configs have had since QK-norm and post-norms
+(and since DeepSeek-V3's latent attention and routing)."""
 
 
 def _omit_later_defaults(transformer: dict[str, Any]) -> None:

@@ -22,26 +22,42 @@ def rules(config: BaseModelConfig, architecture: str) -> Iterator[Rule]:
         for our_norm, their_norm in _BLOCK_NORMS[t.normalization_placement]:
             for name in _norm_parameters(config):
                 yield same(f"{ours}.{our_norm}.{name}", f"{theirs}.{their_norm}.{name}")
-        qkv_parameters = ("weight", "bias") if t.biases_in_attention_qkv else ("weight",)
-        for name in qkv_parameters:
-            yield concat(
-                f"{ours}.attention.query_key_value.{name}",
-                tuple(f"{attention}.{p}_proj.{name}" for p in "qkv"),
-                [q_size, kv_size, kv_size],
-            )
-        dense_parameters = ("weight", "bias") if t.biases_elsewhere else ("weight",)
-        for name in dense_parameters:
-            yield same(f"{ours}.attention.dense.{name}", f"{attention}.o_proj.{name}")
-        for our_norm, their_norm in (("query_norm", "q_norm"), ("key_norm", "k_norm")):
-            if getattr(t, our_norm) is not None:  # an rms_norm (formats.inexpressible)
-                yield same(
-                    f"{ours}.attention.{our_norm}.weight", f"{attention}.{their_norm}.weight"
-                )
-        yield from ARCHITECTURES[architecture].mlp_rules(config, f"{ours}.mlp", theirs)
+        entry = ARCHITECTURES[architecture]
+        if entry.attention_rules is not None:
+            yield from entry.attention_rules(config, ours, theirs)
+        else:
+            yield from _attention(config, ours, attention, q_size, kv_size)
+        if t.has_experts(i) or t.num_experts == 1:
+            yield from entry.mlp_rules(config, f"{ours}.mlp", theirs)
+        else:  # one of the first dense layers of a mixture-of-experts model
+            gate_up = (f"{theirs}.mlp.gate_proj.weight", f"{theirs}.mlp.up_proj.weight")
+            width = t.dense_ffn_width
+            yield concat(f"{ours}.mlp.layer_1.weight", gate_up, [width, width])
+            yield same(f"{ours}.mlp.layer_2.weight", f"{theirs}.mlp.down_proj.weight")
     for name in _norm_parameters(config):
         yield same(f"final_norm.{name}", f"model.norm.{name}")
     if not config.tie_word_embeddings:
         yield same("head.weight", "lm_head.weight")
+
+
+def _attention(
+    config: BaseModelConfig, ours: str, attention: str, q_size: int, kv_size: int
+) -> Iterator[Rule]:
+    """The common attention's: q/k/v/o projections and QK-norms."""
+    t = config.transformer
+    qkv_parameters = ("weight", "bias") if t.biases_in_attention_qkv else ("weight",)
+    for name in qkv_parameters:
+        yield concat(
+            f"{ours}.attention.query_key_value.{name}",
+            tuple(f"{attention}.{p}_proj.{name}" for p in "qkv"),
+            [q_size, kv_size, kv_size],
+        )
+    dense_parameters = ("weight", "bias") if t.biases_elsewhere else ("weight",)
+    for name in dense_parameters:
+        yield same(f"{ours}.attention.dense.{name}", f"{attention}.o_proj.{name}")
+    for our_norm, their_norm in (("query_norm", "q_norm"), ("key_norm", "k_norm")):
+        if getattr(t, our_norm) is not None:  # an rms_norm (formats.inexpressible)
+            yield same(f"{ours}.attention.{our_norm}.weight", f"{attention}.{their_norm}.weight")
 
 
 _BLOCK_NORMS = {

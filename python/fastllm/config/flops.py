@@ -10,7 +10,11 @@ def flops_per_token(
 ) -> float:
     """Training FLOPs per token, torchtitan's formula: 6 × (parameters that multiply, i.e. all
     but the embedding lookup; of a mixture of experts only the experts a token is routed to)
-    + 12 × layers × heads × head size × sequence (attention, counted whole). A norm counts
+    + 12 × layers × heads × head size × sequence (attention, counted whole; with latent
+    attention 6 × layers × heads × (query head size + value head size) × sequence, and its
+    parameters are its real matmuls': the down projections, the latents' up projections and
+    the output, as a token computes them). A mixture's first dense layers count their dense
+    MLPs. A norm counts
     as its weight (and bias) would as a matmul's: 6 × the elements it scales, so a norm over
     each head (QK-norm) counts every head, not its one weight of a head's size.
 
@@ -23,14 +27,16 @@ def flops_per_token(
     freeze = freeze or FreezeConfig()
     others = isinstance(config.peft, LoRAConfig) and config.peft.freeze_others
     counts = config.parameter_counts(active=True)
-    attention = 12 * t.num_attention_heads * t.kv_channels * sequence_length
+    dense = config.parameter_counts(dense=True) if t.num_experts > 1 else counts
+    attention = 6 * t.num_attention_heads * sequence_length * _score_and_value_width(config)
     norms = 4 if freeze.norms or others else 6
     frozen_blocks = freeze.frozen_blocks()
     before_training = freeze.embeddings or others  # no backward pass before a trained one
-    weights = counts.block - counts.block_norms
-    block = weights + counts.block_norm_elements + counts.adapters
     total = 0.0
     for index in range(t.num_layers):
+        layer = counts if t.has_experts(index) or t.num_experts == 1 else dense
+        weights = layer.block - layer.block_norms
+        block = weights + layer.block_norm_elements + layer.adapters
         frozen = index in frozen_blocks
         before_training = before_training and frozen
         if before_training:
@@ -38,7 +44,17 @@ def flops_per_token(
         elif frozen:
             total += 4 * block + attention
         else:
-            total += (4 if others else 6) * weights + norms * counts.block_norm_elements
-            total += 6 * counts.adapters + attention
+            total += (4 if others else 6) * weights + norms * layer.block_norm_elements
+            total += 6 * layer.adapters + attention
     head = config.vocab_size * t.hidden_size  # tied or not, the head multiplies
     return total + norms * counts.final_norm + (4 if freeze.head or others else 6) * head
+
+
+def _score_and_value_width(config: BaseModelConfig) -> int:
+    """Per head, the width of q·kᵀ plus that of the scores' product with v: 2 × head size, or
+    with latent attention its query head size plus its value head size."""
+    t = config.transformer
+    if t.latent_attention is not None:
+        return t.latent_attention.query_head_dim + t.latent_attention.v_head_dim
+    assert t.kv_channels is not None
+    return 2 * t.kv_channels

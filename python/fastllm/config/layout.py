@@ -176,6 +176,11 @@ _LORA_FROZEN = Condition(
 )
 _NOT_YET_FROZEN = "frozen parameters are not yet tested with it"
 _REFERENCES = Condition("reference_models", bool, "reference_models")
+_LATENT_ATTENTION = Condition(
+    "model.base_model.transformer.latent_attention",
+    lambda latent: latent is not None,
+    "model.base_model.transformer.latent_attention",
+)
 _GRAPHS = "their collectives would break the compiled graphs"
 _DISTRIBUTED_EXPORT = Condition(
     "training.export",
@@ -232,6 +237,18 @@ COMPATIBILITY: tuple[Incompatibility, ...] = (
                 lambda stage: stage == 3,
                 "model.multi_stage.zero_stage=3",
             ),
+        )
+    ),
+    *(
+        Incompatibility(_LATENT_ATTENTION, other, reason)
+        for other, reason in (
+            (
+                _above_one("model.distributed.sequence_data_parallel"),
+                "its keys and values are made per chunk from the latents; gathering them "
+                "over the sequence-data ranks is not written yet",
+            ),
+            (_FP8, "the FP8 layers are the q/k/v attention's and the MLP's"),
+            (_COMPILE, "not yet tested with compiled blocks"),
         )
     ),
     Incompatibility(_COMPILE, _above_one("model.distributed.tensor_parallel"), _GRAPHS),

@@ -37,7 +37,8 @@ from fastllm.engine.replicated_check import check_replicated
 from fastllm.engine.schedule.runner import StepRunner
 from fastllm.engine.weights_io import whole_parameters
 from fastllm.model import GPTModel
-from fastllm.model.mlp import take_expert_load
+from fastllm.model.mlp import take_expert_load, take_step_loads
+from fastllm.model.routing import bias_update
 from fastllm.parallel.mesh import ParallelMesh
 from fastllm.parallel.process_group import Distributed
 from fastllm_kernels.fp8.amax_history import AmaxHistories
@@ -136,6 +137,9 @@ class Engine:
         report = self.optimizer.step(lr, self.scaler.scale)
         if self.fp8_histories is not None:
             self.fp8_histories.roll()
+        loads = take_step_loads(self.model)
+        if loads and not report.skipped:
+            self._balance_experts(loads)
         if not report.skipped:
             gather_weights(self.stages, wait=False)  # each stage's forward pass waits for its own
             if self.config.model.multi_stage.debug_tensor_parallel:
@@ -145,6 +149,15 @@ class Engine:
         state.skipped_steps += report.skipped
         self.stages.zero_grad()
         return {"lr": lr, "grad_norm": report.grad_norm, "skipped": report.skipped}
+
+    def _balance_experts(self, loads: list[tuple[torch.nn.Parameter, Tensor, float]]) -> None:
+        """Each mixture's correction biases moved by its expert loads of the step, summed over
+        the data ranks (tensor ranks route the same tokens), so that every rank holding a
+        bias moves it alike."""
+        names = {id(p): name for name, p in self.model.named_parameters()}
+        summed = self._data_sum(torch.stack([load for _, load, _ in loads]).float())
+        for (bias, _, rate), load in zip(loads, summed, strict=True):
+            self.stages.add_to_masters(names[id(bias)], bias_update(load, rate))
 
     @torch.no_grad()
     def evaluate(

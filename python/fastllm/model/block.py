@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import torch
 from torch import Tensor
 
 from fastllm.config.model import LoRAConfig, TransformerConfig
 from fastllm.model.attention import Attention
+from fastllm.model.latent_attention import LatentAttention
 from fastllm.model.mlp import MLP, MixtureOfExperts
 from fastllm.model.normalization import InputNorm, NoNormalization, Normalization
 from fastllm.parallel.mesh import ParallelMesh
@@ -30,13 +32,17 @@ class TransformerBlock(torch.nn.Module):
         super().__init__()
         mesh = mesh or ParallelMesh.single()
         self.norm_1 = _input_norm(config)
-        self.attention = Attention(config, layer_index, mesh.tensor, mesh.sequence_data, lora)
+        self.attention: Attention | LatentAttention = (
+            Attention(config, layer_index, mesh.tensor, mesh.sequence_data, lora)
+            if config.latent_attention is None
+            else LatentAttention(config, layer_index, mesh.tensor)
+        )
         self.post_norm_1 = _output_norm(config)
         self.norm_2 = _input_norm(config)
         self.mlp: MLP | MixtureOfExperts = (
             MixtureOfExperts(config, mesh.tensor, mesh.expert)
-            if config.num_experts > 1
-            else MLP(config, mesh.tensor, lora)
+            if config.has_experts(layer_index)
+            else MLP(_dense(config), mesh.tensor, lora)
         )
         self.post_norm_2 = _output_norm(config)
 
@@ -65,3 +71,11 @@ def _output_norm(config: TransformerConfig) -> Normalization | None:
     if not config.post_norms:
         return None
     return Normalization(config.normalization, config.hidden_size, tensor_partial=False)
+
+
+def _dense(config: TransformerConfig) -> TransformerConfig:
+    """`config` for a dense MLP: a mixture-of-experts model's first dense layers are
+    `dense_ffn_width` wide."""
+    if config.num_experts == 1:
+        return config
+    return msgspec.structs.replace(config, ffn_hidden_size=config.dense_ffn_width, num_experts=1)

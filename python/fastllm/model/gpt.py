@@ -102,7 +102,7 @@ class GPTModel(torch.nn.Module):
         self.rotary = (
             None
             if isinstance(transformer.rotary, NoRotaryConfig)
-            else RotaryTables(transformer.rotary, transformer.kv_channels)
+            else RotaryTables(transformer.rotary, transformer.rotary_channels)
         )
 
     @property

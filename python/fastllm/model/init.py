@@ -12,6 +12,7 @@ import torch
 
 from fastllm.model.attention import Attention
 from fastllm.model.gpt import GPTModel
+from fastllm.model.latent_attention import LatentAttention
 from fastllm.model.lora import LoRA
 from fastllm.model.mlp import MLP, MixtureOfExperts
 from fastllm.model.normalization import Normalization
@@ -55,6 +56,12 @@ def initializers(
             constant(module.bias, 0.0)
         elif isinstance(module, Attention):
             input_and_output(module.query_key_value, module.dense)
+        elif isinstance(module, LatentAttention):
+            for layer in (module.query_down, module.query_up, module.key_value_down):
+                if layer is not None:
+                    normal(layer.weight, std)
+            normal(module.key_value_up.weight, std)
+            normal(module.dense.weight, output_std)
         elif isinstance(module, MLP):
             input_and_output(module.layer_1, module.layer_2)
         elif isinstance(module, MixtureOfExperts):

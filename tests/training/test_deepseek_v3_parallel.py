@@ -1,0 +1,103 @@
+"""A DeepSeek-V3-style model (latent attention, a dense first block, sigmoid routing limited to
+groups, a shared expert, correction biases balanced by the loads) under torchrun against the
+single-process run of the same global batch: on two tensor ranks with sequence parallelism,
+and on two data ranks that split the experts (ZeRO-2), where the biases move by the loads
+summed over both."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.training.conftest import Launched, Layout
+from tests.training.test_data_parallel import final_weights
+from tests.training.test_tensor_parallel import assert_close_weights, metric
+
+STEPS = 4
+RATE = 0.01
+DEEPSEEK = (
+    "model.base_model.transformer.normalization.type=rms_norm",
+    "model.base_model.transformer.gated=true",
+    "model.base_model.transformer.activation_type=silu",
+    "model.base_model.transformer.add_linear_biases=false",
+    "model.base_model.transformer.window_size=null",
+    "model.base_model.transformer.head_groups=4",
+    "model.base_model.transformer.latent_attention={q_lora_rank: 24, kv_lora_rank: 16, "
+    "qk_head_dim: 12, qk_pos_emb_head_dim: 8, v_head_dim: 20}",
+    "model.base_model.transformer.ffn_hidden_size=32",
+    "model.base_model.transformer.dense_ffn_hidden_size=96",
+    "model.base_model.transformer.first_dense_layers=1",
+    "model.base_model.transformer.num_experts=8",
+    "model.base_model.transformer.num_experts_per_token=3",
+    "model.base_model.transformer.num_shared_experts=1",
+    "model.base_model.transformer.expert_score_function=sigmoid",
+    "model.base_model.transformer.expert_auxiliary_loss_coefficient=0",
+    "model.base_model.transformer.expert_bias=true",
+    f"model.base_model.transformer.expert_bias_update_rate={RATE}",
+    "model.base_model.transformer.expert_groups=4",
+    "model.base_model.transformer.expert_groups_per_token=2",
+    "model.base_model.transformer.expert_routed_scaling_factor=2.5",
+    "model.base_model.tie_word_embeddings=false",
+    f"training.train_iters={STEPS}",
+    f"training.export.interval={STEPS}",
+    "training.export.format=distributed",
+    "batch.batch_size=8",
+    "model.multi_stage.debug_tensor_parallel=true",
+)
+
+
+def layouts(dataset: Path, one_process: Callable[..., Path], root: Path) -> dict[str, Layout]:
+    return {
+        "tp2-sequence-parallel": Layout(
+            2,
+            (
+                *DEEPSEEK,
+                "model.distributed.tensor_parallel=2",
+                "model.distributed.sequence_tensor_parallel=true",
+            ),
+        ),
+        "dp2-ep2-zero2": Layout(
+            2,
+            (
+                *DEEPSEEK,
+                "model.distributed.expert_parallel=2",
+                "model.multi_stage.zero_stage=2",
+            ),
+        ),
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(one_process: Callable[..., Path]) -> Path:
+    return one_process(*DEEPSEEK)
+
+
+def test_one_process_moves_each_bias_by_the_rate_per_step(reference: Path) -> None:
+    biases = {
+        name: tensor
+        for name, tensor in final_weights(reference, STEPS).items()
+        if name.endswith("expert_bias")
+    }
+    assert list(biases) == ["layers.1.mlp.expert_bias"]  # the first block is dense
+    bias = biases["layers.1.mlp.expert_bias"]
+    assert bias.abs().sum() > 0
+    steps = bias / RATE  # a sum of STEPS moves of -1, 0 or +1
+    torch.testing.assert_close(steps, steps.round(), rtol=0, atol=1e-4)
+    assert steps.abs().max() <= STEPS
+    assert metric(reference, "expert_tokens_max")  # the loads are logged
+
+
+@pytest.mark.parametrize("layout", ["tp2-sequence-parallel", "dp2-ep2-zero2"])
+def test_deepseek_v3_style_model_matches_one_process(
+    reference: Path, launched: dict[str, Launched], layout: str
+) -> None:
+    run = launched[layout].succeeded()
+    for key in ("loss", "grad_norm", "expert_tokens_max", "expert_tokens_mean"):
+        expected, got = metric(reference, key), metric(run, key)
+        assert sorted(got) == list(range(1, STEPS + 1)), key
+        for step in got:
+            assert got[step] == pytest.approx(expected[step], rel=1e-5), (key, step)
+    assert_close_weights(final_weights(run, STEPS), final_weights(reference, STEPS))
