@@ -70,6 +70,7 @@ def initializers(
             normal(module.layer_2, output_std)
             if module.shared_gate is not None:
                 normal(module.shared_gate.weight, std)
+            constant(module.expert_bias, 0.0)  # balanced from the first step's loads on
         elif isinstance(module, LoRA):
             bound = module.in_features**-0.5
             plan.append(

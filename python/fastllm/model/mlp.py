@@ -246,8 +246,9 @@ class MixtureOfExperts(torch.nn.Module):
         """With `expert_bias`: the tokens routed to each expert since the last optimizer step
         (`take_step_loads`)."""
 
-    def forward(self, x: Tensor, norm: InputNorm) -> tuple[Tensor, Tensor]:
-        """The mixture of norm(x), the block's residual stream."""
+    def forward(self, x: Tensor, norm: InputNorm) -> tuple[Tensor, Tensor | None]:
+        """The mixture of norm(x), the block's residual stream, and the router's weighted
+        losses (None when it has none)."""
         x = enter(x, self.tensor)
         normed = norm(x)
         tokens = normed.reshape(-1, normed.shape[-1])
@@ -264,6 +265,8 @@ class MixtureOfExperts(torch.nn.Module):
             weights, experts, counts, auxiliary, sparse = route_scored(
                 self.router(tokens), self.routing, self.expert_bias, x.dtype
             )
+            if not (self.auxiliary_coefficient or self.z_loss_coefficient):
+                auxiliary = None  # no loss of the router's: nothing to differentiate
         if self.expert.split:
             out = exchange(tokens, weights, experts, counts, self.expert, self._held)
         elif self.dropless:
@@ -283,7 +286,8 @@ class MixtureOfExperts(torch.nn.Module):
             out = out + shared
         if not self.tensor.split:
             return out.view_as(x), auxiliary
-        return leave(out.view_as(x), self.tensor), counted_once(auxiliary, self.tensor)
+        once = None if auxiliary is None else counted_once(auxiliary, self.tensor)
+        return leave(out.view_as(x), self.tensor), once
 
     def _held(self, rows: Tensor, experts: Tensor) -> Tensor:
         """This rank's experts on `rows` (rows, hidden), row i through its expert `experts[i]`
