@@ -142,3 +142,41 @@ def test_only_deepseek_v3_expresses_latent_attention_and_sigmoid_routing() -> No
     gated = routing_config(num_shared_experts=1, shared_expert_gate=True)
     with pytest.raises(ConfigError, match="expert_score_function"):
         to_hf_config(gated, "qwen2_moe")
+
+
+def test_prediction_modules_convert_to_deepseek_names_and_back_bit_for_bit(
+    tmp_path: Path,
+) -> None:
+    """transformers drops the modules; DeepSeek's checkpoints keep them as
+    model.layers.{num_hidden_layers + k}.* (with copies of the embedding and the head), which
+    is what we write and read back."""
+    from fastllm.checkpoint.formats import ModelSource, open_model, write_model
+    from fastllm.config.multi_token_prediction import MultiTokenPredictionConfig
+    from fastllm.model import GPTModel
+    from fastllm.model.init import initialize
+
+    save_hf_model("deepseek_v3", tmp_path / "hf")
+    config = open_model(tmp_path / "hf").config
+    config.multi_token_prediction = MultiTokenPredictionConfig(depth=2)
+    model = GPTModel(config)
+    initialize(model, torch.Generator().manual_seed(6))
+    tensors = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    source = ModelSource(tmp_path, "fastllm", config, loaded=tensors)
+    write_model(source, tmp_path / "deepseek", "deepseek_v3")
+    written = all_tensors(tmp_path / "deepseek")
+    assert torch.equal(
+        written["model.layers.3.eh_proj.weight"], tensors["prediction_modules.1.projection.weight"]
+    )
+    assert torch.equal(written["model.layers.2.embed_tokens.weight"], tensors["embeddings.weight"])
+    assert torch.equal(written["model.layers.3.shared_head.head.weight"], tensors["head.weight"])
+    reread = open_model(tmp_path / "deepseek")
+    assert reread.config.multi_token_prediction == MultiTokenPredictionConfig(depth=2)
+    assert {name: t for name, t in reread.tensors()}.keys() == tensors.keys()
+    for name, tensor in reread.tensors():
+        assert torch.equal(tensor, tensors[name]), name
+    # transformers reads the blocks and leaves the modules' tensors aside
+    import transformers
+
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "deepseek").eval()
+    input_ids = torch.randint(0, 97, (1, 9))
+    assert relative_error(model(input_ids), loaded(input_ids).logits) <= 1e-5

@@ -2,7 +2,8 @@
 groups, a shared expert, correction biases balanced by the loads) under torchrun against the
 single-process run of the same global batch: on two tensor ranks with sequence parallelism,
 and on two data ranks that split the experts (ZeRO-2), where the biases move by the loads
-summed over both."""
+summed over both; with
+multi-token prediction on two data ranks."""
 
 from __future__ import annotations
 
@@ -49,8 +50,14 @@ DEEPSEEK = (
 )
 
 
+PREDICTION = ("model.base_model.multi_token_prediction={depth: 1, loss_weight: 0.3}",)
+
+
 def layouts(dataset: Path, one_process: Callable[..., Path], root: Path) -> dict[str, Layout]:
     return {
+        "dp2-multi-token-prediction": Layout(
+            2, (*DEEPSEEK, *PREDICTION, "model.multi_stage.zero_stage=3")
+        ),
         "tp2-sequence-parallel": Layout(
             2,
             (
@@ -90,10 +97,16 @@ def test_one_process_moves_each_bias_by_the_rate_per_step(reference: Path) -> No
     assert metric(reference, "expert_tokens_max")  # the loads are logged
 
 
-@pytest.mark.parametrize("layout", ["tp2-sequence-parallel", "dp2-ep2-zero2"])
+@pytest.mark.parametrize(
+    "layout", ["tp2-sequence-parallel", "dp2-ep2-zero2", "dp2-multi-token-prediction"]
+)
 def test_deepseek_v3_style_model_matches_one_process(
-    reference: Path, launched: dict[str, Launched], layout: str
+    one_process: Callable[..., Path], launched: dict[str, Launched], layout: str
 ) -> None:
+    """With multi-token prediction (its module a mixture too, its loss in the logged one):
+    two data ranks with ZeRO-3."""
+    prediction = layout == "dp2-multi-token-prediction"
+    reference = one_process(*DEEPSEEK, *(PREDICTION if prediction else ()))
     run = launched[layout].succeeded()
     for key in ("loss", "grad_norm", "expert_tokens_max", "expert_tokens_mean"):
         expected, got = metric(reference, key), metric(run, key)

@@ -12,6 +12,7 @@ from typing import Any
 from fastllm.checkpoint.deepseek_v3 import (
     deepseek_v3_attention,
     deepseek_v3_from_hf,
+    deepseek_v3_from_tensors,
     deepseek_v3_mlp,
     deepseek_v3_to_hf,
 )
@@ -34,6 +35,9 @@ class Architecture:
     attention_rules: Callable[[BaseModelConfig, str, str], Iterator[Rule]] | None = None
     """Rules of one block's attention, (config, our prefix, their layer prefix), when not
     the common q/k/v/o projections."""
+    from_tensors: Callable[[BaseModelConfig, set[str]], None] | None = None
+    """Adjusts the model read from config.json by the names of the checkpoint's tensors (what
+    its config.json does not say reliably)."""
 
 
 def _window_from_hf(hf: dict[str, Any], transformer: dict[str, Any]) -> None:
@@ -309,6 +313,7 @@ ARCHITECTURES = {
             to_hf=deepseek_v3_to_hf,
             mlp_rules=deepseek_v3_mlp,
             attention_rules=deepseek_v3_attention,
+            from_tensors=deepseek_v3_from_tensors,
         ),
         Architecture(
             "starcoder2",

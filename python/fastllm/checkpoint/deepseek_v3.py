@@ -18,6 +18,7 @@ from torch import Tensor
 
 from fastllm.checkpoint.hf_rules import Rule, concat, same, stack
 from fastllm.config import BaseModelConfig, ConfigError
+from fastllm.config.multi_token_prediction import MultiTokenPredictionConfig
 
 
 def deepseek_v3_from_hf(hf: dict[str, Any], transformer: dict[str, Any]) -> None:
@@ -72,6 +73,18 @@ def _mscale(factor: float, mscale: float) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
+def deepseek_v3_from_tensors(config: BaseModelConfig, names: set[str]) -> None:
+    """Multi-token prediction modules, as many as the checkpoint holds (DeepSeek's
+    model.layers.{num_hidden_layers + k}.*): num_nextn_predict_layers does not say, as
+    transformers writes 1 for checkpoints it saves without them."""
+    layers = config.transformer.num_layers
+    depth = 0
+    while f"model.layers.{layers + depth}.eh_proj.weight" in names:
+        depth += 1
+    if depth:
+        config.multi_token_prediction = MultiTokenPredictionConfig(depth=depth)
+
+
 def deepseek_v3_to_hf(config: BaseModelConfig, hf: dict[str, Any]) -> None:
     t = config.transformer
     latent = t.latent_attention
@@ -99,6 +112,8 @@ def deepseek_v3_to_hf(config: BaseModelConfig, hf: dict[str, Any]) -> None:
             "n_shared_experts": t.num_shared_experts,
         }
     )
+    prediction = config.multi_token_prediction
+    hf["num_nextn_predict_layers"] = prediction.depth if prediction is not None else 0
     if hf.get("rope_scaling") and latent.mscale_all_dim:
         hf["rope_scaling"]["mscale_all_dim"] = latent.mscale_all_dim
 

@@ -162,6 +162,9 @@ def open_model(directory: str | Path, expected_format: str | None = None) -> Mod
     elif (directory / "config.json").is_file():
         hf_config = _json_object(directory / "config.json")
         architecture, config = from_hf_config(hf_config)
+        from_tensors = ARCHITECTURES[architecture].from_tensors
+        if from_tensors is not None:
+            from_tensors(config, set(SafetensorsReader(directory).shapes()))
         source = ModelSource(directory, architecture, config, hf_config)
     else:
         raise ConfigError(
@@ -261,6 +264,8 @@ def write_model(
         del base_model["head"]  # how it was trained, not part of the model
         if not lora:  # as a model without adapters has always been written
             del base_model["peft"]
+        if base_model["multi_token_prediction"] is None:  # as before it existed
+            del base_model["multi_token_prediction"]
         _omit_later_defaults(base_model["transformer"])
         section = {"model": {"base_model": base_model}}
         (output / "config.yaml").write_text(yaml.safe_dump(section, sort_keys=False))

@@ -14,7 +14,8 @@ def flops_per_token(
     attention 6 × layers × heads × (query head size + value head size) × sequence, and its
     parameters are its real matmuls': the down projections, the latents' up projections and
     the output, as a token computes them). A mixture's first dense layers count their dense
-    MLPs. A norm counts
+    MLPs. Each multi-token prediction module counts as a block, its projection and norms,
+    and the head. A norm counts
     as its weight (and bias) would as a matmul's: 6 × the elements it scales, so a norm over
     each head (QK-norm) counts every head, not its one weight of a head's size.
 
@@ -47,7 +48,13 @@ def flops_per_token(
             total += (4 if others else 6) * weights + norms * layer.block_norm_elements
             total += 6 * layer.adapters + attention
     head = config.vocab_size * t.hidden_size  # tied or not, the head multiplies
-    return total + norms * counts.final_norm + (4 if freeze.head or others else 6) * head
+    total += norms * counts.final_norm + (4 if freeze.head or others else 6) * head
+    prediction = config.multi_token_prediction
+    if prediction is not None:  # a block, its projection and norms, and the head again
+        module = counts.block - counts.block_norms + 2 * t.hidden_size**2
+        norm_elements = counts.block_norm_elements + 3 * counts.final_norm
+        total += prediction.depth * (6 * (module + norm_elements + head) + attention)
+    return total
 
 
 def _score_and_value_width(config: BaseModelConfig) -> int:

@@ -204,7 +204,8 @@ def inexpressible(config: BaseModelConfig, architecture: str) -> str | None:
     ]
     for failed, key, value, needs in checks:
         if failed:
-            return f"model.base_model.transformer.{key} is {value!r} ({architecture} has {needs})"
+            path = key if key.startswith("model.") else f"model.base_model.transformer.{key}"
+            return f"{path} is {value!r} ({architecture} has {needs})"
     return None
 
 
@@ -242,6 +243,12 @@ def _deepseek_checks(config: BaseModelConfig, can: Expressible) -> list[Check]:
     latent = t.latent_attention
     if not can.deepseek:
         return [
+            (
+                config.multi_token_prediction is not None,
+                "model.base_model.multi_token_prediction",
+                "set",
+                "no multi-token prediction",
+            ),
             (latent is not None, "latent_attention", "set", "no latent attention"),
             (
                 t.expert_score_function != "softmax",

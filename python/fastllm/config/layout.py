@@ -176,6 +176,11 @@ _LORA_FROZEN = Condition(
 )
 _NOT_YET_FROZEN = "frozen parameters are not yet tested with it"
 _REFERENCES = Condition("reference_models", bool, "reference_models")
+_PREDICTION = Condition(
+    "model.base_model.multi_token_prediction",
+    lambda prediction: prediction is not None,
+    "model.base_model.multi_token_prediction",
+)
 _LATENT_ATTENTION = Condition(
     "model.base_model.transformer.latent_attention",
     lambda latent: latent is not None,
@@ -249,6 +254,25 @@ COMPATIBILITY: tuple[Incompatibility, ...] = (
             ),
             (_FP8, "the FP8 layers are the q/k/v attention's and the MLP's"),
             (_COMPILE, "not yet tested with compiled blocks"),
+        )
+    ),
+    *(
+        Incompatibility(_PREDICTION, other, reason)
+        for other, reason in (
+            (
+                _above_one("model.distributed.tensor_parallel"),
+                "its modules' projection and norms have no tensor-parallel form yet",
+            ),
+            (
+                _above_one("model.distributed.pipeline_parallel"),
+                "its modules embed tokens again on the last stage, which holds no embedding",
+            ),
+            (
+                _above_one("model.distributed.sequence_data_parallel"),
+                "its tokens and labels are shifted along the whole sequence",
+            ),
+            (_SPLITS, "its tokens and labels are shifted along the whole sequence"),
+            (_REFERENCES, "not yet tested with reference models"),
         )
     ),
     Incompatibility(_COMPILE, _above_one("model.distributed.tensor_parallel"), _GRAPHS),

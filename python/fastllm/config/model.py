@@ -10,6 +10,7 @@ import msgspec
 
 from fastllm.config.latent_attention import LatentAttentionConfig
 from fastllm.config.layout import num_stages
+from fastllm.config.multi_token_prediction import MultiTokenPredictionConfig
 from fastllm.config.section import ConfigError, Section, check_non_negative, check_positive
 
 
@@ -560,10 +561,15 @@ class BaseModelConfig(Section):
     """Adapters (`type: lora`) trained in place of, or beside, the model's weights."""
     head: HeadConfig = msgspec.field(default_factory=HeadConfig)
     """What the output head is trained on."""
+    multi_token_prediction: MultiTokenPredictionConfig | None = None
+    """DeepSeek-V3's multi-token prediction modules after the blocks, trained with the
+    model (null: none)."""
 
     def validate(self) -> None:
         check_positive(self.vocab_size, "vocab_size")
         peft = self.peft
+        if isinstance(peft, LoRAConfig) and self.multi_token_prediction is not None:
+            raise ConfigError("peft", "LoRA is not supported with multi_token_prediction yet")
         if isinstance(peft, LoRAConfig) and self.transformer.latent_attention is not None:
             raise ConfigError(
                 "peft",
@@ -592,7 +598,21 @@ class BaseModelConfig(Section):
             + dense_layers * (dense.block + dense.adapters)
             + counts.final_norm
         )
-        return layers + (counts.embedding + counts.head if embeddings else 0)
+        return (
+            layers
+            + self.prediction_parameters(active=active)
+            + (counts.embedding + counts.head if embeddings else 0)
+        )
+
+    def prediction_parameters(self, *, active: bool = False) -> int:
+        """The multi-token prediction modules' parameters: each a block (a mixture's when
+        the model has experts), three norms and its projection of 2 × hidden to hidden."""
+        if self.multi_token_prediction is None:
+            return 0
+        counts = self.parameter_counts(active=active)
+        h = self.transformer.hidden_size
+        module = counts.block + 3 * counts.final_norm + 2 * h * h
+        return self.multi_token_prediction.depth * module
 
     def parameter_counts(self, *, active: bool = False, dense: bool = False) -> ParameterCounts:
         """The parameters of each part of the model (`active`: as in `num_parameters`); with

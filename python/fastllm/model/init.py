@@ -15,6 +15,7 @@ from fastllm.model.gpt import GPTModel
 from fastllm.model.latent_attention import LatentAttention
 from fastllm.model.lora import LoRA
 from fastllm.model.mlp import MLP, MixtureOfExperts
+from fastllm.model.multi_token_prediction import PredictionModule
 from fastllm.model.normalization import Normalization
 
 Initializer = Callable[[torch.Tensor], None]
@@ -71,6 +72,8 @@ def initializers(
             if module.shared_gate is not None:
                 normal(module.shared_gate.weight, std)
             constant(module.expert_bias, 0.0)  # balanced from the first step's loads on
+        elif isinstance(module, PredictionModule):
+            normal(module.projection.weight, std)
         elif isinstance(module, LoRA):
             bound = module.in_features**-0.5
             plan.append(
