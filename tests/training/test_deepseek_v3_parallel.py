@@ -2,8 +2,8 @@
 groups, a shared expert, correction biases balanced by the loads) under torchrun against the
 single-process run of the same global batch: on two tensor ranks with sequence parallelism,
 and on two data ranks that split the experts (ZeRO-2), where the biases move by the loads
-summed over both; with
-multi-token prediction on two data ranks."""
+summed over both; on two pipeline
+ranks; in micro-sequences; with multi-token prediction on two data ranks."""
 
 from __future__ import annotations
 
@@ -55,6 +55,15 @@ PREDICTION = ("model.base_model.multi_token_prediction={depth: 1, loss_weight: 0
 
 def layouts(dataset: Path, one_process: Callable[..., Path], root: Path) -> dict[str, Layout]:
     return {
+        "pp2": Layout(
+            2,
+            (
+                *DEEPSEEK,
+                "model.distributed.pipeline_parallel=2",
+                "schedule.breadth_first_micro_batches=4",
+            ),
+        ),
+        "micro-batch-splits": Layout(1, (*DEEPSEEK, "schedule.micro_batch_splits=2")),
         "dp2-multi-token-prediction": Layout(
             2, (*DEEPSEEK, *PREDICTION, "model.multi_stage.zero_stage=3")
         ),
@@ -98,7 +107,17 @@ def test_one_process_moves_each_bias_by_the_rate_per_step(reference: Path) -> No
 
 
 @pytest.mark.parametrize(
-    "layout", ["tp2-sequence-parallel", "dp2-ep2-zero2", "dp2-multi-token-prediction"]
+    "layout",
+    [
+        "tp2-sequence-parallel",
+        "dp2-ep2-zero2",
+        # the dense block on the first rank, the mixture (and its bias) on the second
+        "pp2",
+        # each sequence in two pieces, the second's attention reading the first's keys and
+        # values (micro-sequences)
+        "micro-batch-splits",
+        "dp2-multi-token-prediction",
+    ],
 )
 def test_deepseek_v3_style_model_matches_one_process(
     one_process: Callable[..., Path], launched: dict[str, Launched], layout: str

@@ -196,17 +196,25 @@ class Engine:
         """Tokens routed per expert and step since the last call, over every data rank: the
         most any expert of any layer got, and the mean (what a balanced router gives each)."""
         load = take_expert_load(self.model)
-        if load is None or not steps:
+        if self.config.model.base_model.transformer.num_experts == 1 or not steps:
             return {}
-        load = self._data_sum(load).double() / steps
-        most = load.max()
-        total = torch.stack(
-            [load.sum(), torch.tensor(load.numel(), dtype=load.dtype, device=load.device)]
-        )
+        device = self.distributed.device
+        if load is None:  # no mixture on this pipeline rank (dense first blocks): it still
+            # joins the pipeline ranks' sums
+            most = torch.zeros((), dtype=torch.float64, device=device)
+            total = torch.zeros(2, dtype=torch.float64, device=device)
+        else:
+            load = self._data_sum(load).double() / steps
+            most = load.max()
+            total = torch.stack(
+                [load.sum(), torch.tensor(load.numel(), dtype=load.dtype, device=load.device)]
+            )
         pipeline = self.mesh.pipeline
         if pipeline.size > 1:  # each pipeline rank counted the layers of its stages
             dist.all_reduce(most, op=dist.ReduceOp.MAX, group=pipeline.group)
             dist.all_reduce(total, group=pipeline.group)
+        if not total[1]:  # no mixture ran (every block dense)
+            return {}
         return {
             "expert_tokens_max": most.item(),
             "expert_tokens_mean": (total[0] / total[1]).item(),
