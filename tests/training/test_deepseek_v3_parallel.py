@@ -3,7 +3,7 @@ groups, a shared expert, correction biases balanced by the loads) under torchrun
 single-process run of the same global batch: on two tensor ranks with sequence parallelism,
 and on two data ranks that split the experts (ZeRO-2), where the biases move by the loads
 summed over both; on two pipeline
-ranks; in micro-sequences; with multi-token prediction on two data ranks."""
+ranks; on two sequence-data ranks; in micro-sequences; with multi-token prediction on two data ranks."""
 
 from __future__ import annotations
 
@@ -64,6 +64,14 @@ def layouts(dataset: Path, one_process: Callable[..., Path], root: Path) -> dict
             ),
         ),
         "micro-batch-splits": Layout(1, (*DEEPSEEK, "schedule.micro_batch_splits=2")),
+        "sdp2-head-tail": Layout(
+            2,
+            (
+                *DEEPSEEK,
+                "model.distributed.sequence_data_parallel=2",
+                "model.distributed.sequence_data_chunking=head_tail",
+            ),
+        ),
         "dp2-multi-token-prediction": Layout(
             2, (*DEEPSEEK, *PREDICTION, "model.multi_stage.zero_stage=3")
         ),
@@ -116,6 +124,9 @@ def test_one_process_moves_each_bias_by_the_rate_per_step(reference: Path) -> No
         # each sequence in two pieces, the second's attention reading the first's keys and
         # values (micro-sequences)
         "micro-batch-splits",
+        # each sequence shared by two ranks in head and tail chunks, the latents of the
+        # earlier chunks gathered
+        "sdp2-head-tail",
         "dp2-multi-token-prediction",
     ],
 )

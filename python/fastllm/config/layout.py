@@ -247,11 +247,6 @@ COMPATIBILITY: tuple[Incompatibility, ...] = (
     *(
         Incompatibility(_LATENT_ATTENTION, other, reason)
         for other, reason in (
-            (
-                _above_one("model.distributed.sequence_data_parallel"),
-                "its keys and values are made per chunk from the latents; gathering them "
-                "over the sequence-data ranks is not written yet",
-            ),
             (_FP8, "the FP8 layers are the q/k/v attention's and the MLP's"),
             (_COMPILE, "not yet tested with compiled blocks"),
         )
@@ -274,6 +269,16 @@ COMPATIBILITY: tuple[Incompatibility, ...] = (
             (_SPLITS, "its tokens and labels are shifted along the whole sequence"),
             (_REFERENCES, "not yet tested with reference models"),
         )
+    ),
+    Incompatibility(
+        Condition(
+            "model.base_model.transformer.latent_attention",
+            lambda latent: latent is not None and latent.kv_lora_rank % 2 == 1,
+            "model.base_model.transformer.latent_attention with an odd kv_lora_rank",
+        ),
+        _above_one("model.distributed.sequence_data_parallel"),
+        "the sequence-data ranks gather each token's latent and rotary key part as two "
+        "halves of one size",
     ),
     Incompatibility(_COMPILE, _above_one("model.distributed.tensor_parallel"), _GRAPHS),
     Incompatibility(_COMPILE, _above_one("model.distributed.sequence_data_parallel"), _GRAPHS),

@@ -35,7 +35,7 @@ class TransformerBlock(torch.nn.Module):
         self.attention: Attention | LatentAttention = (
             Attention(config, layer_index, mesh.tensor, mesh.sequence_data, lora)
             if config.latent_attention is None
-            else LatentAttention(config, layer_index, mesh.tensor)
+            else LatentAttention(config, layer_index, mesh.tensor, mesh.sequence_data)
         )
         self.post_norm_1 = _output_norm(config)
         self.norm_2 = _input_norm(config)

@@ -12,6 +12,7 @@ from torch import Tensor
 from fastllm.config.model import RMSNormConfig, TransformerConfig, YarnRotaryConfig
 from fastllm.model.normalization import InputNorm, Normalization
 from fastllm.model.parameters import TensorSplit, describe
+from fastllm.parallel.sequence_data import KeyValueGather, SequenceDataDimension
 from fastllm.parallel.tensor import TensorDimension, enter, leave
 from fastllm_kernels.attention import attention
 from fastllm_kernels.linear import linear
@@ -31,16 +32,26 @@ class LatentAttention(torch.nn.Module):
     replicated, each rank's gradient of them only its heads' part (summed over the tensor
     ranks, as the block's norm's is). The rotary parts of the queries are turned in place in
     the projection's output where the kernels can; the keys are the one tensor made whole
-    (the shared rotary part written beside every head's)."""
+    (the shared rotary part written beside every head's).
+
+    With sequence-data parallelism each rank gathers the latents and rotated shared key parts
+    of the chunks before its own (not every head's keys and values: kv_lora_rank +
+    qk_pos_emb_head_dim values a token) while its queries are projected, and up-projects them
+    itself."""
 
     def __init__(
-        self, config: TransformerConfig, layer_index: int, tensor: TensorDimension | None = None
+        self,
+        config: TransformerConfig,
+        layer_index: int,
+        tensor: TensorDimension | None = None,
+        sequence_data: SequenceDataDimension | None = None,
     ) -> None:
         super().__init__()
         latent = config.latent_attention
         assert latent is not None
         self.layer_index = layer_index
         self.tensor = tensor = tensor or TensorDimension()
+        self.sequence_data = sequence_data or SequenceDataDimension()
         self.heads = config.num_attention_heads // tensor.size
         self.nope, self.rope = latent.qk_head_dim, latent.qk_pos_emb_head_dim
         self.value_size, self.kv_rank = latent.v_head_dim, latent.kv_lora_rank
@@ -107,23 +118,27 @@ class LatentAttention(torch.nn.Module):
         """Attention over norm(x) (the block's input); as `Attention.forward`."""
         x = enter(x, self.tensor)
         batch, length, _ = x.shape
-        q = self._queries(x, norm).view(batch, length, self.heads, self.nope + self.rope)
         key_value = norm.project(
             x, self.key_value_down.weight, None, self.recipes["key_value_down"]
         )
         latent, key_rope = key_value.split([self.kv_rank, self.rope], dim=-1)
-        up = self.key_value_norm.project(
-            latent, self.key_value_up.weight, None, self.recipes["key_value_up"]
-        ).view(batch, length, self.heads, self.nope + self.value_size)
-        key_nope, v = up.split([self.nope, self.value_size], dim=-1)
         key_rope = key_rope.unsqueeze(2)
-        if rotary is not None:
-            cos, sin = rotary
-            q = _rotate_tail(q, self.nope, cos, sin)
+        cos, sin = rotary if rotary is not None else (None, None)
+        if cos is not None and sin is not None:
             # a copy: rotary turns its input in place, and key_value is kept for the backward
             key_rope = apply_rotary(key_rope.clone(), cos, sin)
-        k = torch.cat([key_nope, key_rope.expand(-1, -1, self.heads, -1)], dim=-1)
-        if cache is None:
+        pending = None
+        if self.sequence_data.split:  # the latents of the earlier chunks, gathered meanwhile
+            pending = _LatentGather(latent, key_rope, self.sequence_data)
+        q = self._queries(x, norm).view(batch, length, self.heads, self.nope + self.rope)
+        if cos is not None and sin is not None:
+            q = _rotate_tail(q, self.nope, cos, sin)
+        if pending is not None:
+            latent, key_rope = pending.finish()
+        k, v = self._keys_values(latent, key_rope)
+        if self.sequence_data.split:
+            out = self._attend_by_chunk(q, k, v, document_ids)
+        elif cache is None:
             out = attention(
                 q, k, v, causal=True, document_ids=document_ids, scale=self.scale,
                 branch_ids=branch_ids,
@@ -137,6 +152,37 @@ class LatentAttention(torch.nn.Module):
         out = out.reshape(batch, length, self.heads * self.value_size)
         dense = linear(out, self.dense.weight, None, self.recipes["dense"])
         return leave(dense, self.tensor) if self.tensor.split else dense
+
+    def _keys_values(self, latent: Tensor, key_rope: Tensor) -> tuple[Tensor, Tensor]:
+        """Every head's key and value (batch, seq, heads, ·) from the latent (batch, seq,
+        kv_lora_rank) and the rotated shared key part (batch, seq, 1, qk_pos_emb_head_dim)."""
+        batch, length, _ = latent.shape
+        up = self.key_value_norm.project(
+            latent, self.key_value_up.weight, None, self.recipes["key_value_up"]
+        ).view(batch, length, self.heads, self.nope + self.value_size)
+        key_nope, v = up.split([self.nope, self.value_size], dim=-1)
+        return torch.cat([key_nope, key_rope.expand(-1, -1, self.heads, -1)], dim=-1), v
+
+    def _attend_by_chunk(
+        self, q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor | None
+    ) -> Tensor:
+        """Sequence-data parallelism: as `Attention._attend_by_chunk`, each of this rank's
+        chunks of queries attending to the keys up to its end."""
+        outs, offset = [], 0
+        for start, end in self.sequence_data.spans(q.shape[1]):
+            length = end - start
+            outs.append(
+                attention(
+                    q[:, offset : offset + length],
+                    k[:, :end],
+                    v[:, :end],
+                    causal=True,
+                    document_ids=None if document_ids is None else document_ids[:, :end],
+                    scale=self.scale,
+                )
+            )
+            offset += length
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
     def _queries(self, x: Tensor, norm: InputNorm) -> Tensor:
         weight, recipe = self.query_up.weight, self.recipes["query_up"]
@@ -155,3 +201,25 @@ def _rotate_tail(x: Tensor, start: int, cos: Tensor, sin: Tensor) -> Tensor:
     if rotated.data_ptr() == tail.data_ptr():
         return x
     return torch.cat([x[..., :start], rotated], dim=-1)
+
+
+class _LatentGather:
+    """Sequence-data parallelism: the latents and rotated shared key parts of this rank's
+    chunk gathered with the group's (the causal prefix): kv_lora_rank + qk_pos_emb_head_dim
+    values a token cross, not every head's key and value; each rank then up-projects the
+    prefix. Through `KeyValueGather` (its two halves as its keys and values), whose backward
+    pass reduce-scatters the gradients back to their chunks."""
+
+    def __init__(self, latent: Tensor, key_rope: Tensor, sequence_data: SequenceDataDimension):
+        self.rank_size = latent.shape[-1]
+        joined = torch.cat([latent, key_rope.squeeze(2)], dim=-1).unsqueeze(2)
+        self.half = joined.shape[-1] // 2  # even: kv_lora_rank is (config/layout.py)
+        self.gather = KeyValueGather(
+            joined[..., : self.half], joined[..., self.half :], sequence_data
+        )
+
+    def finish(self) -> tuple[Tensor, Tensor]:
+        first, second = self.gather.finish()
+        joined = torch.cat([first, second], dim=-1).squeeze(2)
+        latent, key_rope = joined.split([self.rank_size, joined.shape[-1] - self.rank_size], -1)
+        return latent, key_rope.unsqueeze(2)
