@@ -170,8 +170,6 @@ ROW_SETTINGS = {
         (*LATENT, "model.distributed.training_dtype=bfloat16", "model.distributed.fp8_linear=rowwise"),
     ("model.base_model.transformer.latent_attention", "training.compile"):
         (*LATENT, "training.compile=true"),
-    ("model.base_model.multi_token_prediction", "model.distributed.tensor_parallel"):
-        (PREDICTION, "model.distributed.tensor_parallel=2"),
     ("model.base_model.multi_token_prediction", "model.distributed.pipeline_parallel"):
         (PREDICTION, "model.distributed.pipeline_parallel=2"),
     ("model.base_model.multi_token_prediction", "model.distributed.sequence_data_parallel"):

@@ -115,13 +115,13 @@ def test_parameters_and_flops_count_the_modules() -> None:
     assert extra == 2 * (6 * (module + 61 * 32) + attention)
 
 
-def test_tensor_parallelism_is_refused_naming_both_keys() -> None:
+def test_pipeline_parallelism_is_refused_naming_both_keys() -> None:
     raw = {
         "model": {
             "base_model": {"multi_token_prediction": {"depth": 1}},
-            "distributed": {"tensor_parallel": 2},
+            "distributed": {"pipeline_parallel": 2},
         },
         "data": {"path": ["x"]},
     }
-    with pytest.raises(ConfigError, match=r"multi_token_prediction.*tensor_parallel"):
+    with pytest.raises(ConfigError, match=r"multi_token_prediction.*pipeline_parallel"):
         check_compatible(build(TrainerConfig, raw))

@@ -3,7 +3,7 @@ groups, a shared expert, correction biases balanced by the loads) under torchrun
 single-process run of the same global batch: on two tensor ranks with sequence parallelism,
 and on two data ranks that split the experts (ZeRO-2), where the biases move by the loads
 summed over both; on two pipeline
-ranks; on two sequence-data ranks; in micro-sequences; with multi-token prediction on two data ranks."""
+ranks; on two sequence-data ranks; in micro-sequences; with multi-token prediction on two data ranks and on two tensor ranks."""
 
 from __future__ import annotations
 
@@ -72,6 +72,15 @@ def layouts(dataset: Path, one_process: Callable[..., Path], root: Path) -> dict
                 "model.distributed.sequence_data_chunking=head_tail",
             ),
         ),
+        "tp2-multi-token-prediction": Layout(
+            2,
+            (
+                *DEEPSEEK,
+                *PREDICTION,
+                "model.distributed.tensor_parallel=2",
+                "model.distributed.sequence_tensor_parallel=true",
+            ),
+        ),
         "dp2-multi-token-prediction": Layout(
             2, (*DEEPSEEK, *PREDICTION, "model.multi_stage.zero_stage=3")
         ),
@@ -128,6 +137,9 @@ def test_one_process_moves_each_bias_by_the_rate_per_step(reference: Path) -> No
         # earlier chunks gathered
         "sdp2-head-tail",
         "dp2-multi-token-prediction",
+        # the modules' norms and projection replicated on the sequence chunks, their head
+        # vocab-parallel
+        "tp2-multi-token-prediction",
     ],
 )
 def test_deepseek_v3_style_model_matches_one_process(
@@ -135,7 +147,7 @@ def test_deepseek_v3_style_model_matches_one_process(
 ) -> None:
     """With multi-token prediction (its module a mixture too, its loss in the logged one):
     two data ranks with ZeRO-3."""
-    prediction = layout == "dp2-multi-token-prediction"
+    prediction = layout.endswith("multi-token-prediction")
     reference = one_process(*DEEPSEEK, *(PREDICTION if prediction else ()))
     run = launched[layout].succeeded()
     for key in ("loss", "grad_norm", "expert_tokens_max", "expert_tokens_mean"):

@@ -255,10 +255,6 @@ COMPATIBILITY: tuple[Incompatibility, ...] = (
         Incompatibility(_PREDICTION, other, reason)
         for other, reason in (
             (
-                _above_one("model.distributed.tensor_parallel"),
-                "its modules' projection and norms have no tensor-parallel form yet",
-            ),
-            (
                 _above_one("model.distributed.pipeline_parallel"),
                 "its modules embed tokens again on the last stage, which holds no embedding",
             ),

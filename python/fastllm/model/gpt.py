@@ -199,7 +199,7 @@ class GPTModel(torch.nn.Module):
             assert prediction is not None
             predicted = prediction_loss(
                 self.prediction_modules, blocks_output, context.input_ids, targets,
-                self.embeddings, self.head_weight, context, prediction.loss_weight,
+                self.embeddings, self.head_weight, context, prediction.loss_weight, self.tensor,
             )  # fmt: skip
             auxiliary = predicted if auxiliary is None else auxiliary + predicted
         if labels is None:
