@@ -7,15 +7,18 @@ ranks; on two sequence-data ranks; in micro-sequences; with multi-token predicti
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
+from fastllm.model.parameters import parameter_metas
 from tests.training.conftest import Launched, Layout
 from tests.training.test_data_parallel import final_weights
 from tests.training.test_tensor_parallel import assert_close_weights, metric
+from tests.training.test_training_options import trainer
 
 STEPS = 4
 RATE = 0.01
@@ -156,3 +159,23 @@ def test_deepseek_v3_style_model_matches_one_process(
         for step in got:
             assert got[step] == pytest.approx(expected[step], rel=1e-5), (key, step)
     assert_close_weights(final_weights(run, STEPS), final_weights(reference, STEPS))
+
+
+def test_fp8_computes_latent_attention_and_the_dense_block_and_trains_close_to_bf16(
+    dataset: Path, tmp_path: Path
+) -> None:
+    """FP8 (emulated on the CPU) marks latent attention's projections and the dense first
+    block's MLP, not the mixtures' experts, and trains close to bf16."""
+    options = (*DEEPSEEK, "training.train_iters=3", "model.distributed.training_dtype=bfloat16")
+    steps = {}
+    for name, recipe in (("bf16", ()), ("fp8", ("model.distributed.fp8_linear=rowwise",))):
+        run = trainer(dataset, tmp_path / name, *options, *recipe)
+        batches = itertools.islice(run.data_loader(), 3)
+        steps[name] = [run.engine.train_step(batch)["loss"] for batch in batches]
+    metas = parameter_metas(run.engine.model)
+    marked = {name for name, meta in metas.items() if meta.recipe and meta.recipe.fp8}
+    attention = ("query_down", "query_up", "key_value_down", "key_value_up", "dense")
+    expected = {f"layers.{i}.attention.{p}.weight" for i in range(2) for p in attention}
+    assert marked == expected | {"layers.0.mlp.layer_1.weight", "layers.0.mlp.layer_2.weight"}
+    assert steps["fp8"] != steps["bf16"], "the linear layers computed in FP8"
+    assert steps["fp8"] == pytest.approx(steps["bf16"], rel=2e-2)

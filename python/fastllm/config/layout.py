@@ -246,10 +246,7 @@ COMPATIBILITY: tuple[Incompatibility, ...] = (
     ),
     *(
         Incompatibility(_LATENT_ATTENTION, other, reason)
-        for other, reason in (
-            (_FP8, "the FP8 layers are the q/k/v attention's and the MLP's"),
-            (_COMPILE, "not yet tested with compiled blocks"),
-        )
+        for other, reason in ((_COMPILE, "not yet tested with compiled blocks"),)
     ),
     *(
         Incompatibility(_PREDICTION, other, reason)

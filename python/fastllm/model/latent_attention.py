@@ -106,6 +106,11 @@ class LatentAttention(torch.nn.Module):
         )
         return layer
 
+    def projections(self) -> list[torch.nn.Linear]:
+        """Its linear layers, in the order the forward pass runs them."""
+        first = [] if self.query_down is None else [self.query_down]
+        return [*first, self.query_up, self.key_value_down, self.key_value_up, self.dense]
+
     def forward(
         self,
         x: Tensor,
