@@ -166,8 +166,6 @@ ROW_SETTINGS = {
          "model.distributed.expert_parallel=2"),
     ("model.base_model.transformer.latent_attention", "model.distributed.sequence_data_parallel"):
         (*LATENT[:-1], ODD_LATENT, "model.distributed.sequence_data_parallel=2"),
-    ("model.base_model.transformer.latent_attention", "training.compile"):
-        (*LATENT, "training.compile=true"),
     ("model.base_model.multi_token_prediction", "model.distributed.pipeline_parallel"):
         (PREDICTION, "model.distributed.pipeline_parallel=2"),
     ("model.base_model.multi_token_prediction", "model.distributed.sequence_data_parallel"):

@@ -179,3 +179,21 @@ def test_fp8_computes_latent_attention_and_the_dense_block_and_trains_close_to_b
     assert marked == expected | {"layers.0.mlp.layer_1.weight", "layers.0.mlp.layer_2.weight"}
     assert steps["fp8"] != steps["bf16"], "the linear layers computed in FP8"
     assert steps["fp8"] == pytest.approx(steps["bf16"], rel=2e-2)
+
+
+def test_compiled_blocks_give_the_same_losses_and_gradients(dataset: Path, tmp_path: Path) -> None:
+    """Latent attention and the routing inside compiled blocks (on the CPU: inductor's code of
+    the torch references)."""
+    options = (*DEEPSEEK, "training.train_iters=1", *PREDICTION)
+    eager = trainer(dataset, tmp_path / "a", *options)
+    compiled = trainer(dataset, tmp_path / "b", *options, "training.compile=true")
+    for batch in next(iter(eager.data_loader())):
+        ours = compiled.engine.forward_backward([batch])
+        theirs = eager.engine.forward_backward([batch])
+        assert ours.item() == pytest.approx(theirs.item(), rel=1e-5)
+    for ours, theirs in zip(
+        compiled.engine.stages.dense.buffers.grads,
+        eager.engine.stages.dense.buffers.grads,
+        strict=True,
+    ):
+        torch.testing.assert_close(ours, theirs, rtol=1e-3, atol=1e-5)

@@ -181,11 +181,6 @@ _PREDICTION = Condition(
     lambda prediction: prediction is not None,
     "model.base_model.multi_token_prediction",
 )
-_LATENT_ATTENTION = Condition(
-    "model.base_model.transformer.latent_attention",
-    lambda latent: latent is not None,
-    "model.base_model.transformer.latent_attention",
-)
 _GRAPHS = "their collectives would break the compiled graphs"
 _DISTRIBUTED_EXPORT = Condition(
     "training.export",
@@ -243,10 +238,6 @@ COMPATIBILITY: tuple[Incompatibility, ...] = (
                 "model.multi_stage.zero_stage=3",
             ),
         )
-    ),
-    *(
-        Incompatibility(_LATENT_ATTENTION, other, reason)
-        for other, reason in ((_COMPILE, "not yet tested with compiled blocks"),)
     ),
     *(
         Incompatibility(_PREDICTION, other, reason)

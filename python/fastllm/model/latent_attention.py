@@ -203,7 +203,7 @@ def _rotate_tail(x: Tensor, start: int, cos: Tensor, sin: Tensor) -> Tensor:
     pass does not keep), else the reference's rotated copy joined to the rest."""
     tail = x[..., start:]
     rotated = apply_rotary(tail, cos, sin)
-    if rotated.data_ptr() == tail.data_ptr():
+    if rotated is tail:  # turned in place (an in-place autograd function returns its input)
         return x
     return torch.cat([x[..., :start], rotated], dim=-1)
 
