@@ -39,14 +39,12 @@ from bench_common import (
     commit_info,
     fmt,
     forward_flops,
-    machine_info,
     markdown_table,
-    read_json,
     write_json,
     write_random_dataset,
     write_random_llama,
 )
-from train_bench import PEAK_FLOPS, measure, spawn, synchronize
+from train_bench import PEAK_FLOPS, run_child, spawn, time_trainer
 
 CONFIG = EXAMPLES / "distill-llama3-1b.yaml"
 MODELS = {"student": "llama3-1b.yaml", "teacher": "llama3-8b.yaml"}
@@ -132,44 +130,26 @@ def step_flops(args: argparse.Namespace, inputs: dict[str, Any]) -> dict[str, fl
 
 def run_fastllm(spec: dict[str, Any]) -> dict[str, Any]:
     from fastllm.config import TrainerConfig, build, load_raw
-    from fastllm.training import Trainer
     from fastllm.training.setup import check_inputs, with_pretrained_architecture
 
     raw = load_raw([str(CONFIG)], spec["overrides"])
     config = build(TrainerConfig, with_pretrained_architecture(raw))
     check_inputs(config)
-    start = time.perf_counter()
-    trainer = Trainer(config)
-    cuda = trainer.distributed.device.type == "cuda"
-    synchronize(cuda)
-    setup_s = time.perf_counter() - start
-    batches = iter(trainer.data_loader())
     named: dict[str, list[float]] = {}
 
-    def step() -> float:
-        metrics = trainer.engine.train_step(next(batches))
+    def train_step(trainer: Any, micro_batches: list[Any]) -> dict[str, Any]:
+        metrics = trainer.engine.train_step(micro_batches)
         for key in ("label_loss", "distillation_loss"):
             named.setdefault(key, []).append(metrics[key])
-        return metrics["loss"]
+        return metrics
 
-    timing = measure(step, spec["warmup"], spec["steps"], cuda)
+    _, timing = time_trainer(config, spec["warmup"], spec["steps"], train_step)
     return {
-        "device": str(trainer.distributed.device),
-        "setup_s": setup_s,
         "named_losses": named,
         "precision": "bf16 compute; the student's fp32 master weights, gradients and Adam "
         "moments; the teacher in bf16 weights-only buffers",
         **timing,
     }
-
-
-def child(spec_path: Path) -> None:
-    spec = read_json(spec_path)
-    start = time.perf_counter()
-    result = {"system": spec["system"], **run_fastllm(spec), "status": "ok"}
-    result["process_s"] = time.perf_counter() - start
-    result["machine"] = machine_info()
-    write_json(Path(spec["result"]), result)
 
 
 # ---------------------------------------------------------------- the driver
@@ -262,7 +242,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     if args.child:
-        child(args.child)
+        run_child(args.child, lambda spec: run_fastllm)
         return
     work = args.work or Path(tempfile.mkdtemp(prefix="fastllm-distill-bench-"))
     work.mkdir(parents=True, exist_ok=True)

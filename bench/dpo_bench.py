@@ -72,13 +72,12 @@ from bench_common import (
     commit_info,
     fmt,
     forward_flops,
-    machine_info,
     markdown_table,
     read_json,
     write_json,
     write_random_llama,
 )
-from train_bench import PEAK_FLOPS, measure, memory, spawn, synchronize
+from train_bench import PEAK_FLOPS, memory, run_child, spawn, synchronize, time_trainer
 
 SYSTEMS = ("trl", "fastllm")
 MODES = ("reference", "precomputed")
@@ -254,29 +253,19 @@ def step_counts(system: str, mode: str, args: argparse.Namespace, geometry: dict
 
 
 def run_fastllm(spec: dict[str, Any]) -> dict[str, Any]:
-    from fastllm.training import Trainer
     from fastllm.training.setup import check_inputs
 
     config = fastllm_config(spec["overrides"])
     check_inputs(config)
-    start = time.perf_counter()
-    trainer = Trainer(config)
-    cuda = trainer.distributed.device.type == "cuda"
-    synchronize(cuda)
-    setup_s = time.perf_counter() - start
-    batches = iter(trainer.data_loader())
     seen: dict[str, int] = {}
 
-    def step() -> float:
-        micro_batches = next(batches)
+    def train_step(trainer: Any, micro_batches: list[Any]) -> dict[str, Any]:
         if not seen:  # the first (warm-up) step: what a step holds
             seen.update(batch_contents(micro_batches))
-        return trainer.engine.train_step(micro_batches)["loss"]
+        return trainer.engine.train_step(micro_batches)
 
-    timing = measure(step, spec["warmup"], spec["steps"], cuda)
+    _, timing = time_trainer(config, spec["warmup"], spec["steps"], train_step)
     return {
-        "device": str(trainer.distributed.device),
-        "setup_s": setup_s,
         "step_contents": seen,
         "precision": "bf16 compute, fp32 master weights, gradients and Adam moments; the "
         "reference in bf16 weights-only buffers",
@@ -401,31 +390,6 @@ def check_tokens(dataset: Any, prepared: str) -> bool:
         if tuple(pair) not in documents:
             raise AssertionError("TRL tokenized a pair into other token ids than fastllm prepare")
     return True
-
-
-def child(spec_path: Path) -> None:
-    """One (mode, system) run; writes its result to spec["result"]. Running out of memory is
-    a result (status "oom"), not a crash."""
-    import torch
-
-    spec = read_json(spec_path)
-    start = time.perf_counter()
-    runner = run_trl if spec["system"] == "trl" else run_fastllm
-    result: dict[str, Any] = {"mode": spec["model"], "system": spec["system"]}
-    try:
-        result.update(runner(spec), status="ok")
-    except Exception as error:
-        # Some allocation failures (cuBLAS workspaces, compiled kernels) are not OutOfMemoryError.
-        if not isinstance(error, torch.OutOfMemoryError) and "out of memory" not in str(error):
-            raise
-        result.update(
-            status="oom",
-            error=str(error).splitlines()[0],
-            peak_memory={"process": memory(torch.cuda.is_available())},
-        )
-    result["process_s"] = time.perf_counter() - start
-    result["machine"] = machine_info()
-    write_json(Path(spec["result"]), result)
 
 
 # ---------------------------------------------------------------- the driver
@@ -653,7 +617,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     if args.child:
-        child(args.child)
+        run_child(args.child, lambda spec: run_trl if spec["system"] == "trl" else run_fastllm)
         return
     work = args.work or Path(tempfile.mkdtemp(prefix="fastllm-dpo-bench-"))
     work.mkdir(parents=True, exist_ok=True)

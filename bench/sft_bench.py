@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import train_bench
-from bench_common import ROOT, commit_info, fmt, markdown_table, read_json, write_json
+from bench_common import ROOT, commit_info, fmt, markdown_table, write_json
 from prepare_bench import physical_cores_first
 
 SPECIAL_TOKENS = [
@@ -154,22 +154,16 @@ def trained_tokens(micro_batches: list[Any]) -> int:
 
 def run_fastllm(spec: dict[str, Any]) -> dict[str, Any]:
     from fastllm.config.flops import flops_per_token
-    from fastllm.training import Trainer
 
     config = train_bench.load_trainer_config(spec["model"], spec["overrides"])
-    trainer = Trainer(config)
-    cuda = trainer.distributed.device.type == "cuda"
-    batches = iter(trainer.data_loader())
     counts: list[int] = []
 
-    def step() -> float:
-        micro_batches = next(batches)
+    def train_step(trainer: Any, micro_batches: list[Any]) -> dict[str, Any]:
         counts.append(trained_tokens(micro_batches))  # CPU tensors: no synchronization
-        return trainer.engine.train_step(micro_batches)["loss"]
+        return trainer.engine.train_step(micro_batches)
 
-    timing = train_bench.measure(step, spec["warmup"], spec["steps"], cuda)
+    _, timing = train_bench.time_trainer(config, spec["warmup"], spec["steps"], train_step)
     return {
-        "device": str(trainer.distributed.device),
         "cross_document_attention": config.batch.cross_document_attention,
         "flops_per_token": flops_per_token(config.model.base_model, config.batch.sequence_length),
         "trained_tokens": sum(counts[spec["warmup"] :]),
@@ -225,13 +219,6 @@ def run_hf(spec: dict[str, Any]) -> dict[str, Any]:
         "trained_tokens": timed_trained,
         **timing,
     }
-
-
-def child_train(spec_path: Path) -> None:
-    spec = read_json(spec_path)
-    runner = run_hf if spec["system"] == "hf" else run_fastllm
-    result = {"model": spec["model"], "system": spec["system"], **runner(spec), "status": "ok"}
-    write_json(Path(spec["result"]), result)
 
 
 def train_part(args: argparse.Namespace, work: Path, dataset: Path) -> list[dict[str, Any]]:
@@ -493,7 +480,9 @@ def main() -> None:
         child_prepare(args)
         return
     if args.child:
-        child_train(Path(args.child))
+        train_bench.run_child(
+            Path(args.child), lambda spec: run_hf if spec["system"] == "hf" else run_fastllm
+        )
         return
     work = args.work or Path(tempfile.mkdtemp(prefix="fastllm-sft-bench-"))
     (args.out / "logs").mkdir(parents=True, exist_ok=True)

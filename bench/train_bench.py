@@ -287,26 +287,48 @@ def measure(step: Callable[[], Any], warmup: int, steps: int, cuda: bool) -> dic
     }
 
 
-def run_fastllm(spec: dict[str, Any]) -> dict[str, Any]:
+def time_trainer(
+    config: Any,
+    warmup: int,
+    steps: int,
+    train_step: Callable[[Any, list[Any]], dict[str, Any]] | None = None,
+) -> tuple[Any, dict[str, Any]]:
+    """Builds a Trainer from `config` and times its steps on its own data loader, each
+    `train_step(trainer, micro_batches)` (default: the engine's step), which returns the step's
+    metrics. Returns the trainer and the timing, with the device and the setup time."""
     from fastllm.training import Trainer
 
-    config = load_trainer_config(spec["model"], spec["overrides"])
+    start = time.perf_counter()
     trainer = Trainer(config)
     cuda = trainer.distributed.device.type == "cuda"
+    synchronize(cuda)
+    setup_s = time.perf_counter() - start
     batches = iter(trainer.data_loader())
 
+    def step() -> float:
+        micro_batches = next(batches)
+        if train_step is None:
+            return trainer.engine.train_step(micro_batches)["loss"]
+        return train_step(trainer, micro_batches)["loss"]
+
+    timing = measure(step, warmup, steps, cuda)
+    return trainer, {"device": str(trainer.distributed.device), "setup_s": setup_s, **timing}
+
+
+def run_fastllm(spec: dict[str, Any]) -> dict[str, Any]:
+    config = load_trainer_config(spec["model"], spec["overrides"])
     spy = AttentionSpy()
 
-    def step() -> float:
+    def train_step(trainer: Any, micro_batches: list[Any]) -> dict[str, Any]:
         if spy.calls:
-            return trainer.engine.train_step(next(batches))["loss"]
+            return trainer.engine.train_step(micro_batches)
         with spy:  # the first (warm-up) step only: which masks the kernels are asked for
-            return trainer.engine.train_step(next(batches))["loss"]
+            return trainer.engine.train_step(micro_batches)
 
-    timing = measure(step, spec["warmup"], spec["steps"], cuda)
+    trainer, timing = time_trainer(config, spec["warmup"], spec["steps"], train_step)
+    cuda = trainer.distributed.device.type == "cuda"
     lora = spec["system"] == "fastllm-lora"
     return {
-        "device": str(trainer.distributed.device),
         "attention": spy.describe(cuda),
         "cross_document_attention": getattr(config.batch, "cross_document_attention", None),
         "flops_per_token": fastllm_flops_per_token(config, lora),
@@ -517,17 +539,17 @@ def run_hf(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def child(spec_path: Path) -> None:
-    """One (model, system) run; writes its result to spec["result"]. Running out of memory is
-    a result (status "oom"), not a crash."""
+def run_child(spec_path: Path, runner_of: Callable[[dict[str, Any]], Callable]) -> None:
+    """One (model, system) run in its own process, by the runner `runner_of(spec)` names;
+    writes its result to spec["result"]. Running out of memory is a result (status "oom"), not
+    a crash."""
     import torch
 
     spec = read_json(spec_path)
     result: dict[str, Any] = {"model": spec["model"], "system": spec["system"]}
     start = time.perf_counter()
     try:
-        runner = run_hf if spec["system"].startswith("hf") else run_fastllm
-        result.update(runner(spec), status="ok")
+        result.update(runner_of(spec)(spec), status="ok")
     except Exception as error:
         # Some allocation failures (cuBLAS workspaces, compiled kernels) are not OutOfMemoryError.
         if not isinstance(error, torch.OutOfMemoryError) and "out of memory" not in str(error):
@@ -947,7 +969,9 @@ def run_one(
 def main() -> None:
     args = parse_args()
     if args.child:
-        child(args.child)
+        run_child(
+            args.child, lambda spec: run_hf if spec["system"].startswith("hf") else run_fastllm
+        )
         return
     if args.plot:
         replot(args.plot, args.out)

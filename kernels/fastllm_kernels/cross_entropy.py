@@ -25,7 +25,7 @@ import triton.language as tl
 from torch import Tensor
 
 from fastllm_kernels._dispatch import use_triton
-from fastllm_kernels.linear import matmul_into_fp32_
+from fastllm_kernels.chunked_head import chunked_head_gradients
 from fastllm_kernels.precomputed_gradients import with_precomputed_gradients
 
 _LOGITS_BUDGET = 1 << 28
@@ -130,38 +130,15 @@ def chunked_label_losses(
     (label_weight, z_loss), with the row computation given (the vocab-parallel form gives its
     own)."""
     hidden = hidden.contiguous()
-    n_rows, vocab, device = hidden.shape[0], weight.shape[0], hidden.device
-    losses = torch.empty(n_rows, dtype=torch.float32, device=device)
-    lse = torch.empty(n_rows, dtype=torch.float32, device=device)
-    grad_hidden = torch.empty_like(hidden) if need_hidden_grad else None
-    # The weight gradient sums over all chunks: accumulate it in fp32 whatever weight's dtype
-    # (the first chunk's product overwrites the accumulator, which needs no zeroing).
-    grad_weight = None
-    if need_weight_grad:
-        grad_weight = torch.empty(weight.shape, dtype=torch.float32, device=device)
-        if n_rows == 0:
-            grad_weight.zero_()
-    chunk_size = max(1, min(chunk_size, n_rows))
-    logits_buffer = torch.empty((chunk_size, vocab), dtype=torch.float32, device=device)
-    # The logit gradient overwrites the logits: in bf16/fp16 (what the gradient matmuls
-    # take), each row's in the first half of its own fp32 row, a matrix of row stride 2V
-    # (the kernel stores a block's gradients only after it has read the logits they cover).
-    grad_buffer = None
-    if need_hidden_grad or need_weight_grad:
-        grad_buffer = logits_buffer
-        if hidden.dtype != torch.float32:
-            grad_buffer = logits_buffer.view(hidden.dtype)[:, :vocab]
-    for start in range(0, n_rows, chunk_size):
-        end = min(start + chunk_size, n_rows)
-        chunk = hidden[start:end]
-        logits = logits_buffer[: end - start]
-        matmul_into_fp32_(logits, chunk, weight.T, accumulate=False)
-        grad = None if grad_buffer is None else grad_buffer[: end - start]
+    losses = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    lse = torch.empty_like(losses)
+
+    def chunk_rows(start: int, end: int, logits: Tensor, grad: Tensor | None) -> None:
         rows(logits, grad, labels[start:end], losses[start:end], lse[start:end], scale)
-        if need_hidden_grad:
-            torch.mm(grad, weight, out=grad_hidden[start:end])
-        if need_weight_grad:
-            matmul_into_fp32_(grad_weight, grad.T, chunk, accumulate=start > 0)
+
+    grad_hidden, grad_weight = chunked_head_gradients(
+        hidden, weight, chunk_size, need_hidden_grad, need_weight_grad, chunk_rows
+    )
     parts = torch.stack([losses.sum(), lse.square().sum()]) * scale
     label_weight, z_loss = weights
     return label_weight * parts[0] + z_loss * parts[1], parts, grad_hidden, grad_weight

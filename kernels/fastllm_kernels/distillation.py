@@ -30,6 +30,7 @@ import triton.language as tl
 from torch import Tensor
 
 from fastllm_kernels._dispatch import use_triton
+from fastllm_kernels.chunked_head import chunked_head_gradients
 from fastllm_kernels.cross_entropy import default_chunk_size
 from fastllm_kernels.linear import matmul_into_fp32_
 from fastllm_kernels.precomputed_gradients import with_precomputed_gradients
@@ -112,38 +113,22 @@ def chunked_distillation(
     """(loss, None, hidden gradient, fp32 weight gradient) of `linear_distillation`, with the
     row computation given (the vocab-parallel form gives its own)."""
     hidden, teacher_hidden = hidden.contiguous(), teacher_hidden.contiguous()
-    n_rows, vocab, device = hidden.shape[0], weight.shape[0], hidden.device
     scale = 1.0 / mask.sum().clamp(min=1).float()  # a device scalar: no host synchronization
-    losses = torch.empty(n_rows, dtype=torch.float32, device=device)
-    grad_hidden = torch.empty_like(hidden) if need_hidden_grad else None
-    grad_weight = None
-    if need_weight_grad:
-        grad_weight = torch.empty(weight.shape, dtype=torch.float32, device=device)
-        if n_rows == 0:
-            grad_weight.zero_()
-    chunk_size = max(1, min(chunk_size, n_rows))
-    student_buffer = torch.empty((chunk_size, vocab), dtype=torch.float32, device=device)
-    teacher_buffer = torch.empty((chunk_size, vocab), dtype=torch.float32, device=device)
-    grad_buffer = None
-    if need_hidden_grad or need_weight_grad:
-        # As in cross_entropy.py: the gradient overwrites the student's logits, a 16-bit one in
-        # the first half of each fp32 row.
-        grad_buffer = student_buffer
-        if hidden.dtype != torch.float32:
-            grad_buffer = student_buffer.view(hidden.dtype)[:, :vocab]
-    for start in range(0, n_rows, chunk_size):
-        end = min(start + chunk_size, n_rows)
-        chunk = hidden[start:end]
-        student, teacher = student_buffer[: end - start], teacher_buffer[: end - start]
-        matmul_into_fp32_(student, chunk, weight.T, accumulate=False)
+    losses = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    chunk_size = max(1, min(chunk_size, hidden.shape[0]))
+    teacher_buffer = torch.empty(
+        (chunk_size, weight.shape[0]), dtype=torch.float32, device=hidden.device
+    )
+
+    def chunk_rows(start: int, end: int, student: Tensor, grad: Tensor | None) -> None:
+        teacher = teacher_buffer[: end - start]
         with torch.no_grad():
             matmul_into_fp32_(teacher, teacher_hidden[start:end], teacher_weight.T, False)
-        grad = None if grad_buffer is None else grad_buffer[: end - start]
         rows(student, teacher, grad, mask[start:end], losses[start:end], scale)
-        if need_hidden_grad:
-            torch.mm(grad, weight, out=grad_hidden[start:end])
-        if need_weight_grad:
-            matmul_into_fp32_(grad_weight, grad.T, chunk, accumulate=start > 0)
+
+    grad_hidden, grad_weight = chunked_head_gradients(
+        hidden, weight, chunk_size, need_hidden_grad, need_weight_grad, chunk_rows
+    )
     return losses.sum() * scale, None, grad_hidden, grad_weight
 
 

@@ -12,6 +12,8 @@ import numpy as np
 from numpy.typing import NDArray
 
 _Path: TypeAlias = str | os.PathLike[str]
+# An object with the buffer protocol, e.g. a pyarrow Buffer (collections.abc.Buffer from 3.12).
+_Buffer: TypeAlias = Any
 _InputFormat: TypeAlias = Literal["auto", "jsonl", "chat", "preference", "parquet", "text", "files"]
 
 def version() -> str:
@@ -162,6 +164,45 @@ class PrepareJob:
         """What the job met that it leaves to the user, one line each (a staging directory of
         another machine's run, which it may not remove)."""
 
+    def feed(
+        self,
+        *,
+        input: int,
+        file: _Path,
+        kind: Literal["text", "json"],
+        rows: Sequence[int],
+        values: Sequence[str | None],
+        reasons: Sequence[str],
+        skipped: int,
+        bytes: int,
+    ) -> bool:
+        """Sends records of input `input` (read from `file`) to a job started with
+        `feed_inputs`: `values` are texts (`kind` "text") or JSON objects ("json"), one per row
+        of `rows`; a None value is a bad record whose reason is the next of `reasons`. Waits
+        while the job is busy; returns False once the job has ended (its error, if any, is
+        `wait`'s)."""
+
+    def feed_strings(
+        self,
+        *,
+        input: int,
+        file: _Path,
+        first_row: int,
+        validity: _Buffer | None,
+        offsets: _Buffer,
+        data: _Buffer,
+        offset: int,
+        length: int,
+        large: bool,
+        bytes: int,
+    ) -> bool:
+        """Like `feed` for the texts of an Arrow string array (`large`: large_string), read
+        from its buffers (validity bitmap, offsets, data) without Python strings: `length` rows
+        from element `offset`, the first of them row `first_row`."""
+
+    def close_feed(self) -> None:
+        """Says that every record was sent: the job finishes once it has written them."""
+
     def cancel(self) -> None:
         """Ask the job to stop; it then fails, leaving no output behind."""
 
@@ -194,9 +235,12 @@ def start_prepare(
     chosen_text: str,
     rejected_text: str,
     max_pair_tokens: int | None,
+    feed_inputs: Sequence[tuple[_Path, int]] | None = None,
 ) -> PrepareJob:
     """Start tokenizing the inputs into a dataset at `output` on a background thread (`workers`
-    0: all cores); the arguments are those of the `prepare` config."""
+    0: all cores); the arguments are those of the `prepare` config. With `feed_inputs` (each
+    source's name and size), the records come from `PrepareJob.feed` instead of `paths`, JSON
+    records read as `format` (jsonl, chat or preference)."""
 
 class DocumentReader:
     """Documents of the same inputs `prepare` reads, in order, batch by batch (for training a
@@ -210,6 +254,9 @@ class DocumentReader:
         field: str,
         extensions: Sequence[str] | None,
     ) -> None: ...
+    def files(self) -> list[tuple[str, str, str, int]]:
+        """Each file to read, in order: (input path, format, file, bytes on disk)."""
+
     def next_batch(self, max_bytes: int) -> tuple[list[str], list[str]] | None:
         """The next documents (about `max_bytes` of text) and the bad records met on the way
         ("file:line: reason"), or None at the end."""

@@ -53,6 +53,15 @@ def write(tmp_path: Path, text: str, name: str = "config.yaml") -> Path:
     return path
 
 
+def test_qwen3_moe_example_has_the_published_total_and_active_parameters(examples: Path) -> None:
+    """Qwen/Qwen3-30B-A3B's model card: 30.5B parameters, 3.3B activated, 29.9B without the
+    embeddings (cut to tenths of billions)."""
+    base = load_config(TrainerConfig, [examples / "qwen3-30b-a3b.yaml"]).model.base_model
+    assert base.num_parameters() // 10**8 == 305
+    assert base.num_parameters(active=True) // 10**8 == 33
+    assert base.num_parameters(embeddings=False) // 10**8 == 299
+
+
 def test_design_example_validates_with_fast_llm_names(tmp_path: Path) -> None:
     config = load_config(TrainerConfig, [write(tmp_path, DESIGN_EXAMPLE)])
     transformer = config.model.base_model.transformer
@@ -176,6 +185,16 @@ def test_derived_defaults_follow_the_fields_they_derive_from() -> None:
             "model.base_model.transformer.head_groups=3",
             "model.base_model.transformer.head_groups",
             "num_attention_heads (8) must be divisible by head_groups (3)",
+        ),
+        (
+            "model.base_model.transformer.global_attention_interval=6",
+            "model.base_model.transformer.global_attention_interval",
+            "mixes sliding and global blocks but window_size is not set",
+        ),
+        (
+            "model.base_model.transformer={window_size: 8, window_rotary: {theta: 10}}",
+            "model.base_model.transformer.window_rotary",
+            "is the sliding blocks' rotary beside global ones: it needs global_attention_interval",
         ),
         (
             "model.base_model.transformer.query_key_norm_scope=projection",

@@ -9,7 +9,7 @@ import torch
 
 from fastllm.config import TrainerConfig, load_config
 from fastllm.config.training import LearningRateConfig
-from fastllm.engine.learning_rate import learning_rate
+from fastllm.engine.learning_rate import learning_rate, phased_learning_rate
 from fastllm.engine.model_stages import ModelStages
 from fastllm.engine.optimizer import AdamW
 from fastllm.engine.weights_io import load_full_parameters
@@ -192,3 +192,28 @@ def test_schedules_warm_up_then_reach_their_minimum(style: str) -> None:
     assert rates[-1] == pytest.approx(1.0 if style == "constant" else 0.1)
     if style == "wsd":
         assert rates[4:16] == pytest.approx([1.0] * 12)
+
+
+def test_phases_switch_schedules_going_on_from_the_last_rate_unless_given_a_base() -> None:
+    config = load_config(
+        TrainerConfig,
+        overrides=[
+            "training.train_iters=12",
+            "optimizer.learning_rate={base: 1.0, warmup_iterations: 2, decay_style: linear,"
+            " decay_iterations: 8, minimum: 0.2}",
+            "training.phases=[{begin_step: 6, learning_rate: {decay_style: linear}},"
+            " {begin_step: 8, data: {path: [d]}}, {begin_step: 10, learning_rate: {base: 0.5}}]",
+        ],
+    )
+    training = config.training
+    rates = [
+        phased_learning_rate(config.optimizer.learning_rate, training.phases, step, 12)
+        for step in range(12)
+    ]
+    first = [learning_rate(config.optimizer.learning_rate, step, 12) for step in range(6)]
+    assert rates[:6] == first  # the phases before the first switch: the run's schedule
+    # From the rate of step 6 (the last before the phase) down to 0 over the phase's 4 steps,
+    # through the phase that only switches data, then 0.5 as the last phase declares.
+    assert rates[6:] == pytest.approx(
+        [0.75 * first[5], 0.5 * first[5], 0.25 * first[5], 0, 0.5, 0.5]
+    )

@@ -75,6 +75,37 @@ CONFIGS = {
             "rms_norm_eps": 1e-6,
         },
     ),
+    "qwen3_moe": (
+        transformers.Qwen3MoeConfig,
+        transformers.Qwen3MoeForCausalLM,
+        {
+            "head_dim": 16,
+            "num_experts": 8,
+            "num_experts_per_tok": 3,
+            "moe_intermediate_size": 16,
+            "norm_topk_prob": True,
+            "rope_theta": 1000000.0,
+            "use_sliding_window": True,
+            "sliding_window": 5,
+            "rms_norm_eps": 1e-6,
+        },
+    ),
+    "gemma3_text": (
+        transformers.Gemma3TextConfig,
+        transformers.Gemma3ForCausalLM,
+        {
+            "num_hidden_layers": 4,
+            "head_dim": 16,
+            "sliding_window": 5,
+            "layer_types": ["sliding_attention", "full_attention"] * 2,
+            "rope_parameters": {  # each kind its own base; the global layers' scaled
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+            "query_pre_attn_scalar": 20,  # not head_dim: a scale of its own
+            "rms_norm_eps": 1e-6,
+        },
+    ),
     "olmo2": (
         transformers.Olmo2Config,
         transformers.Olmo2ForCausalLM,

@@ -119,6 +119,23 @@ def test_flops_per_token_count_only_the_routed_experts() -> None:
     assert flops(8) - flops(2) == 6 * 2 * 32 * (8 - 2)
 
 
+def test_flops_per_token_count_a_sliding_blocks_attention_over_its_window() -> None:
+    """Each query of a sliding block attends to the window's keys where the sequence is
+    longer; the global blocks of global_attention_interval to the whole sequence."""
+
+    def flops(sequence: int, *overrides: str) -> float:
+        transformer = [f"model.base_model.transformer.{o}" for o in overrides]
+        return flops_per_token(config_of("tiny", [*SMALL, *transformer]).model.base_model, sequence)
+
+    heads, kv_channels = 4, 8
+    one_layer = 12 * heads * kv_channels
+    # Two blocks, the second global: the first attends to 16 keys of 64.
+    window = ("window_size=16", "global_attention_interval=2")
+    assert flops(64) - flops(64, *window) == one_layer * (64 - 16)
+    assert flops(64) - flops(64, "window_size=16") == 2 * one_layer * (64 - 16)
+    assert flops(12, *window) == flops(12)  # a window longer than the sequence
+
+
 def test_expert_biases_are_refused_naming_the_key() -> None:
     with pytest.raises(ConfigError, match="add_linear_biases"):
         config_of("tiny", [*SMALL, "model.base_model.transformer.num_experts=4"])

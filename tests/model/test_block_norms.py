@@ -60,3 +60,25 @@ def test_blocks_normalize_where_the_placement_says(placement: str, normalization
     h = x + after(block.attention(before(x, block.norm_1), none, None), block.post_norm_1)
     expected = h + after(block.mlp(before(h, block.norm_2), none)[0], block.post_norm_2)
     assert torch.allclose(block(x, None)[0], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_zero_centered_norm_of_a_bfloat16_weight_adds_the_offset_in_fp32() -> None:
+    """1 + weight in fp32, as transformers' Gemma3RMSNorm adds it: in bf16 the sum would keep
+    only about 8 bits of a small offset (the input is fp32 here, so that the output's rounding
+    does not hide the scale's)."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    from fastllm.config.model import RMSNormConfig
+
+    generator = torch.Generator().manual_seed(7)
+    ours = Normalization(RMSNormConfig(epsilon=1e-6, zero_centered=True), HIDDEN)
+    theirs = Gemma3RMSNorm(HIDDEN, eps=1e-6)
+    with torch.no_grad():
+        ours.weight.copy_(torch.randn(HIDDEN, generator=generator) * 0.01)
+        theirs.weight.copy_(ours.weight)
+    ours, theirs = ours.bfloat16(), theirs.bfloat16()
+    x = torch.randn(3, 5, HIDDEN, generator=generator)
+    expected = theirs(x)
+    torch.testing.assert_close(ours(x), expected, rtol=1e-6, atol=1e-6)
+    in_bf16 = F.rms_norm(x, (HIDDEN,), eps=1e-6) * (1 + ours.weight).float()
+    assert (in_bf16 - expected).abs().max() > 1e-4

@@ -45,3 +45,34 @@ def test_one_parameter_at_a_time_equals_the_whole_model() -> None:
         tensor = torch.empty(shapes[name])
         fill(tensor)
         assert torch.equal(tensor, dict(whole.named_parameters())[name]), name
+
+
+def test_zero_centered_norms_start_at_the_identity_scale() -> None:
+    """A zero-centered norm's weight starts at 0, so its scale 1 + weight starts at 1, as a
+    plain norm's weight does: the model computes what it would with plain norms at init."""
+    example = ROOT / "examples" / "gemma3-4b.yaml"
+    small = [
+        f"model.base_model.transformer.{key}"
+        for key in ("num_layers=2", "hidden_size=32", "ffn_hidden_size=48", "kv_channels=8")
+    ] + ["model.base_model.vocab_size=61"]
+    centered = load_config(TrainerConfig, [example], small).model.base_model
+    plain = load_config(
+        TrainerConfig,
+        [example],
+        [
+            *small,
+            *(
+                f"model.base_model.transformer.{norm}.zero_centered=false"
+                for norm in ("normalization", "query_norm", "key_norm")
+            ),
+        ],
+    ).model.base_model
+    models = []
+    for config in (centered, plain):
+        model = GPTModel(config)
+        initialize(model, torch.Generator().manual_seed(5))
+        models.append(model)
+    weights = [p for n, p in models[0].named_parameters() if "norm" in n]
+    assert weights and all(torch.equal(w, torch.zeros_like(w)) for w in weights)
+    input_ids = torch.randint(0, 61, (1, 9), generator=torch.Generator().manual_seed(6))
+    assert torch.equal(models[0](input_ids), models[1](input_ids))

@@ -40,6 +40,7 @@ def on_disk_names(tensors: dict[str, torch.Tensor], architecture: str) -> dict[s
     moe, gate, up, down = {
         "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
         "qwen2_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+        "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
         "deepseek_v3": ("mlp", "gate_proj", "up_proj", "down_proj"),
     }.get(architecture, ("", "", "", ""))
     renamed: dict[str, torch.Tensor] = {}
@@ -143,7 +144,9 @@ def test_hf_to_fastllm_to_hf_reproduces_every_tensor(architecture: str, tmp_path
     assert reloaded.config.model_type == architecture
 
 
-@pytest.mark.parametrize("architecture", ["llama", "starcoder2", "mixtral", "qwen3", "olmo2"])
+@pytest.mark.parametrize(
+    "architecture", ["llama", "starcoder2", "mixtral", "qwen3", "olmo2", "gemma3_text"]
+)
 def test_generate_matches_transformers_greedy_decoding(architecture: str, tmp_path: Path) -> None:
     from fastllm.hf import FastLLMForCausalLM
 

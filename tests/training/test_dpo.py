@@ -285,7 +285,8 @@ def test_precomputed_reference_log_probs_are_never_read_stale_or_damaged(
 
     def table(reference: Path) -> torch.Tensor:
         path = f"reference_models.reference.pretrained.path={reference}"
-        loader = Trainer(dpo_config(pairs, tmp_path / "run", PRECOMPUTED, path)).data_loader()
+        run = Trainer(dpo_config(pairs, tmp_path / "run", PRECOMPUTED, path))
+        (loader,) = run.data_loader().loaders
         assert loader.reference_log_probs is not None
         return loader.reference_log_probs
 

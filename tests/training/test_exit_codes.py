@@ -105,7 +105,7 @@ def test_sigterm_while_the_sampling_index_is_built_exits_143_within_seconds(
     time.sleep(0.3)
     out, err, seconds = terminated(process)
     assert process.returncode == 143, err
-    assert seconds < 2.5
+    assert seconds < 4.0  # under 2.5 on an idle 2-core machine; the whole index takes 5+
     assert "stopped by SIGTERM at step 0; nothing new to save" in out, out
     assert not list(experiment.glob("cache/sampling/sampling_*")), "no index was cached"
 

@@ -15,18 +15,24 @@ import torch
 
 from fastllm.config import ConfigError
 from tests.training.conftest import Launched, Script
+from tests.training.test_tensor_parallel import GEMMA3
 from tests.training.test_training_options import trainer
 
 SPLITS_4 = "schedule.micro_batch_splits=4"
 DOCUMENTS = "batch.cross_document_attention=false"
 
 
-@pytest.mark.parametrize("documents", [False, True], ids=["across-documents", "within"])
+@pytest.mark.parametrize(
+    ("documents", "model"),
+    [(False, ()), (True, ()), (True, GEMMA3)],
+    ids=["across-documents", "within", "gemma3-style-within"],
+)
 def test_four_pieces_give_the_whole_sequences_loss_and_gradients(
-    dataset: Path, tmp_path: Path, documents: bool
+    dataset: Path, tmp_path: Path, documents: bool, model: tuple[str, ...]
 ) -> None:
-    # The tiny model's sliding window (32) reaches back over more than one piece (12 tokens).
-    options = (DOCUMENTS,) if documents else ()
+    # The tiny model's sliding window (32; Gemma 3-style: 16 in every other block, with an
+    # attention scale of its own) reaches back over more than one piece (12 tokens).
+    options = (*model, DOCUMENTS) if documents else model
     whole = trainer(dataset, tmp_path / "whole", *options)
     pieces = trainer(dataset, tmp_path / "pieces", *options, SPLITS_4)
     masked = False

@@ -16,7 +16,7 @@ import pytest
 
 from tests.data.conftest import run_cli
 from tests.training.conftest import Launched, Layout, Script, train_arguments
-from tests.training.test_tensor_parallel import assert_same_run
+from tests.training.test_tensor_parallel import GEMMA3, assert_same_run, metric
 
 COMMON = (
     "model.base_model.transformer.num_layers=4",
@@ -75,6 +75,7 @@ def layouts(
             for stage in (1, 2, 3)
         },
         "pp2xtp2": Layout(4, (*pipeline, *TENSOR_2)),
+        "pp2xtp2-gemma3": Layout(4, (*pipeline, *TENSOR_2, *GEMMA3)),
         "pp2xtp2xdp2-zero3": Layout(
             8, (*pipeline, *TENSOR_2[:2], "model.multi_stage.zero_stage=3", two_per_data_rank)
         ),
@@ -96,6 +97,38 @@ def assert_same_validation(reference: Path, run: Path) -> None:
     assert sorted(got) == [5, 10]
     for step, value in got.items():
         assert value == pytest.approx(expected[step], rel=1e-5), step
+
+
+def test_gemma3_style_model_on_pipeline_and_tensor_ranks_matches_one_process(
+    dataset: Path, tmp_path: Path, one_process: Callable[..., Path], launched: dict[str, Launched]
+) -> None:
+    """Its sliding and global blocks (their windows and rotaries) split over two stages; its
+    zero-centered norms (1 + weight, replicated) and scaled embeddings over two tensor ranks
+    with sequence parallelism. Its export, converted to gemma3_text, runs in transformers as
+    in fastllm."""
+    import torch
+    import transformers
+
+    import fastllm
+    from tests.model.test_parity import relative_error
+
+    reference = one_process(f"data.validation_path=[{dataset}]", *COMMON, *GEMMA3)
+    run = launched["pp2xtp2-gemma3"].succeeded()
+    assert_same_run(reference, run)
+    assert_same_validation(reference, run)
+    expected, got = metric(reference, "grad_norm"), metric(run, "grad_norm")
+    assert got == pytest.approx(expected, rel=1e-5)
+    export, hf = run / "export" / "10", tmp_path / "hf"
+    result = run_cli(
+        "convert", "input.format=distributed", f"input.path={export}",
+        "output.format=gemma3_text", f"output.path={hf}",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(hf).eval()
+    input_ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        ours = fastllm.load_model(export)(input_ids)
+        assert relative_error(ours, theirs(input_ids).logits) <= 1e-5
 
 
 @pytest.mark.parametrize("name", PP2)

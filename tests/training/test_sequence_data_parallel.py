@@ -1,8 +1,8 @@
 """Sequence-data parallelism under torchrun (Gloo, fp32) against the single-process run of the
 same global batch, with and without document-masked attention: alone, with more data ranks
 than one group, and with tensor and sequence-tensor parallelism, in contiguous and head-tail
-chunks, and an OLMo 2-style model; losses and final weights within 1e-5 relative over 6
-steps."""
+chunks, and OLMo 2- and Gemma 3-style models; losses and final weights within 1e-5 relative
+over 6 steps."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from fastllm.training.setup import check_inputs
 from tests.conftest import ROOT
 from tests.training.conftest import Launched, Layout
 from tests.training.test_data_parallel import final_weights
-from tests.training.test_tensor_parallel import OLMO2, assert_close_weights
+from tests.training.test_tensor_parallel import GEMMA3, OLMO2, assert_close_weights
 from tests.training.test_train_cli import losses
 
 STEPS = 6
@@ -45,7 +45,14 @@ def references(one_process: Callable[..., Path]) -> dict[str, Path]:
 
 # OLMo 2-style: QK-norm over all heads (the keys normalized before they are gathered), norms
 # after attention and the MLP.
-REFERENCES = {"across": (), "within": DOCUMENTS, "olmo2": OLMO2}
+# Gemma 3-style: sliding and global blocks, each chunk's queries windowed over the gathered
+# keys within their documents, with their own scale.
+REFERENCES = {
+    "across": (),
+    "within": DOCUMENTS,
+    "olmo2": OLMO2,
+    "gemma3": (*GEMMA3, *DOCUMENTS),
+}
 # name: (ranks, reference, layout)
 LAYOUTS = {
     "dp4-sdp2-zero2": (4, "across", ("model.multi_stage.zero_stage=2",)),  # two groups of two
@@ -54,6 +61,7 @@ LAYOUTS = {
     "tp2-sdp2-head-tail-documents": (4, "within", (*TP_2, *HEAD_TAIL)),
     "tp2-sdp2-zero3": (4, "across", (*TP_2, "model.multi_stage.zero_stage=3")),
     "tp2-sdp2-olmo2": (4, "olmo2", TP_2),
+    "sdp2-gemma3-documents": (2, "gemma3", ()),
 }
 
 

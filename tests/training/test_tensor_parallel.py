@@ -59,6 +59,25 @@ OLMO2 = (  # norms after attention and the MLP, QK-norm over all heads, no slidi
     "model.base_model.transformer.head_groups=2",
 )
 
+ZERO_CENTERED = "{type: rms_norm, epsilon: 1.0e-6, zero_centered: true}"
+GEMMA3 = (  # tested under pipeline, tensor and sequence-data parallelism in their modules
+    *(f"model.base_model.transformer.{norm}={ZERO_CENTERED}" for norm in ("normalization", "query_norm", "key_norm")),
+    "model.base_model.transformer.normalization_placement=sandwich",
+    "model.base_model.transformer.gated=true",
+    "model.base_model.transformer.activation_type=gelu",
+    "model.base_model.transformer.add_linear_biases=false",
+    "model.base_model.transformer.head_groups=2",
+    "model.base_model.transformer.window_size=16",
+    "model.base_model.transformer.global_attention_interval=2",
+    "model.base_model.transformer.rotary={type: linear, theta: 1000000, scale_factor: 8}",
+    "model.base_model.transformer.window_rotary={type: default, theta: 10000}",
+    "model.base_model.transformer.attention_scale=0.2",
+    "model.base_model.transformer.scale_embeddings=true",
+)  # fmt: skip
+"""Gemma 3-style: zero-centered norms around attention and the MLP and over each query and
+key head, a global block after each sliding one (window 16 of 48 tokens), each kind with its
+own rotary, an attention scale of its own, scaled embeddings."""
+
 
 MODELS = {"starcoder2": (), "llama": LLAMA, "qwen3": QWEN3, "olmo2": OLMO2}
 

@@ -16,6 +16,7 @@ from fastllm.checkpoint.deepseek_v3 import (
     deepseek_v3_mlp,
     deepseek_v3_to_hf,
 )
+from fastllm.checkpoint.gemma3 import gemma3_from_hf, gemma3_to_hf
 from fastllm.checkpoint.hf_rules import Rule, concat, same, stack
 from fastllm.config import BaseModelConfig, ConfigError
 from fastllm.config.formats import HF_ARCHITECTURES
@@ -215,7 +216,8 @@ def _qwen2_moe_to_hf(config: BaseModelConfig, hf: dict[str, Any]) -> None:
     hf["output_router_logits"] = False
 
 
-def _qwen2_moe_mlp(config: BaseModelConfig, ours: str, theirs: str) -> Iterator[Rule]:
+def _qwen_moe_experts(config: BaseModelConfig, ours: str, theirs: str) -> Iterator[Rule]:
+    """The router and the routed experts of Qwen2-MoE and Qwen3-MoE."""
     t = config.transformer
     assert t.ffn_hidden_size is not None
     mlp, ffn = f"{theirs}.mlp", t.ffn_hidden_size
@@ -226,12 +228,58 @@ def _qwen2_moe_mlp(config: BaseModelConfig, ours: str, theirs: str) -> Iterator[
     yield stack(f"{ours}.layer_1", gate_up, [ffn, ffn])
     down = tuple(f"{mlp}.experts.{e}.down_proj.weight" for e in range(t.num_experts))
     yield stack(f"{ours}.layer_2", down)
+
+
+def _qwen2_moe_mlp(config: BaseModelConfig, ours: str, theirs: str) -> Iterator[Rule]:
+    t = config.transformer
+    assert t.ffn_hidden_size is not None
+    mlp, ffn = f"{theirs}.mlp", t.ffn_hidden_size
+    yield from _qwen_moe_experts(config, ours, theirs)
     shared = f"{mlp}.shared_expert"
     width = t.num_shared_experts * ffn
     gate_up_shared = (f"{shared}.gate_proj.weight", f"{shared}.up_proj.weight")
     yield concat(f"{ours}.shared.layer_1.weight", gate_up_shared, [width, width])
     yield same(f"{ours}.shared.layer_2.weight", f"{shared}.down_proj.weight")
     yield same(f"{ours}.shared_gate.weight", f"{mlp}.shared_expert_gate.weight")
+
+
+def _qwen3_moe_from_hf(hf: dict[str, Any], transformer: dict[str, Any]) -> None:
+    _refuse_attention_biases(hf)
+    for key, dense in (
+        ("decoder_sparse_step", hf.get("decoder_sparse_step", 1) != 1),
+        ("mlp_only_layers", bool(hf.get("mlp_only_layers"))),
+    ):
+        if dense:
+            raise ConfigError(
+                f"config.json:{key}", "dense MLP layers among the sparse ones are not supported"
+            )
+    if hf.get("use_sliding_window") and hf.get("sliding_window"):  # in every layer
+        transformer["window_size"] = hf["sliding_window"]
+    transformer["query_norm"] = transformer["key_norm"] = _rms_norm(hf)
+    transformer["query_key_norm_scope"] = "head"
+    transformer["ffn_hidden_size"] = hf["moe_intermediate_size"]
+    # The Hub's config.json name; transformers 5 writes num_local_experts.
+    transformer["num_experts"] = hf.get("num_experts") or hf["num_local_experts"]
+    transformer["num_experts_per_token"] = hf["num_experts_per_tok"]
+    transformer["expert_renormalize"] = bool(hf.get("norm_topk_prob", False))
+    transformer["expert_auxiliary_loss_coefficient"] = hf.get("router_aux_loss_coef", 0.001)
+
+
+def _qwen3_moe_to_hf(config: BaseModelConfig, hf: dict[str, Any]) -> None:
+    t = config.transformer
+    hf["rms_norm_eps"] = t.normalization.epsilon
+    hf["attention_bias"] = False
+    hf["use_sliding_window"] = t.window_size is not None
+    hf["sliding_window"] = t.window_size
+    hf["moe_intermediate_size"] = t.ffn_hidden_size
+    hf.pop("num_local_experts", None)
+    hf["num_experts"] = t.num_experts
+    hf["num_experts_per_tok"] = t.num_experts_per_token
+    hf["norm_topk_prob"] = t.expert_renormalize
+    hf["router_aux_loss_coef"] = t.expert_auxiliary_loss_coefficient
+    hf["decoder_sparse_step"] = 1
+    hf["mlp_only_layers"] = []
+    hf["output_router_logits"] = False
 
 
 def _starcoder2_from_hf(hf: dict[str, Any], transformer: dict[str, Any]) -> None:
@@ -300,10 +348,24 @@ ARCHITECTURES = {
             mlp_rules=_gated_mlp,
         ),
         Architecture(
+            "qwen3_moe",
+            "Qwen3MoeForCausalLM",
+            from_hf=_qwen3_moe_from_hf,
+            to_hf=_qwen3_moe_to_hf,
+            mlp_rules=_qwen_moe_experts,
+        ),
+        Architecture(
             "olmo2",
             "Olmo2ForCausalLM",
             from_hf=_olmo2_from_hf,
             to_hf=_olmo2_to_hf,
+            mlp_rules=_gated_mlp,
+        ),
+        Architecture(
+            "gemma3_text",
+            "Gemma3ForCausalLM",
+            from_hf=gemma3_from_hf,
+            to_hf=gemma3_to_hf,
             mlp_rules=_gated_mlp,
         ),
         Architecture(

@@ -190,6 +190,10 @@ _LATER_TRANSFORMER_KEYS = (
     "query_norm",
     "key_norm",
     "query_key_norm_scope",
+    "global_attention_interval",
+    "window_rotary",
+    "attention_scale",
+    "scale_embeddings",
     "expert_score_function",
     "expert_bias",
     "expert_bias_update_rate",
@@ -201,16 +205,20 @@ _LATER_TRANSFORMER_KEYS = (
     "latent_attention",
 )
 """Keys of `transformer` that fastllm-format configs have had since QK-norm and post-norms
-(and since DeepSeek-V3's latent attention and routing)."""
+(and Gemma 3's options, DeepSeek-V3's latent attention and routing)."""
 
 
 def _omit_later_defaults(transformer: dict[str, Any]) -> None:
-    """`_LATER_TRANSFORMER_KEYS` left out at their defaults, as a model without those
-    features has always been written."""
+    """`_LATER_TRANSFORMER_KEYS` (and a norm's zero_centered) left out at their defaults, as a
+    model without those features has always been written."""
     defaults = {f.name: f.default for f in msgspec.structs.fields(TransformerConfig)}
     for key in _LATER_TRANSFORMER_KEYS:
         if transformer[key] == defaults[key]:
             del transformer[key]
+    for key in ("normalization", "query_norm", "key_norm"):
+        norm = transformer.get(key)
+        if norm is not None and not norm["zero_centered"]:
+            del norm["zero_centered"]
 
 
 def _until_stopped(

@@ -20,6 +20,8 @@ _HF_ACTIVATIONS = {hf: ours for ours, hf in _ACTIVATIONS.items()} | {"gelu_new":
 def _rotary_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     # transformers 5 writes `rope_parameters`; earlier versions `rope_theta` + `rope_scaling`.
     parameters = dict(hf.get("rope_parameters") or {})
+    # Per layer type (Gemma 3): the global layers' (the architecture reads the sliding ones').
+    parameters = dict(parameters.get("full_attention", parameters))
     if not parameters:
         parameters = dict(hf.get("rope_scaling") or {})
         parameters["rope_theta"] = hf.get("rope_theta", 10000.0)
@@ -27,6 +29,8 @@ def _rotary_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     rotary: dict[str, Any] = {"theta": parameters["rope_theta"]}
     if kind == "default":
         return {"type": "default", **rotary}
+    if kind == "linear":
+        return {"type": "linear", **rotary, "scale_factor": parameters["factor"]}
     original = parameters.get("original_max_position_embeddings")
     if kind == "llama3":
         return {
@@ -94,6 +98,8 @@ def _rotary_to_hf(config: BaseModelConfig) -> dict[str, Any]:
             "high_freq_factor": rotary.high_frequency_factor,  # type: ignore[attr-defined]
             "original_max_position_embeddings": rotary.original_context_length,  # type: ignore[attr-defined]
         }
+    elif kind == "linear":
+        fields["rope_scaling"] = {"rope_type": "linear", "factor": rotary.scale_factor}  # type: ignore[attr-defined]
     elif kind == "yarn":
         fields["rope_scaling"] = {
             "rope_type": "yarn",

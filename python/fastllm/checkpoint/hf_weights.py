@@ -100,10 +100,16 @@ _BLOCK_NORMS = {
         ("post_norm_1", "post_attention_layernorm"),
         ("post_norm_2", "post_feedforward_layernorm"),
     ),
+    "sandwich": (
+        ("norm_1", "input_layernorm"),
+        ("post_norm_1", "post_attention_layernorm"),
+        ("norm_2", "pre_feedforward_layernorm"),
+        ("post_norm_2", "post_feedforward_layernorm"),
+    ),
 }
 """A block's norms by `normalization_placement`, ours and Hugging Face's (whose
 post_attention_layernorm is the MLP's input norm in a pre-norm block and attention's output
-norm in a post-norm one)."""
+norm in a post-norm or sandwich one)."""
 
 
 def _norm_parameters(config: BaseModelConfig) -> tuple[str, ...]:

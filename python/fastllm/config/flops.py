@@ -10,12 +10,12 @@ def flops_per_token(
 ) -> float:
     """Training FLOPs per token, torchtitan's formula: 6 × (parameters that multiply, i.e. all
     but the embedding lookup; of a mixture of experts only the experts a token is routed to)
-    + 12 × layers × heads × head size × sequence (attention, counted whole; with latent
-    attention 6 × layers × heads × (query head size + value head size) × sequence, and its
-    parameters are its real matmuls': the down projections, the latents' up projections and
-    the output, as a token computes them). A mixture's first dense layers count their dense
-    MLPs. Each multi-token prediction module counts as a block, its projection and norms,
-    and the head. A norm counts
+    + 12 × layers × heads × head size × keys (attention, counted whole: the sequence, or in a
+    sliding block the window where it is shorter, each query's keys; with latent attention
+    6 × heads × (query head size + value head size) × keys, and its parameters are its real
+    matmuls': the down projections, the latents' up projections and the output, as a token
+    computes them). A mixture's first dense layers count their dense MLPs. Each multi-token
+    prediction module counts as a block, its projection and norms, and the head. A norm counts
     as its weight (and bias) would as a matmul's: 6 × the elements it scales, so a norm over
     each head (QK-norm) counts every head, not its one weight of a head's size.
 
@@ -29,7 +29,7 @@ def flops_per_token(
     others = isinstance(config.peft, LoRAConfig) and config.peft.freeze_others
     counts = config.parameter_counts(active=True)
     dense = config.parameter_counts(dense=True) if t.num_experts > 1 else counts
-    attention = 6 * t.num_attention_heads * sequence_length * _score_and_value_width(config)
+    heads = 6 * t.num_attention_heads * _score_and_value_width(config)
     norms = 4 if freeze.norms or others else 6
     frozen_blocks = freeze.frozen_blocks()
     before_training = freeze.embeddings or others  # no backward pass before a trained one
@@ -38,6 +38,7 @@ def flops_per_token(
         layer = counts if t.has_experts(index) or t.num_experts == 1 else dense
         weights = layer.block - layer.block_norms
         block = weights + layer.block_norm_elements + layer.adapters
+        attention = heads * min(t.window_of(index) or sequence_length, sequence_length)
         frozen = index in frozen_blocks
         before_training = before_training and frozen
         if before_training:
@@ -53,7 +54,9 @@ def flops_per_token(
     if prediction is not None:  # a block, its projection and norms, and the head again
         module = counts.block - counts.block_norms + 2 * t.hidden_size**2
         norm_elements = counts.block_norm_elements + 3 * counts.final_norm
-        total += prediction.depth * (6 * (module + norm_elements + head) + attention)
+        for index in range(t.num_layers, t.num_layers + prediction.depth):
+            window = min(t.window_of(index) or sequence_length, sequence_length)
+            total += 6 * (module + norm_elements + head) + heads * window
     return total
 
 

@@ -18,7 +18,9 @@ HF_ARCHITECTURES = (
     "qwen2",
     "qwen2_moe",
     "qwen3",
+    "qwen3_moe",
     "olmo2",
+    "gemma3_text",
     "deepseek_v3",
     "starcoder2",
 )
@@ -55,6 +57,11 @@ class Expressible:
     query_key_norm: str | None = None
     """The `query_key_norm_scope` of its QK-norm, an RMSNorm of both the queries and the keys
     with the blocks' epsilon (which it must then have); None: it has none."""
+    gemma: bool = False
+    """Gemma 3's options, which a model must then have: zero-centered norms (all of them),
+    embeddings scaled by sqrt(hidden_size), tanh GELU; and those it may have: sliding and global blocks
+    (`global_attention_interval`, a plain `window_rotary`) and an `attention_scale` of
+    n ** -0.5 for a whole n. The other architectures have none of them."""
     deepseek: bool = False
     """DeepSeek-V3's attention and routing: latent attention (which a model must then have,
     and no other architecture can express), sigmoid scores with a correction bias,
@@ -106,6 +113,14 @@ EXPRESSIBLE = {
         biases=_NO_BIASES,
         query_key_norm="head",
     ),
+    "qwen3_moe": Expressible(
+        layer_norm=False,
+        gated=True,
+        experts=True,
+        window=True,
+        biases=_NO_BIASES,
+        query_key_norm="head",
+    ),
     "olmo2": Expressible(
         layer_norm=False,
         gated=True,
@@ -114,6 +129,16 @@ EXPRESSIBLE = {
         biases=_NO_BIASES,
         placement="post",
         query_key_norm="projection",
+    ),
+    "gemma3_text": Expressible(
+        layer_norm=False,
+        gated=True,
+        experts=False,
+        window=True,
+        biases=_NO_BIASES,
+        placement="sandwich",
+        query_key_norm="head",
+        gemma=True,
     ),
     "deepseek_v3": Expressible(
         layer_norm=False,
@@ -201,6 +226,7 @@ def inexpressible(config: BaseModelConfig, architecture: str) -> str | None:
         ),
         *_query_key_norm_checks(config, can),
         *_deepseek_checks(config, can),
+        *_gemma_checks(config, can.gemma),
     ]
     for failed, key, value, needs in checks:
         if failed:
@@ -230,6 +256,40 @@ def _query_key_norm_checks(config: BaseModelConfig, can: Expressible) -> list[Ch
         if norm is not None:
             one = f"one epsilon, normalization.epsilon {epsilon}"
             checks.append((norm.epsilon != epsilon, f"{key}.epsilon", norm.epsilon, one))
+    return checks
+
+
+def _gemma_checks(config: BaseModelConfig, gemma: bool) -> list[Check]:
+    """The checks of `inexpressible` for Gemma 3's options (`Expressible.gemma`)."""
+    t = config.transformer
+    assert t.kv_channels is not None
+    has = "Gemma's options" if gemma else "none of Gemma's options"
+    norms = {"normalization": t.normalization, "query_norm": t.query_norm, "key_norm": t.key_norm}
+    checks: list[Check] = [
+        (norm.zero_centered != gemma, f"{key}.zero_centered", norm.zero_centered, has)
+        for key, norm in norms.items()
+        if norm is not None
+    ]
+    checks.append((t.scale_embeddings != gemma, "scale_embeddings", t.scale_embeddings, has))
+    if not gemma:
+        interval = t.global_attention_interval
+        checks.append((interval is not None, "global_attention_interval", interval, has))
+        scale = t.attention_scale
+        default = scale is None or scale == t.kv_channels**-0.5
+        checks.append((not default, "attention_scale", scale, "kv_channels ** -0.5"))
+        return checks
+    activation = t.activation_type
+    checks.append((activation != "gelu", "activation_type", activation, "tanh GELU (GeGLU)"))
+    scale = t.kv_channels**-0.5 if t.attention_scale is None else t.attention_scale
+    whole = round(scale**-2) ** -0.5 == scale
+    checks.append((not whole, "attention_scale", scale, "n ** -0.5 for a whole n"))
+    # Its sliding blocks have a plain rotary: the window_rotary, or rotary when all slide.
+    sliding, key = t.window_rotary, "window_rotary.type"
+    if sliding is None and t.window_size is not None:
+        sliding, key = t.rotary, "rotary.type"
+    kind = None if sliding is None else sliding.__struct_config__.tag
+    plain = "a plain (default) rotary in its sliding blocks"
+    checks.append((kind not in (None, "default"), key, kind, plain))
     return checks
 
 

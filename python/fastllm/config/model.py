@@ -17,13 +17,16 @@ from fastllm.config.section import ConfigError, Section, check_non_negative, che
 class NormalizationConfig(Section, tag_field="type"):
     epsilon: float = 1e-5
     """Added to the variance before the square root."""
+    zero_centered: bool = False
+    """The weight is stored as its offset from 1: the norm scales by 1 + weight (in fp32), and
+    the weight starts at 0 (Gemma's RMSNorm; Transformer Engine's zero_centered_gamma)."""
 
     def validate(self) -> None:
         check_positive(self.epsilon, "epsilon")
 
 
 class RMSNormConfig(NormalizationConfig, tag="rms_norm"):
-    """RMSNorm (Llama, Mistral, Mixtral, Qwen2, Qwen3, OLMo 2): scale only."""
+    """RMSNorm (Llama, Mistral, Mixtral, Qwen2, Qwen3, OLMo 2, Gemma 3): scale only."""
 
 
 class LayerNormConfig(NormalizationConfig, tag="layer_norm"):
@@ -68,6 +71,15 @@ class Llama3RotaryConfig(DefaultRotaryConfig, tag="llama3"):
             )
 
 
+class LinearRotaryConfig(DefaultRotaryConfig, tag="linear"):
+    scale_factor: float = 8.0
+    """Every frequency divided by this (position interpolation; Gemma 3's global layers: 8)."""
+
+    def validate(self) -> None:
+        super().validate()
+        check_positive(self.scale_factor, "scale_factor")
+
+
 class YarnRotaryConfig(DefaultRotaryConfig, tag="yarn"):
     scale_factor: float = 8.0
     """Context extension factor."""
@@ -93,6 +105,14 @@ LinearBiases = bool | Literal["nowhere", "everywhere", "only_attn_qkv"]
 NormalizationPlacement = Literal["pre", "post", "sandwich"]
 QueryKeyNormScope = Literal["head", "projection"]
 ExpertScoreFunction = Literal["softmax", "sigmoid"]
+Rotary = (
+    DefaultRotaryConfig
+    | NoRotaryConfig
+    | Llama3RotaryConfig
+    | YarnRotaryConfig
+    | LinearRotaryConfig
+)
+"""Every rotary type (a union of the variants, chosen by `type`; default without one)."""
 
 
 class TransformerConfig(Section):
@@ -115,10 +135,9 @@ class TransformerConfig(Section):
     heads of the projection together, one weight over all of them (OLMo 2; rms_norm only).
     Under tensor parallelism each rank holds some heads: their mean square over all heads is
     summed over the tensor ranks."""
-    rotary: NoRotaryConfig | DefaultRotaryConfig | Llama3RotaryConfig | YarnRotaryConfig = (
-        msgspec.field(default_factory=DefaultRotaryConfig)
-    )
-    """Rotary position embedding of queries and keys."""
+    rotary: Rotary = msgspec.field(default_factory=DefaultRotaryConfig)
+    """Rotary position embedding of queries and keys (of the global blocks only when
+    `window_rotary` is set)."""
     num_layers: int = 12
     """Number of transformer blocks."""
     hidden_size: int = 1024
@@ -141,6 +160,20 @@ class TransformerConfig(Section):
     window_size: int | None = None
     """Sliding-window attention: each token attends to at most this many tokens (itself
     included); none attends to the whole causal context."""
+    global_attention_interval: int | None = None
+    """With window_size: every this-many-th block (blocks interval - 1, 2 × interval - 1, …,
+    counted from 0) attends to the whole causal context and the others slide (Gemma 3: 6,
+    Hugging Face's sliding_window_pattern); none: every block slides."""
+    window_rotary: Rotary | None = None
+    """Rotary of the sliding blocks when global_attention_interval mixes them with global
+    ones, `rotary` being the global blocks' (Gemma 3: theta 10000 here, 1e6 with linear
+    scaling 8 there); none: `rotary` in every block."""
+    attention_scale: float | None = None
+    """Factor of the query-key products before the softmax; default kv_channels ** -0.5
+    (Gemma 3: query_pre_attn_scalar ** -0.5)."""
+    scale_embeddings: bool = False
+    """Multiply the input embeddings by sqrt(hidden_size), rounded to the compute dtype
+    (Gemma); the tied head reads the weights unscaled."""
     num_experts: int = 1
     """Experts per MLP; more than 1 makes every MLP a mixture of experts."""
     num_experts_per_token: int = 1
@@ -198,6 +231,7 @@ class TransformerConfig(Section):
             check_positive(getattr(self, key), key)
         for key in ("kv_channels", "ffn_hidden_size", "window_size", "init_method_std"):
             check_positive(getattr(self, key), key)
+        self._validate_window_pattern()
         if self.num_attention_heads % self.head_groups:
             raise ConfigError(
                 "head_groups",
@@ -260,7 +294,8 @@ class TransformerConfig(Section):
                 f"latent attention's heads are latent_attention.qk_head_dim + "
                 f"qk_pos_emb_head_dim ({latent.query_head_dim}) wide, got {self.kv_channels}",
             )
-        for key in ("query_norm", "key_norm", "window_size"):
+        # its softmax scale is latent_attention's (softmax_scale)
+        for key in ("query_norm", "key_norm", "window_size", "attention_scale"):
             if getattr(self, key) is not None:
                 raise ConfigError(key, "is not supported with latent_attention")
         if self.add_linear_biases not in (False, "nowhere"):
@@ -341,6 +376,29 @@ class TransformerConfig(Section):
     def has_experts(self, layer: int) -> bool:
         """Block `layer` (from 0) has a mixture of experts."""
         return self.num_experts > 1 and layer >= self.first_dense_layers
+
+    def _validate_window_pattern(self) -> None:
+        check_positive(self.global_attention_interval, "global_attention_interval")
+        check_positive(self.attention_scale, "attention_scale")
+        if self.global_attention_interval is not None and self.window_size is None:
+            raise ConfigError(
+                "global_attention_interval",
+                "mixes sliding and global blocks but window_size is not set",
+            )
+        if self.window_rotary is not None and self.global_attention_interval is None:
+            raise ConfigError(
+                "window_rotary",
+                "is the sliding blocks' rotary beside global ones: it needs "
+                "global_attention_interval (with every block sliding, set rotary)",
+            )
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of block `layer` (counted from 0); None where it attends to the
+        whole causal context."""
+        interval = self.global_attention_interval
+        if interval is not None and (layer + 1) % interval == 0:
+            return None
+        return self.window_size
 
     def _validate_query_key_norms(self) -> None:
         if self.query_key_norm_scope == "head":

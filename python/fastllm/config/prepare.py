@@ -2,27 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import re
+from typing import ClassVar, Literal
 
 import msgspec
 
-from fastllm.config.section import ConfigError, Section, check_positive
+from fastllm.config.section import ConfigError, Section, brief, check_positive
 
 
-class InputConfig(Section):
-    path: list[str] = msgspec.field(default_factory=list)
-    """Input files, directories or glob patterns, read in the order given (directories in
-    sorted order)."""
-    format: Literal["auto", "jsonl", "chat", "preference", "parquet", "text", "files"] = "auto"
-    """jsonl (also .gz and .zst), chat (jsonl of conversations), preference (jsonl of preference
-    pairs, see docs/preference-data.md), parquet, text (one document per file), files (a source
-    tree: every matching file is a document); auto picks by extension, `preference` for jsonl
-    whose first record has `chosen_text` and `rejected_text`, `chat` for jsonl whose first
-    record has `messages_field` and not `field`, and `files` for directories."""
+class RecordsConfig(Section, tag_field="type"):
+    """Where a record holds its text, conversation or preference pair: the keys every input
+    type shares."""
+
+    # The formats whose records are text (where loss-masking spans apply).
+    text_formats: ClassVar[tuple[str, ...]] = ()
+    format: str = "auto"
     field: str = "text"
-    """Field holding the document text in jsonl records and parquet rows."""
-    extensions: list[str] | None = None
-    """For `files`: file extensions to keep, e.g. [.py, .rs] (default: every UTF-8 file)."""
+    """Field holding the document text in records (a JSON key, a Parquet or dataset column)."""
     messages_field: str = "messages"
     """For chat: field holding the conversation, a list of {role, content} messages."""
     chat_template: str | None = None
@@ -33,7 +29,7 @@ class InputConfig(Section):
     where the template has them), last_assistant: the last one, all: every token. The rest is
     masked from the loss."""
     loss_masking_spans: str | None = None
-    """For jsonl text: field holding character spans [[begin, end], ...] (end included, as
+    """For text records: field holding character spans [[begin, end], ...] (end included, as
     Fast-LLM's) excluded from the loss."""
     prompt_text: str = "prompt"
     """For preference: field holding the prompt, a string or a list of messages; a record
@@ -46,14 +42,20 @@ class InputConfig(Section):
     max_pair_tokens: int | None = None
     """For preference: a pair of more tokens (prompt and both answers) is a bad record (none:
     any length; training leaves out pairs longer than its sequence)."""
+    transform: str | None = None
+    """A Python function `package.module:function` (importable where prepare runs) applied to
+    every record (a dict) before tokenization; it returns the document: a text (str), a
+    conversation (a list of {role, content} messages) or a preference pair (a dict with
+    `chosen`, `rejected` and optionally `prompt`). The first record's result sets the kind;
+    the record fields above are then not read."""
 
     def validate(self) -> None:
-        if not self.path:
-            raise ConfigError("path", "at least one input is required")
-        if self.loss_masking_spans is not None and self.format not in ("auto", "jsonl"):
+        if self.transform is not None:
+            self._validate_transform()
+        if self.loss_masking_spans is not None and self.format not in self.text_formats:
             raise ConfigError(
                 "loss_masking_spans",
-                f"spans are read from jsonl text records, not with format: {self.format}"
+                f"spans are read from text records, not with format: {self.format}"
                 + (
                     " (a conversation's masks come from its template)"
                     if self.format == "chat"
@@ -85,6 +87,90 @@ class InputConfig(Section):
                         key, f"applies to preference inputs, not to format: {self.format}"
                     )
 
+    def _validate_transform(self) -> None:
+        assert self.transform is not None
+        if not _IMPORT_PATH.fullmatch(self.transform):
+            raise ConfigError(
+                "transform",
+                f"expected an import path package.module:function, got {brief(self.transform)}",
+            )
+        read_fields = {
+            "field": "text",
+            "messages_field": "messages",
+            "loss_masking_spans": None,
+            "prompt_text": "prompt",
+            "chosen_text": "chosen",
+            "rejected_text": "rejected",
+        }
+        for key, default in read_fields.items():
+            if getattr(self, key) != default:
+                raise ConfigError(
+                    key,
+                    "is not read with a transform: the transform's result is the document "
+                    "(set it in the transform)",
+                )
+
+
+_IMPORT_PATH = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
+
+
+class InputConfig(RecordsConfig, tag="files"):
+    """Local files: JSON lines, Parquet, text files or source trees."""
+
+    text_formats: ClassVar[tuple[str, ...]] = ("auto", "jsonl")
+    path: list[str] = msgspec.field(default_factory=list)
+    """Input files, directories or glob patterns, read in the order given (directories in
+    sorted order)."""
+    format: Literal["auto", "jsonl", "chat", "preference", "parquet", "text", "files"] = "auto"
+    """jsonl (also .gz and .zst), chat (jsonl of conversations), preference (jsonl of preference
+    pairs, see docs/preference-data.md), parquet, text (one document per file), files (a source
+    tree: every matching file is a document); auto picks by extension, `preference` for jsonl
+    whose first record has `chosen_text` and `rejected_text`, `chat` for jsonl whose first
+    record has `messages_field` and not `field`, and `files` for directories. With a
+    `transform`, the records it receives are a JSON object per line, a row per Parquet row, and
+    {text, path} per text file."""
+    extensions: list[str] | None = None
+    """For `files`: file extensions to keep, e.g. [.py, .rs] (default: every UTF-8 file)."""
+
+    def validate(self) -> None:
+        if not self.path:
+            raise ConfigError("path", "at least one input is required")
+        super().validate()
+
+
+class HuggingfaceInputConfig(RecordsConfig, tag="huggingface"):
+    """A Hugging Face dataset: a directory written by `save_to_disk`, or what `load_dataset`
+    reads from local files or its cache (no download: prepare reads what is on this machine).
+    Read a batch of rows at a time, never whole."""
+
+    text_formats: ClassVar[tuple[str, ...]] = ("auto", "text")
+    path: str = ""
+    """A `save_to_disk` directory, or `load_dataset`'s path: a packaged builder (json, parquet,
+    csv, arrow, text) with `data_files`, a directory of data files, or the name of a dataset
+    already in the local cache."""
+    format: Literal["auto", "text", "chat", "preference"] = "auto"
+    """What the rows hold: text (column `field`), chat (column `messages_field`) or preference
+    (columns `prompt_text`, `chosen_text`, `rejected_text`); auto: preference when the chosen
+    and rejected columns exist, chat when the messages column exists and the text column does
+    not, else text."""
+    config_name: str | None = None
+    """load_dataset's `name`: the dataset's configuration."""
+    data_directory: str | None = None
+    """load_dataset's `data_dir`."""
+    data_files: list[str] | None = None
+    """load_dataset's `data_files`: files or glob patterns."""
+    split: str = "train"
+    """The split to read (a dataset saved without splits is read whole)."""
+    streaming: bool = True
+    """Let load_dataset read the files as they are; false: it first converts them into its
+    Arrow cache (a copy on disk, memory-mapped), which a dataset already prepared in the cache
+    reuses. Not used for a `save_to_disk` directory, which is memory-mapped."""
+
+    def validate(self) -> None:
+        if not self.path:
+            raise ConfigError("path", "is required")
+        super().validate()
+
 
 class TokenizerConfig(Section):
     path: str = ""
@@ -112,8 +198,8 @@ class OutputConfig(Section):
 
 
 class PrepareConfig(Section):
-    input: InputConfig = msgspec.field(default_factory=InputConfig)
-    """What to read."""
+    input: InputConfig | HuggingfaceInputConfig = msgspec.field(default_factory=InputConfig)
+    """What to read: `type: files` (the default) or `type: huggingface`."""
     tokenizer: TokenizerConfig = msgspec.field(default_factory=TokenizerConfig)
     """How to tokenize."""
     output: OutputConfig = msgspec.field(default_factory=OutputConfig)
@@ -158,6 +244,8 @@ class TokenizerTrainingConfig(Section):
     def validate(self) -> None:
         if not self.output:
             raise ConfigError("output", "is required")
+        if self.input.transform is not None:
+            raise ConfigError("input.transform", "applies to `fastllm prepare`, not here")
         check_positive(self.vocab_size, "vocab_size")
         if self.vocab_size <= 256 + len(self.special_tokens):
             raise ConfigError(

@@ -108,7 +108,10 @@ def _section(cls: type[msgspec.Struct], key: str, lines: list[str], tag: str | N
         lines += ["| key | type | default | description |", "|---|---|---|---|"]
     for field in fields:
         by_name = typing.get_origin(field.type) is dict  # its sections are documented at NAME
-        variants = _variants(typing.get_args(field.type)[1] if by_name else field.type)
+        listed = typing.get_origin(field.type) is list  # its sections, at [N]
+        variants = _variants(
+            typing.get_args(field.type)[1 if by_name else 0] if by_name or listed else field.type
+        )
         structs = [v for v in variants if _is_struct(v)]
         if structs and len(structs) > 1 and not by_name:
             kind = "`type:` " + " or ".join(f"`{v.__struct_config__.tag}`" for v in structs)
@@ -119,7 +122,7 @@ def _section(cls: type[msgspec.Struct], key: str, lines: list[str], tag: str | N
             f"| `{field.encode_name}` | {kind.replace('|', '/')} | {_default_text(field)} | {doc} |"
         )
         if structs:
-            child = f"{key}.{field.encode_name}" + (".NAME" if by_name else "")
+            child = f"{key}.{field.encode_name}" + (".NAME" if by_name else "[N]" if listed else "")
             nested.append((child, structs, field))
     for child_key, structs, _ in nested:
         if len(structs) == 1:

@@ -8,7 +8,9 @@ of the model silently continues a different experiment, so the loader warns, in 
 about every changed key outside those a resume may change: the length of the run, logging,
 checkpoint/export/validation/evaluation/profiling settings and held-out data, where files go,
 and how the work is laid out (tensor, sequence and pipeline parallelism, ZeRO stage, stages,
-recomputation, micro-batches, compilation, prefetch)."""
+recomputation, micro-batches, compilation, prefetch). Of `training.phases`, only the phases
+that began before the checkpoint's step count: those after it (a phase planned, moved or
+dropped) are what the run has still to train."""
 
 from __future__ import annotations
 
@@ -71,18 +73,20 @@ def architecture_changes(saved: dict[str, Any], new: dict[str, Any]) -> list[Cha
     return changes
 
 
-def changed_keys(saved: dict[str, Any], new: dict[str, Any]) -> list[str]:
+def changed_keys(saved: dict[str, Any], new: dict[str, Any], step: int) -> list[str]:
     """The full keys whose values differ between two configs (as `msgspec.to_builtins` gives
-    them), except those under `MAY_CHANGE_ON_RESUME`; a section present in one config only
-    counts as one key."""
+    them) of a run resumed after `step` steps, except those under `MAY_CHANGE_ON_RESUME` and
+    those of the phases that begin after `step`; a section present in one config only counts
+    as one key."""
     changes: list[Change] = []
-    _compare(saved, new, [], changes)
+    _compare(_begun(saved, step), _begun(new, step), [], changes)
     return sorted(change.key for change in changes if not _may_change(change.key))
 
 
-def resume_warning(saved: dict[str, Any], new: dict[str, Any]) -> str | None:
-    """The one-line warning for a resume whose config differs in keys that may not change."""
-    keys = changed_keys(saved, new)
+def resume_warning(saved: dict[str, Any], new: dict[str, Any], step: int) -> str | None:
+    """The one-line warning for a resume after `step` steps whose config differs in keys that
+    may not change."""
+    keys = changed_keys(saved, new, step)
     if not keys:
         return None
     return (
@@ -103,6 +107,20 @@ def _compare(saved: Any, new: Any, key: list[str | int], changes: list[Change]) 
             _compare(saved.get(name), new.get(name), [*key, name], changes)
     elif saved != new:
         changes.append(Change(format_key(key), saved, new))
+
+
+def _begun(config: dict[str, Any], step: int) -> dict[str, Any]:
+    """`config` with its `training.phases` cut to those that began before `step`, by index."""
+    training = config.get("training")
+    if not isinstance(training, dict):
+        return config
+    phases = training.get("phases") or []  # none in the configs of checkpoints before phases
+    begun = {
+        i: phase
+        for i, phase in enumerate(phases)
+        if not isinstance(phase, dict) or phase.get("begin_step", 0) < step
+    }
+    return {**config, "training": {**training, "phases": begun}}
 
 
 def _may_change(key: str) -> bool:

@@ -10,6 +10,7 @@ from fastllm.config.evaluation import check_evaluators
 from fastllm.config.formats import HF_ARCHITECTURES, ModelFormat, inexpressible
 from fastllm.config.layout import check_compatible, check_shape
 from fastllm.config.model import DPOLossConfig, LoRAConfig, ModelConfig
+from fastllm.config.phases import check_phases
 from fastllm.config.schedule import ScheduleConfig
 from fastllm.config.section import ConfigError, Section
 from fastllm.config.training import BatchConfig, OptimizerConfig, RunConfig, TrainingConfig
@@ -87,6 +88,7 @@ class TrainerConfig(Section):
                 "training.export.format", f"{export} cannot express the model: {reason}"
             )
         check_evaluators(self)
+        check_phases(self)
         self._check_reference_models()
         check_bounds(self)
         # What needs no number of ranks is refused here, when the config is loaded.

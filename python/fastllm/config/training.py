@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import msgspec
@@ -99,9 +100,35 @@ class TrainingConfig(Section):
     and attention (the first steps are slower: they compile)."""
     profile: ProfileConfig = msgspec.field(default_factory=ProfileConfig)
     """torch.profiler traces of chosen steps."""
+    phases: list[PhaseConfig] = msgspec.field(default_factory=list)
+    """Phases of the run after its first (which trains on `data` with
+    `optimizer.learning_rate`), each switching the blend, the learning-rate schedule or both
+    at its `begin_step`, in order: `phases: [{begin_step: 800, data: {path: [DIR, DIR],
+    weights: [0.5, 0.5]}, learning_rate: {decay_style: linear}}]` (an annealing phase)."""
 
     def validate(self) -> None:
         check_non_negative(self.train_iters, "train_iters")
+        for i, phase in enumerate(self.phases):
+            if phase.data is None and phase.learning_rate is None:
+                raise ConfigError(f"phases[{i}]", "sets neither data nor learning_rate")
+            if phase.data is not None and phase.data.path is phase.data.weights is None:
+                raise ConfigError(
+                    f"phases[{i}].data",
+                    "sets neither path nor weights (leave it out to go on with the blend before)",
+                )
+            if i and phase.begin_step <= self.phases[i - 1].begin_step:
+                raise ConfigError(
+                    f"phases[{i}].begin_step",
+                    f"is {phase.begin_step}, not after training.phases[{i - 1}].begin_step "
+                    f"({self.phases[i - 1].begin_step}): phases are listed in the order they "
+                    "begin, one at a time",
+                )
+            if phase.begin_step >= self.train_iters > 0:
+                raise ConfigError(
+                    f"phases[{i}].begin_step",
+                    f"is {phase.begin_step}, not before train_iters ({self.train_iters}): the "
+                    "phase would train no step",
+                )
 
 
 class BatchConfig(Section):
@@ -152,6 +179,65 @@ class LearningRateConfig(Section):
             raise ConfigError(
                 "minimum", f"must be between 0 and base ({self.base}), got {self.minimum}"
             )
+
+
+class PhaseDataConfig(Section):
+    """The blend a phase of `training.phases` trains on."""
+
+    path: list[str] | None = None
+    """Prepared datasets (directories written by `fastllm prepare`); default: those of the
+    phase before (`data.path` for the first phase)."""
+    weights: list[float] | None = None
+    """Share of each dataset in the blend; default proportional to their token counts."""
+
+    def validate(self) -> None:
+        if self.path is not None and not self.path:
+            raise ConfigError("path", "no dataset given")
+        if self.weights is None:
+            return
+        if self.path is not None and len(self.weights) != len(self.path):
+            raise ConfigError(
+                "weights", f"has {len(self.weights)} entries but path has {len(self.path)}"
+            )
+        for i, weight in enumerate(self.weights):
+            if not (math.isfinite(weight) and weight > 0):
+                raise ConfigError(f"weights[{i}]", f"must be finite and positive, got {weight}")
+
+
+class PhaseLearningRateConfig(LearningRateConfig):
+    """The learning-rate schedule of a phase of `training.phases`."""
+
+    base: float | None = None  # type: ignore[assignment]
+    """Peak learning rate; default: the learning rate of the last step before the phase, so
+    that the schedule goes on from it without a jump (a WSD decay: `{decay_style: linear}`)."""
+
+    def validate(self) -> None:
+        if self.base is not None:
+            super().validate()
+            return
+        check_non_negative(self.warmup_iterations, "warmup_iterations")
+        check_positive(self.decay_iterations, "decay_iterations")
+        check_non_negative(self.minimum, "minimum")
+
+
+class PhaseConfig(Section):
+    """A phase of `training.phases`: from `begin_step` on, another blend, another
+    learning-rate schedule, or both."""
+
+    begin_step: int
+    """Steps trained before the phase begins: its first step is step begin_step + 1 (as
+    logged)."""
+    data: PhaseDataConfig | None = None
+    """The blend the phase trains on, sampled afresh from its own seed (drawn from
+    `model.distributed.seed` and `begin_step`) with `data`'s other keys (sampling, FIM); none:
+    the blend of the phase before goes on."""
+    learning_rate: PhaseLearningRateConfig | None = None
+    """The learning-rate schedule of the phase, with the keys of `optimizer.learning_rate`: its
+    steps counted from `begin_step`, its end of training being the next phase that sets one (or
+    `training.train_iters`); none: the schedule of the phase before goes on."""
+
+    def validate(self) -> None:
+        check_positive(self.begin_step, "begin_step")
 
 
 class OptimizerConfig(Section):

@@ -12,8 +12,12 @@ from typing import Any
 
 from fastllm import _native
 from fastllm.config import ConfigError
-from fastllm.config.prepare import PrepareConfig
+from fastllm.config.prepare import HuggingfaceInputConfig, InputConfig, PrepareConfig
 from fastllm.data.errors import DataWriteError
+from fastllm.data.fed_records import FedInput, huggingface_input, transformed
+from fastllm.data.huggingface_dataset import open_dataset
+from fastllm.data.record_files import file_chunks
+from fastllm.data.record_transform import load_transform
 
 
 def prepare(
@@ -25,18 +29,26 @@ def prepare(
         raise ConfigError(
             "output.path", f"{config.output.path} already exists (use --overwrite to replace it)"
         )
+    fed = _fed_input(config.input)
+    source: dict[str, Any] = (
+        {
+            "paths": config.input.path,
+            "format": config.input.format,
+            "field": config.input.field,
+            "messages_field": config.input.messages_field,
+            "loss_masking_spans": config.input.loss_masking_spans,
+            "prompt_text": config.input.prompt_text,
+            "chosen_text": config.input.chosen_text,
+            "rejected_text": config.input.rejected_text,
+        }
+        if fed is None
+        else {"paths": [], "format": fed.format, "feed_inputs": fed.inputs, **fed.fields}
+    )
     job = _native.start_prepare(
-        paths=config.input.path,
-        format=config.input.format,
-        field=config.input.field,
-        extensions=config.input.extensions,
-        messages_field=config.input.messages_field,
-        loss_masking_spans=config.input.loss_masking_spans,
+        **source,
+        extensions=getattr(config.input, "extensions", None),
         chat_template=config.input.chat_template,
         train_on=config.input.train_on,
-        prompt_text=config.input.prompt_text,
-        chosen_text=config.input.chosen_text,
-        rejected_text=config.input.rejected_text,
         max_pair_tokens=config.input.max_pair_tokens,
         tokenizer=config.tokenizer.path,
         eos_token=config.tokenizer.eos_token,
@@ -51,11 +63,14 @@ def prepare(
     )
     bar = _ProgressBar(enabled=progress)
     try:
+        if fed is not None:
+            _feed(job, fed, bar)
         while (report := _wait(job, 0.25)) is None:
             bar.update(job.progress())
-    except KeyboardInterrupt:
+    except BaseException:  # Ctrl-C, or an error of the records Python reads
         job.cancel()
-        with contextlib.suppress(RuntimeError):  # the job had just finished and was collected
+        job.close_feed()
+        with contextlib.suppress(RuntimeError, ConfigError, DataWriteError):
             _wait(job, None, cancelled=True)
         raise
     finally:
@@ -63,6 +78,27 @@ def prepare(
         for warning in job.warnings():
             print(f"fastllm: warning: {warning}", file=sys.stderr)
     return report
+
+
+def _fed_input(config: InputConfig | HuggingfaceInputConfig) -> FedInput | None:
+    """The records Python reads and sends to the job: a Hugging Face dataset's, or any input's
+    through a transform; None for files the Rust readers read themselves."""
+    transform = None if config.transform is None else load_transform(config.transform)
+    if isinstance(config, HuggingfaceInputConfig):
+        return huggingface_input(config, open_dataset(config), transform)
+    if transform is None:
+        return None
+    return transformed(transform, *file_chunks(config))
+
+
+def _feed(job: Any, fed: FedInput, bar: _ProgressBar) -> None:
+    """Sends every batch, then says that was all; stops early once the job has ended (its
+    error is then `wait`'s)."""
+    for batch in fed.batches:
+        if not batch.send(job):
+            break
+        bar.update(job.progress())
+    job.close_feed()
 
 
 def _wait(job: Any, timeout: float | None, cancelled: bool = False) -> dict[str, Any] | None:
@@ -86,13 +122,15 @@ class _ProgressBar:
 
     def _line(self, counters: dict[str, int]) -> str:
         elapsed = max(time.perf_counter() - self.start, 1e-9)
-        done, total = counters["bytes_read"], max(counters["total_bytes"], 1)
+        done, total = counters["bytes_read"], counters["total_bytes"]
         rate = done / elapsed
         eta = (total - done) / rate if rate > 0 else 0.0
-        return (
-            f"{100 * done / total:5.1f}% | {counters['documents']:,} documents | {counters['tokens']:,} tokens | "
-            f"{rate / 1e6:.1f} MB/s | {counters['tokens'] / elapsed:,.0f} tokens/s | ETA {eta:.0f}s"
+        line = (
+            f"{counters['documents']:,} documents | {counters['tokens']:,} tokens | "
+            f"{rate / 1e6:.1f} MB/s | {counters['tokens'] / elapsed:,.0f} tokens/s"
         )
+        # A streamed dataset's size is not known ahead.
+        return f"{100 * done / total:5.1f}% | {line} | ETA {eta:.0f}s" if total else line
 
     def update(self, counters: dict[str, int]) -> None:
         if self.enabled:

@@ -28,7 +28,7 @@ from fastllm.engine.checkpointing import (
     sharded_state,
 )
 from fastllm.engine.data_parallel import gather_weights
-from fastllm.engine.learning_rate import learning_rate
+from fastllm.engine.learning_rate import phased_learning_rate
 from fastllm.engine.model_stages import ModelStages
 from fastllm.engine.optimizer import AdamW
 from fastllm.engine.precision import LossScaler
@@ -129,8 +129,9 @@ class Engine:
     def _optimizer_step(self) -> dict[str, Any]:
         """Clip, update (unless the gradient is not finite) and advance the schedule."""
         state = self.state
-        lr = learning_rate(
-            self.config.optimizer.learning_rate, state.step, self.config.training.train_iters
+        training = self.config.training
+        lr = phased_learning_rate(
+            self.config.optimizer.learning_rate, training.phases, state.step, training.train_iters
         )
         # The step sums the gradients over data ranks first (ModelStages.reduce_gradients); the
         # pieces' weights already normalize that sum.

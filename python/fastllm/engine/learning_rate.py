@@ -1,10 +1,13 @@
-"""Learning-rate schedules: warmup, then constant, linear, cosine or warmup-stable-decay."""
+"""Learning-rate schedules: warmup, then constant, linear, cosine or warmup-stable-decay; and
+the schedules of a run's phases one after the other."""
 
 from __future__ import annotations
 
 import math
 
-from fastllm.config.training import LearningRateConfig
+import msgspec
+
+from fastllm.config.training import LearningRateConfig, PhaseConfig
 
 
 def learning_rate(config: LearningRateConfig, step: int, train_iters: int) -> float:
@@ -26,3 +29,26 @@ def learning_rate(config: LearningRateConfig, step: int, train_iters: int) -> fl
     if config.decay_style == "linear":
         return base - (base - minimum) * progress
     return minimum + (base - minimum) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def phased_learning_rate(
+    config: LearningRateConfig, phases: list[PhaseConfig], step: int, train_iters: int
+) -> float:
+    """The learning rate of optimizer step `step` (0-based) of a run of `train_iters` steps
+    whose `phases` may switch schedules: `config` runs from step 0, and each phase that sets a
+    learning rate runs its own from its `begin_step` to the next such phase (or the end),
+    from the learning rate of the step before it when it sets no base."""
+    begin, end = 0, train_iters
+    for phase in phases:
+        schedule, start = phase.learning_rate, phase.begin_step
+        if schedule is None:
+            continue
+        if step < start:
+            end = start
+            break
+        base = schedule.base
+        if base is None:  # the last step's before the phase
+            base = learning_rate(config, start - 1 - begin, start - begin)
+        config = LearningRateConfig(**{**msgspec.structs.asdict(schedule), "base": base})
+        begin = start
+    return learning_rate(config, step - begin, end - begin)

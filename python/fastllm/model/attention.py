@@ -17,6 +17,7 @@ from fastllm.parallel.sequence_data import KeyValueGather, SequenceDataDimension
 from fastllm.parallel.tensor import TensorDimension, enter, leave
 from fastllm_kernels.attention import attention
 from fastllm_kernels.linear import linear
+from fastllm_kernels.qk_norm_rotary import split_qkv_norm_rotary
 from fastllm_kernels.recipe import WeightRecipe
 from fastllm_kernels.rotary import apply_rotary, split_qkv_rotary
 
@@ -45,7 +46,8 @@ class Attention(torch.nn.Module):
             config.head_groups // tensor.size,
             config.kv_channels,
         )
-        self.window_size = config.window_size
+        self.window_size = config.window_of(layer_index)
+        self.scale = config.attention_scale
         self.q_size, self.kv_size = self.heads * self.head_size, self.kv_heads * self.head_size
         qkv_bias, dense_bias = config.biases_in_attention_qkv, config.biases_elsewhere
         hidden = config.hidden_size
@@ -108,7 +110,7 @@ class Attention(torch.nn.Module):
         elif cache is None:
             out = attention(
                 q, k, v, causal=True, window_size=self.window_size, document_ids=document_ids,
-                branch_ids=branch_ids,
+                scale=self.scale, branch_ids=branch_ids,
             )  # fmt: skip
         else:
             out = self._attend_with_cache(q, k, v, cache, document_ids)
@@ -169,6 +171,12 @@ class Attention(torch.nn.Module):
         """q, k, v from the fused projection, q and k through their norms (if any) and rotary."""
         if self.query_norm is None and self.key_norm is None:
             return split_qkv_rotary(qkv, self.heads, self.kv_heads, cos, sin)
+        fused = _per_head_rms_weights(self.query_norm, self.key_norm)
+        if fused is not None:
+            query_weight, key_weight, epsilon = fused
+            return split_qkv_norm_rotary(
+                qkv, self.heads, self.kv_heads, cos, sin, query_weight, key_weight, epsilon
+            )
         q, k, v = split_qkv_rotary(qkv, self.heads, self.kv_heads, None, None)
         return (
             _normed_rotated(q, self.query_norm, cos, sin),
@@ -192,6 +200,7 @@ class Attention(torch.nn.Module):
                     causal=True,
                     window_size=self.window_size,
                     document_ids=None if document_ids is None else document_ids[:, :end],
+                    scale=self.scale,
                 )
             )
             offset += length
@@ -207,8 +216,24 @@ class Attention(torch.nn.Module):
         keys, values = cache.update(k.transpose(1, 2), v.transpose(1, 2), self.layer_index)
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)
         return attention(
-            q, keys, values, causal=True, window_size=self.window_size, document_ids=document_ids
-        )
+            q, keys, values, causal=True, window_size=self.window_size, document_ids=document_ids,
+            scale=self.scale,
+        )  # fmt: skip
+
+
+def _per_head_rms_weights(
+    query_norm: Normalization | None, key_norm: Normalization | None
+) -> tuple[Tensor | None, Tensor | None, float] | None:
+    """The scales (the weights, or 1 + them for zero-centered norms) and epsilon of QK-norms the
+    fused split-norm-rotary kernel computes: RMSNorms over each head (or none) with one
+    epsilon; None for others (LayerNorm, over all heads)."""
+    norms = [norm for norm in (query_norm, key_norm) if norm is not None]
+    if any(type(norm) is not Normalization or norm.bias is not None for norm in norms):
+        return None
+    if len({norm.epsilon for norm in norms}) != 1:
+        return None
+    weights = [None if norm is None else norm.scale for norm in (query_norm, key_norm)]
+    return weights[0], weights[1], norms[0].epsilon
 
 
 def _normed_rotated(

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from fastllm.config.model import BaseModelConfig, LoRAConfig, NoRotaryConfig
+from fastllm.config.model import BaseModelConfig, LoRAConfig, NoRotaryConfig, RotaryConfig
 from fastllm.model.block import TransformerBlock
 from fastllm.model.multi_token_prediction import PredictionModule, prediction_loss
 from fastllm.model.normalization import Normalization
@@ -27,30 +27,46 @@ class Context:
     """What every layer of a batch reads besides the residual stream."""
 
     rotary: tuple[Tensor, Tensor] | None
+    """cos and sin of the global blocks (of every block without `window_rotary`)."""
     document_ids: Tensor | None
     cache: Any = None
     """A Hugging Face cache, when generating."""
     branch_ids: Tensor | None = None
     """Preference pairs (batch, seq): 0 the shared prompt, 1 and 2 its answers, which attend to
     the prompt and never to each other (`kernels.attention`)."""
+    window_rotary: tuple[Tensor, Tensor] | None = None
+    """cos and sin of the sliding blocks (`rotary` unless they have a rotary of their own)."""
     input_ids: Tensor | None = None
     """The token ids, which multi-token prediction embeds again, shifted (else None)."""
     labels: Tensor | None = None
     """The next-token labels, which multi-token prediction is trained on, shifted (None when
     the model has no such modules, or nothing is trained)."""
 
+    def rotary_of(self, block: TransformerBlock) -> tuple[Tensor, Tensor] | None:
+        return self.rotary if block.attention.window_size is None else self.window_rotary
+
 
 class Embedding(torch.nn.Embedding):
-    """The input embedding; vocab-parallel over the tensor ranks."""
+    """The input embedding; vocab-parallel over the tensor ranks; with `scaled`, multiplied
+    by sqrt(hidden_size) rounded to the weight's dtype, as Gemma does."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, tensor: TensorDimension) -> None:
+    def __init__(
+        self, vocab_size: int, hidden_size: int, tensor: TensorDimension, scaled: bool = False
+    ) -> None:
         super().__init__(vocab_size // tensor.size, hidden_size)
         self.tensor = tensor
+        self.scale = hidden_size**0.5 if scaled else None
 
     def forward(self, input_ids: Tensor) -> Tensor:
         if self.tensor.split:
-            return vocab_parallel_embedding(input_ids, self.weight, self.tensor)
-        return super().forward(input_ids)
+            x = vocab_parallel_embedding(input_ids, self.weight, self.tensor)
+        else:
+            x = super().forward(input_ids)
+        if self.scale is None:
+            return x
+        # Rounded as transformers rounds it, to fp32 then to the compute dtype (on the host:
+        # no copy to the device).
+        return x * float(torch.tensor(self.scale, dtype=torch.float32).to(x.dtype))
 
 
 class GPTModel(torch.nn.Module):
@@ -76,7 +92,9 @@ class GPTModel(torch.nn.Module):
         self.tensor, self.sequence_data = mesh.tensor, mesh.sequence_data
         vocab, hidden = config.vocab_size // self.tensor.size, transformer.hidden_size
         vocab_split = TensorSplit(0, (config.vocab_size,))
-        self.embeddings = Embedding(config.vocab_size, hidden, self.tensor)
+        self.embeddings = Embedding(
+            config.vocab_size, hidden, self.tensor, transformer.scale_embeddings
+        )
         describe(
             self.embeddings,
             "weight",
@@ -112,11 +130,14 @@ class GPTModel(torch.nn.Module):
         for layer, modules in enumerate(self.layer_modules()):
             for module in modules:
                 set_layer(module, layer)
-        self.rotary = (
-            None
-            if isinstance(transformer.rotary, NoRotaryConfig)
-            else RotaryTables(transformer.rotary, transformer.rotary_channels)
+        self.rotary = _rotary_tables(transformer.rotary, transformer.rotary_channels)
+        window_rotary = transformer.window_rotary
+        self.window_rotary = (
+            self.rotary
+            if window_rotary is None
+            else _rotary_tables(window_rotary, transformer.rotary_channels)
         )
+        """The sliding blocks' tables (`rotary` unless they have their own; None: no rotary)."""
 
     @property
     def head_weight(self) -> Tensor:
@@ -161,9 +182,13 @@ class GPTModel(torch.nn.Module):
             else:
                 position_ids = self.sequence_data.positions(length, input_ids.device)
         rotary = None if self.rotary is None else self.rotary(position_ids)
+        window_rotary = rotary
+        if self.window_rotary is not self.rotary:
+            tables = self.window_rotary
+            window_rotary = None if tables is None else tables(position_ids)
         if not self.prediction_modules:
-            return Context(rotary, document_ids, cache, branch_ids)
-        return Context(rotary, document_ids, cache, branch_ids, input_ids, labels)
+            return Context(rotary, document_ids, cache, branch_ids, window_rotary)
+        return Context(rotary, document_ids, cache, branch_ids, window_rotary, input_ids, labels)
 
     def run_positions(
         self,
@@ -185,7 +210,7 @@ class GPTModel(torch.nn.Module):
         auxiliary: Tensor | None = None
         for layer in self.layers[max(first, 1) - 1 : min(last, num_layers)]:
             x, layer_auxiliary = layer(
-                x, context.rotary, context.document_ids, context.cache, context.branch_ids
+                x, context.rotary_of(layer), context.document_ids, context.cache, context.branch_ids
             )
             if layer_auxiliary is not None:
                 auxiliary = layer_auxiliary if auxiliary is None else auxiliary + layer_auxiliary
@@ -229,3 +254,7 @@ class GPTModel(torch.nn.Module):
         context = self.context(input_ids, **kwargs)
         loss, auxiliary = self.run_positions(0, len(self.layers) + 1, input_ids, context, labels)
         return loss if auxiliary is None else loss + auxiliary
+
+
+def _rotary_tables(config: RotaryConfig, head_size: int) -> RotaryTables | None:
+    return None if isinstance(config, NoRotaryConfig) else RotaryTables(config, head_size)

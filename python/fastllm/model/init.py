@@ -1,5 +1,6 @@
 """Initialization per config: normal(0, init_method_std) for weights, the output projections
-of each block scaled down by sqrt(2 * num_layers) (GPT-2, Megatron), zero biases, unit norms;
+of each block scaled down by sqrt(2 * num_layers) (GPT-2, Megatron), zero biases, unit norms
+(zero weights of zero-centered ones, whose scale is 1 + weight);
 LoRA adapters as PEFT draws them: A uniform in ±1/sqrt(in features) (Kaiming-uniform with
 a = sqrt(5), torch.nn.Linear's default), B zero."""
 
@@ -53,7 +54,7 @@ def initializers(
         normal(model.head.weight, std)
     for module in model.modules():
         if isinstance(module, Normalization):
-            constant(module.weight, 1.0)
+            constant(module.weight, 0.0 if module.zero_centered else 1.0)
             constant(module.bias, 0.0)
         elif isinstance(module, Attention):
             input_and_output(module.query_key_value, module.dense)

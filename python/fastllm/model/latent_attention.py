@@ -52,6 +52,7 @@ class LatentAttention(torch.nn.Module):
         self.layer_index = layer_index
         self.tensor = tensor = tensor or TensorDimension()
         self.sequence_data = sequence_data or SequenceDataDimension()
+        self.window_size = None  # the whole causal context (windows are refused with it)
         self.heads = config.num_attention_heads // tensor.size
         self.nope, self.rope = latent.qk_head_dim, latent.qk_pos_emb_head_dim
         self.value_size, self.kv_rank = latent.v_head_dim, latent.kv_lora_rank

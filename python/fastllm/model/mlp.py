@@ -100,7 +100,7 @@ class MLP(torch.nn.Module):
             # The MLP from the norm on as one op, which fuses it where the recipes allow (FP8);
             # tensor-parallel ranks keep the two projections apart.
             return gated_mlp(
-                x, norm.weight, norm.bias, norm.epsilon, norm.bias is None,
+                x, norm.scale, norm.bias, norm.epsilon, norm.bias is None,
                 self.layer_1.weight, self.layer_1.bias, self.layer_1_recipe,
                 self.layer_2.weight, self.layer_2.bias, self.layer_2_recipe, self.activation,
             )  # fmt: skip

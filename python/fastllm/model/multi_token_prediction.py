@@ -55,7 +55,8 @@ class PredictionModule(torch.nn.Module):
         """(this depth's hidden state, it through `output_norm`, the block's auxiliary loss)."""
         joined = torch.cat([self.embedding_norm(embedded), self.hidden_norm(hidden)], dim=-1)
         x = linear(joined, self.projection.weight)
-        x, auxiliary = self.block(x, context.rotary, context.document_ids, None, context.branch_ids)
+        rotary = context.rotary_of(self.block)
+        x, auxiliary = self.block(x, rotary, context.document_ids, None, context.branch_ids)
         return x, self.output_norm(enter(x, self.tensor)), auxiliary
 
 

@@ -30,8 +30,10 @@ class Normalization(torch.nn.Module):
         stream itself, whose gradient every tensor rank computes whole (under sequence-tensor
         parallelism, for its chunk of the sequence)."""
         super().__init__()
-        self.epsilon = config.epsilon
-        self.weight = torch.nn.Parameter(torch.ones(size))
+        self.epsilon, self.zero_centered = config.epsilon, config.zero_centered
+        self.weight = torch.nn.Parameter(
+            torch.zeros(size) if self.zero_centered else torch.ones(size)
+        )
         has_bias = isinstance(config, LayerNormConfig)
         self.bias = torch.nn.Parameter(torch.zeros(size)) if has_bias else None
         for name in ("weight", "bias"):
@@ -43,10 +45,16 @@ class Normalization(torch.nn.Module):
                 sequence_tensor_parallel_replicated=not tensor_partial,
             )
 
+    @property
+    def scale(self) -> Tensor:
+        """What multiplies the normalized input: the weight, or with `zero_centered` 1 + the
+        weight in fp32 (so that a bf16 weight's small offset keeps its bits, as Gemma adds)."""
+        return self.weight.float() + 1.0 if self.zero_centered else self.weight
+
     def forward(self, x: Tensor) -> Tensor:
         if self.bias is None:
-            return rms_norm(x, self.weight, self.epsilon)
-        return layer_norm(x, self.weight, self.bias, self.epsilon)
+            return rms_norm(x, self.scale, self.epsilon)
+        return layer_norm(x, self.scale, self.bias, self.epsilon)
 
     def project(
         self, x: Tensor, weight: Tensor, bias: Tensor | None, recipe: WeightRecipe | None = None
@@ -56,7 +64,7 @@ class Normalization(torch.nn.Module):
         if not self.recompute:
             return linear(self(x), weight, bias, recipe)
         rms = self.bias is None
-        return norm_linear(x, self.weight, self.bias, self.epsilon, rms, weight, bias, recipe)
+        return norm_linear(x, self.scale, self.bias, self.epsilon, rms, weight, bias, recipe)
 
 
 class NoNormalization(torch.nn.Module):

@@ -45,8 +45,8 @@ class AllHeadsRMSNorm(Normalization):
     def forward(self, x: Tensor) -> Tensor:
         flat = x.flatten(-2)
         if not self.tensor.split:
-            return rms_norm(flat, self.weight, self.epsilon).view_as(x)
+            return rms_norm(flat, self.scale, self.epsilon).view_as(x)
         x32 = flat.float()
         squares = summed(x32.square().sum(-1, keepdim=True), self.tensor)
-        normed = x32 * torch.rsqrt(squares / self.width + self.epsilon) * self.weight.float()
+        normed = x32 * torch.rsqrt(squares / self.width + self.epsilon) * self.scale.float()
         return normed.to(x.dtype).view_as(x)

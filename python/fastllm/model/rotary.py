@@ -10,6 +10,7 @@ from torch import Tensor
 
 from fastllm.config.model import (
     DefaultRotaryConfig,
+    LinearRotaryConfig,
     Llama3RotaryConfig,
     NoRotaryConfig,
     RotaryConfig,
@@ -28,6 +29,8 @@ def inverse_frequencies(config: RotaryConfig, head_size: int) -> tuple[Tensor, f
     if isinstance(config, YarnRotaryConfig):
         assert config.attention_factor is not None
         return _yarn(config, head_size), config.attention_factor
+    if isinstance(config, LinearRotaryConfig):
+        return frequencies / config.scale_factor, 1.0
     return frequencies, 1.0
 
 

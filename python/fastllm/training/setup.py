@@ -53,8 +53,14 @@ def check_inputs(config: TrainerConfig) -> None:
         raise ConfigError("training.train_iters", "must be positive to train")
     if not config.data.path:
         raise ConfigError("data.path", "no training dataset given")
+    phases = [
+        (f"training.phases[{i}].data.path", phase.data.path)
+        for i, phase in enumerate(config.training.phases)
+        if phase.data is not None and phase.data.path is not None
+    ]
     for key, paths in (
         ("data.path", config.data.path),
+        *phases,
         ("data.validation_path", config.data.validation_path),
         *((f"data.datasets.{name}.path", d.path) for name, d in config.data.datasets.items()),
     ):
@@ -65,7 +71,8 @@ def check_inputs(config: TrainerConfig) -> None:
         raise ConfigError(
             "training.validation.interval", "is set but data.validation_path is empty"
         )
-    _check_preference(config)
+    for key, paths in (("data.path", config.data.path), *phases):
+        _check_preference(config, key, paths)
     resolve(config, int(os.environ.get("WORLD_SIZE", "1")))
     export = config.training.export
     if export.interval and export.format != "distributed":  # read at the first export
@@ -74,24 +81,24 @@ def check_inputs(config: TrainerConfig) -> None:
         special_token_ids(Path(config.data.path[0]), "data.path[0]")
 
 
-def _check_preference(config: TrainerConfig) -> None:
+def _check_preference(config: TrainerConfig, key: str, paths: list[str]) -> None:
     """Preference pairs are trained with a dpo loss, and a dpo loss on preference pairs."""
     from fastllm.config.model import DPOLossConfig
     from fastllm.data.dataset import is_preference_dataset
 
     losses = config.model.base_model.head.losses
     dpo = next((name for name, loss in losses.items() if isinstance(loss, DPOLossConfig)), None)
-    for i, path in enumerate(config.data.path):
+    for i, path in enumerate(paths):
         preference = is_preference_dataset(Path(path))
         if preference and dpo is None:
             raise ConfigError(
-                f"data.path[{i}]",
+                f"{key}[{i}]",
                 f"{path} holds preference pairs: train them with a dpo loss "
                 "(model.base_model.head.losses: {NAME: {type: dpo}})",
             )
         if dpo is not None and not preference:
             raise ConfigError(
                 f"model.base_model.head.losses.{dpo}",
-                f"a dpo loss needs preference pairs, and data.path[{i}] ({path}) holds none "
+                f"a dpo loss needs preference pairs, and {key}[{i}] ({path}) holds none "
                 "(fastllm prepare of prompt, chosen and rejected records)",
             )

@@ -20,7 +20,7 @@ from fastllm.checkpoint.errors import CheckpointWriteError, WriteStopped
 from fastllm.checkpoint.fingerprint import fingerprint
 from fastllm.checkpoint.formats import ModelSource, copy_tokenizer_files, open_model, write_model
 from fastllm.checkpoint.saver import PARTIAL_SUFFIX, latest
-from fastllm.config import ConfigError
+from fastllm.config import ConfigError, TrainerConfig, build
 from fastllm.config.model import FreezeConfig
 from fastllm.config.resume_changes import resume_warning
 from fastllm.engine import checkpointing
@@ -51,10 +51,20 @@ def resume(trainer: Trainer) -> Path | None:
     if trainer.distributed.is_main:
         for problem in problems:
             warnings.warn(f"skipping a bad checkpoint: {problem}", stacklevel=2)
-        if changed := resume_warning(manifest["config"], msgspec.to_builtins(trainer.config)):
+        config, step = msgspec.to_builtins(trainer.config), saved.counters["step"]
+        if changed := resume_warning(_filled(manifest["config"]), config, step):
             warnings.warn(changed, stacklevel=2)
     checkpointing.load(trainer.engine, saved)
     return directory
+
+
+def _filled(saved: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's config as today's config fills it (the defaults of keys added since it
+    was written, which it did not change); as written if it no longer builds."""
+    try:
+        return msgspec.to_builtins(build(TrainerConfig, saved))
+    except (ConfigError, TypeError):
+        return saved
 
 
 def load_checkpoint(trainer: Trainer, directory: Path) -> None:

@@ -22,6 +22,7 @@ from torch import Tensor
 from fastllm.checkpoint.saver import CheckpointSaver, remove_partials
 from fastllm.config import ConfigError, MachineError, TrainerConfig
 from fastllm.config.flops import flops_per_token
+from fastllm.config.phases import data_phases
 from fastllm.data import DataLoader, SampleStream
 from fastllm.data.dataset import TokenDataset
 from fastllm.data.errors import BuildStopped
@@ -34,6 +35,7 @@ from fastllm.training.energy import EnergyMeter
 from fastllm.training.evaluators import Evaluation, evaluations
 from fastllm.training.experiment_lock import ExperimentLock
 from fastllm.training.metrics import PEAK_FLOPS, MetricsLogger
+from fastllm.training.phases import PhasedLoader, describe_phase
 from fastllm.training.profiling import StepProfiler
 from fastllm.training.reference_log_probs import reference_log_probs
 
@@ -96,32 +98,52 @@ class Trainer:
         num_samples: int,
         key: str,
         stop: Callable[[], bool] | None = None,
+        *,
+        weights: list[float] | None = None,
+        seed: int | None = None,
     ) -> SampleStream:
-        """The samples of `paths`; `stop` ends the building of its indices (`BuildStopped`)."""
-        data = self.config.data
+        """The samples of `paths` blended by `weights` (default: by their token counts), drawn
+        from `seed` (default `model.distributed.seed`); `stop` ends the building of its indices
+        (`BuildStopped`)."""
         return SampleStream(
             paths,
-            data,
+            self.config.data,
             sequence_length=self.config.batch.sequence_length,
             num_samples=num_samples,
-            seed=self.config.model.distributed.seed,
+            seed=self.config.model.distributed.seed if seed is None else seed,
             cache_dir=self.sampling_cache,
-            weights=data.weights if key == "data.path" else None,
+            weights=weights,
             key=key,
             vocab_size=self.config.model.base_model.vocab_size,
             stop=stop,
         )
 
-    def data_loader(self, stop: Callable[[], bool] | None = None) -> DataLoader:
-        """Training batches from the current data position to the end of training; `stop`
-        ends the building of the sampling index (`BuildStopped`)."""
-        stream = self.sample_stream(
-            self.config.data.path,
-            self.config.training.train_iters * self.config.batch.batch_size,
-            "data.path",
-            stop,
-        )
-        return self.loader(stream, self.engine.state.consumed_samples)
+    def data_loader(self, stop: Callable[[], bool] | None = None) -> PhasedLoader:
+        """Training batches (this rank's micro-batches of each step) from the current data
+        position to the end of training, phase after phase (`training.phases`); `stop` ends the
+        building of the sampling indices (`BuildStopped`), which are all built here."""
+        batch_size, run = self.config.batch.batch_size, self.engine.state
+        loaders = []
+        for phase in data_phases(self.config):
+            if phase.end_step <= run.step:
+                continue
+            stream = self.sample_stream(
+                phase.path,
+                (phase.end_step - phase.begin_step) * batch_size,
+                phase.key,
+                stop,
+                weights=phase.weights,
+                seed=phase.seed,
+            )
+            # The first phase reads from the data position (as a run without phases), the
+            # others from their first sample, or where a resumed run stopped in them.
+            position = (
+                run.consumed_samples
+                if phase.begin_step == 0
+                else max(0, run.step - phase.begin_step) * batch_size
+            )
+            loaders.append(self.loader(stream, position))
+        return PhasedLoader(loaders)
 
     def loader(self, stream: SampleStream, consumed_samples: int = 0) -> DataLoader:
         """This rank's share of each batch of `stream`, in micro-batches (whole sequences: the
@@ -153,11 +175,11 @@ class Trainer:
         return torch.cat([tables[str(dataset.path)] for dataset in stream.datasets])
 
     def _preference_paths(self) -> dict[str, str]:
-        """The preference datasets the run reads (training, validation, named), by path, with
-        their config keys."""
+        """The preference datasets the run reads (training, in every phase, validation, named),
+        by path, with their config keys."""
         data = self.config.data
         keyed = {
-            "data.path": data.path,
+            **{phase.key: phase.path for phase in data_phases(self.config)},
             "data.validation_path": data.validation_path,
             **{f"data.datasets.{name}.path": d.path for name, d in data.datasets.items()},
         }
@@ -248,6 +270,7 @@ class Trainer:
         )
         first_step = run.step
         energy = EnergyMeter.of(self.distributed)
+        phases = {phase.begin_step: i for i, phase in enumerate(training.phases)}
         try:
             try:  # the sampling indices (minutes for a long run's) stop on this rank's signal
                 for evaluation in self.evaluations.values():
@@ -258,6 +281,8 @@ class Trainer:
                 loader = []
             energy.start()
             for micro_batches in loader if not stop.agree() else []:
+                if main and run.step in phases:
+                    print(f"fastllm: {describe_phase(config, phases[run.step])}", flush=True)
                 profiler.before(run.step + 1)
                 metrics = engine.train_step(micro_batches)
                 profiler.after(run.step)
@@ -265,7 +290,8 @@ class Trainer:
                 step, last = run.step, run.step >= training.train_iters
                 stop.agree()
                 due = [name for name, e in self.evaluations.items() if e.due(step)]
-                if step % training.logs.interval == 0 or last or stop.agreed:
+                began = phases.get(step - 1)  # the switch is logged with the phase's first step
+                if step % training.logs.interval == 0 or last or stop.agreed or began is not None:
                     if self.distributed.device.type == "cuda":
                         torch.cuda.synchronize()
                     elapsed = time.perf_counter() - window_start
@@ -293,6 +319,8 @@ class Trainer:
                     }
                     record.update(engine.expert_load(len(window)))
                     record.update(energy.window(len(window), len(window) * tokens_per_step))
+                    if began is not None:
+                        record["phase"] = began + 1
                     record.update(self._evaluate_all(due, stop.agree))
                     logger.log(step, record)
                     _reset_memory_peak(self.distributed.device)

@@ -65,6 +65,7 @@ fn main() -> Result<(), Box<dyn Error + Send + Sync>> {
                     paths: vec![corpus.display().to_string()],
                     ..InputSpec::default()
                 },
+                feed: None,
                 tokenizer: tokenizer.clone(),
                 eos_token: None,
                 bos_token: None,

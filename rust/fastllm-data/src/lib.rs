@@ -46,8 +46,8 @@ pub use error::{ChatError, DataError, InputError, PrepareError, TokenizerError};
 pub use fim::{Fim, FimConfig, FimSplit, TextCodec};
 pub use indexed::{IndexedDataset, IndexedDatasetWriter};
 pub use input::{
-    BadRecord, Batch, Content, Document, DocumentReader, Input, InputFormat, InputSpec, Location,
-    PreferenceFields, PreferencePair,
+    BadRecord, Batch, Content, Document, DocumentReader, FedBatch, FedKind, Feed, Input,
+    InputFormat, InputSpec, Location, PreferenceFields, PreferencePair,
 };
 pub use loss_spans::LossSpans;
 pub use pair_sampling::PairIndex;

@@ -292,3 +292,73 @@ fn a_named_pipe_is_opened_once_and_read_whole() {
     assert_eq!(bad, Vec::<String>::new());
     assert_eq!(got, expected);
 }
+
+#[test]
+fn fed_records_are_read_in_order_as_the_records_of_a_file_are() {
+    use std::sync::Arc;
+
+    use fastllm_data::{Content, FedBatch, FedKind, Feed};
+
+    let (sender, batches) = crossbeam_channel::bounded(2);
+    let feed = Feed {
+        inputs: vec![("dataset".into(), 100), ("other".into(), 50)],
+        format: InputFormat::Chat,
+        batches,
+    };
+    let mut reader = DocumentReader::fed(feed, &InputSpec::default());
+    let batch =
+        |input, kind, rows: Vec<u64>, values: Vec<Option<&str>>, reasons: Vec<&str>| FedBatch {
+            input,
+            file: Arc::from(Path::new(if input == 0 { "dataset" } else { "other" })),
+            bytes: 10,
+            kind,
+            rows,
+            values: values.into_iter().map(|v| v.map(str::to_owned)).collect(),
+            reasons: reasons.into_iter().map(str::to_owned).collect(),
+            skipped: input as u64,
+        };
+    let messages = r#"{"messages": [{"role": "user", "content": "hi"}]}"#;
+    sender
+        .send(batch(
+            0,
+            FedKind::Text,
+            vec![1, 2],
+            vec![Some("a"), None],
+            vec!["null"],
+        ))
+        .unwrap();
+    sender
+        .send(batch(
+            1,
+            FedKind::Json,
+            vec![7, 9],
+            vec![Some(messages), Some("[]")],
+            vec![],
+        ))
+        .unwrap();
+    drop(sender);
+    let first = reader.next_batch(usize::MAX).unwrap();
+    assert_eq!(first.documents.len(), 1);
+    assert_eq!(first.documents[0].text, "a");
+    assert_eq!(first.bad_records[0].to_string(), "dataset:2: null");
+    let second = reader.next_batch(usize::MAX).unwrap();
+    assert!(matches!(
+        second.documents[0].content,
+        Content::Conversation(_)
+    ));
+    assert_eq!(second.documents[0].location.to_string(), "other:7");
+    assert_eq!(
+        second.bad_records[0].to_string(),
+        "other:9: not a JSON object"
+    );
+    assert_eq!(second.skipped_files, 1);
+    assert!(reader.next_batch(usize::MAX).is_none());
+    assert_eq!(reader.bytes_read(), 20);
+    assert_eq!(reader.total_bytes(), 150);
+    let counts: Vec<_> = reader
+        .inputs()
+        .iter()
+        .map(|i| (i.documents, i.bad_records, i.skipped_files))
+        .collect();
+    assert_eq!(counts, [(1, 1, 0), (1, 1, 1)]);
+}

@@ -27,6 +27,13 @@ pub struct Input {
     pub(super) files: Vec<(Arc<Path>, u64)>,
 }
 
+impl Input {
+    /// Its files with their sizes, in reading order.
+    pub fn files(&self) -> impl Iterator<Item = (&Path, u64)> {
+        self.files.iter().map(|(file, size)| (&**file, *size))
+    }
+}
+
 pub(super) fn expand(spec: &InputSpec) -> Result<Vec<Input>, InputError> {
     if spec.paths.is_empty() {
         return Err(InputError::NoInputs);

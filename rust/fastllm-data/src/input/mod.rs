@@ -6,6 +6,7 @@
 
 mod batch;
 mod expand;
+mod feed;
 mod jsonl;
 mod parquet_column;
 mod reader;
@@ -16,6 +17,7 @@ mod whole_file;
 pub use batch::Batch;
 pub(crate) use batch::{InputCounts, RawBatch};
 pub use expand::Input;
+pub use feed::{FedBatch, FedKind, Feed};
 pub use reader::DocumentReader;
 pub use record::{BadRecord, Content, Document, Location, PreferencePair};
 pub use spec::{InputFormat, InputSpec, PreferenceFields};

@@ -1,8 +1,12 @@
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Duration;
+
+use crossbeam_channel::{Receiver, RecvTimeoutError};
 
 use super::batch::{Batch, InputCounts, RawBatch, RawRecord};
 use super::expand::{expand, fields, Input};
+use super::feed::{FedBatch, Feed};
 use super::jsonl::{Fields, JsonlReader};
 use super::parquet_column::ParquetReader;
 use super::record::Record;
@@ -10,7 +14,10 @@ use super::spec::{InputFormat, InputSpec};
 use super::whole_file::read_whole_file;
 use crate::InputError;
 
-/// Reads the documents of an [`InputSpec`] in input order, a batch at a time.
+/// How often a reader waiting for fed records looks whether it should stop.
+const FEED_POLL: Duration = Duration::from_millis(20);
+
+/// Reads the documents of an [`InputSpec`] (or of a [`Feed`]) in input order, a batch at a time.
 ///
 /// Reading never fails: what cannot be read becomes a [`BadRecord`](super::BadRecord) in the
 /// batch.
@@ -20,9 +27,11 @@ pub struct DocumentReader {
     /// The next file to open: (input, file of that input).
     next_file: (usize, usize),
     current: Option<OpenFile>,
-    /// Bytes of the files read to the end.
+    /// Bytes of the files read to the end (of a feed: of the batches received).
     bytes_done: u64,
     total_bytes: u64,
+    /// Records come from the caller instead of from files.
+    feed: Option<(Receiver<FedBatch>, InputFormat)>,
 }
 
 struct OpenFile {
@@ -49,13 +58,41 @@ impl DocumentReader {
             next_file: (0, 0),
             current: None,
             bytes_done: 0,
+            feed: None,
         })
+    }
+
+    /// Reads the records of `feed`, whose JSON records hold their parts in the fields of `spec`
+    /// (its paths and format are not used).
+    pub fn fed(feed: Feed, spec: &InputSpec) -> Self {
+        let inputs: Vec<Input> = feed
+            .inputs
+            .into_iter()
+            .map(|(path, bytes)| Input {
+                path,
+                format: feed.format,
+                bytes,
+                documents: 0,
+                bad_records: 0,
+                skipped_files: 0,
+                files: Vec::new(),
+            })
+            .collect();
+        Self {
+            total_bytes: inputs.iter().map(|input| input.bytes).sum(),
+            inputs,
+            fields: Arc::new(fields(spec)),
+            next_file: (0, 0),
+            current: None,
+            bytes_done: 0,
+            feed: Some((feed.batches, feed.format)),
+        }
     }
 
     /// The next documents, about `max_bytes` of them (a JSON line counts whole); `None` once
     /// everything has been read.
     pub fn next_batch(&mut self, max_bytes: usize) -> Option<Batch> {
-        let batch = self.next_raw_batch(max_bytes)?.parse();
+        let batch = self.next_raw_batch(max_bytes, || false)?.parse();
         self.count(&batch.counts);
         Some(batch)
     }
@@ -88,9 +125,26 @@ impl DocumentReader {
     }
 
     /// Like [`next_batch`](Self::next_batch), leaving the parsing to the caller, who hands the
-    /// counts of the parsed batch back to [`count`](Self::count).
-    pub(crate) fn next_raw_batch(&mut self, max_bytes: usize) -> Option<RawBatch> {
+    /// counts of the parsed batch back to [`count`](Self::count). A fed reader returns the
+    /// next batch as the caller sent it, and gives up waiting for it once `should_stop`.
+    pub(crate) fn next_raw_batch(
+        &mut self,
+        max_bytes: usize,
+        should_stop: impl Fn() -> bool,
+    ) -> Option<RawBatch> {
         let mut batch = RawBatch::new(self.fields.clone());
+        if let Some((batches, format)) = &self.feed {
+            let fed = loop {
+                match batches.recv_timeout(FEED_POLL) {
+                    Ok(fed) => break fed,
+                    Err(RecvTimeoutError::Timeout) if !should_stop() => continue,
+                    Err(_) => return None,
+                }
+            };
+            self.bytes_done += fed.bytes;
+            fed.into_raw(&mut batch, *format);
+            return Some(batch);
+        }
         let mut bytes = 0;
         while bytes < max_bytes {
             if self.current.is_none() {

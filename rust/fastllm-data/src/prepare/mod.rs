@@ -23,13 +23,16 @@ use self::metadata::write_metadata;
 use self::output_dir::{check_output, PartialDir};
 use self::writer::DatasetWriter;
 use crate::chat::{ChatTemplate, TrainOn};
-use crate::input::{DocumentReader, InputFormat, InputSpec};
+use crate::input::{DocumentReader, Feed, InputFormat, InputSpec};
 use crate::tokenizer::{SpecialToken, Tokenizer};
 use crate::{ChatError, PrepareError, TokenDtype};
 
 #[derive(Clone, Debug)]
 pub struct PrepareOptions {
     pub input: InputSpec,
+    /// Records sent by the caller, read instead of the files of `input` (whose fields still
+    /// say where JSON records hold their parts).
+    pub feed: Option<Feed>,
     /// A `tokenizer.json`, or a Hugging Face tokenizer directory holding one.
     pub tokenizer: PathBuf,
     /// End-of-document token; by default the tokenizer's (see [`Tokenizer::eos_token`]).
@@ -81,7 +84,10 @@ pub fn prepare(
             path: tokenizer.json_path().to_owned(),
         })?,
     };
-    let reader = DocumentReader::open(&options.input)?;
+    let reader = match &options.feed {
+        Some(feed) => DocumentReader::fed(feed.clone(), &options.input),
+        None => DocumentReader::open(&options.input)?,
+    };
     progress.set_total_bytes(reader.total_bytes());
     let has = |format| reader.inputs().iter().any(|input| input.format == format);
     let (chat, preference) = (has(InputFormat::Chat), has(InputFormat::Preference));
@@ -135,7 +141,14 @@ pub fn prepare(
     if shards.iter().all(|shard| shard.documents == 0) {
         // An empty dataset only fails later, in training, far from its cause.
         return Err(PrepareError::NoDocuments {
-            inputs: options.input.paths.clone(),
+            inputs: match &options.feed {
+                Some(feed) => feed
+                    .inputs
+                    .iter()
+                    .map(|(path, _)| path.display().to_string())
+                    .collect(),
+                None => options.input.paths.clone(),
+            },
             bad_records: tally.bad_records,
             first_bad_record: tally.first_bad_records.first().cloned(),
         });

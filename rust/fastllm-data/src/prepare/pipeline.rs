@@ -215,7 +215,8 @@ fn read(
         if permits.recv().is_err() || stop.load(Ordering::Relaxed) || progress.is_cancelled() {
             break;
         }
-        let Some(batch) = reader.next_raw_batch(batch_bytes) else {
+        let should_stop = || stop.load(Ordering::Relaxed) || progress.is_cancelled();
+        let Some(batch) = reader.next_raw_batch(batch_bytes, should_stop) else {
             break;
         };
         progress.set_bytes_read(reader.bytes_read());

@@ -158,6 +158,7 @@ pub fn options(paths: &[&Path], tokenizer: &Path, output: &Path) -> PrepareOptio
             paths: paths.iter().map(|p| p.display().to_string()).collect(),
             ..InputSpec::default()
         },
+        feed: None,
         tokenizer: tokenizer.to_owned(),
         eos_token: None,
         bos_token: None,
