@@ -59,8 +59,9 @@ def attention(
     scale: float | None = None,
     branch_ids: Tensor | None = None,
 ) -> Tensor:
-    """q (batch, seq, heads, head_dim), k/v (batch, key_seq ≥ seq, kv_heads, head_dim) → like
-    q; document_ids and branch_ids (batch, key_seq)."""
+    """q (batch, seq, heads, head_dim), k (batch, key_seq ≥ seq, kv_heads, head_dim), v like k
+    but for its head size (latent attention's differs) → (batch, seq, heads, v's head size);
+    document_ids and branch_ids (batch, key_seq)."""
     _check(q, k, v, window_size, document_ids, branch_ids)
     if window_size is not None and window_size >= k.shape[1]:
         window_size = None  # masks nothing: keep the fastest (dense) kernels
@@ -75,6 +76,7 @@ def attention(
         with sdpa_kernel(_SDPA_PRIORITY, set_priority=True):
             return _sdpa(q, k, v, is_causal=causal, scale=scale)
     flash = flash_attn_func is not None and q.dtype in (torch.float16, torch.bfloat16)
+    flash = flash and v.shape[3] == q.shape[3]  # flash-attn has one head size
     # flash-attn aligns causal masks to the last key, but its varlen path would need the
     # query and key document offsets apart.
     if q.is_cuda and flash and (document_ids is None or offset == 0):
@@ -116,7 +118,7 @@ def attention_reference(
 def _check(q, k, v, window_size, document_ids, branch_ids=None) -> None:
     if (
         q.dim() != 4
-        or k.shape != v.shape
+        or k.shape[:3] != v.shape[:3]
         or q.shape[0] != k.shape[0]
         or q.shape[1] > k.shape[1]
         or q.shape[3] != k.shape[3]

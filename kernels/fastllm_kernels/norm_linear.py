@@ -68,10 +68,12 @@ class _NormLinearFunction(torch.autograd.Function):
     def forward(ctx, x, norm_weight, norm_bias, eps, rms, weight, bias, recipe):
         rows = as_rows(x)
         normed, mean, rstd = norm_forward(rows, norm_weight, norm_bias, eps, rms)
-        out = F.linear(normed, weight, bias)
+        # The output is a tensor of its own, not a view made here: rotary may turn part of
+        # it in place (latent attention's queries).
+        out = F.linear(normed.view(*x.shape[:-1], normed.shape[-1]), weight, bias)
         ctx.save_for_backward(rows, norm_weight, norm_bias, mean, rstd, weight)
         ctx.eps, ctx.rms, ctx.has_bias, ctx.recipe = eps, rms, bias is not None, recipe
-        return out.view(*x.shape[:-1], weight.shape[0])
+        return out
 
     @staticmethod
     def backward(ctx, grad):

@@ -102,6 +102,15 @@ TEACHER = (
     "model.base_model.head.losses={kd: {type: distillation}}",
 )
 LM_EVAL = "training.evaluators.mc.evaluator={type: lm_eval, tasks: [copa]}"
+LATENT = (
+    "model.base_model.transformer.head_groups=8",
+    "model.base_model.transformer.window_size=null",
+    "model.base_model.transformer.add_linear_biases=false",
+    "model.base_model.transformer.latent_attention={kv_lora_rank: 16, qk_head_dim: 16, "
+    "qk_pos_emb_head_dim: 16, v_head_dim: 32}",
+)
+PREDICTION = "model.base_model.multi_token_prediction={depth: 1}"
+ODD_LATENT = "model.base_model.transformer.latent_attention={kv_lora_rank: 15}"
 ROW_SETTINGS = {
     ("training.evaluators", "model.distributed.tensor_parallel"):
         (LM_EVAL, "model.distributed.tensor_parallel=2"),
@@ -155,6 +164,15 @@ ROW_SETTINGS = {
         (*TEACHER, "model.base_model.transformer.num_experts=4",
          "model.base_model.transformer.add_linear_biases=only_attn_qkv",
          "model.distributed.expert_parallel=2"),
+    ("model.base_model.transformer.latent_attention", "model.distributed.sequence_data_parallel"):
+        (*LATENT[:-1], ODD_LATENT, "model.distributed.sequence_data_parallel=2"),
+    ("model.base_model.multi_token_prediction", "model.distributed.pipeline_parallel"):
+        (PREDICTION, "model.distributed.pipeline_parallel=2"),
+    ("model.base_model.multi_token_prediction", "model.distributed.sequence_data_parallel"):
+        (PREDICTION, "model.distributed.sequence_data_parallel=2"),
+    ("model.base_model.multi_token_prediction", "schedule.micro_batch_splits"):
+        (PREDICTION, "schedule.micro_batch_splits=2"),
+    ("model.base_model.multi_token_prediction", "reference_models"): (PREDICTION, *TEACHER),
 }  # fmt: skip
 """Settings under which each row of the table holds, and no earlier one."""
 
@@ -178,7 +196,7 @@ def test_every_row_of_the_compatibility_table_refuses_naming_its_keys(
         o
         for o in overrides
         if o.startswith(("model.distributed.training", "model.base"))
-        and o != LORA
+        and o not in (LORA, PREDICTION, LATENT[-1], ODD_LATENT)  # the rows' own settings
         and o not in TEACHER
     ]
     for override in overrides:

@@ -18,6 +18,7 @@ PAGES = [
     "fp8.md",
     "long-context.md",
     "moe.md",
+    "deepseek-v3.md",
     "lora.md",
     "distillation.md",
     "evaluation.md",

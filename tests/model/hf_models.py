@@ -111,6 +111,30 @@ CONFIGS = {
         transformers.Olmo2ForCausalLM,
         {"rope_theta": 500000.0, "rms_norm_eps": 1e-6},
     ),
+    "deepseek_v3": (
+        transformers.DeepseekV3Config,
+        transformers.DeepseekV3ForCausalLM,
+        {
+            "num_key_value_heads": 6,
+            "q_lora_rank": 24,
+            "kv_lora_rank": 16,
+            "qk_nope_head_dim": 10,
+            "qk_rope_head_dim": 6,
+            "v_head_dim": 12,  # none of the three is another's size
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 3,
+            "n_group": 4,
+            "topk_group": 2,
+            "moe_intermediate_size": 16,
+            "n_shared_experts": 2,
+            "first_k_dense_replace": 1,
+            "routed_scaling_factor": 2.5,
+            "norm_topk_prob": True,
+            "rope_theta": 50000.0,
+            "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": False,
+        },
+    ),
     "starcoder2": (
         transformers.Starcoder2Config,
         transformers.Starcoder2ForCausalLM,
@@ -129,6 +153,9 @@ def hf_model(architecture: str, seed: int = 0, **overrides: object) -> transform
         for name, parameter in model.named_parameters():
             if "norm" in name or name.endswith("bias"):
                 parameter.normal_(0.0 if name.endswith("bias") else 1.0, 0.1)
+        for name, buffer in model.named_buffers():  # DeepSeek-V3's routing bias
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.1)
     return model
 
 

@@ -26,6 +26,12 @@ MOE_VARIANTS = {
     "moe-plain-no-biases": ["num_experts=4", "num_experts_per_token=1", "add_linear_biases=false"],
     "moe-shared-gated": ["num_experts=16", "num_experts_per_token=4", "gated=true",
                          "add_linear_biases=false", "num_shared_experts=2", "shared_expert_gate=true"],
+    "deepseek-v3": ["num_experts=8", "num_experts_per_token=2", "gated=true", "window_size=null",
+                    "add_linear_biases=false", "num_shared_experts=1", "expert_bias=true",
+                    "expert_score_function=sigmoid", "expert_auxiliary_loss_coefficient=0",
+                    "first_dense_layers=1", "dense_ffn_hidden_size=40", "head_groups=4",
+                    "latent_attention={q_lora_rank: 12, kv_lora_rank: 10, qk_head_dim: 6, "
+                    "qk_pos_emb_head_dim: 4, v_head_dim: 8}"],
 }  # fmt: skip
 
 NORM_VARIANTS = {
@@ -133,3 +139,29 @@ def test_flops_per_token_count_a_sliding_blocks_attention_over_its_window() -> N
 def test_expert_biases_are_refused_naming_the_key() -> None:
     with pytest.raises(ConfigError, match="add_linear_biases"):
         config_of("tiny", [*SMALL, "model.base_model.transformer.num_experts=4"])
+
+
+def test_flops_per_token_count_latent_attention_as_a_token_computes_it() -> None:
+    """Each of latent attention's projections multiplies once per token: 6 FLOPs per weight
+    and per latent norm element; attention 6 × heads × (query + value head size) per key."""
+    overrides = [f"model.base_model.transformer.{o}" for o in MOE_VARIANTS["deepseek-v3"]]
+    config = config_of("tiny", [*SMALL, *overrides])
+    base = config.model.base_model
+    with torch.device("meta"):
+        model = GPTModel(base)
+    attention = model.layers[0].attention
+    weights = sum(p.numel() for p in attention.parameters())
+    dense_mlp = sum(p.numel() for p in model.layers[0].mlp.parameters())
+    routed = model.layers[1].mlp
+    active_mlp = (
+        routed.router.weight.numel()
+        + routed.expert_bias.numel()
+        + sum(p.numel() for p in routed.shared.parameters())
+        + (routed.layer_1.numel() + routed.layer_2.numel()) * 2 // 8
+    )
+    norms = 2 * 2 * (2 * 32) + 2 * 32  # the blocks' layer norms and the final one
+    sequence = 64
+    expected = 6 * (
+        2 * weights + dense_mlp + active_mlp + norms + 61 * 32
+    ) + 2 * 6 * 4 * sequence * ((6 + 4) + 8)
+    assert flops_per_token(base, sequence) == expected

@@ -25,6 +25,7 @@ class SquaredReLUMLP(torch.nn.Module):
         self,
         config: SquaredReLUMLPConfig,
         transformer: TransformerConfig,
+        layer_index: int,
         mesh: ParallelMesh,
         lora: LoRAConfig | None,
     ) -> None:

@@ -9,6 +9,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from fastllm.checkpoint.deepseek_v3 import (
+    deepseek_v3_attention,
+    deepseek_v3_from_hf,
+    deepseek_v3_from_tensors,
+    deepseek_v3_mlp,
+    deepseek_v3_to_hf,
+)
 from fastllm.checkpoint.gemma3 import gemma3_from_hf, gemma3_to_hf
 from fastllm.checkpoint.hf_rules import Rule, concat, same, stack
 from fastllm.config import BaseModelConfig, ConfigError
@@ -26,6 +33,12 @@ class Architecture:
     """Adds its own keys to a config.json."""
     mlp_rules: Callable[[BaseModelConfig, str, str], Iterator[Rule]]
     """Rules of one block's MLP: (config, our prefix, their layer prefix)."""
+    attention_rules: Callable[[BaseModelConfig, str, str], Iterator[Rule]] | None = None
+    """Rules of one block's attention, (config, our prefix, their layer prefix), when not
+    the common q/k/v/o projections."""
+    from_tensors: Callable[[BaseModelConfig, set[str]], None] | None = None
+    """Adjusts the model read from config.json by the names of the checkpoint's tensors (what
+    its config.json does not say reliably)."""
 
 
 def _window_from_hf(hf: dict[str, Any], transformer: dict[str, Any]) -> None:
@@ -354,6 +367,15 @@ ARCHITECTURES = {
             from_hf=gemma3_from_hf,
             to_hf=gemma3_to_hf,
             mlp_rules=_gated_mlp,
+        ),
+        Architecture(
+            "deepseek_v3",
+            "DeepseekV3ForCausalLM",
+            from_hf=deepseek_v3_from_hf,
+            to_hf=deepseek_v3_to_hf,
+            mlp_rules=deepseek_v3_mlp,
+            attention_rules=deepseek_v3_attention,
+            from_tensors=deepseek_v3_from_tensors,
         ),
         Architecture(
             "starcoder2",

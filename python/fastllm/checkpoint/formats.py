@@ -164,6 +164,9 @@ def open_model(directory: str | Path, expected_format: str | None = None) -> Mod
     elif (directory / "config.json").is_file():
         hf_config = _json_object(directory / "config.json")
         architecture, config = from_hf_config(hf_config)
+        from_tensors = ARCHITECTURES[architecture].from_tensors
+        if from_tensors is not None:
+            from_tensors(config, set(SafetensorsReader(directory).shapes()))
         source = ModelSource(directory, architecture, config, hf_config)
     else:
         raise ConfigError(
@@ -195,9 +198,19 @@ _LATER_TRANSFORMER_KEYS = (
     "scale_embeddings",
     "mixer",
     "mlp",
+    "expert_score_function",
+    "expert_bias",
+    "expert_bias_update_rate",
+    "expert_groups",
+    "expert_groups_per_token",
+    "expert_routed_scaling_factor",
+    "first_dense_layers",
+    "dense_ffn_hidden_size",
+    "latent_attention",
 )
 """Keys of `transformer` that fastllm-format configs have had since QK-norm and post-norms
-(and Gemma 3's options; mixer and mlp: since they are components)."""
+(and Gemma 3's options; mixer and mlp: since they are components; DeepSeek-V3's latent
+attention and routing)."""
 
 
 def _omit_later_defaults(transformer: dict[str, Any]) -> None:
@@ -269,6 +282,8 @@ def write_model(
         del base_model["head"]  # how it was trained, not part of the model
         if not lora:  # as a model without adapters has always been written
             del base_model["peft"]
+        if base_model["multi_token_prediction"] is None:  # as before it existed
+            del base_model["multi_token_prediction"]
         _omit_later_defaults(base_model["transformer"])
         section: dict[str, Any] = {"model": {"base_model": base_model}}
         if components := registry.record(source.config):

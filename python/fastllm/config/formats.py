@@ -23,6 +23,7 @@ HF_ARCHITECTURES = (
     "qwen3_moe",
     "olmo2",
     "gemma3_text",
+    "deepseek_v3",
     "starcoder2",
 )
 """Hugging Face `model_type`s that fastllm converts to and from."""
@@ -63,6 +64,10 @@ class Expressible:
     embeddings scaled by sqrt(hidden_size), tanh GELU; and those it may have: sliding and global blocks
     (`global_attention_interval`, a plain `window_rotary`) and an `attention_scale` of
     n ** -0.5 for a whole n. The other architectures have none of them."""
+    deepseek: bool = False
+    """DeepSeek-V3's attention and routing: latent attention (which a model must then have,
+    and no other architecture can express), sigmoid scores with a correction bias,
+    ungated shared experts; the other architectures route by softmax alone."""
 
 
 _NO_BIASES: frozenset[Biases] = frozenset({(False, False)})
@@ -137,6 +142,15 @@ EXPRESSIBLE = {
         query_key_norm="head",
         gemma=True,
     ),
+    "deepseek_v3": Expressible(
+        layer_norm=False,
+        gated=True,
+        experts=True,
+        window=False,
+        biases=_NO_BIASES,
+        shared_experts=True,
+        deepseek=True,
+    ),
     "starcoder2": Expressible(
         layer_norm=True,
         gated=False,
@@ -199,10 +213,10 @@ def inexpressible(config: BaseModelConfig, architecture: str) -> str | None:
             "shared experts" if can.shared_experts else "no shared experts",
         ),
         (
-            can.shared_experts and shared and not t.shared_expert_gate,
+            can.shared_experts and shared and t.shared_expert_gate == can.deepseek,
             "shared_expert_gate",
-            False,
-            "gated shared experts",
+            t.shared_expert_gate,
+            "ungated shared experts" if can.deepseek else "gated shared experts",
         ),
         (
             can.experts and t.expert_renormalize not in can.renormalize,
@@ -217,11 +231,13 @@ def inexpressible(config: BaseModelConfig, architecture: str) -> str | None:
             f"{can.placement}-norm blocks",
         ),
         *_query_key_norm_checks(config, can),
+        *_deepseek_checks(config, can),
         *_gemma_checks(config, can.gemma),
     ]
     for failed, key, value, needs in checks:
         if failed:
-            return f"model.base_model.transformer.{key} is {value!r} ({architecture} has {needs})"
+            path = key if key.startswith("model.") else f"model.base_model.transformer.{key}"
+            return f"{path} is {value!r} ({architecture} has {needs})"
     return None
 
 
@@ -285,3 +301,64 @@ def _gemma_checks(config: BaseModelConfig, gemma: bool) -> list[Check]:
 
 def _norm_type(norm: object) -> str:
     return "none" if norm is None else norm.__struct_config__.tag  # type: ignore[attr-defined]
+
+
+def _deepseek_checks(config: BaseModelConfig, can: Expressible) -> list[Check]:
+    """The checks of `inexpressible` for DeepSeek-V3's latent attention and routing."""
+    t = config.transformer
+    latent = t.latent_attention
+    if not can.deepseek:
+        return [
+            (
+                config.multi_token_prediction is not None,
+                "model.base_model.multi_token_prediction",
+                "set",
+                "no multi-token prediction",
+            ),
+            (latent is not None, "latent_attention", "set", "no latent attention"),
+            (
+                t.expert_score_function != "softmax",
+                "expert_score_function",
+                t.expert_score_function,
+                "softmax routing",
+            ),
+            (t.expert_bias, "expert_bias", True, "no expert bias"),
+            (t.expert_groups != 1, "expert_groups", t.expert_groups, "no expert groups"),
+            (
+                t.expert_routed_scaling_factor != 1.0,
+                "expert_routed_scaling_factor",
+                t.expert_routed_scaling_factor,
+                "unscaled routing weights",
+            ),
+            (
+                can.experts and t.first_dense_layers != 0,
+                "first_dense_layers",
+                t.first_dense_layers,
+                "no dense layers among the mixtures",
+            ),
+        ]
+    rotary = type(t.rotary).__struct_config__.tag
+    return [
+        (latent is None, "latent_attention", None, "latent attention"),
+        (
+            latent is not None and latent.latent_norm_epsilon != 1e-6,
+            "latent_attention.latent_norm_epsilon",
+            getattr(latent, "latent_norm_epsilon", None),
+            "latent norms of epsilon 1e-06",
+        ),
+        (
+            latent is not None and bool(latent.mscale_all_dim) and rotary != "yarn",
+            "latent_attention.mscale_all_dim",
+            getattr(latent, "mscale_all_dim", None),
+            "mscale_all_dim with yarn rotary only",
+        ),
+        (rotary not in ("default", "yarn"), "rotary.type", rotary, "default or yarn rotary"),
+        (
+            t.expert_score_function != "sigmoid",
+            "expert_score_function",
+            t.expert_score_function,
+            "sigmoid routing",
+        ),
+        (not t.expert_bias, "expert_bias", False, "an expert bias"),
+        (t.activation_type != "silu", "activation_type", t.activation_type, "silu"),
+    ]

@@ -176,6 +176,11 @@ _LORA_FROZEN = Condition(
 )
 _NOT_YET_FROZEN = "frozen parameters are not yet tested with it"
 _REFERENCES = Condition("reference_models", bool, "reference_models")
+_PREDICTION = Condition(
+    "model.base_model.multi_token_prediction",
+    lambda prediction: prediction is not None,
+    "model.base_model.multi_token_prediction",
+)
 _GRAPHS = "their collectives would break the compiled graphs"
 _DISTRIBUTED_EXPORT = Condition(
     "training.export",
@@ -233,6 +238,31 @@ COMPATIBILITY: tuple[Incompatibility, ...] = (
                 "model.multi_stage.zero_stage=3",
             ),
         )
+    ),
+    *(
+        Incompatibility(_PREDICTION, other, reason)
+        for other, reason in (
+            (
+                _above_one("model.distributed.pipeline_parallel"),
+                "its modules embed tokens again on the last stage, which holds no embedding",
+            ),
+            (
+                _above_one("model.distributed.sequence_data_parallel"),
+                "its tokens and labels are shifted along the whole sequence",
+            ),
+            (_SPLITS, "its tokens and labels are shifted along the whole sequence"),
+            (_REFERENCES, "not yet tested with reference models"),
+        )
+    ),
+    Incompatibility(
+        Condition(
+            "model.base_model.transformer.latent_attention",
+            lambda latent: latent is not None and latent.kv_lora_rank % 2 == 1,
+            "model.base_model.transformer.latent_attention with an odd kv_lora_rank",
+        ),
+        _above_one("model.distributed.sequence_data_parallel"),
+        "the sequence-data ranks gather each token's latent and rotary key part as two "
+        "halves of one size",
     ),
     Incompatibility(_COMPILE, _above_one("model.distributed.tensor_parallel"), _GRAPHS),
     Incompatibility(_COMPILE, _above_one("model.distributed.sequence_data_parallel"), _GRAPHS),

@@ -8,7 +8,9 @@ from typing import ClassVar, Literal
 
 import msgspec
 
+from fastllm.config.latent_attention import LatentAttentionConfig
 from fastllm.config.layout import num_stages
+from fastllm.config.multi_token_prediction import MultiTokenPredictionConfig
 from fastllm.config.registry import Component
 from fastllm.config.section import ConfigError, Section, check_non_negative, check_positive
 
@@ -126,6 +128,8 @@ LinearBiases = bool | Literal["nowhere", "everywhere", "only_attn_qkv"]
 NormalizationPlacement = Literal["pre", "post", "sandwich"]
 QueryKeyNormScope = Literal["head", "projection"]
 
+ExpertScoreFunction = Literal["softmax", "sigmoid"]
+
 
 class MixerConfig(Component):
     """What mixes the tokens of a block (extension point `mixer`). Its implementation is built
@@ -167,7 +171,7 @@ class AttentionConfig(MixerConfig, tag="attention"):
 
 class MLPBaseConfig(Component):
     """The MLP of a block (extension point `mlp`). Its implementation is built as
-    `Layer(config, transformer, mesh, lora)` (model/block.py says the contract)."""
+    `Layer(config, transformer, layer_index, mesh, lora)` (model/block.py says the contract)."""
 
     point = "mlp"
 
@@ -193,6 +197,7 @@ class MLPConfig(MLPBaseConfig, tag="mlp"):
         # experts have no biases (validate)
         experts = t.num_experts_per_token if active else t.num_experts
         router = h * t.num_experts + (h if t.shared_expert_gate else 0)
+        router += t.num_experts if t.expert_bias else 0  # the correction bias (DeepSeek-V3)
         return (experts + t.num_shared_experts) * expert + router
 
 
@@ -280,8 +285,38 @@ class TransformerConfig(Section):
     dropless_moe: bool = True
     """Experts run as grouped matmuls over a sparse layout of the routed tokens, none dropped;
     false loops over the experts (slower, kept as the reference)."""
+    expert_score_function: ExpertScoreFunction = "softmax"
+    """The router's scores of the experts from its logits: softmax over the experts (Mixtral,
+    Qwen) or each expert's sigmoid (DeepSeek-V3); a token's routing weights are the scores of
+    its chosen experts (renormalized with `expert_renormalize`, then scaled by
+    `expert_routed_scaling_factor`). The load-balancing loss needs softmax."""
+    expert_bias: bool = False
+    """A per-expert correction bias added to the scores only to choose the experts, never to
+    weight them, which no gradient trains (DeepSeek-V3's e_score_correction_bias): after each
+    optimizer step every bias moves by expert_bias_update_rate towards the mean load,
+    bias += rate · sign(mean load − load), the loads summed over the step and the data ranks
+    (auxiliary-loss-free load balancing)."""
+    expert_bias_update_rate: float = 0.001
+    """How far `expert_bias` moves per step (0: kept as it is, as when fine-tuning)."""
+    expert_groups: int = 1
+    """Group-limited routing (DeepSeek-V3's n_group): the experts form this many groups of
+    consecutive experts; each token chooses among those of its `expert_groups_per_token` best
+    groups, a group scored by the sum of its two best (biased) scores."""
+    expert_groups_per_token: int | None = None
+    """The groups each token's experts are chosen from (DeepSeek-V3's topk_group); default
+    expert_groups, every group."""
+    expert_routed_scaling_factor: float = 1.0
+    """The routing weights are multiplied by this (DeepSeek-V3's routed_scaling_factor)."""
+    first_dense_layers: int = 0
+    """With num_experts > 1, the first blocks (this many) have a dense MLP of
+    `dense_ffn_hidden_size` instead of a mixture (DeepSeek-V3's first_k_dense_replace)."""
+    dense_ffn_hidden_size: int | None = None
+    """Width of the dense MLPs of the first_dense_layers; default ffn_hidden_size."""
     init_method_std: float | None = None
     """Standard deviation of the normal initialization of weights; default hidden_size ** -0.5."""
+    latent_attention: LatentAttentionConfig | None = None
+    """Multi-head latent attention (DeepSeek-V2, V3) in every block instead of the fused q/k/v
+    projection; null: the q/k/v projection."""
 
     def validate(self) -> None:
         for key in ("num_layers", "hidden_size", "num_attention_heads", "head_groups"):
@@ -295,6 +330,8 @@ class TransformerConfig(Section):
                 f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
                 f"head_groups ({self.head_groups})",
             )
+        if self.kv_channels is None and self.latent_attention is not None:
+            self.kv_channels = self.latent_attention.query_head_dim
         if self.kv_channels is None:
             if self.hidden_size % self.num_attention_heads:
                 raise ConfigError(
@@ -330,12 +367,113 @@ class TransformerConfig(Section):
                 f"is {self.num_experts}: a mixture of experts is mlp type mlp's, and mlp has "
                 f"type {self.mlp.__struct_config__.tag!r}",
             )
+        self._validate_latent_attention()
+        self._validate_routing()
         if self.num_experts > 1 and self.biases_elsewhere:
             raise ConfigError(
                 "add_linear_biases",
                 f"experts have no biases: with num_experts ({self.num_experts}) > 1 it must be "
                 f"false, nowhere or only_attn_qkv, got {self.add_linear_biases!r}",
             )
+
+    def _validate_latent_attention(self) -> None:
+        latent = self.latent_attention
+        if latent is None:
+            return
+        if self.head_groups != self.num_attention_heads:
+            raise ConfigError(
+                "head_groups",
+                f"latent attention has a key per head: must be num_attention_heads "
+                f"({self.num_attention_heads}), got {self.head_groups}",
+            )
+        if self.kv_channels != latent.query_head_dim:
+            raise ConfigError(
+                "kv_channels",
+                f"latent attention's heads are latent_attention.qk_head_dim + "
+                f"qk_pos_emb_head_dim ({latent.query_head_dim}) wide, got {self.kv_channels}",
+            )
+        # its softmax scale is latent_attention's (softmax_scale)
+        for key in ("query_norm", "key_norm", "window_size", "attention_scale"):
+            if getattr(self, key) is not None:
+                raise ConfigError(key, "is not supported with latent_attention")
+        if self.add_linear_biases not in (False, "nowhere"):
+            raise ConfigError(
+                "add_linear_biases",
+                f"latent attention has no biases: must be false, got {self.add_linear_biases!r}",
+            )
+
+    def _validate_routing(self) -> None:
+        check_non_negative(self.expert_bias_update_rate, "expert_bias_update_rate")
+        check_positive(self.expert_routed_scaling_factor, "expert_routed_scaling_factor")
+        check_positive(self.expert_groups, "expert_groups")
+        check_non_negative(self.first_dense_layers, "first_dense_layers")
+        check_positive(self.dense_ffn_hidden_size, "dense_ffn_hidden_size")
+        check_positive(self.expert_groups_per_token, "expert_groups_per_token")
+        if self.num_experts % self.expert_groups:
+            raise ConfigError(
+                "expert_groups",
+                f"must divide num_experts ({self.num_experts}), got {self.expert_groups}",
+            )
+        per_group = self.num_experts // self.expert_groups
+        if self.expert_groups > 1 and per_group < 2:
+            raise ConfigError(
+                "expert_groups",
+                f"a group is scored by its two best experts: num_experts ({self.num_experts}) "
+                f"must be at least twice expert_groups ({self.expert_groups})",
+            )
+        if self.groups_per_token > self.expert_groups:
+            raise ConfigError(
+                "expert_groups_per_token",
+                f"must be at most expert_groups ({self.expert_groups}), "
+                f"got {self.expert_groups_per_token}",
+            )
+        if self.num_experts_per_token > self.groups_per_token * per_group:
+            raise ConfigError(
+                "num_experts_per_token",
+                f"{self.num_experts_per_token} exceeds the experts of "
+                f"expert_groups_per_token ({self.groups_per_token}) groups of {per_group}",
+            )
+        if self.expert_score_function == "sigmoid" and self.expert_auxiliary_loss_coefficient:
+            raise ConfigError(
+                "expert_auxiliary_loss_coefficient",
+                f"the load-balancing loss is over softmax scores: must be 0 with "
+                f"expert_score_function sigmoid (balance with expert_bias), got "
+                f"{self.expert_auxiliary_loss_coefficient}",
+            )
+
+    @property
+    def groups_per_token(self) -> int:
+        """`expert_groups_per_token`, every group when unset."""
+        return self.expert_groups_per_token or self.expert_groups
+
+    @property
+    def dense_ffn_width(self) -> int:
+        """`dense_ffn_hidden_size`, ffn_hidden_size when unset."""
+        width = self.dense_ffn_hidden_size or self.ffn_hidden_size
+        assert width is not None
+        return width
+
+    @property
+    def rotary_channels(self) -> int:
+        """The dimensions of a query or key head that rotary turns."""
+        if self.latent_attention is not None:
+            return self.latent_attention.qk_pos_emb_head_dim
+        assert self.kv_channels is not None
+        return self.kv_channels
+
+    @property
+    def default_routing(self) -> bool:
+        """The router is top-k of a softmax, nothing more (the fused routing kernels')."""
+        return (
+            self.expert_score_function == "softmax"
+            and not self.expert_bias
+            and self.expert_groups == 1
+            and self.expert_routed_scaling_factor == 1.0
+        )
+
+    def has_experts(self, layer: int) -> bool:
+        """Block `layer` (from 0) has a mixture of experts."""
+        return self.num_experts > 1 and layer >= self.first_dense_layers
 
     def _validate_window_pattern(self) -> None:
         check_positive(self.global_attention_interval, "global_attention_interval")
@@ -598,12 +736,23 @@ class BaseModelConfig(Section):
     """Adapters (`type: lora`) trained in place of, or beside, the model's weights."""
     head: HeadConfig = msgspec.field(default_factory=HeadConfig)
     """What the output head is trained on."""
+    multi_token_prediction: MultiTokenPredictionConfig | None = None
+    """DeepSeek-V3's multi-token prediction modules after the blocks, trained with the
+    model (null: none)."""
 
     def validate(self) -> None:
         check_positive(self.vocab_size, "vocab_size")
         peft = self.peft
         if isinstance(peft, LoRAConfig):
             self._check_adapted_layers(peft)
+        if isinstance(peft, LoRAConfig) and self.multi_token_prediction is not None:
+            raise ConfigError("peft", "LoRA is not supported with multi_token_prediction yet")
+        if isinstance(peft, LoRAConfig) and self.transformer.latent_attention is not None:
+            raise ConfigError(
+                "peft",
+                "LoRA is not supported with transformer.latent_attention yet (its projections "
+                "are not query, key, value)",
+            )
         if isinstance(peft, LoRAConfig) and self.transformer.num_experts > 1:
             mlp = [layer for layer in peft.layers if layer in ("mlp_1", "mlp_2")]
             if mlp:
@@ -634,20 +783,48 @@ class BaseModelConfig(Section):
         num_experts_per_token routed experts, not all of them); without the input and output
         embeddings when `embeddings` is false, as MFU formulas count them."""
         counts = self.parameter_counts(active=active)
-        layers = self.transformer.num_layers * (counts.block + counts.adapters) + counts.final_norm
-        return layers + (counts.embedding + counts.head if embeddings else 0)
+        t = self.transformer
+        dense_layers = min(t.first_dense_layers, t.num_layers) if t.num_experts > 1 else 0
+        dense = self.parameter_counts(dense=True) if dense_layers else counts
+        layers = (
+            (t.num_layers - dense_layers) * (counts.block + counts.adapters)
+            + dense_layers * (dense.block + dense.adapters)
+            + counts.final_norm
+        )
+        return (
+            layers
+            + self.prediction_parameters(active=active)
+            + (counts.embedding + counts.head if embeddings else 0)
+        )
 
-    def parameter_counts(self, *, active: bool = False) -> ParameterCounts:
-        """The parameters of each part of the model (`active`: as in `num_parameters`)."""
+    def prediction_parameters(self, *, active: bool = False) -> int:
+        """The multi-token prediction modules' parameters: each a block (a mixture's when
+        the model has experts), three norms and its projection of 2 × hidden to hidden."""
+        if self.multi_token_prediction is None:
+            return 0
+        counts = self.parameter_counts(active=active)
+        h = self.transformer.hidden_size
+        module = counts.block + 3 * counts.final_norm + 2 * h * h
+        return self.multi_token_prediction.depth * module
+
+    def parameter_counts(self, *, active: bool = False, dense: bool = False) -> ParameterCounts:
+        """The parameters of each part of the model (`active`: as in `num_parameters`); with
+        `dense`, a block's of the `first_dense_layers`, whose MLP is dense."""
         t = self.transformer
         assert t.kv_channels is not None and t.ffn_hidden_size is not None, "validate() first"
         h, kv = t.hidden_size, t.kv_channels
         q_size, kv_size = t.num_attention_heads * kv, t.head_groups * kv
         attention = t.mixer.num_parameters(t)
-        mlp = t.mlp.num_parameters(t, active=active)
+        latent_norms = 0
+        if t.latent_attention is not None:
+            attention, latent_norms = _latent_attention_parameters(t)
         mlp_inputs = 2 if t.gated else 1
+        if dense:  # a mixture-of-experts model's first dense blocks
+            mlp = (mlp_inputs + 1) * h * t.dense_ffn_width
+        else:
+            mlp = t.mlp.num_parameters(t, active=active)
         norm = t.normalization.num_parameters(h)
-        block_norms = (t.pre_norms + t.post_norms) * 2 * norm
+        block_norms = (t.pre_norms + t.post_norms) * 2 * norm + latent_norms
         block_norm_elements = block_norms
         for query_key_norm, heads in (
             (t.query_norm, t.num_attention_heads),
@@ -684,6 +861,21 @@ class BaseModelConfig(Section):
             final_norm=norm,
             adapters=adapters,
         )
+
+
+def _latent_attention_parameters(t: TransformerConfig) -> tuple[int, int]:
+    """Latent attention's parameters in one block: (its projections', its two norms')."""
+    latent = t.latent_attention
+    assert latent is not None
+    h, heads = t.hidden_size, t.num_attention_heads
+    query_heads = heads * latent.query_head_dim
+    rank = latent.q_lora_rank
+    query = h * query_heads if rank is None else h * rank + rank * query_heads
+    key_value = h * (
+        latent.kv_lora_rank + latent.qk_pos_emb_head_dim
+    ) + latent.kv_lora_rank * heads * (latent.qk_head_dim + latent.v_head_dim)
+    norms = latent.kv_lora_rank + (rank or 0)
+    return query + key_value + heads * latent.v_head_dim * h, norms
 
 
 @dataclass(frozen=True)

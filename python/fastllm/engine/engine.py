@@ -37,7 +37,8 @@ from fastllm.engine.replicated_check import check_replicated
 from fastllm.engine.schedule.runner import StepRunner
 from fastllm.engine.weights_io import whole_parameters
 from fastllm.model import GPTModel
-from fastllm.model.mlp import take_expert_load
+from fastllm.model.mlp import take_expert_load, take_step_loads
+from fastllm.model.routing import bias_update
 from fastllm.parallel.mesh import ParallelMesh
 from fastllm.parallel.process_group import Distributed
 from fastllm_kernels.fp8.amax_history import AmaxHistories
@@ -137,6 +138,9 @@ class Engine:
         report = self.optimizer.step(lr, self.scaler.scale)
         if self.fp8_histories is not None:
             self.fp8_histories.roll()
+        loads = take_step_loads(self.model)
+        if loads and not report.skipped:
+            self._balance_experts(loads)
         if not report.skipped:
             gather_weights(self.stages, wait=False)  # each stage's forward pass waits for its own
             if self.config.model.multi_stage.debug_tensor_parallel:
@@ -146,6 +150,15 @@ class Engine:
         state.skipped_steps += report.skipped
         self.stages.zero_grad()
         return {"lr": lr, "grad_norm": report.grad_norm, "skipped": report.skipped}
+
+    def _balance_experts(self, loads: list[tuple[torch.nn.Parameter, Tensor, float]]) -> None:
+        """Each mixture's correction biases moved by its expert loads of the step, summed over
+        the data ranks (tensor ranks route the same tokens), so that every rank holding a
+        bias moves it alike."""
+        names = {id(p): name for name, p in self.model.named_parameters()}
+        summed = self._data_sum(torch.stack([load for _, load, _ in loads]).float())
+        for (bias, _, rate), load in zip(loads, summed, strict=True):
+            self.stages.add_to_masters(names[id(bias)], bias_update(load, rate))
 
     @torch.no_grad()
     def evaluate(
@@ -184,17 +197,25 @@ class Engine:
         """Tokens routed per expert and step since the last call, over every data rank: the
         most any expert of any layer got, and the mean (what a balanced router gives each)."""
         load = take_expert_load(self.model)
-        if load is None or not steps:
+        if self.config.model.base_model.transformer.num_experts == 1 or not steps:
             return {}
-        load = self._data_sum(load).double() / steps
-        most = load.max()
-        total = torch.stack(
-            [load.sum(), torch.tensor(load.numel(), dtype=load.dtype, device=load.device)]
-        )
+        device = self.distributed.device
+        if load is None:  # no mixture on this pipeline rank (dense first blocks): it still
+            # joins the pipeline ranks' sums
+            most = torch.zeros((), dtype=torch.float64, device=device)
+            total = torch.zeros(2, dtype=torch.float64, device=device)
+        else:
+            load = self._data_sum(load).double() / steps
+            most = load.max()
+            total = torch.stack(
+                [load.sum(), torch.tensor(load.numel(), dtype=load.dtype, device=load.device)]
+            )
         pipeline = self.mesh.pipeline
         if pipeline.size > 1:  # each pipeline rank counted the layers of its stages
             dist.all_reduce(most, op=dist.ReduceOp.MAX, group=pipeline.group)
             dist.all_reduce(total, group=pipeline.group)
+        if not total[1]:  # no mixture ran (every block dense)
+            return {}
         return {
             "expert_tokens_max": most.item(),
             "expert_tokens_mean": (total[0] / total[1]).item(),

@@ -17,6 +17,7 @@ import torch
 from fastllm.config import ConfigError
 from fastllm.model import GPTModel
 from fastllm.model.attention import Attention
+from fastllm.model.latent_attention import LatentAttention
 from fastllm.model.mlp import MLP
 from fastllm.model.parameters import meta_of
 from fastllm_kernels.fp8.amax_history import AmaxHistories
@@ -58,8 +59,11 @@ def apply_fp8(
         raise ConfigError(KEY, f"{recipe} runs on CUDA GPUs (or emulated on CPU), not {device}")
     layers: list[torch.nn.Linear] = []
     for block in model.layers:
-        if isinstance(block.attention, Attention):
-            layers += [block.attention.query_key_value, block.attention.dense]
+        attention = block.attention
+        if isinstance(attention, LatentAttention):
+            layers += attention.projections()
+        elif isinstance(attention, Attention):
+            layers += [attention.query_key_value, attention.dense]
         if isinstance(block.mlp, MLP):
             layers += [block.mlp.layer_1, block.mlp.layer_2]
     histories = AmaxHistories(len(layers), history_length, device) if delayed else None

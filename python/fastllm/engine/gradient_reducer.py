@@ -33,8 +33,12 @@ class GradientReducer:
         self.uses = 1
         """The forward passes the coming backward pass runs back through (a micro-batch's
         pieces, when it runs whole): a gradient sink writes once per use, autograd once."""
-        self.expected = [len(stage.parameters) for stage in buffers.stages]
-        """Per stage, its parameters; it is done once it received `expected * uses` writes."""
+        self.expected = [
+            sum(not buffers.metas[buffers.names[i]].balancing_bias for i in stage.parameters)
+            for stage in buffers.stages
+        ]
+        """Per stage, its parameters that get gradients; it is done once it received
+        `expected * uses` writes."""
         self.received = [0] * len(buffers.stages)
         """Per stage, the writes of this backward pass, each counted in uses."""
         # What a reduce-scatter writes: two buffers used in turn (`buffers.slot`).

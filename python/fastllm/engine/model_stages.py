@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from fastllm.config.layout import num_stages
 from fastllm.engine.buffers import GroupBuffers, StageBuffer
@@ -219,6 +220,19 @@ class ModelStages:
         """Start a new step: the next gradients overwrite the buffers and the shards."""
         for group in self.groups:
             group.zero_grad()
+
+    @torch.no_grad()
+    def add_to_masters(self, name: str, delta: Tensor) -> None:
+        """Add `delta` (the whole parameter's shape) to this rank's shards of parameter
+        `name`'s masters and compute weights, as an optimizer step writes them (the refresh
+        or gather after the step takes them to the other ranks)."""
+        buffers = self.group_of(name).buffers
+        flat = delta.reshape(-1).float()
+        for shard, (p0, p1, s0, s1) in buffers.pieces(buffers.indices[name]):
+            values = shard.master_values(s0, s1) + flat[p0:p1].to(shard.exp_avg.device)
+            shard.set_master(s0, values)
+            if shard.master_low is None:  # else set_master wrote the compute weights too
+                shard.weight[s0:s1].copy_(values)
 
     @torch.no_grad()
     def sync_weights_from_master(self) -> None:

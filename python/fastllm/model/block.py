@@ -8,7 +8,7 @@ builds from their configs:
   hidden) is the residual stream, `norm` the `NormalizationLayer` to read it through
   (`norm.project(x, weight, bias)` fuses it into a first projection), `rotary` the (cos, sin)
   tables or None; it returns (batch, seq, hidden), to be added to the residual stream.
-- an MLP's implementation is built as `Layer(config, transformer, mesh, lora)` and called as
+- an MLP's implementation is built as `Layer(config, transformer, layer_index, mesh, lora)` and called as
   `layer(x, norm)`; it returns its output (batch, seq, hidden) and its auxiliary loss or None.
 Both declare their parameters' metadata with `model.parameters.describe` (the engine lays out,
 shards and saves from it alone) and, under tensor parallelism, enter and leave the tensor
@@ -52,7 +52,7 @@ class TransformerBlock(torch.nn.Module):
         self.attention = mixer(config.mixer, config, layer_index, mesh, lora)
         self.post_norm_1 = _output_norm(config)
         self.norm_2 = _input_norm(config)
-        self.mlp = registry.implementation(config.mlp)(config.mlp, config, mesh, lora)
+        self.mlp = registry.implementation(config.mlp)(config.mlp, config, layer_index, mesh, lora)
         self.post_norm_2 = _output_norm(config)
 
     def forward(

@@ -12,6 +12,7 @@ from torch import Tensor
 from fastllm.config import registry
 from fastllm.config.model import BaseModelConfig, LoRAConfig, RotaryConfig
 from fastllm.model.block import TransformerBlock
+from fastllm.model.multi_token_prediction import PredictionModule, prediction_loss
 from fastllm.model.normalization import normalization
 from fastllm.model.parameters import TensorSplit, describe, set_layer
 from fastllm.model.rotary import positions_in_documents
@@ -36,6 +37,11 @@ class Context:
     the prompt and never to each other (`kernels.attention`)."""
     window_rotary: tuple[Tensor, Tensor] | None = None
     """cos and sin of the sliding blocks (`rotary` unless they have a rotary of their own)."""
+    input_ids: Tensor | None = None
+    """The token ids, which multi-token prediction embeds again, shifted (else None)."""
+    labels: Tensor | None = None
+    """The next-token labels, which multi-token prediction is trained on, shifted (None when
+    the model has no such modules, or nothing is trained)."""
 
     def rotary_of(self, block: TransformerBlock) -> tuple[Tensor, Tensor] | None:
         # A mixer of another package slides over no window of ours: the global tables.
@@ -117,15 +123,22 @@ class GPTModel(torch.nn.Module):
                 tensor_split=vocab_split,
                 recipe=self.head_recipe,
             )
+        prediction = config.multi_token_prediction
+        self.prediction_modules = torch.nn.ModuleList(
+            PredictionModule(transformer, transformer.num_layers + k, mesh)
+            for k in range(prediction.depth if prediction is not None else 0)
+        )
+        """DeepSeek-V3's multi-token prediction modules (model/multi_token_prediction.py),
+        with the head at the last model position."""
         for layer, modules in enumerate(self.layer_modules()):
             for module in modules:
                 set_layer(module, layer)
-        self.rotary = _rotary_tables(transformer.rotary, transformer.kv_channels)
+        self.rotary = _rotary_tables(transformer.rotary, transformer.rotary_channels)
         window_rotary = transformer.window_rotary
         self.window_rotary = (
             self.rotary
             if window_rotary is None
-            else _rotary_tables(window_rotary, transformer.kv_channels)
+            else _rotary_tables(window_rotary, transformer.rotary_channels)
         )
         """The sliding blocks' tables (`rotary` unless they have their own; None: no rotary)."""
 
@@ -135,8 +148,10 @@ class GPTModel(torch.nn.Module):
 
     def layer_modules(self) -> list[list[torch.nn.Module]]:
         """The modules at each model position, in the order the forward pass runs them: the
-        embedding, each block, the final norm with the head."""
+        embedding, each block, the final norm with the head and the multi-token prediction
+        modules (which read the head)."""
         last = [self.final_norm] + ([self.head] if self.head is not None else [])
+        last += list(self.prediction_modules)
         return [[self.embeddings], *([block] for block in self.layers), last]
 
     def context(
@@ -147,6 +162,7 @@ class GPTModel(torch.nn.Module):
         position_ids: Tensor | None = None,
         cache: Any = None,
         branch_ids: Tensor | None = None,
+        labels: Tensor | None = None,
     ) -> Context:
         """What every layer of one batch reads besides the residual stream.
 
@@ -173,7 +189,9 @@ class GPTModel(torch.nn.Module):
         if self.window_rotary is not self.rotary:
             tables = self.window_rotary
             window_rotary = None if tables is None else tables(position_ids)
-        return Context(rotary, document_ids, cache, branch_ids, window_rotary)
+        if not self.prediction_modules:
+            return Context(rotary, document_ids, cache, branch_ids, window_rotary)
+        return Context(rotary, document_ids, cache, branch_ids, window_rotary, input_ids, labels)
 
     def run_positions(
         self,
@@ -201,7 +219,17 @@ class GPTModel(torch.nn.Module):
                 auxiliary = layer_auxiliary if auxiliary is None else auxiliary + layer_auxiliary
         if last <= num_layers:
             return x, auxiliary
+        blocks_output = x
         x = self.final_norm(enter(x, self.tensor))
+        targets = labels if labels is not None else context.labels
+        if self.prediction_modules and targets is not None and context.input_ids is not None:
+            prediction = self.config.multi_token_prediction
+            assert prediction is not None
+            predicted = prediction_loss(
+                self.prediction_modules, blocks_output, context.input_ids, targets,
+                self.embeddings, self.head_weight, context, prediction.loss_weight, self.tensor,
+            )  # fmt: skip
+            auxiliary = predicted if auxiliary is None else auxiliary + predicted
         if labels is None:
             return x, auxiliary
         hidden, labels = x.reshape(-1, x.shape[-1]), labels.reshape(-1)

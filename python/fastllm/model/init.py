@@ -17,8 +17,10 @@ import torch
 
 from fastllm.model.attention import Attention
 from fastllm.model.gpt import GPTModel
+from fastllm.model.latent_attention import LatentAttention
 from fastllm.model.lora import LoRA
 from fastllm.model.mlp import MLP, MixtureOfExperts
+from fastllm.model.multi_token_prediction import PredictionModule
 from fastllm.model.normalization import Normalization
 
 Initializer = Callable[[torch.Tensor], None]
@@ -63,6 +65,12 @@ def initializers(
             constant(module.bias, 0.0)
         elif isinstance(module, Attention):
             input_and_output(module.query_key_value, module.dense)
+        elif isinstance(module, LatentAttention):
+            for layer in (module.query_down, module.query_up, module.key_value_down):
+                if layer is not None:
+                    normal(layer.weight, std)
+            normal(module.key_value_up.weight, std)
+            normal(module.dense.weight, output_std)
         elif isinstance(module, MLP):
             input_and_output(module.layer_1, module.layer_2)
         elif isinstance(module, MixtureOfExperts):
@@ -71,6 +79,9 @@ def initializers(
             normal(module.layer_2, output_std)
             if module.shared_gate is not None:
                 normal(module.shared_gate.weight, std)
+            constant(module.expert_bias, 0.0)  # balanced from the first step's loads on
+        elif isinstance(module, PredictionModule):
+            normal(module.projection.weight, std)
         elif isinstance(module, LoRA):
             bound = module.in_features**-0.5
             plan.append(

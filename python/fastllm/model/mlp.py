@@ -13,6 +13,7 @@ from fastllm.config.model import LoRAConfig, MLPConfig, TransformerConfig
 from fastllm.model.lora import adapter_of
 from fastllm.model.normalization import InputNorm, Normalization
 from fastllm.model.parameters import TensorSplit, describe
+from fastllm.model.routing import route_scored
 from fastllm.parallel.dimension import Dimension
 from fastllm.parallel.expert import exchange
 from fastllm.parallel.mesh import ParallelMesh
@@ -38,14 +39,24 @@ _ACTIVATIONS = {
 def mlp_layer(
     config: MLPConfig,
     transformer: TransformerConfig,
+    layer_index: int,
     mesh: ParallelMesh,
     lora: LoRAConfig | None,
 ) -> MLP | MixtureOfExperts:
-    """The `mlp` component's layer: a mixture of experts with num_experts > 1 (LoRA does not
-    adapt it), else the dense MLP."""
-    if transformer.num_experts > 1:
+    """The `mlp` component's layer: a mixture of experts in the blocks that have experts (LoRA
+    does not adapt it), else the dense MLP (`dense_ffn_width` wide in a mixture-of-experts
+    model's first dense blocks)."""
+    if transformer.has_experts(layer_index):
         return MixtureOfExperts(transformer, mesh.tensor, mesh.expert)
-    return MLP(transformer, mesh.tensor, lora)
+    return MLP(_dense(transformer), mesh.tensor, lora)
+
+
+def _dense(config: TransformerConfig) -> TransformerConfig:
+    """`config` for a dense MLP: a mixture-of-experts model's first dense blocks are
+    `dense_ffn_width` wide."""
+    if config.num_experts == 1:
+        return config
+    return msgspec.structs.replace(config, ffn_hidden_size=config.dense_ffn_width, num_experts=1)
 
 
 class MLP(torch.nn.Module):
@@ -207,6 +218,8 @@ class MixtureOfExperts(torch.nn.Module):
         self.gated, self.activation = config.gated, config.activation_type
         self.num_experts, self.top_k = config.num_experts, config.num_experts_per_token
         self.renormalize, self.dropless = config.expert_renormalize, config.dropless_moe
+        self.routing = None if config.default_routing else config
+        """The config of a router other than top-k of a softmax (model/routing.py)."""
         self.auxiliary_coefficient = config.expert_auxiliary_loss_coefficient
         self.z_loss_coefficient = config.expert_z_loss_coefficient
         hidden, ffn = config.hidden_size, config.ffn_hidden_size
@@ -247,21 +260,37 @@ class MixtureOfExperts(torch.nn.Module):
         )
         if self.shared_gate is not None:
             describe(self.shared_gate, "weight", weight_decay=True, tensor_partial=True)
+        self.expert_bias = (
+            torch.nn.Parameter(torch.zeros(self.num_experts)) if config.expert_bias else None
+        )
+        self.expert_bias_update_rate = config.expert_bias_update_rate
+        describe(self, "expert_bias", weight_decay=False, balancing_bias=True)
         self.load: Tensor | None = None
+        self.step_load: Tensor | None = None
+        """With `expert_bias`: the tokens routed to each expert since the last optimizer step
+        (`take_step_loads`)."""
 
-    def forward(self, x: Tensor, norm: InputNorm) -> tuple[Tensor, Tensor]:
-        """The mixture of norm(x), the block's residual stream."""
+    def forward(self, x: Tensor, norm: InputNorm) -> tuple[Tensor, Tensor | None]:
+        """The mixture of norm(x), the block's residual stream, and the router's weighted
+        losses (None when it has none)."""
         x = enter(x, self.tensor)
         normed = norm(x)
         tokens = normed.reshape(-1, normed.shape[-1])
-        weights, experts, counts, auxiliary, sparse = route(
-            self.router(tokens),
-            self.top_k,
-            self.renormalize,
-            x.dtype,
-            self.auxiliary_coefficient,
-            self.z_loss_coefficient,
-        )
+        if self.routing is None:
+            weights, experts, counts, auxiliary, sparse = route(
+                self.router(tokens),
+                self.top_k,
+                self.renormalize,
+                x.dtype,
+                self.auxiliary_coefficient,
+                self.z_loss_coefficient,
+            )
+        else:
+            weights, experts, counts, auxiliary, sparse = route_scored(
+                self.router(tokens), self.routing, self.expert_bias, x.dtype
+            )
+            if not (self.auxiliary_coefficient or self.z_loss_coefficient):
+                auxiliary = None  # no loss of the router's: nothing to differentiate
         if self.expert.split:
             out = exchange(tokens, weights, experts, counts, self.expert, self._held)
         elif self.dropless:
@@ -271,6 +300,9 @@ class MixtureOfExperts(torch.nn.Module):
         # Not while a backward pass recomputes the forward (selective or full recomputation).
         if self.training and torch._C._current_graph_task_id() == -1:
             self.load = counts if self.load is None else self.load + counts
+            if self.expert_bias is not None:
+                step = self.step_load
+                self.step_load = counts if step is None else step + counts
         if self.shared is not None:
             shared = self.shared.partial(x, norm).reshape_as(out)
             if self.shared_gate is not None:
@@ -278,7 +310,8 @@ class MixtureOfExperts(torch.nn.Module):
             out = out + shared
         if not self.tensor.split:
             return out.view_as(x), auxiliary
-        return leave(out.view_as(x), self.tensor), counted_once(auxiliary, self.tensor)
+        once = None if auxiliary is None else counted_once(auxiliary, self.tensor)
+        return leave(out.view_as(x), self.tensor), once
 
     def _held(self, rows: Tensor, experts: Tensor) -> Tensor:
         """This rank's experts on `rows` (rows, hidden), row i through its expert `experts[i]`
@@ -327,3 +360,18 @@ def take_expert_load(model: torch.nn.Module) -> Tensor | None:
             loads.append(module.load)
             module.load = None
     return torch.stack(loads) if loads else None
+
+
+def take_step_loads(model: torch.nn.Module) -> list[tuple[torch.nn.Parameter, Tensor, float]]:
+    """Each mixture with an `expert_bias`: the bias, the tokens routed to each of its experts
+    since the last call (zeros if none were) and its update rate; resets the counts."""
+    loads = []
+    for module in model.modules():
+        bias = module.expert_bias if isinstance(module, MixtureOfExperts) else None
+        if bias is not None and bias.device.type != "meta":  # not another pipeline rank's
+            load = module.step_load
+            if load is None:
+                load = torch.zeros(module.num_experts, dtype=torch.int64, device=bias.device)
+            loads.append((bias, load, module.expert_bias_update_rate))
+            module.step_load = None
+    return loads

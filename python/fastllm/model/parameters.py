@@ -73,6 +73,10 @@ class ParameterMeta:
     final norm and the head. The engine groups layers into stages."""
     frozen: bool = False
     """It does not train (`model.freeze`): weights only, in buffers of their own."""
+    balancing_bias: bool = False
+    """A mixture's expert correction bias (`expert_bias`): no gradient reaches it (its
+    gradient stays zero, and its stage's reduction does not wait for one); the engine moves
+    it after each optimizer step by the expert loads (model/routing.py)."""
     recipe: WeightRecipe | None = field(default=None, compare=False)
     """A projection's weight: the recipe its layer passes to the kernels' ops with it, made
     empty with the layer; the engine fills it in (a gradient sink, FP8)."""

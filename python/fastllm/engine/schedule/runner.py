@@ -151,7 +151,7 @@ class StepRunner:
         return KeyValueMemory() if self.whole else StagedKeyValueMemory()
 
     def _context(self, micro_batch: MicroBatch, piece: int, memory: Memory | None) -> Context:
-        input_ids, _, documents = micro_batch.pieces[piece]
+        input_ids, labels, documents = micro_batch.pieces[piece]
         cache = memory
         if isinstance(memory, StagedKeyValueMemory):
             cache = memory.piece(piece, piece * input_ids.shape[1])
@@ -162,6 +162,7 @@ class StepRunner:
             cache=cache,
             position_ids=None if pairs is None else pairs.positions,
             branch_ids=None if pairs is None else pairs.parts,
+            labels=labels,
         )
 
     def run(self, micro_batches: Sequence[MicroBatch], loss_scale: float) -> Tensor:
