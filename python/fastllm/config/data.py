@@ -7,6 +7,7 @@ from typing import Literal
 
 import msgspec
 
+from fastllm.config.registry import Component
 from fastllm.config.section import ConfigError, Section, check_non_negative, check_positive
 
 
@@ -48,6 +49,15 @@ class DatasetConfig(Section):
             raise ConfigError("path", "no dataset given")
 
 
+class DataSourceConfig(Component):
+    """A Python data source (`data.source`): documents yielded by code of another package,
+    packed into samples by fastllm. Its `implementation` is a class taking
+    `(config, context: fastllm.data.source.SourceContext)` that follows
+    `fastllm.data.source.DataSource` (docs/extending.md)."""
+
+    point = "data_source"
+
+
 class DataConfig(Section):
     path: list[str] = msgspec.field(default_factory=list)
     """Prepared datasets (directories written by `fastllm prepare`)."""
@@ -63,6 +73,9 @@ class DataConfig(Section):
     datasets: dict[str, DatasetConfig] = msgspec.field(default_factory=dict)
     """Named held-out datasets, which `training.evaluators` read by name:
     `datasets: {wiki: {path: [DIR]}}`."""
+    source: DataSourceConfig | None = None
+    """A Python data source to train on instead of `data.path`, chosen by its `type` (a
+    component of another package: docs/extending.md); none: the prepared datasets."""
     cache_dir: str | None = None
     """Where sampling indices are cached; default EXPERIMENT_DIR/cache/sampling."""
     prefetch: int = 4
@@ -70,6 +83,8 @@ class DataConfig(Section):
 
     def validate(self) -> None:
         check_non_negative(self.prefetch, "prefetch")
+        if self.source is not None:
+            self._check_source()
         if self.weights is None:
             return
         if len(self.weights) != len(self.path):
@@ -79,3 +94,15 @@ class DataConfig(Section):
         for i, weight in enumerate(self.weights):
             if not (math.isfinite(weight) and weight > 0):
                 raise ConfigError(f"weights[{i}]", f"must be finite and positive, got {weight}")
+
+    def _check_source(self) -> None:
+        """What a data source does not compose with yet, refused by key."""
+        unsupported = {
+            "path": (bool(self.path), "blending a data source with prepared datasets"),
+            "weights": (self.weights is not None, "blend weights (the source is the only input)"),
+            "sampling": (self.sampling != "packed", "truncated sampling (sources are packed)"),
+            "fim": (self.fim is not None, "FIM (it runs in the Rust sampler of prepared datasets)"),
+        }
+        for key, (chosen, what) in unsupported.items():
+            if chosen:
+                raise ConfigError(key, f"{what} is not supported with data.source yet")

@@ -88,6 +88,12 @@ class TrainerConfig(Section):
             raise ConfigError(
                 "training.export.format", f"{export} cannot express the model: {reason}"
             )
+        if self.data.source is not None and self.training.export.interval:
+            raise ConfigError(
+                "training.export.interval",
+                "exports copy the tokenizer files of data.path[0], which a run on data.source "
+                "has not (not supported yet)",
+            )
         check_evaluators(self)
         check_phases(self)
         self._check_reference_models()

@@ -27,6 +27,7 @@ from fastllm.config.training import check_cadences
 from fastllm.data import DataLoader, SampleStream
 from fastllm.data.dataset import TokenDataset
 from fastllm.data.errors import BuildStopped
+from fastllm.data.source import SourceContext, SourceSamples, make_source
 from fastllm.engine.build import build
 from fastllm.engine.engine import Engine
 from fastllm.engine.memory import buffer_memory
@@ -77,6 +78,9 @@ class Trainer:
         """Where the frozen weights come from, as checkpoints name it (`state.frozen_base`)."""
         self._reference_tables: dict[str, Tensor] | None = None
         """DPO's precomputed reference log-probabilities, by dataset path, once computed."""
+        self.source_samples: SourceSamples | None = None
+        """The samples of `data.source` that the last `data_loader` reads (its position goes
+        into checkpoints)."""
 
     @property
     def experiment_dir(self) -> Path:
@@ -128,6 +132,8 @@ class Trainer:
         `agree` (asked by every rank at the same points) the precomputation of DPO's reference
         log-probabilities, which runs here too."""
         batch_size, run = self.config.batch.batch_size, self.engine.state
+        if self.config.data.source is not None:
+            return PhasedLoader([self.loader(self._source_samples(), run.consumed_samples)])
         loaders = []
         for phase in data_phases(self.config):
             if phase.end_step <= run.step:
@@ -150,9 +156,27 @@ class Trainer:
             loaders.append(self.loader(stream, position, agree))
         return PhasedLoader(loaders)
 
+    def _source_samples(self) -> SourceSamples:
+        """The samples of `data.source` from the data position (phases are refused with it)."""
+        config, run = self.config, self.engine.state
+        source = config.data.source
+        assert source is not None
+        vocab_size = config.model.base_model.vocab_size
+        context = SourceContext(seed=config.model.distributed.seed, vocab_size=vocab_size)
+        self.source_samples = SourceSamples(
+            make_source(source, context),
+            sequence_length=config.batch.sequence_length,
+            num_samples=config.training.train_iters * config.batch.batch_size,
+            batch_size=config.batch.batch_size,
+            vocab_size=vocab_size,
+            start=run.consumed_samples,
+            position=run.data_source,
+        )
+        return self.source_samples
+
     def loader(
         self,
-        stream: SampleStream,
+        stream: SampleStream | SourceSamples,
         consumed_samples: int = 0,
         agree: Callable[[], bool] | None = None,
     ) -> DataLoader:
@@ -173,12 +197,12 @@ class Trainer:
         )
 
     def _reference_log_probs(
-        self, stream: SampleStream, agree: Callable[[], bool] | None
+        self, stream: SampleStream | SourceSamples, agree: Callable[[], bool] | None
     ) -> Tensor | None:
         """The precomputed reference log-probabilities of the pairs of `stream`, by pair id;
         at the first call, those of every preference dataset the run reads."""
         names = self.config.model.base_model.head.precomputed_references
-        if not names or not stream.is_preference:
+        if not names or not isinstance(stream, SampleStream) or not stream.is_preference:
             return None
         (name,) = names  # of the one dpo loss
         if self._reference_tables is None:
