@@ -42,8 +42,8 @@ class DataSource(Protocol):
     `next_document` gives the next document, the same sequence for the same config and
     seed; None once the source has no more (the run is refused if it needed more). `state`
     is the position before the next document, as plain JSON data (ints, strings, lists,
-    dicts): it is saved in checkpoints, and `restore(state)` on a new source of the same
-    config and seed goes back there."""
+    dicts), a new value at each call: it is saved in checkpoints, and `restore(state)` on a
+    new source of the same config and seed goes back there."""
 
     def next_document(self) -> Document | None: ...
     def state(self) -> Any: ...
