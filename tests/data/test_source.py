@@ -76,6 +76,7 @@ def test_a_rank_reads_its_share_after_skipping_the_others() -> None:
         for rank, stream in enumerate(ranks):
             share = stream.read(step * 4 + rank * 2, 2)
             np.testing.assert_array_equal(share.tokens, whole.tokens[step * 4 + rank * 2 :][:2])
+            assert stream.position(step * 4 + 4) == ranks[0].position(step * 4 + 4)
     with pytest.raises(ValueError, match="read forward"):
         ranks[0].read(0, 1)
 

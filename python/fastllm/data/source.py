@@ -59,8 +59,9 @@ def make_source(config: DataSourceConfig, context: SourceContext) -> DataSource:
 class SourceSamples:
     """`num_samples` samples of `sequence_length + 1` tokens packed from `source`'s documents
     in order (a document continues into the next sample), read strictly forward (the loader's
-    thread does; a rank skips the samples of the ranks before it). Its position at each multiple
-    of `batch_size` samples is kept until `position(samples)` is asked for it.
+    thread does): every rank packs every sample and keeps its share of each step. Its position
+    at the end of each step (a multiple of `batch_size` samples), known once the step is read,
+    is kept until `position(samples)` is asked for it.
 
     `start`, `position`: a resumed run's consumed samples and the position saved with them."""
 
@@ -118,6 +119,8 @@ class SourceSamples:
         loss_mask = np.empty(shape, dtype=np.uint8)
         for row in range(count):
             tokens[row], document_ids[row], loss_mask[row] = self._next_sample()
+        while self._cursor % self.batch_size:  # the later ranks' share: the step's position
+            self._next_sample()
         return Samples(tokens, document_ids, loss_mask)
 
     def _next_sample(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
