@@ -38,8 +38,7 @@ def samples(source: Counting | None = None, **options: Any) -> SourceSamples:
     return SourceSamples(
         source or Counting(),
         sequence_length=SEQUENCE,
-        num_samples=12,
-        batch_size=4,
+        step_ends=np.array([4, 8, 12]),
         vocab_size=10_000,
         **options,
     )
@@ -100,5 +99,5 @@ def test_a_source_that_ends_too_soon_or_leaves_the_vocabulary_is_refused() -> No
         samples(Counting(limit=5)).read(0, 12)
     with pytest.raises(ConfigError, match="document 1 holds token id 100, outside"):
         SourceSamples(
-            Counting(), sequence_length=SEQUENCE, num_samples=1, batch_size=1, vocab_size=100
+            Counting(), sequence_length=SEQUENCE, step_ends=np.array([1]), vocab_size=100
         ).read(0, 1)

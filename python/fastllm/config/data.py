@@ -49,13 +49,22 @@ class DatasetConfig(Section):
             raise ConfigError("path", "no dataset given")
 
 
-class DataSourceConfig(Component):
+class DataSourceConfig(Component, kw_only=True):
     """A Python data source (`data.source`): documents yielded by code of another package,
     packed into samples by fastllm. Its `implementation` is a class taking
     `(config, context: fastllm.data.source.SourceContext)` that follows
     `fastllm.data.source.DataSource` (docs/extending.md)."""
 
     point = "data_source"
+
+    share: float = 1.0
+    """Share of the training samples drawn from the source when `data.path` also gives
+    prepared datasets (each sample drawn from the run's seed; the rest from the prepared
+    datasets, blended among themselves by `data.weights`); 1 without `data.path`."""
+
+    def validate(self) -> None:
+        if not 0.0 < self.share <= 1.0:
+            raise ConfigError("share", f"must be in (0, 1], got {self.share}")
 
 
 class DataConfig(Section):
@@ -97,9 +106,15 @@ class DataConfig(Section):
 
     def _check_source(self) -> None:
         """What a data source does not compose with yet, refused by key."""
+        assert self.source is not None
+        share = self.source.share
+        if self.path and share == 1.0:
+            raise ConfigError(
+                "source.share", "is 1: the prepared datasets of data.path would never be read"
+            )
+        if not self.path and share != 1.0:
+            raise ConfigError("source.share", f"is {share}, and data.path gives no other data")
         unsupported = {
-            "path": (bool(self.path), "blending a data source with prepared datasets"),
-            "weights": (self.weights is not None, "blend weights (the source is the only input)"),
             "sampling": (self.sampling != "packed", "truncated sampling (sources are packed)"),
             "fim": (self.fim is not None, "FIM (it runs in the Rust sampler of prepared datasets)"),
         }

@@ -88,7 +88,7 @@ class TrainerConfig(Section):
             raise ConfigError(
                 "training.export.format", f"{export} cannot express the model: {reason}"
             )
-        if self.data.source is not None and self.training.export.interval:
+        if self.data.source is not None and not self.data.path and self.training.export.interval:
             raise ConfigError(
                 "training.export.interval",
                 "exports copy the tokenizer files of data.path[0], which a run on data.source "

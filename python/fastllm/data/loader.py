@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from fastllm.data.samples import PROMPT, SampleStream
-from fastllm.data.source import SourceSamples
+from fastllm.data.source import BlendedSamples, SourceSamples
 
 
 @dataclass
@@ -94,7 +94,7 @@ class DataLoader:
 
     def __init__(
         self,
-        stream: SampleStream | SourceSamples,
+        stream: SampleStream | SourceSamples | BlendedSamples,
         *,
         batch_size: int,
         micro_batch_size: int,

@@ -14,7 +14,7 @@ import numpy as np
 
 from fastllm.config import ConfigError, registry
 from fastllm.config.data import DataSourceConfig
-from fastllm.data.samples import Samples
+from fastllm.data.samples import Samples, SampleStream
 
 
 @dataclass
@@ -60,10 +60,10 @@ class SourceSamples:
     """`num_samples` samples of `sequence_length + 1` tokens packed from `source`'s documents
     in order (a document continues into the next sample), read strictly forward (the loader's
     thread does): every rank packs every sample and keeps its share of each step. Its position
-    at the end of each step (a multiple of `batch_size` samples), known once the step is read,
-    is kept until `position(samples)` is asked for it.
+    at the end of each step (`step_ends`: its samples before the end of each step, increasing),
+    known once the step is read, is kept until `position(samples)` is asked for it.
 
-    `start`, `position`: a resumed run's consumed samples and the position saved with them."""
+    `start`, `position`: a resumed run's samples read and the position saved with them."""
 
     is_preference = False
     num_pairs = 0
@@ -73,8 +73,7 @@ class SourceSamples:
         source: DataSource,
         *,
         sequence_length: int,
-        num_samples: int,
-        batch_size: int,
+        step_ends: np.ndarray,
         vocab_size: int,
         start: int = 0,
         position: dict[str, Any] | None = None,
@@ -82,7 +81,8 @@ class SourceSamples:
     ) -> None:
         self.source, self.key = source, key
         self.sample_length = sequence_length + 1
-        self.num_samples, self.batch_size, self.vocab_size = num_samples, batch_size, vocab_size
+        self.num_samples, self.vocab_size = int(step_ends[-1]), vocab_size
+        self._step_ends, self._step_end_set = step_ends, set(step_ends.tolist())
         self._cursor = start
         self._pending: tuple[np.ndarray, np.ndarray] | None = None
         """The rest of the document the last sample ended in: its tokens and loss mask."""
@@ -119,7 +119,8 @@ class SourceSamples:
         loss_mask = np.empty(shape, dtype=np.uint8)
         for row in range(count):
             tokens[row], document_ids[row], loss_mask[row] = self._next_sample()
-        while self._cursor % self.batch_size:  # the later ranks' share: the step's position
+        end = self._step_ends[np.searchsorted(self._step_ends, self._cursor)]
+        while self._cursor < end:  # the later ranks' share: the step's position
             self._next_sample()
         return Samples(tokens, document_ids, loss_mask)
 
@@ -142,7 +143,7 @@ class SourceSamples:
             if self._used == len(self._pending[0]):
                 self._pending = None
         self._cursor += 1
-        if self._cursor % self.batch_size == 0:
+        if self._cursor in self._step_end_set:
             with self._lock:
                 self._positions[self._cursor] = self._position()
         return np.concatenate(tokens), np.concatenate(ids), np.concatenate(mask)
@@ -156,7 +157,7 @@ class SourceSamples:
                 raise ConfigError(
                     self.key,
                     f"the source ended after {self._documents} documents, before the "
-                    f"{self.num_samples} samples of training.train_iters × batch.batch_size",
+                    f"{self.num_samples} samples the run trains on",
                 )
             where = f"{self.key}: document {self._documents}"
             self._documents += 1
@@ -194,3 +195,51 @@ class SourceSamples:
         if position["used"]:
             self._read_document()
             self._used = position["used"]
+
+
+class BlendedSamples:
+    """The samples of a source blended with those of prepared datasets: sample i is the next
+    of the source where `from_source[i]`, else the next of `prepared` (both read in order)."""
+
+    is_preference = False
+    num_pairs = 0
+
+    def __init__(
+        self, source: SourceSamples, prepared: SampleStream, from_source: np.ndarray
+    ) -> None:
+        if prepared.is_preference:
+            raise ConfigError("data.path", "preference pairs do not blend with data.source")
+        self.source, self.prepared, self.from_source = source, prepared, from_source
+        self.sample_length = source.sample_length
+        self._before = np.concatenate([[0], np.cumsum(from_source)])
+        """The source's samples before sample i of the blend."""
+
+    def __len__(self) -> int:
+        return len(self.from_source)
+
+    def position(self, samples: int) -> dict[str, Any]:
+        return self.source.position(int(self._before[samples]))
+
+    def read(self, first: int, count: int) -> Samples:
+        chosen = self.from_source[first : first + count]
+        source_first = int(self._before[first])
+        ours = self.source.read(source_first, int(chosen.sum()))  # also when none: to the step end
+        theirs = ours
+        if not chosen.all():
+            theirs = self.prepared.read(first - source_first, int((~chosen).sum()))
+        parts = []
+        for name in ("tokens", "document_ids", "loss_mask"):
+            rows = np.empty((count, self.sample_length), dtype=getattr(ours, name).dtype)
+            rows[chosen], rows[~chosen] = getattr(ours, name), getattr(theirs, name)
+            parts.append(rows)
+        return Samples(*parts)
+
+
+def source_choices(share: float, num_samples: int, seed: int) -> np.ndarray:
+    """Which samples of a blend come from the source (each with probability `share`), drawn
+    from the run's seed alone."""
+    return np.random.default_rng([seed, SOURCE_DRAW]).random(num_samples) < share
+
+
+SOURCE_DRAW = 0x5017CE
+"""Salt of the draw of `source_choices`: another stream than any other drawn from the seed."""
