@@ -204,6 +204,10 @@ def test_a_run_without_the_plugin_is_refused_naming_its_key_type_and_error(
         ("data.fim={rate: 0.5}", "data.fim: FIM (it runs in the Rust sampler of prepared"),
         ("training.phases=[{begin_step: 2, data: {weights: [1.0]}}]", "training.phases[0].data:"),
         ("training.export.interval=2", "training.export.interval: exports copy"),
+        (
+            "training.evaluators={tasks: {interval: 2, evaluator: {type: lm_eval, tasks: [x]}}}",
+            "training.evaluators.tasks.evaluator: lm_eval reads the tokenizer files",
+        ),
     ],
 )
 def test_what_a_data_source_does_not_compose_with_is_refused_by_key(
