@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from fastllm.config import ConfigError
-from fastllm.data.source import Document, SourceSamples
+from fastllm.data.samples import Samples
+from fastllm.data.source import BlendedSamples, Document, SourceSamples, source_choices
 
 SEQUENCE = 7  # samples of 8 tokens
 
@@ -35,12 +36,10 @@ class Counting:
 
 
 def samples(source: Counting | None = None, **options: Any) -> SourceSamples:
+    """Three steps of 4 samples (unless `step_ends` says otherwise)."""
+    options = {"step_ends": np.array([4, 8, 12]), **options}
     return SourceSamples(
-        source or Counting(),
-        sequence_length=SEQUENCE,
-        step_ends=np.array([4, 8, 12]),
-        vocab_size=10_000,
-        **options,
+        source or Counting(), sequence_length=SEQUENCE, vocab_size=10_000, **options
     )
 
 
@@ -101,3 +100,26 @@ def test_a_source_that_ends_too_soon_or_leaves_the_vocabulary_is_refused() -> No
         SourceSamples(
             Counting(), sequence_length=SEQUENCE, step_ends=np.array([1]), vocab_size=100
         ).read(0, 1)
+
+
+class Prepared:
+    """Stands for a prepared dataset's stream: sample j is all -(j + 1)."""
+
+    is_preference = False
+
+    def read(self, first: int, count: int) -> Samples:
+        tokens = -np.arange(first + 1, first + count + 1)[:, None] * np.ones(SEQUENCE + 1, int)
+        return Samples(tokens, np.zeros_like(tokens, np.int32), np.ones_like(tokens, np.uint8))
+
+
+def test_a_blend_takes_each_sample_from_the_source_or_the_datasets_as_drawn() -> None:
+    chosen = source_choices(0.5, 12, seed=3)
+    assert chosen.any() and not chosen.all()
+    np.testing.assert_array_equal(chosen, source_choices(0.5, 12, seed=3))
+    before = np.concatenate([[0], np.cumsum(chosen)])
+    blend = BlendedSamples(samples(step_ends=before[4::4]), Prepared(), chosen)  # type: ignore[arg-type]
+    read = np.concatenate([blend.read(first, 4).tokens for first in (0, 4, 8)])
+    alone = samples(step_ends=before[4::4]).read(0, int(chosen.sum())).tokens
+    np.testing.assert_array_equal(read[chosen], alone)
+    np.testing.assert_array_equal(read[~chosen][:, 0], -np.arange(1, (~chosen).sum() + 1))
+    assert blend.position(8) == blend.source.position(int(before[8]))

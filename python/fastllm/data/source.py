@@ -57,7 +57,7 @@ def make_source(config: DataSourceConfig, context: SourceContext) -> DataSource:
 
 
 class SourceSamples:
-    """`num_samples` samples of `sequence_length + 1` tokens packed from `source`'s documents
+    """`step_ends[-1]` samples of `sequence_length + 1` tokens packed from `source`'s documents
     in order (a document continues into the next sample), read strictly forward (the loader's
     thread does): every rank packs every sample and keeps its share of each step. Its position
     at the end of each step (`step_ends`: its samples before the end of each step, increasing),
