@@ -1,10 +1,12 @@
-"""The example plugin (examples/plugin, installed by `make setup`): a squared-ReLU MLP and a
-label-smoothed loss of another package train through `fastllm train`, resume from their
-checkpoint, and a run or a conversion without the plugin is refused naming it (exit code 2)."""
+"""The example plugin (examples/plugin, installed by `make setup`): a squared-ReLU MLP, a
+label-smoothed loss and an arithmetic data source of another package train through `fastllm
+train`, resume from their checkpoint exactly, and a run or a conversion without the plugin is
+refused naming it (exit code 2)."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -13,12 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from tokenizers import Tokenizer
 
 from fastllm.config import TrainerConfig, build, load_raw
 from fastllm.model.normalization import NoNormalization
 from fastllm.training.trainer import Trainer
 from tests.conftest import ROOT
 from tests.data.conftest import run_cli
+from tests.torchrun import torchrun
 from tests.training.conftest import Launched, Layout, train_arguments
 from tests.training.test_distillation import logged
 from tests.training.test_train_cli import losses
@@ -28,6 +32,7 @@ SMOOTHING = 0.1
 RECORDED = {
     "mlp": {"squared_relu": "fastllm_example_plugin.config:SquaredReLUMLPConfig"},
     "head_loss": {"label_smoothing": "fastllm_example_plugin.config:LabelSmoothingLossConfig"},
+    "data_source": {"arithmetic": "fastllm_example_plugin.config:ArithmeticSourceConfig"},
 }
 WITHOUT_PLUGIN = (
     "import sys; sys.modules['fastllm_example_plugin'] = None; "  # its imports fail
@@ -36,14 +41,31 @@ WITHOUT_PLUGIN = (
 
 
 def plugin_arguments(dataset: Path, experiment: Path, *overrides: str) -> list[str]:
-    """The tests' tiny run, with examples/plugin/plugin.yaml's model and loss."""
-    arguments = train_arguments(dataset, experiment, *overrides)
+    """The tests' tiny run, with examples/plugin/plugin.yaml's model and loss, on the
+    prepared dataset."""
+    return with_plugin_config(train_arguments(dataset, experiment, "data.source=null", *overrides))
+
+
+def source_arguments(dataset: Path, experiment: Path, *overrides: str) -> list[str]:
+    """The tests' tiny run, with examples/plugin/plugin.yaml's model, loss and data source
+    (tokenized with the dataset's tokenizer)."""
+    tokenizer = f"data.source.tokenizer={dataset / 'tokenizer.json'}"
+    arguments = train_arguments(dataset, experiment, "data.path=[]", tokenizer, *overrides)
+    return with_plugin_config(arguments)
+
+
+def with_plugin_config(arguments: list[str]) -> list[str]:
     arguments[arguments.index("-c") + 1] = PLUGIN_CONFIG
     return arguments
 
 
-def plugin_trainer(dataset: Path, experiment: Path, *overrides: str) -> Trainer:
-    arguments = plugin_arguments(dataset, experiment, *overrides)
+def plugin_trainer(
+    dataset: Path,
+    experiment: Path,
+    *overrides: str,
+    arguments: Callable[..., list[str]] = plugin_arguments,
+) -> Trainer:
+    arguments = arguments(dataset, experiment, *overrides)
     settings = [a for a in arguments[3:] if "=" in a]
     return Trainer(build(TrainerConfig, load_raw([PLUGIN_CONFIG], settings)))
 
@@ -80,12 +102,63 @@ def test_the_plugin_trains_and_resumes_through_the_command_line(
 ) -> None:
     straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
     for experiment, steps in ((straight, 4), (interrupted, 2), (interrupted, 4)):
-        result = run_cli(*plugin_arguments(dataset, experiment, f"training.train_iters={steps}"))
+        result = run_cli(*source_arguments(dataset, experiment, f"training.train_iters={steps}"))
         assert result.returncode == 0, result.stderr
     assert "resumed from" in result.stdout
-    assert losses(interrupted) == losses(straight)
-    manifest = json.loads((interrupted / "checkpoint" / "4" / "manifest.json").read_text())
+    assert losses(interrupted) == losses(straight)  # bit for bit: the same samples
+    assert sorted(losses(straight)) == [1, 2, 3, 4]
+    manifest = json.loads((interrupted / "checkpoint" / "2" / "manifest.json").read_text())
     assert manifest["components"] == RECORDED
+    # 8 samples of 49 tokens end inside an exercise: its first tokens were packed already.
+    assert manifest["data_source"]["used"] > 0
+
+
+def test_the_plugins_source_blended_with_a_dataset_resumes_exactly(
+    dataset: Path, tmp_path: Path
+) -> None:
+    """A quarter of the samples from the source, the rest from the prepared dataset: which is
+    drawn from the seed, and both resume where they were."""
+    blend = (f"data.path=[{dataset}]", "data.source.share=0.25")
+    straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
+    for experiment, steps in ((straight, 4), (interrupted, 2), (interrupted, 4)):
+        arguments = source_arguments(dataset, experiment, *blend, f"training.train_iters={steps}")
+        result = run_cli(*arguments)
+        assert result.returncode == 0, result.stderr
+    assert losses(interrupted) == losses(straight)
+    assert sorted(losses(straight)) == [1, 2, 3, 4]
+    only_source = source_arguments(dataset, tmp_path / "source", "training.train_iters=4")
+    assert run_cli(*only_source).returncode == 0
+    assert losses(tmp_path / "source") != losses(straight)
+
+
+def test_the_plugins_source_trains_on_the_answers_only(dataset: Path, tmp_path: Path) -> None:
+    """The question of each exercise is a loss-masking span: the trained labels are the
+    answers' digits, their newline and the end-of-document token."""
+    run = plugin_trainer(
+        dataset, tmp_path / "run", "training.train_iters=1", arguments=source_arguments
+    )
+    tokenizer = Tokenizer.from_file(str(dataset / "tokenizer.json"))
+    for batch in next(iter(run.data_loader())):
+        for row, labels in zip(batch.input_ids, batch.labels, strict=True):
+            text = tokenizer.decode(row.tolist(), skip_special_tokens=False)
+            assert re.fullmatch(r"(\d* ?\+? ?\d* ?=? ?\d*\n?(<\|endoftext\|>)?)+", text), text
+            trained = tokenizer.decode(labels[labels != -100].tolist(), skip_special_tokens=False)
+            assert trained and set(trained) <= set("0123456789 \n<|endoftext|>"), trained
+            assert "+" not in trained and "=" not in trained
+
+
+def test_the_plugins_source_on_two_data_ranks_matches_one_process(
+    dataset: Path, tmp_path: Path
+) -> None:
+    """Each data-parallel rank packs the same documents and keeps its share of each step."""
+    for name, ranks in (("one", 1), ("two", 2)):
+        arguments = source_arguments(dataset, tmp_path / name, "training.train_iters=3")
+        result = torchrun(ranks, *arguments) if ranks > 1 else run_cli(*arguments)
+        assert result.returncode == 0, result.stderr
+    expected, got = logged(tmp_path / "one", "loss"), logged(tmp_path / "two", "loss")
+    assert sorted(got) == sorted(expected) == [1, 2, 3]
+    for step, value in expected.items():
+        assert got[step] == pytest.approx(value, rel=1e-5), step
 
 
 def without_plugin(*arguments: str) -> subprocess.CompletedProcess[str]:
@@ -94,14 +167,56 @@ def without_plugin(*arguments: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
 
 
+@pytest.mark.parametrize(
+    ("overrides", "key", "component"),
+    [
+        ((), "model.base_model.transformer.mlp.type: type 'squared_relu'", "SquaredReLUMLPConfig"),
+        (  # fastllm's own MLP and loss: the source is the first of the plugin's components
+            (
+                "model.base_model.transformer.mlp={type: mlp}",
+                "model.base_model.head.losses={lm: {type: label}}",
+            ),
+            "data.source.type: type 'arithmetic'",
+            "ArithmeticSourceConfig",
+        ),
+    ],
+)
 def test_a_run_without_the_plugin_is_refused_naming_its_key_type_and_error(
-    dataset: Path, tmp_path: Path
+    dataset: Path, tmp_path: Path, overrides: tuple[str, ...], key: str, component: str
 ) -> None:
-    result = without_plugin(*plugin_arguments(dataset, tmp_path / "run"))
+    result = without_plugin(*source_arguments(dataset, tmp_path / "run", *overrides))
     assert result.returncode == 2, result.stderr
-    assert "model.base_model.transformer.mlp.type: type 'squared_relu'" in result.stderr
-    assert "fastllm_example_plugin.config:SquaredReLUMLPConfig" in result.stderr
+    assert key in result.stderr
+    assert f"fastllm_example_plugin.config:{component}" in result.stderr
     assert "cannot be imported: ModuleNotFoundError" in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("override", "refused"),
+    [
+        ("data.path=[DATASET]", "data.source.share: is 1: the prepared datasets of data.path"),
+        ("data.source.share=0.5", "data.source.share: is 0.5, and data.path gives no other"),
+        (
+            "data.sampling=truncated",
+            "data.sampling: truncated sampling (sources are packed) is not",
+        ),
+        ("data.fim={rate: 0.5}", "data.fim: FIM (it runs in the Rust sampler of prepared"),
+        ("training.phases=[{begin_step: 2, data: {weights: [1.0]}}]", "training.phases[0].data:"),
+        ("training.export.interval=2", "training.export.interval: exports copy"),
+        (
+            "training.evaluators={tasks: {interval: 2, evaluator: {type: lm_eval, tasks: [x]}}}",
+            "training.evaluators.tasks.evaluator: lm_eval reads the tokenizer files",
+        ),
+    ],
+)
+def test_what_a_data_source_does_not_compose_with_is_refused_by_key(
+    dataset: Path, tmp_path: Path, override: str, refused: str
+) -> None:
+    override = override.replace("DATASET", str(dataset))
+    result = run_cli(*source_arguments(dataset, tmp_path / "run", override))
+    assert result.returncode == 2, result.stderr
+    assert refused in result.stderr
     assert not (tmp_path / "run").exists()
 
 

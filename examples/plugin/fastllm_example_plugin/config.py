@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from fastllm.config.data import DataSourceConfig
 from fastllm.config.model import LossConfig, MLPBaseConfig, TransformerConfig
 from fastllm.config.section import ConfigError, check_positive
 
@@ -47,3 +48,21 @@ class LabelSmoothingLossConfig(LossConfig, tag="label_smoothing"):
         super().validate()
         if not 0.0 <= self.smoothing < 1.0:
             raise ConfigError("smoothing", f"must be in [0, 1), got {self.smoothing}")
+
+
+class ArithmeticSourceConfig(DataSourceConfig, tag="arithmetic"):
+    """Synthetic arithmetic exercises, `12 + 345 = 357`, drawn from the run's seed and
+    tokenized as they are read; the question is not trained on (a loss-masking span), only
+    the answer and the end-of-document token."""
+
+    implementation = "fastllm_example_plugin.source:ArithmeticSource"
+
+    tokenizer: str
+    """A Hugging Face `tokenizer.json` (a prepared dataset keeps one)."""
+    max_operand: int = 999
+    """The largest operand."""
+    end_of_document: str = "<|endoftext|>"
+    """The token after each exercise."""
+
+    def validate(self) -> None:
+        check_positive(self.max_operand, "max_operand")

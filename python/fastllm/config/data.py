@@ -7,6 +7,7 @@ from typing import Literal
 
 import msgspec
 
+from fastllm.config.registry import Component
 from fastllm.config.section import ConfigError, Section, check_non_negative, check_positive
 
 
@@ -48,6 +49,24 @@ class DatasetConfig(Section):
             raise ConfigError("path", "no dataset given")
 
 
+class DataSourceConfig(Component, kw_only=True):
+    """A Python data source (`data.source`): documents yielded by code of another package,
+    packed into samples by fastllm. Its `implementation` is a class taking
+    `(config, context: fastllm.data.source.SourceContext)` that follows
+    `fastllm.data.source.DataSource` (docs/extending.md)."""
+
+    point = "data_source"
+
+    share: float = 1.0
+    """Share of the training samples drawn from the source when `data.path` also gives
+    prepared datasets (each sample drawn from the run's seed; the rest from the prepared
+    datasets, blended among themselves by `data.weights`); 1 without `data.path`."""
+
+    def validate(self) -> None:
+        if not 0.0 < self.share <= 1.0:
+            raise ConfigError("share", f"must be in (0, 1], got {self.share}")
+
+
 class DataConfig(Section):
     path: list[str] = msgspec.field(default_factory=list)
     """Prepared datasets (directories written by `fastllm prepare`)."""
@@ -63,6 +82,9 @@ class DataConfig(Section):
     datasets: dict[str, DatasetConfig] = msgspec.field(default_factory=dict)
     """Named held-out datasets, which `training.evaluators` read by name:
     `datasets: {wiki: {path: [DIR]}}`."""
+    source: DataSourceConfig | None = None
+    """A Python data source to train on instead of `data.path`, chosen by its `type` (a
+    component of another package: docs/extending.md); none: the prepared datasets."""
     cache_dir: str | None = None
     """Where sampling indices are cached; default EXPERIMENT_DIR/cache/sampling."""
     prefetch: int = 4
@@ -70,6 +92,8 @@ class DataConfig(Section):
 
     def validate(self) -> None:
         check_non_negative(self.prefetch, "prefetch")
+        if self.source is not None:
+            self._check_source()
         if self.weights is None:
             return
         if len(self.weights) != len(self.path):
@@ -79,3 +103,21 @@ class DataConfig(Section):
         for i, weight in enumerate(self.weights):
             if not (math.isfinite(weight) and weight > 0):
                 raise ConfigError(f"weights[{i}]", f"must be finite and positive, got {weight}")
+
+    def _check_source(self) -> None:
+        """What a data source does not compose with yet, refused by key."""
+        assert self.source is not None
+        share = self.source.share
+        if self.path and share == 1.0:
+            raise ConfigError(
+                "source.share", "is 1: the prepared datasets of data.path would never be read"
+            )
+        if not self.path and share != 1.0:
+            raise ConfigError("source.share", f"is {share}, and data.path gives no other data")
+        unsupported = {
+            "sampling": (self.sampling != "packed", "truncated sampling (sources are packed)"),
+            "fim": (self.fim is not None, "FIM (it runs in the Rust sampler of prepared datasets)"),
+        }
+        for key, (chosen, what) in unsupported.items():
+            if chosen:
+                raise ConfigError(key, f"{what} is not supported with data.source yet")

@@ -61,8 +61,14 @@ def data_phases(config: TrainerConfig) -> list[DataPhase]:
 
 
 def check_phases(config: TrainerConfig) -> None:
-    """A phase that weights the datasets of the phase before gives a weight to each."""
+    """A phase that weights the datasets of the phase before gives a weight to each; a run
+    on a data source (`data.source`) has no blend for a phase to switch."""
     for i, phase in enumerate(config.training.phases):
+        if phase.data is not None and config.data.source is not None:
+            raise ConfigError(
+                f"training.phases[{i}].data",
+                "switching the data of a run on data.source is not supported yet",
+            )
         if phase.data is None or phase.data.weights is None or phase.data.path is not None:
             continue
         (blend,) = [p for p in data_phases(config) if p.begin_step == phase.begin_step]

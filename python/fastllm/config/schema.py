@@ -180,12 +180,12 @@ def _check_component(
     assert tag_field is not None
     name = value.get(tag_field)
     type_key = format_key([*key, tag_field])
-    if name is None:  # the field's default, else the point's first (`losses`: label)
-        cls: type[msgspec.Struct] = (
-            default
-            if isinstance(default, type) and issubclass(default, point)
-            else next(iter(registry.registered(point.point).values()))
-        )
+    if name is None:  # the field's default, else fastllm's first (`losses`: label)
+        first = next(iter(registry.builtins(point.point).values()), None)
+        chosen = default if isinstance(default, type) and issubclass(default, point) else first
+        if chosen is None:  # fastllm has none (`data.source`)
+            raise ConfigError(type_key, "is required: name the component (type or module:Class)")
+        cls: type[msgspec.Struct] = chosen
         value = {tag_field: registry.name_of(cls), **value}
     elif not isinstance(name, str):
         raise ConfigError(type_key, f"unknown type {brief(name)}; expected a name or module:Class")

@@ -7,7 +7,7 @@ import msgspec
 from fastllm.config import registry
 from fastllm.config.bounds import check_bounds
 from fastllm.config.data import DataConfig
-from fastllm.config.evaluation import check_evaluators
+from fastllm.config.evaluation import LmEvalEvaluatorConfig, check_evaluators
 from fastllm.config.formats import HF_ARCHITECTURES, ModelFormat, inexpressible
 from fastllm.config.layout import check_compatible, check_shape
 from fastllm.config.model import DPOLossConfig, LoRAConfig, ModelConfig
@@ -88,6 +88,7 @@ class TrainerConfig(Section):
             raise ConfigError(
                 "training.export.format", f"{export} cannot express the model: {reason}"
             )
+        self._check_tokenizer_files()
         check_evaluators(self)
         check_phases(self)
         self._check_reference_models()
@@ -96,6 +97,20 @@ class TrainerConfig(Section):
         check_compatible(self)
         registry.check_settings(self, TrainerConfig())
         check_shape(self)
+
+    def _check_tokenizer_files(self) -> None:
+        """Exports and lm_eval read the tokenizer files of data.path[0], which a run on a
+        data source alone has not."""
+        if self.data.source is None or self.data.path:
+            return
+        reason = "the tokenizer files of data.path[0], which a run on data.source alone has not"
+        if self.training.export.interval:
+            raise ConfigError("training.export.interval", f"exports copy {reason}")
+        for name, evaluator in self.training.evaluators.items():
+            if isinstance(evaluator.evaluator, LmEvalEvaluatorConfig):
+                raise ConfigError(
+                    f"training.evaluators.{name}.evaluator", f"lm_eval reads {reason}"
+                )
 
     def _check_reference_models(self) -> None:
         """Each loss's reference model is given, and each given one is read by a loss."""

@@ -4,6 +4,7 @@
   `tokenizer_training`: `fastllm tokenizer train` on the same inputs.
 - `dataset`: a prepared dataset (shards + metadata) or a Megatron `.bin`/`.idx` prefix.
 - `samples`: the run's sample stream: datasets cut into samples, blended, FIM-transformed.
+- `source`: Python data sources (`data.source`), their documents packed into samples.
 - `loader`: one data-parallel rank's batches, prepared ahead in pinned memory.
 - `errors`: what a failed write of prepare raises.
 
@@ -18,6 +19,9 @@ _EXPORTS = {
     "DataLoader": "fastllm.data.loader",
     "SampleStream": "fastllm.data.samples",
     "Samples": "fastllm.data.samples",
+    "DataSource": "fastllm.data.source",
+    "Document": "fastllm.data.source",
+    "SourceContext": "fastllm.data.source",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from fastllm.data.samples import PROMPT, SampleStream
+from fastllm.data.source import BlendedSamples, SourceSamples
 
 
 @dataclass
@@ -93,7 +94,7 @@ class DataLoader:
 
     def __init__(
         self,
-        stream: SampleStream,
+        stream: SampleStream | SourceSamples | BlendedSamples,
         *,
         batch_size: int,
         micro_batch_size: int,

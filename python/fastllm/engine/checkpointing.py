@@ -31,6 +31,8 @@ class TrainingState:
     """Samples of the training data trained on (where the data loader resumes)."""
     skipped_steps: int = 0
     """Steps whose update was skipped (a gradient that was not finite)."""
+    data_source: dict[str, Any] | None = None
+    """Where `data.source` is after `consumed_samples` (plain data; None without one)."""
 
 
 @dataclass
@@ -117,6 +119,7 @@ def to_snapshot(state: EngineState, config: dict[str, Any]) -> Snapshot:
             "consumed_samples": training.consumed_samples,
             "skipped_steps": training.skipped_steps,
             "loss_scaler": state.loss_scaler,
+            **({} if training.data_source is None else {"data_source": training.data_source}),
         },
         extra=state.per_rank,
     )
@@ -134,6 +137,7 @@ def load(engine: Engine, saved: SavedCheckpoint) -> None:
         step=counters["step"],
         consumed_samples=counters["consumed_samples"],
         skipped_steps=counters["skipped_steps"],
+        data_source=counters.get("data_source"),
     )
     state.optimizer_steps = counters["optimizer_steps"]
     state.loss_scaler = counters["loss_scaler"]

@@ -52,8 +52,8 @@ def check_inputs(config: TrainerConfig) -> None:
         raise ConfigError("run.experiment_dir", f"{existing} is a file, not a directory")
     if config.training.train_iters <= 0:
         raise ConfigError("training.train_iters", "must be positive to train")
-    if not config.data.path:
-        raise ConfigError("data.path", "no training dataset given")
+    if not config.data.path and config.data.source is None:
+        raise ConfigError("data.path", "no training dataset given (nor data.source)")
     phases = [
         (f"training.phases[{i}].data.path", phase.data.path)
         for i, phase in enumerate(config.training.phases)

@@ -34,6 +34,8 @@ def save_checkpoint(trainer: Trainer, directory: Path | None = None) -> Path:
     """Start writing a checkpoint of the full training state (default
     EXPERIMENT_DIR/checkpoint/STEP, pruned to `training.checkpoint.keep`)."""
     engine = trainer.engine
+    if trainer.source_samples is not None:
+        engine.state.data_source = trainer.source_samples.position(engine.state.consumed_samples)
     snapshot = checkpointing.to_snapshot(engine.state_dict(), msgspec.to_builtins(trainer.config))
     snapshot.components = registry.record(trainer.config)
     if _frozen_names(trainer):

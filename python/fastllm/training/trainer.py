@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -27,6 +28,13 @@ from fastllm.config.training import check_cadences
 from fastllm.data import DataLoader, SampleStream
 from fastllm.data.dataset import TokenDataset
 from fastllm.data.errors import BuildStopped
+from fastllm.data.source import (
+    BlendedSamples,
+    SourceContext,
+    SourceSamples,
+    make_source,
+    source_choices,
+)
 from fastllm.engine.build import build
 from fastllm.engine.engine import Engine
 from fastllm.engine.memory import buffer_memory
@@ -77,6 +85,9 @@ class Trainer:
         """Where the frozen weights come from, as checkpoints name it (`state.frozen_base`)."""
         self._reference_tables: dict[str, Tensor] | None = None
         """DPO's precomputed reference log-probabilities, by dataset path, once computed."""
+        self.source_samples: SourceSamples | BlendedSamples | None = None
+        """The samples of `data.source` (blended with `data.path`'s) that the last `data_loader`
+        reads: its position goes into checkpoints."""
 
     @property
     def experiment_dir(self) -> Path:
@@ -128,6 +139,9 @@ class Trainer:
         `agree` (asked by every rank at the same points) the precomputation of DPO's reference
         log-probabilities, which runs here too."""
         batch_size, run = self.config.batch.batch_size, self.engine.state
+        if self.config.data.source is not None:
+            samples = self._source_samples(stop)
+            return PhasedLoader([self.loader(samples, run.consumed_samples)])
         loaders = []
         for phase in data_phases(self.config):
             if phase.end_step <= run.step:
@@ -150,9 +164,41 @@ class Trainer:
             loaders.append(self.loader(stream, position, agree))
         return PhasedLoader(loaders)
 
+    def _source_samples(self, stop: Callable[[], bool] | None) -> SourceSamples | BlendedSamples:
+        """The samples of `data.source`, blended with those of `data.path` when it gives
+        datasets, from the data position (phases are refused with a source)."""
+        config, run = self.config, self.engine.state
+        data, batch_size, seed = config.data, config.batch.batch_size, config.model.distributed.seed
+        assert data.source is not None
+        num_samples = config.training.train_iters * batch_size
+        from_source = (
+            source_choices(data.source.share, num_samples, seed)
+            if data.path
+            else np.ones(num_samples, dtype=bool)
+        )
+        before = np.concatenate([[0], np.cumsum(from_source)])
+        vocab_size = config.model.base_model.vocab_size
+        context = SourceContext(seed=seed, vocab_size=vocab_size)
+        samples = SourceSamples(
+            make_source(data.source, context),
+            sequence_length=config.batch.sequence_length,
+            step_ends=before[batch_size::batch_size],
+            vocab_size=vocab_size,
+            start=int(before[run.consumed_samples]),
+            position=run.data_source,
+        )
+        self.source_samples = samples
+        if data.path:
+            prepared = int((~from_source).sum())
+            stream = self.sample_stream(
+                data.path, max(prepared, 1), "data.path", stop, weights=data.weights
+            )
+            self.source_samples = BlendedSamples(samples, stream, from_source)
+        return self.source_samples
+
     def loader(
         self,
-        stream: SampleStream,
+        stream: SampleStream | SourceSamples | BlendedSamples,
         consumed_samples: int = 0,
         agree: Callable[[], bool] | None = None,
     ) -> DataLoader:
@@ -173,12 +219,14 @@ class Trainer:
         )
 
     def _reference_log_probs(
-        self, stream: SampleStream, agree: Callable[[], bool] | None
+        self,
+        stream: SampleStream | SourceSamples | BlendedSamples,
+        agree: Callable[[], bool] | None,
     ) -> Tensor | None:
         """The precomputed reference log-probabilities of the pairs of `stream`, by pair id;
         at the first call, those of every preference dataset the run reads."""
         names = self.config.model.base_model.head.precomputed_references
-        if not names or not stream.is_preference:
+        if not names or not isinstance(stream, SampleStream) or not stream.is_preference:
             return None
         (name,) = names  # of the one dpo loss
         if self._reference_tables is None:
