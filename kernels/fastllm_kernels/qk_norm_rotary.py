@@ -22,16 +22,15 @@ from torch import Tensor
 
 from fastllm_kernels._dispatch import use_triton
 from fastllm_kernels.norm import rms_norm_reference
-from fastllm_kernels.rotary import (
-    _check_qkv_shapes,
-    _load_split,
-    _qkv_tile,
-    _rotate_halves,
-    _store_split,
-    _strided,
-    apply_rotary_reference,
-    split_qkv_rotary_reference,
+from fastllm_kernels.qkv_tiles import (
+    check_qkv_shapes,
+    load_split,
+    qkv_tile,
+    rotate_halves,
+    store_split,
+    strided,
 )
+from fastllm_kernels.rotary import apply_rotary_reference, split_qkv_rotary_reference
 
 
 def split_qkv_norm_rotary(
@@ -48,7 +47,7 @@ def split_qkv_norm_rotary(
     seq, (heads + 2 * kv_heads) * head_dim), of any strides: q through RMSNorm with
     `query_weight` (head_dim,), k with `key_weight`, then both rotated by cos/sin as
     `split_qkv_rotary` does. Differentiable in qkv and both weights."""
-    head_dim = _check_qkv_shapes(qkv, heads, kv_heads, cos, sin)
+    head_dim = check_qkv_shapes(qkv, heads, kv_heads, cos, sin)
     if cos is not None and head_dim % 2:
         raise ValueError(f"rotary needs an even head_dim, got {head_dim}")
     for name, weight in (("query_weight", query_weight), ("key_weight", key_weight)):
@@ -189,7 +188,7 @@ def _norm_rotary_kernel(
     ROTATE: tl.constexpr, NORM_Q: tl.constexpr, NORM_K: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    token, b, s, h, d, mask, is_q, is_k, is_v = _qkv_tile(
+    token, b, s, h, d, mask, is_q, is_k, is_v = qkv_tile(
         seq, heads, kv_heads, half, BLOCK_H, BLOCK_D
     )
     x_ptrs = qkv_ptr + b * qkv_stride_b + s * qkv_stride_s + (h * head_dim + d) * qkv_stride_c
@@ -204,11 +203,11 @@ def _norm_rotary_kernel(
     k_ptrs = k_ptr + (token * kv_heads + tl.where(is_k, h - heads, 0)) * head_dim + d
     v_ptrs = v_ptr + (token * kv_heads + tl.where(is_v, h - heads - kv_heads, 0)) * head_dim + d
     if ROTATE:
-        y1, y2 = _rotate_halves(x1, x2, cos_ptr, sin_ptr, b, s, d, half, cos_stride_b, 1.0, ~is_v)
-        _store_split(q_ptrs, k_ptrs, v_ptrs, y1, mask, is_q, is_k, is_v)
-        _store_split(q_ptrs + half, k_ptrs + half, v_ptrs + half, y2, mask, is_q, is_k, is_v)
+        y1, y2 = rotate_halves(x1, x2, cos_ptr, sin_ptr, b, s, d, half, cos_stride_b, 1.0, ~is_v)
+        store_split(q_ptrs, k_ptrs, v_ptrs, y1, mask, is_q, is_k, is_v)
+        store_split(q_ptrs + half, k_ptrs + half, v_ptrs + half, y2, mask, is_q, is_k, is_v)
     else:
-        _store_split(q_ptrs, k_ptrs, v_ptrs, x1, mask, is_q, is_k, is_v)
+        store_split(q_ptrs, k_ptrs, v_ptrs, x1, mask, is_q, is_k, is_v)
 
 
 @triton.jit
@@ -224,25 +223,25 @@ def _norm_rotary_backward_kernel(
     ROTATE: tl.constexpr, NORM_Q: tl.constexpr, NORM_K: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    token, b, s, h, d, mask, is_q, is_k, is_v = _qkv_tile(
+    token, b, s, h, d, mask, is_q, is_k, is_v = qkv_tile(
         seq, heads, kv_heads, half, BLOCK_H, BLOCK_D
     )
-    dq_ptrs = _strided(
+    dq_ptrs = strided(
         dq_ptr, b, s, tl.where(is_q, h, 0), d, dq_stride_b, dq_stride_s, dq_stride_h, dq_stride_d
     )
     dk_h = tl.where(is_k, h - heads, 0)
-    dk_ptrs = _strided(dk_ptr, b, s, dk_h, d, dk_stride_b, dk_stride_s, dk_stride_h, dk_stride_d)
+    dk_ptrs = strided(dk_ptr, b, s, dk_h, d, dk_stride_b, dk_stride_s, dk_stride_h, dk_stride_d)
     dv_h = tl.where(is_v, h - heads - kv_heads, 0)
-    dv_ptrs = _strided(dv_ptr, b, s, dv_h, d, dv_stride_b, dv_stride_s, dv_stride_h, dv_stride_d)
-    g1 = _load_split(dq_ptrs, dk_ptrs, dv_ptrs, mask, is_q, is_k, is_v, HAS_DQ, HAS_DK, HAS_DV)
+    dv_ptrs = strided(dv_ptr, b, s, dv_h, d, dv_stride_b, dv_stride_s, dv_stride_h, dv_stride_d)
+    g1 = load_split(dq_ptrs, dk_ptrs, dv_ptrs, mask, is_q, is_k, is_v, HAS_DQ, HAS_DK, HAS_DV)
     g1 = g1.to(tl.float32)
     if ROTATE:
-        g2 = _load_split(
+        g2 = load_split(
             dq_ptrs + half * dq_stride_d, dk_ptrs + half * dk_stride_d, dv_ptrs + half * dv_stride_d,
             mask, is_q, is_k, is_v, HAS_DQ, HAS_DK, HAS_DV,
         )  # fmt: skip
         # The transpose of a rotation by angle is the rotation by -angle.
-        g1, g2 = _rotate_halves(g1, g2, cos_ptr, sin_ptr, b, s, d, half, cos_stride_b, -1.0, ~is_v)
+        g1, g2 = rotate_halves(g1, g2, cos_ptr, sin_ptr, b, s, d, half, cos_stride_b, -1.0, ~is_v)
     else:
         g2 = tl.zeros_like(g1)
     # The norm's backward pass: x̂ = x / rms, y = x̂ w, dx = (g w - x̂ mean(g w x̂)) / rms.

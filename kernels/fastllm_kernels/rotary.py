@@ -20,6 +20,15 @@ import triton.language as tl
 from torch import Tensor
 
 from fastllm_kernels._dispatch import use_triton
+from fastllm_kernels.qkv_tiles import (
+    check_angles,
+    check_qkv_shapes,
+    load_split,
+    qkv_tile,
+    rotate_halves,
+    store_split,
+    strided,
+)
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -46,7 +55,7 @@ def split_qkv_rotary(
     q (batch, seq, heads, head_dim) and k, v (batch, seq, kv_heads, head_dim), rotating q and k
     as apply_rotary does; cos = sin = None for no rotation. The Triton path returns new
     contiguous tensors; gradients flow to qkv only."""
-    head_dim = _check_qkv_shapes(qkv, heads, kv_heads, cos, sin)
+    head_dim = check_qkv_shapes(qkv, heads, kv_heads, cos, sin)
     if use_triton(qkv, cos, sin):
         return _SplitQKVRotaryFunction.apply(qkv, heads, kv_heads, head_dim, cos, sin)
     return split_qkv_rotary_reference(qkv, heads, kv_heads, cos, sin)
@@ -73,33 +82,7 @@ def _check_shapes(x: Tensor, cos: Tensor, sin: Tensor) -> None:
     batch, seq, _, head_dim = x.shape
     if head_dim % 2 or cos.shape != sin.shape:
         raise ValueError(f"bad rotary shapes: x {tuple(x.shape)}, cos {tuple(cos.shape)}")
-    _check_angles(batch, seq, head_dim, cos)
-
-
-def _check_qkv_shapes(
-    qkv: Tensor, heads: int, kv_heads: int, cos: Tensor | None, sin: Tensor | None
-) -> int:
-    """Checks the shapes and returns head_dim."""
-    if qkv.dim() != 3 or qkv.shape[-1] % (heads + 2 * kv_heads):
-        raise ValueError(
-            f"qkv {tuple(qkv.shape)} is not (batch, seq, {heads + 2 * kv_heads} heads)"
-        )
-    batch, seq, width = qkv.shape
-    head_dim = width // (heads + 2 * kv_heads)
-    if (cos is None) != (sin is None):
-        raise ValueError("cos and sin must both be given or both be None")
-    if cos is not None and sin is not None:
-        if head_dim % 2 or cos.shape != sin.shape:
-            raise ValueError(f"bad rotary shapes: qkv {tuple(qkv.shape)}, cos {tuple(cos.shape)}")
-        _check_angles(batch, seq, head_dim, cos)
-    return head_dim
-
-
-def _check_angles(batch: int, seq: int, head_dim: int, cos: Tensor) -> None:
-    if cos.shape not in ((seq, head_dim // 2), (batch, seq, head_dim // 2)):
-        raise ValueError(
-            f"cos/sin must be ({seq}, {head_dim // 2}) or ({batch}, {seq}, {head_dim // 2})"
-        )
+    check_angles(batch, seq, head_dim, cos)
 
 
 class _RotaryFunction(torch.autograd.Function):
@@ -216,34 +199,12 @@ def _qkv_launch(
 
 
 @triton.jit
-def _qkv_tile(seq, heads, kv_heads, half, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """This program's token (b, s), heads h (of q, k, v in turn) and columns d within a half."""
-    token = tl.program_id(0).to(tl.int64)
-    h = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)[:, None]
-    d = tl.arange(0, BLOCK_D)[None, :]
-    mask = (h < heads + 2 * kv_heads) & (d < half)
-    is_q = h < heads
-    is_v = h >= heads + kv_heads
-    return token, token // seq, token % seq, h, d, mask, is_q, ~is_q & ~is_v, is_v
-
-
-@triton.jit
-def _rotate_halves(x1, x2, cos_ptr, sin_ptr, b, s, d, half, cos_stride_b, sign, rotate):
-    """(x1, x2) rotated by sign * angle in fp32 where `rotate` (q and k), kept elsewhere (v)."""
-    angle_offset = b * cos_stride_b + s * half + d
-    cos = tl.load(cos_ptr + angle_offset, mask=d < half, other=0.0).to(tl.float32)
-    sin = sign * tl.load(sin_ptr + angle_offset, mask=d < half, other=0.0).to(tl.float32)
-    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
-    return tl.where(rotate, x1 * cos - x2 * sin, x1), tl.where(rotate, x2 * cos + x1 * sin, x2)
-
-
-@triton.jit
 def _split_qkv_rotary_kernel(
     qkv_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, seq, heads, kv_heads, head_dim, half,
     cos_stride_b, qkv_stride_b, qkv_stride_s, qkv_stride_c,
     ROTATE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    token, b, s, h, d, mask, is_q, is_k, is_v = _qkv_tile(
+    token, b, s, h, d, mask, is_q, is_k, is_v = qkv_tile(
         seq, heads, kv_heads, half, BLOCK_H, BLOCK_D
     )
     x_ptrs = qkv_ptr + b * qkv_stride_b + s * qkv_stride_s + (h * head_dim + d) * qkv_stride_c
@@ -254,19 +215,11 @@ def _split_qkv_rotary_kernel(
     x1 = tl.load(x_ptrs, mask=mask)
     if ROTATE:
         x2 = tl.load(x_ptrs + half * qkv_stride_c, mask=mask)
-        y1, y2 = _rotate_halves(x1, x2, cos_ptr, sin_ptr, b, s, d, half, cos_stride_b, 1.0, ~is_v)
-        _store_split(q_ptrs, k_ptrs, v_ptrs, y1, mask, is_q, is_k, is_v)
-        _store_split(q_ptrs + half, k_ptrs + half, v_ptrs + half, y2, mask, is_q, is_k, is_v)
+        y1, y2 = rotate_halves(x1, x2, cos_ptr, sin_ptr, b, s, d, half, cos_stride_b, 1.0, ~is_v)
+        store_split(q_ptrs, k_ptrs, v_ptrs, y1, mask, is_q, is_k, is_v)
+        store_split(q_ptrs + half, k_ptrs + half, v_ptrs + half, y2, mask, is_q, is_k, is_v)
     else:
-        _store_split(q_ptrs, k_ptrs, v_ptrs, x1, mask, is_q, is_k, is_v)
-
-
-@triton.jit
-def _store_split(q_ptrs, k_ptrs, v_ptrs, x, mask, is_q, is_k, is_v):
-    x = x.to(q_ptrs.dtype.element_ty)
-    tl.store(q_ptrs, x, mask=mask & is_q)
-    tl.store(k_ptrs, x, mask=mask & is_k)
-    tl.store(v_ptrs, x, mask=mask & is_v)
+        store_split(q_ptrs, k_ptrs, v_ptrs, x1, mask, is_q, is_k, is_v)
 
 
 @triton.jit
@@ -278,49 +231,28 @@ def _split_qkv_rotary_backward_kernel(
     HAS_DQ: tl.constexpr, HAS_DK: tl.constexpr, HAS_DV: tl.constexpr,
     ROTATE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    token, b, s, h, d, mask, is_q, is_k, is_v = _qkv_tile(
+    token, b, s, h, d, mask, is_q, is_k, is_v = qkv_tile(
         seq, heads, kv_heads, half, BLOCK_H, BLOCK_D
     )
     # Gradients come with any strides (attention kernels return (batch, heads, seq)-major
     # ones); lanes of the other two parts point at head 0 (masked off).
-    dq_ptrs = _strided(
+    dq_ptrs = strided(
         dq_ptr, b, s, tl.where(is_q, h, 0), d, dq_stride_b, dq_stride_s, dq_stride_h, dq_stride_d
     )
     dk_h = tl.where(is_k, h - heads, 0)
-    dk_ptrs = _strided(dk_ptr, b, s, dk_h, d, dk_stride_b, dk_stride_s, dk_stride_h, dk_stride_d)
+    dk_ptrs = strided(dk_ptr, b, s, dk_h, d, dk_stride_b, dk_stride_s, dk_stride_h, dk_stride_d)
     dv_h = tl.where(is_v, h - heads - kv_heads, 0)
-    dv_ptrs = _strided(dv_ptr, b, s, dv_h, d, dv_stride_b, dv_stride_s, dv_stride_h, dv_stride_d)
+    dv_ptrs = strided(dv_ptr, b, s, dv_h, d, dv_stride_b, dv_stride_s, dv_stride_h, dv_stride_d)
     out_ptrs = dqkv_ptr + token * (heads + 2 * kv_heads) * head_dim + h * head_dim + d
-    g1 = _load_split(dq_ptrs, dk_ptrs, dv_ptrs, mask, is_q, is_k, is_v, HAS_DQ, HAS_DK, HAS_DV)
+    g1 = load_split(dq_ptrs, dk_ptrs, dv_ptrs, mask, is_q, is_k, is_v, HAS_DQ, HAS_DK, HAS_DV)
     if ROTATE:
-        g2 = _load_split(
+        g2 = load_split(
             dq_ptrs + half * dq_stride_d, dk_ptrs + half * dk_stride_d, dv_ptrs + half * dv_stride_d,
             mask, is_q, is_k, is_v, HAS_DQ, HAS_DK, HAS_DV,
         )  # fmt: skip
         # The transpose of a rotation by angle is the rotation by -angle.
-        y1, y2 = _rotate_halves(g1, g2, cos_ptr, sin_ptr, b, s, d, half, cos_stride_b, -1.0, ~is_v)
+        y1, y2 = rotate_halves(g1, g2, cos_ptr, sin_ptr, b, s, d, half, cos_stride_b, -1.0, ~is_v)
         tl.store(out_ptrs, y1.to(dqkv_ptr.dtype.element_ty), mask=mask)
         tl.store(out_ptrs + half, y2.to(dqkv_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(out_ptrs, g1, mask=mask)
-
-
-@triton.jit
-def _strided(ptr, b, s, h, d, stride_b, stride_s, stride_h, stride_d):
-    return ptr + b * stride_b + s * stride_s + h * stride_h + d * stride_d
-
-
-@triton.jit
-def _load_split(
-    q_ptrs, k_ptrs, v_ptrs, mask, is_q, is_k, is_v,
-    HAS_Q: tl.constexpr, HAS_K: tl.constexpr, HAS_V: tl.constexpr,
-):  # fmt: skip
-    """The gradient of each lane's part; zeros for a part whose gradient is absent."""
-    x = tl.zeros(mask.shape, dtype=q_ptrs.dtype.element_ty)
-    if HAS_Q:
-        x = tl.where(is_q, tl.load(q_ptrs, mask=mask & is_q, other=0.0), x)
-    if HAS_K:
-        x = tl.where(is_k, tl.load(k_ptrs, mask=mask & is_k, other=0.0), x)
-    if HAS_V:
-        x = tl.where(is_v, tl.load(v_ptrs, mask=mask & is_v, other=0.0), x)
-    return x

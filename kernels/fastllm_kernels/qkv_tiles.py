@@ -1,0 +1,87 @@
+"""Shared pieces of the kernels over a fused qkv projection (rotary.py's split and
+qk_norm_rotary.py's): the shape checks, and the @triton.jit helpers that give a program its token
+and block of q, k and v heads, rotate a tile's two halves, and store or load each lane in its
+part."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+def check_qkv_shapes(
+    qkv: Tensor, heads: int, kv_heads: int, cos: Tensor | None, sin: Tensor | None
+) -> int:
+    """Checks the shapes and returns head_dim."""
+    if qkv.dim() != 3 or qkv.shape[-1] % (heads + 2 * kv_heads):
+        raise ValueError(
+            f"qkv {tuple(qkv.shape)} is not (batch, seq, {heads + 2 * kv_heads} heads)"
+        )
+    batch, seq, width = qkv.shape
+    head_dim = width // (heads + 2 * kv_heads)
+    if (cos is None) != (sin is None):
+        raise ValueError("cos and sin must both be given or both be None")
+    if cos is not None and sin is not None:
+        if head_dim % 2 or cos.shape != sin.shape:
+            raise ValueError(f"bad rotary shapes: qkv {tuple(qkv.shape)}, cos {tuple(cos.shape)}")
+        check_angles(batch, seq, head_dim, cos)
+    return head_dim
+
+
+def check_angles(batch: int, seq: int, head_dim: int, cos: Tensor) -> None:
+    if cos.shape not in ((seq, head_dim // 2), (batch, seq, head_dim // 2)):
+        raise ValueError(
+            f"cos/sin must be ({seq}, {head_dim // 2}) or ({batch}, {seq}, {head_dim // 2})"
+        )
+
+
+@triton.jit
+def qkv_tile(seq, heads, kv_heads, half, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's token (b, s), heads h (of q, k, v in turn) and columns d within a half."""
+    token = tl.program_id(0).to(tl.int64)
+    h = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < heads + 2 * kv_heads) & (d < half)
+    is_q = h < heads
+    is_v = h >= heads + kv_heads
+    return token, token // seq, token % seq, h, d, mask, is_q, ~is_q & ~is_v, is_v
+
+
+@triton.jit
+def rotate_halves(x1, x2, cos_ptr, sin_ptr, b, s, d, half, cos_stride_b, sign, rotate):
+    """(x1, x2) rotated by sign * angle in fp32 where `rotate` (q and k), kept elsewhere (v)."""
+    angle_offset = b * cos_stride_b + s * half + d
+    cos = tl.load(cos_ptr + angle_offset, mask=d < half, other=0.0).to(tl.float32)
+    sin = sign * tl.load(sin_ptr + angle_offset, mask=d < half, other=0.0).to(tl.float32)
+    x1, x2 = x1.to(tl.float32), x2.to(tl.float32)
+    return tl.where(rotate, x1 * cos - x2 * sin, x1), tl.where(rotate, x2 * cos + x1 * sin, x2)
+
+
+@triton.jit
+def store_split(q_ptrs, k_ptrs, v_ptrs, x, mask, is_q, is_k, is_v):
+    x = x.to(q_ptrs.dtype.element_ty)
+    tl.store(q_ptrs, x, mask=mask & is_q)
+    tl.store(k_ptrs, x, mask=mask & is_k)
+    tl.store(v_ptrs, x, mask=mask & is_v)
+
+
+@triton.jit
+def strided(ptr, b, s, h, d, stride_b, stride_s, stride_h, stride_d):
+    return ptr + b * stride_b + s * stride_s + h * stride_h + d * stride_d
+
+
+@triton.jit
+def load_split(
+    q_ptrs, k_ptrs, v_ptrs, mask, is_q, is_k, is_v,
+    HAS_Q: tl.constexpr, HAS_K: tl.constexpr, HAS_V: tl.constexpr,
+):  # fmt: skip
+    """The gradient of each lane's part; zeros for a part whose gradient is absent."""
+    x = tl.zeros(mask.shape, dtype=q_ptrs.dtype.element_ty)
+    if HAS_Q:
+        x = tl.where(is_q, tl.load(q_ptrs, mask=mask & is_q, other=0.0), x)
+    if HAS_K:
+        x = tl.where(is_k, tl.load(k_ptrs, mask=mask & is_k, other=0.0), x)
+    if HAS_V:
+        x = tl.where(is_v, tl.load(v_ptrs, mask=mask & is_v, other=0.0), x)
+    return x
