@@ -56,9 +56,9 @@ def small_dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def small_export(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The distributed export (manifest.json, rank_00000.safetensors) of a one-layer model
-    trained one step on `small_dataset`."""
+def small_run(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The experiment of a one-layer model trained one step on `small_dataset`: its distributed
+    export and its checkpoint at step 1."""
     experiment = tmp_path_factory.mktemp("run")
     with pytest.MonkeyPatch.context() as patch:
         patch.delenv("TRITON_INTERPRET", raising=False)  # the kernels' torch references
@@ -71,8 +71,20 @@ def small_export(small_dataset: Path, tmp_path_factory: pytest.TempPathFactory) 
             "model.base_model.transformer.num_attention_heads=2",
             "model.base_model.transformer.window_size=16",
             "batch.sequence_length=16", "batch.batch_size=2", "training.train_iters=1",
-            "training.checkpoint.at_end=false", "training.export.interval=1",
+            "training.checkpoint.at_end=true", "training.export.interval=1",
             "training.export.format=distributed",
         )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    return experiment / "export" / "1"
+    return experiment
+
+
+@pytest.fixture(scope="session")
+def small_export(small_run: Path) -> Path:
+    """The distributed export (manifest.json, rank_00000.safetensors) of `small_run`."""
+    return small_run / "export" / "1"
+
+
+@pytest.fixture(scope="session")
+def small_checkpoint(small_run: Path) -> Path:
+    """The checkpoint of `small_run` (weights, Adam's moments, random state, counters)."""
+    return small_run / "checkpoint" / "1"

@@ -1,5 +1,5 @@
-"""Property: a prepared dataset or a distributed export with bytes flipped, cut off or appended
-is refused in one line naming the file, or read as it was (for `.bin`, which has no checksum:
+"""Property: a prepared dataset, a distributed export or a training checkpoint with bytes
+flipped, cut off or appended is refused in one line naming the file, or read as it was (for `.bin`, which has no checksum:
 read, its tokens as they now are) — never a panic, a traceback or a hang."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fastllm.checkpoint.distributed import SavedCheckpoint
 from fastllm.checkpoint.formats import open_model
 from fastllm.config import ConfigError
 from fastllm.data.dataset import TokenDataset
@@ -126,6 +127,42 @@ def test_a_damaged_export_is_refused_in_one_line_or_read(
         assert tensor.shape == original[name].shape, name
         if not record:
             assert torch.equal(tensor, original[name]), name
+
+
+STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
+"""What a resume reads of a checkpoint's parameters: weights and Adam's moments."""
+
+
+def read_checkpoint(path: Path) -> tuple[dict[tuple[str, str], torch.Tensor], int]:
+    """Every tensor a resume restores, whole, and the step it resumes at."""
+    saved = SavedCheckpoint(path)
+    tensors = {(kind, name): t for kind in STATE_KINDS for name, t in saved.full_tensors(kind)}
+    return tensors, saved.counters["step"]
+
+
+@settings(max_examples=examples(300))
+@given(file=st.sampled_from(EXPORT_FILES), record=st.booleans(), data=st.data())
+def test_a_damaged_checkpoint_is_refused_in_one_line_or_read(
+    small_checkpoint: Path, scratch: Path, file: str, record: bool, data: st.DataObject
+) -> None:
+    original, step = read_checkpoint(small_checkpoint)
+    content = data.draw(damaged((small_checkpoint / file).read_bytes()), label="content")
+    copy = damaged_copy(small_checkpoint, scratch, file, content)
+    if record and file != "manifest.json":
+        recorded(copy, file)
+    with no_hang():
+        try:
+            tensors, read_step = read_checkpoint(copy)
+        except ConfigError as error:
+            refused_in_one_line(error, copy)
+            return
+    assert tensors.keys() == original.keys()
+    for key, tensor in tensors.items():
+        assert tensor.shape == original[key].shape, key
+        if not record:
+            assert torch.equal(tensor, original[key]), key
+    if not record and file != "manifest.json":
+        assert read_step == step
 
 
 def _manifest(edit: Callable[[dict[str, Any]], None]) -> Callable[[Path], None]:
