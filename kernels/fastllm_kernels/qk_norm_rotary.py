@@ -25,6 +25,7 @@ from fastllm_kernels.norm import rms_norm_reference
 from fastllm_kernels.qkv_tiles import (
     check_qkv_shapes,
     load_split,
+    qkv_launch,
     qkv_tile,
     rotate_halves,
     store_split,
@@ -119,28 +120,14 @@ class _SplitQKVNormRotaryFunction(torch.autograd.Function):
 
 
 def _launch(qkv, heads, kv_heads, head_dim, cos, sin, query_weight, key_weight, epsilon):
-    """Grid, shared arguments and constants; qkv stands in for absent angles and weights."""
-    rotate = cos is not None and sin is not None
-    half = head_dim // 2 if rotate else head_dim
-    # A program takes a block of heads of one token whole: both halves (for the rms) at once.
-    block_d = triton.next_power_of_2(half)
-    all_heads = heads + 2 * kv_heads
-    block_h = min(triton.next_power_of_2(all_heads), max(1, 2048 // block_d))
-    grid = (qkv.shape[0] * qkv.shape[1], triton.cdiv(all_heads, block_h))
-    if rotate:
-        cos, sin = cos.contiguous(), sin.contiguous()
-        cos_stride_b = cos.stride(0) if cos.dim() == 3 else 0
-    else:
-        cos, sin, cos_stride_b = qkv, qkv, 0
+    """`qkv_launch`'s grid, arguments and constants, then the norms': qkv stands in for an
+    absent weight. A program holds a block of heads of one token whole, both halves (for the
+    rms) at once: half the rotary kernels' columns."""
+    grid, args, constants = qkv_launch(qkv, heads, kv_heads, head_dim, cos, sin, 2048)
     query = qkv if query_weight is None else query_weight.contiguous()
     key = qkv if key_weight is None else key_weight.contiguous()
-    args = (cos, sin, query, key, qkv.shape[1], heads, kv_heads, head_dim, half, cos_stride_b,
-            epsilon)  # fmt: skip
-    constants = {
-        "ROTATE": rotate, "NORM_Q": query_weight is not None, "NORM_K": key_weight is not None,
-        "BLOCK_H": block_h, "BLOCK_D": block_d, "num_warps": 4,
-    }  # fmt: skip
-    return grid, args, constants
+    norms = {"NORM_Q": query_weight is not None, "NORM_K": key_weight is not None}
+    return grid, (*args, query, key, epsilon), {**constants, **norms}
 
 
 @triton.jit
@@ -182,8 +169,8 @@ def _weights(
 
 @triton.jit
 def _norm_rotary_kernel(
-    qkv_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr,
-    seq, heads, kv_heads, head_dim, half, cos_stride_b, epsilon,
+    qkv_ptr, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr,
+    seq, heads, kv_heads, head_dim, half, cos_stride_b, q_weight_ptr, k_weight_ptr, epsilon,
     qkv_stride_b, qkv_stride_s, qkv_stride_c,
     ROTATE: tl.constexpr, NORM_Q: tl.constexpr, NORM_K: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -213,8 +200,8 @@ def _norm_rotary_kernel(
 @triton.jit
 def _norm_rotary_backward_kernel(
     qkv_ptr, dq_ptr, dk_ptr, dv_ptr, dqkv_ptr, partial_ptr,
-    cos_ptr, sin_ptr, q_weight_ptr, k_weight_ptr,
-    seq, heads, kv_heads, head_dim, half, cos_stride_b, epsilon,
+    cos_ptr, sin_ptr,
+    seq, heads, kv_heads, head_dim, half, cos_stride_b, q_weight_ptr, k_weight_ptr, epsilon,
     qkv_stride_b, qkv_stride_s, qkv_stride_c,
     dq_stride_b, dq_stride_s, dq_stride_h, dq_stride_d,
     dk_stride_b, dk_stride_s, dk_stride_h, dk_stride_d,

@@ -36,6 +36,35 @@ def check_angles(batch: int, seq: int, head_dim: int, cos: Tensor) -> None:
         )
 
 
+def qkv_launch(
+    x: Tensor,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    cos: Tensor | None,
+    sin: Tensor | None,
+    tile_elements: int = 4096,
+) -> tuple[tuple[int, int], tuple, dict]:
+    """Grid, shared arguments and constants of the qkv kernels (x: qkv or its gradient, which
+    stands in for absent angles): a program takes a block of heads of one token, each as two
+    halves that rotate together, at most `tile_elements` of a half's columns at once; without
+    rotation a head is one "half" (head_dim may then be odd)."""
+    rotate = cos is not None and sin is not None
+    half = head_dim // 2 if rotate else head_dim
+    block_d = triton.next_power_of_2(half)
+    all_heads = heads + 2 * kv_heads
+    block_h = min(triton.next_power_of_2(all_heads), max(1, tile_elements // block_d))
+    grid = (x.shape[0] * x.shape[1], triton.cdiv(all_heads, block_h))
+    if rotate:
+        cos, sin = cos.contiguous(), sin.contiguous()
+        cos_stride_b = cos.stride(0) if cos.dim() == 3 else 0
+    else:
+        cos, sin, cos_stride_b = x, x, 0
+    args = (cos, sin, x.shape[1], heads, kv_heads, head_dim, half, cos_stride_b)
+    constants = {"ROTATE": rotate, "BLOCK_H": block_h, "BLOCK_D": block_d, "num_warps": 4}
+    return grid, args, constants
+
+
 @triton.jit
 def qkv_tile(seq, heads, kv_heads, half, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     """This program's token (b, s), heads h (of q, k, v in turn) and columns d within a half."""

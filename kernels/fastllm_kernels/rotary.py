@@ -24,6 +24,7 @@ from fastllm_kernels.qkv_tiles import (
     check_angles,
     check_qkv_shapes,
     load_split,
+    qkv_launch,
     qkv_tile,
     rotate_halves,
     store_split,
@@ -148,7 +149,7 @@ class _SplitQKVRotaryFunction(torch.autograd.Function):
         q = torch.empty((batch, seq, heads, head_dim), dtype=qkv.dtype, device=qkv.device)
         k = torch.empty((batch, seq, kv_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
         v = torch.empty((batch, seq, kv_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
-        grid, args, constants = _qkv_launch(qkv, heads, kv_heads, head_dim, cos, sin)
+        grid, args, constants = qkv_launch(qkv, heads, kv_heads, head_dim, cos, sin)
         _split_qkv_rotary_kernel[grid](qkv, q, k, v, *args, *qkv.stride(), **constants)
         ctx.save_for_backward(cos, sin)
         ctx.heads, ctx.kv_heads, ctx.head_dim = heads, kv_heads, head_dim
@@ -165,7 +166,7 @@ class _SplitQKVRotaryFunction(torch.autograd.Function):
         batch, seq = some.shape[:2]
         width = (ctx.heads + 2 * ctx.kv_heads) * ctx.head_dim
         dqkv = torch.empty((batch, seq, width), dtype=some.dtype, device=some.device)
-        grid, args, constants = _qkv_launch(dqkv, ctx.heads, ctx.kv_heads, ctx.head_dim, cos, sin)
+        grid, args, constants = qkv_launch(dqkv, ctx.heads, ctx.kv_heads, ctx.head_dim, cos, sin)
         # A missing gradient is read as zeros; dqkv stands in for its pointer, never dereferenced.
         pointers = [dqkv if g is None else g for g in grads]
         strides = [s for g in grads for s in ((0,) * 4 if g is None else g.stride())]
@@ -174,28 +175,6 @@ class _SplitQKVRotaryFunction(torch.autograd.Function):
             HAS_DQ=dq is not None, HAS_DK=dk is not None, HAS_DV=dv is not None, **constants,
         )  # fmt: skip
         return dqkv, None, None, None, None, None
-
-
-def _qkv_launch(
-    x: Tensor, heads: int, kv_heads: int, head_dim: int, cos: Tensor | None, sin: Tensor | None
-) -> tuple[tuple[int, int], tuple, dict]:
-    """Grid, shared arguments and constants of the split kernels; x stands in for absent angles."""
-    rotate = cos is not None and sin is not None
-    # A program takes a block of heads of one token, each as two halves that rotate together;
-    # without rotation a head is one "half" (head_dim may then be odd).
-    half = head_dim // 2 if rotate else head_dim
-    block_d = triton.next_power_of_2(half)
-    all_heads = heads + 2 * kv_heads
-    block_h = min(triton.next_power_of_2(all_heads), max(1, 4096 // block_d))
-    grid = (x.shape[0] * x.shape[1], triton.cdiv(all_heads, block_h))
-    if rotate:
-        cos, sin = cos.contiguous(), sin.contiguous()
-        cos_stride_b = cos.stride(0) if cos.dim() == 3 else 0
-    else:
-        cos, sin, cos_stride_b = x, x, 0
-    args = (cos, sin, x.shape[1], heads, kv_heads, head_dim, half, cos_stride_b)
-    constants = {"ROTATE": rotate, "BLOCK_H": block_h, "BLOCK_D": block_d, "num_warps": 4}
-    return grid, args, constants
 
 
 @triton.jit
