@@ -44,7 +44,14 @@ from bench_common import (
     write_random_dataset,
     write_random_llama,
 )
-from train_bench import PEAK_FLOPS, run_child, spawn, time_trainer
+from train_bench import (
+    PEAK_FLOPS,
+    add_run_arguments,
+    resolve_run_arguments,
+    run_child,
+    spawn,
+    time_trainer,
+)
 
 CONFIG = EXAMPLES / "distill-llama3-1b.yaml"
 MODELS = {"student": "llama3-1b.yaml", "teacher": "llama3-8b.yaml"}
@@ -211,29 +218,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seq", type=int, help="sequence length (default 4096; --tiny 64)")
     parser.add_argument("--batch", type=int, default=8, help="sequences a step")
     parser.add_argument("--micro-batch", type=int, default=2, help="sequences a micro-batch")
-    parser.add_argument(
-        "--set", nargs="+", default=[], metavar="KEY=VALUE", help="more overrides for fastllm"
+    add_run_arguments(
+        parser, timeout=300, tiny="CPU-sized models", timeout_help="seconds for the run"
     )
-    parser.add_argument("--steps", type=int, help="timed steps (default 10; --tiny 2)")
-    parser.add_argument("--warmup", type=int, help="untimed first steps (default 3; --tiny 1)")
-    parser.add_argument("--tiny", action="store_true", help="CPU-sized models")
-    parser.add_argument("--device", choices=["auto", "cpu"], default="auto")
-    parser.add_argument("--commit", help="commit being measured (default: git rev-parse HEAD)")
-    parser.add_argument("--out", type=Path, help="result directory")
-    parser.add_argument("--work", type=Path, help="scratch directory (default: a temporary one)")
-    parser.add_argument("--timeout", type=float, default=300, help="seconds for the run")
-    parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return args
-    if args.out is None:
-        parser.error("--out is required")
+    resolve_run_arguments(parser, args)
     args.seq = args.seq or (64 if args.tiny else 4096)
-    args.steps = args.steps or (2 if args.tiny else 10)
-    args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 3)
-    if args.warmup < 1:
-        parser.error("--warmup must be at least 1 (the first step compiles)")
     if args.batch % args.micro_batch:
         parser.error("--batch must be a multiple of --micro-batch")
     return args

@@ -77,7 +77,16 @@ from bench_common import (
     write_json,
     write_random_llama,
 )
-from train_bench import PEAK_FLOPS, memory, run_child, spawn, synchronize, time_trainer
+from train_bench import (
+    PEAK_FLOPS,
+    add_run_arguments,
+    memory,
+    resolve_run_arguments,
+    run_child,
+    spawn,
+    synchronize,
+    time_trainer,
+)
 
 SYSTEMS = ("trl", "fastllm")
 MODES = ("reference", "precomputed")
@@ -581,30 +590,15 @@ def parse_args() -> argparse.Namespace:
         help="TRL's weights (its default float32: fp32 masters under bf16 autocast, as fastllm)",
     )
     parser.add_argument("--no-liger", dest="liger", action="store_false", help="TRL without Liger")
-    parser.add_argument(
-        "--set", nargs="+", default=[], metavar="KEY=VALUE", help="more overrides for fastllm"
+    add_run_arguments(
+        parser, timeout=170, tiny="CPU-sized model and pairs", timeout_help="seconds per run"
     )
-    parser.add_argument("--steps", type=int, help="timed steps (default 10; --tiny 2)")
-    parser.add_argument("--warmup", type=int, help="untimed first steps (default 3; --tiny 1)")
-    parser.add_argument("--tiny", action="store_true", help="CPU-sized model and pairs")
-    parser.add_argument("--device", choices=["auto", "cpu"], default="auto")
-    parser.add_argument("--commit", help="commit being measured (default: git rev-parse HEAD)")
-    parser.add_argument("--out", type=Path, help="result directory")
-    parser.add_argument("--work", type=Path, help="scratch directory (default: a temporary one)")
-    parser.add_argument("--timeout", type=float, default=170, help="seconds per run")
-    parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return args
-    if args.out is None:
-        parser.error("--out is required")
+    resolve_run_arguments(parser, args)
     args.prompt = args.prompt or (24 if args.tiny else 512)
     args.answer = args.answer or (24 if args.tiny else 512)
-    args.steps = args.steps or (2 if args.tiny else 10)
-    args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 3)
-    if args.warmup < 1:
-        parser.error("--warmup must be at least 1 (the first step compiles)")
     if args.pairs % args.pairs_per_row:
         parser.error("--pairs must be a multiple of --pairs-per-row")
     if args.seq and args.seq < args.pairs_per_row * pair_positions(args):

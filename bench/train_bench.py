@@ -539,6 +539,37 @@ def run_hf(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def add_run_arguments(
+    parser: argparse.ArgumentParser, *, timeout: float, tiny: str, timeout_help: str
+) -> None:
+    """The arguments of a benchmark that times fastllm runs in child processes (dpo_bench,
+    distill_bench): overrides, step counts, size, device, commit, directories, limit, seed."""
+    parser.add_argument(
+        "--set", nargs="+", default=[], metavar="KEY=VALUE", help="more overrides for fastllm"
+    )
+    parser.add_argument("--steps", type=int, help="timed steps (default 10; --tiny 2)")
+    parser.add_argument("--warmup", type=int, help="untimed first steps (default 3; --tiny 1)")
+    parser.add_argument("--tiny", action="store_true", help=tiny)
+    parser.add_argument("--device", choices=["auto", "cpu"], default="auto")
+    parser.add_argument("--commit", help="commit being measured (default: git rev-parse HEAD)")
+    parser.add_argument("--out", type=Path, help="result directory")
+    parser.add_argument("--work", type=Path, help="scratch directory (default: a temporary one)")
+    parser.add_argument("--timeout", type=float, default=timeout, help=timeout_help)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
+
+
+def resolve_run_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """`add_run_arguments`' defaults and checks, for the parent process (a child takes its
+    spec file only)."""
+    if args.out is None:
+        parser.error("--out is required")
+    args.steps = args.steps or (2 if args.tiny else 10)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 3)
+    if args.warmup < 1:
+        parser.error("--warmup must be at least 1 (the first step compiles)")
+
+
 def run_child(spec_path: Path, runner_of: Callable[[dict[str, Any]], Callable]) -> None:
     """One (model, system) run in its own process, by the runner `runner_of(spec)` names;
     writes its result to spec["result"]. Running out of memory is a result (status "oom"), not
