@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from fastllm.config.model import AttentionConfig, LoRAConfig, TransformerConfig
+from fastllm.model.attend import attend
 from fastllm.model.latent_attention import LatentAttention
 from fastllm.model.lora import adapter_of
 from fastllm.model.normalization import InputNorm, Normalization
@@ -17,7 +18,6 @@ from fastllm.model.query_key_norm import query_key_norm
 from fastllm.parallel.mesh import ParallelMesh
 from fastllm.parallel.sequence_data import KeyValueGather, SequenceDataDimension
 from fastllm.parallel.tensor import TensorDimension, enter, leave
-from fastllm_kernels.attention import attention
 from fastllm_kernels.linear import linear
 from fastllm_kernels.qk_norm_rotary import split_qkv_norm_rotary
 from fastllm_kernels.recipe import WeightRecipe
@@ -121,15 +121,11 @@ class Attention(torch.nn.Module):
             q, k, v = self._project_gathering_keys(x, norm, cos, sin)
         else:
             q, k, v = self._split_rotary(self._qkv(x, norm), cos, sin)
-        if self.sequence_data.split:
-            out = self._attend_by_chunk(q, k, v, document_ids)
-        elif cache is None:
-            out = attention(
-                q, k, v, causal=True, window_size=self.window_size, document_ids=document_ids,
-                scale=self.scale, branch_ids=branch_ids,
-            )  # fmt: skip
-        else:
-            out = self._attend_with_cache(q, k, v, cache, document_ids)
+        out = attend(
+            q, k, v, sequence_data=self.sequence_data, layer_index=self.layer_index,
+            window_size=self.window_size, scale=self.scale, document_ids=document_ids,
+            cache=cache, branch_ids=branch_ids,
+        )  # fmt: skip
         out = out.reshape(batch, length, self.q_size)
         bias = None if self.tensor.split else self.dense.bias  # `leave` adds it after the sum
         dense = linear(out, self.dense.weight, bias, self.dense_recipe)
@@ -199,42 +195,6 @@ class Attention(torch.nn.Module):
             _normed_rotated(k, self.key_norm, cos, sin),
             v,
         )
-
-    def _attend_by_chunk(
-        self, q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor | None
-    ) -> Tensor:
-        """Sequence-data parallelism: the queries of each of this rank's chunks attend to the
-        keys (the causal prefix, gathered) up to that chunk's end."""
-        outs, offset = [], 0
-        for start, end in self.sequence_data.spans(q.shape[1]):
-            length = end - start
-            outs.append(
-                attention(
-                    q[:, offset : offset + length],
-                    k[:, :end],
-                    v[:, :end],
-                    causal=True,
-                    window_size=self.window_size,
-                    document_ids=None if document_ids is None else document_ids[:, :end],
-                    scale=self.scale,
-                )
-            )
-            offset += length
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-
-    def _attend_with_cache(
-        self, q: Tensor, k: Tensor, v: Tensor, cache: Any, document_ids: Tensor | None
-    ) -> Tensor:
-        """Generation (a transformers Cache) and micro-sequences (engine/micro_sequences.py):
-        `cache.update` appends the new keys and values, in its (batch, heads, seq, head)
-        layout, to the earlier ones and returns all of them; the new queries are the last
-        positions."""
-        keys, values = cache.update(k.transpose(1, 2), v.transpose(1, 2), self.layer_index)
-        keys, values = keys.transpose(1, 2), values.transpose(1, 2)
-        return attention(
-            q, keys, values, causal=True, window_size=self.window_size, document_ids=document_ids,
-            scale=self.scale,
-        )  # fmt: skip
 
 
 def _per_head_rms_weights(

@@ -10,11 +10,11 @@ import torch
 from torch import Tensor
 
 from fastllm.config.model import RMSNormConfig, TransformerConfig, YarnRotaryConfig
+from fastllm.model.attend import attend
 from fastllm.model.normalization import InputNorm, Normalization
 from fastllm.model.parameters import TensorSplit, describe
 from fastllm.parallel.sequence_data import KeyValueGather, SequenceDataDimension
 from fastllm.parallel.tensor import TensorDimension, enter, leave
-from fastllm_kernels.attention import attention
 from fastllm_kernels.linear import linear
 from fastllm_kernels.recipe import WeightRecipe
 from fastllm_kernels.rotary import apply_rotary
@@ -142,19 +142,11 @@ class LatentAttention(torch.nn.Module):
         if pending is not None:
             latent, key_rope = pending.finish()
         k, v = self._keys_values(latent, key_rope)
-        if self.sequence_data.split:
-            out = self._attend_by_chunk(q, k, v, document_ids)
-        elif cache is None:
-            out = attention(
-                q, k, v, causal=True, document_ids=document_ids, scale=self.scale,
-                branch_ids=branch_ids,
-            )  # fmt: skip
-        else:  # generation and micro-sequences: as `Attention._attend_with_cache`
-            keys, values = cache.update(k.transpose(1, 2), v.transpose(1, 2), self.layer_index)
-            out = attention(
-                q, keys.transpose(1, 2), values.transpose(1, 2), causal=True,
-                document_ids=document_ids, scale=self.scale,
-            )  # fmt: skip
+        out = attend(
+            q, k, v, sequence_data=self.sequence_data, layer_index=self.layer_index,
+            window_size=None, scale=self.scale, document_ids=document_ids, cache=cache,
+            branch_ids=branch_ids,
+        )  # fmt: skip
         out = out.reshape(batch, length, self.heads * self.value_size)
         dense = linear(out, self.dense.weight, None, self.recipes["dense"])
         return leave(dense, self.tensor) if self.tensor.split else dense
@@ -168,27 +160,6 @@ class LatentAttention(torch.nn.Module):
         ).view(batch, length, self.heads, self.nope + self.value_size)
         key_nope, v = up.split([self.nope, self.value_size], dim=-1)
         return torch.cat([key_nope, key_rope.expand(-1, -1, self.heads, -1)], dim=-1), v
-
-    def _attend_by_chunk(
-        self, q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor | None
-    ) -> Tensor:
-        """Sequence-data parallelism: as `Attention._attend_by_chunk`, each of this rank's
-        chunks of queries attending to the keys up to its end."""
-        outs, offset = [], 0
-        for start, end in self.sequence_data.spans(q.shape[1]):
-            length = end - start
-            outs.append(
-                attention(
-                    q[:, offset : offset + length],
-                    k[:, :end],
-                    v[:, :end],
-                    causal=True,
-                    document_ids=None if document_ids is None else document_ids[:, :end],
-                    scale=self.scale,
-                )
-            )
-            offset += length
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
     def _queries(self, x: Tensor, norm: InputNorm) -> Tensor:
         weight, recipe = self.query_up.weight, self.recipes["query_up"]
