@@ -376,7 +376,7 @@ class AttentionSpy:
     flash-attn or flex_attention."""
 
     def __init__(self) -> None:
-        import fastllm.model.attention as module
+        import fastllm.model.attend as module
 
         self.module, self.original = module, module.attention
         self.calls: list[tuple[bool, int | None]] = []

@@ -11,7 +11,7 @@ from tests.data.conftest import CliResult
 TWO_RANKS = """
 import torch
 import torch.distributed as dist
-import fastllm.model.attention as attention_module
+import fastllm.model.attend as attention_module
 from fastllm.config import BaseModelConfig, build
 from fastllm.parallel.process_group import setup_distributed
 from fastllm.parallel.dimension import Dimension
