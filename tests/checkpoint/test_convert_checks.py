@@ -9,9 +9,13 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from safetensors.torch import load_file, save_file
 
+from fastllm.checkpoint.compatibility import check_resume
+from fastllm.checkpoint.distributed import SavedCheckpoint
+from fastllm.config import ConfigError
 from tests.checkpoint.fixtures.make_c14b8b5 import CHECKPOINT, CONVERTED, FIXTURE
 from tests.data.conftest import CliResult, run_cli
 from tests.model.hf_models import save_hf_model
@@ -121,3 +125,34 @@ def test_an_output_format_that_cannot_express_the_model_is_refused_naming_the_ke
         "output.format: llama cannot express the model: "
         "model.base_model.transformer.num_experts is 4 (llama has no experts)"
     ) in line
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float8_e4m3fn])
+def test_weights_that_are_not_floats_are_refused_naming_the_tensor_and_dtype(
+    llama: Path, tmp_path: Path, dtype: torch.dtype
+) -> None:
+    # Integers would convert to floats silently; FP8 weights would lose their scales.
+    source, output = tmp_path / "hf", tmp_path / "out"
+    shutil.copytree(llama, source)
+    weights = source / "model.safetensors"
+    tensors = load_file(weights)
+    name = "model.layers.0.mlp.up_proj.weight"
+    save_file(tensors | {name: tensors[name].to(dtype)}, weights)
+    line = refused(convert(source, output, "llama", "fastllm"), output)
+    stored = {torch.int32: "I32", torch.float8_e4m3fn: "F8_E4M3"}[dtype]
+    assert f"{weights}: {name} holds {stored} values; weights are read from BF16, F16" in line
+
+
+def test_a_checkpoint_whose_state_is_not_fp32_is_refused_before_any_read(tmp_path: Path) -> None:
+    # The rank file's checksum is not what catches it: the check reads the dtype itself.
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(FIXTURE / "one_process" / CHECKPOINT, checkpoint)
+    rank_file = checkpoint / "rank_00000.safetensors"
+    tensors = load_file(rank_file)
+    key = next(k for k in tensors if k.startswith("exp_avg_sq."))
+    save_file(tensors | {key: tensors[key].half()}, rank_file)
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    saved = SavedCheckpoint(checkpoint, manifest)
+    with pytest.raises(ConfigError) as error:
+        check_resume(saved, saved.model_config())
+    assert f"{rank_file}: {key!r} holds F16 values; this format's state is F32" in str(error.value)

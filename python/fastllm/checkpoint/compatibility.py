@@ -1,5 +1,6 @@
 """Whether saved weights fit the model a run builds, checked before any of them is loaded and
-before the run writes anything: the same tensor names and whole shapes. A mismatch is a
+before the run writes anything: the same tensor names and whole shapes, and values of a
+floating-point dtype (fp32 for a checkpoint's state, any float for weights to convert). A mismatch is a
 `ConfigError` naming the keys of `model.base_model` that shape the tensors differently, each
 with both values (`model.base_model.transformer.ffn_hidden_size: checkpoint 512, config 256`),
 or, where no key explains it, a tensor and both shapes. (Keys that leave the tensors as they
@@ -31,6 +32,7 @@ def check_resume(
     """A checkpoint resumes only into a model of its tensors: those of `config`'s model but
     the `frozen` ones, which checkpoints do not hold."""
     where = str(saved.directory)
+    saved.check_dtypes()
     _check_fits(
         saved.whole_shapes(),
         _saved_architecture(saved),

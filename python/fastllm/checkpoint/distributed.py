@@ -288,6 +288,22 @@ class SavedCheckpoint:
             )
         return piece[start:end]
 
+    def check_dtypes(self) -> None:
+        """Every rank file's flat state is fp32, as this format writes it (a reader would
+        otherwise convert other values silently): a `ConfigError` naming the file, the tensor
+        and its dtype. Reads the files' headers only."""
+        for rank in range(self.tensor_size * self.data_size * self.pipeline_size):
+            handle = self._handle(rank)
+            for key in handle.keys():  # noqa: SIM118
+                if key.split(".")[0] not in STATE_KINDS:
+                    continue
+                dtype = handle.get_slice(key).get_dtype()
+                if dtype != "F32":
+                    raise ConfigError(
+                        str(self.directory / rank_file(rank)),
+                        f"{key!r} holds {dtype} values; this format's state is F32",
+                    )
+
     def rank_tensor(self, rank: int, key: str) -> Tensor | None:
         """A tensor of rank `rank`'s file outside the flat state (RNG states), if present."""
         handle = self._handle(rank)

@@ -64,11 +64,12 @@ class ModelSource:
     def tensors(self) -> Iterator[tuple[str, Tensor]]:
         """Every tensor under fastllm's names. Before any is read, the files' headers (or the
         manifest) are checked against what the config implies: the same tensors, of the same
-        shapes; `ConfigError` naming the first that is not."""
+        shapes, of floating-point values; `ConfigError` naming the first that is not."""
         if self.loaded is not None:
             return iter(self.loaded.items())
         if self.distributed is not None:
             saved = self.distributed
+            saved.check_dtypes()
             _check_shapes(
                 self.directory / MANIFEST,
                 "the manifest's config",

@@ -16,6 +16,8 @@ from torch import Tensor
 from fastllm.config import ConfigError
 
 INDEX = "model.safetensors.index.json"
+WEIGHT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
+"""safetensors dtypes of weights that a model reads, converted to the run's precision."""
 
 
 class SafetensorsReader:
@@ -56,16 +58,22 @@ class SafetensorsReader:
         return list(self.weight_map)
 
     def shapes(self) -> dict[str, tuple[tuple[int, ...], Path]]:
-        """Every tensor's shape and file, from the files' headers (no tensor is read)."""
+        """Every tensor's shape and file, from the files' headers (no tensor is read). A
+        tensor whose values are not of a dtype that converts to the model's exactly (integers,
+        booleans, or FP8 that needs its scales) is a `ConfigError` naming it."""
         held = {file: set(self._handle(file).keys()) for file in set(self.weight_map.values())}
         found = {}
         for name, file in self.weight_map.items():
             if name not in held[file]:
                 raise ConfigError(str(self.directory / file), f"lacks {name}, which {INDEX} lists")
-            found[name] = (
-                tuple(self._handle(file).get_slice(name).get_shape()),
-                self.directory / file,
-            )
+            piece = self._handle(file).get_slice(name)
+            if piece.get_dtype() not in WEIGHT_DTYPES:
+                raise ConfigError(
+                    str(self.directory / file),
+                    f"{name} holds {piece.get_dtype()} values; weights are read from "
+                    f"{', '.join(sorted(WEIGHT_DTYPES))} (quantized weights: dequantize first)",
+                )
+            found[name] = (tuple(piece.get_shape()), self.directory / file)
         return found
 
     def get(self, name: str) -> Tensor:
