@@ -22,6 +22,7 @@
 #   nvidia-h200:    bash bench/device_run.sh HASH lmeval-1b   (issue 36; carry .whl: lm-eval's wheels)
 #   nvidia-h200:    bash bench/device_run.sh HASH dpo-1b   (issue 35; carry .whl: TRL's wheels)
 #   nvidia-h200:    bash bench/device_run.sh HASH distill-1b   (issue 35; a call of its own)
+#   nvidia-h200:    bash bench/device_run.sh HASH qwen3 moonlight   (issue 38)
 # A second setting of a train part in the same call (its results under train_MODEL_TAG):
 #   ... && APPEND=1 SYSTEMS=fastllm SET=model.multi_stage.recompute=none TAG=store \
 #          bash bench/device_run.sh HASH train-1b
@@ -45,7 +46,9 @@
 # (issue 34: LoRA rank 16 against full fine-tuning and HF + PEFT + compile; llama-8b with LoRA);
 # lmeval-1b (issue 36: lm-eval's hf backend against fastllm's model interface on llama-1b);
 # dpo-1b (issue 35: DPO of llama-1b against TRL's DPOTrainer, reference in the step and
-# precomputed); distill-1b (issue 35: llama-1b distilled from a llama-8b-geometry teacher).
+# precomputed); distill-1b (issue 35: llama-1b distilled from a llama-8b-geometry teacher);
+# qwen3 (issue 38: Qwen3-1.7B against HF + compile, and without its QK-norm); moonlight
+# (issue 38: Moonlight-16B cut to 8 blocks, MFU on active parameters and expert loads).
 set -uo pipefail
 COMMIT=$1
 shift
@@ -97,6 +100,19 @@ run_part() {
       [ "${PROFILE:-1}" = 0 ] || timeout 90 python3 bench/profile_step.py --model "$model" \
         ${SET:+--set $SET} ${SEQ:+--seq $SEQ} ${MICRO_BATCH:+--micro-batch $MICRO_BATCH} \
         --commit "$COMMIT" --out "$RES/profile_$model${TAG:+_$TAG}" 2>&1 | tail -45 ;;
+    qwen3)
+      # Issue 38: Qwen3-1.7B against HF + torch.compile (target 1.2x), and its QK-norm's cost
+      # against the same geometry without it (target at most 2%); 4 runs of ~2 min.
+      python3 bench/train_bench.py --models qwen3-1.7b qwen3-1.7b-no-qk-norm \
+        --systems ${SYSTEMS:-fastllm hf} ${STEPS:+--steps $STEPS} --timeout 170 \
+        --commit "$COMMIT" --out "$RES/train_qwen3${TAG:+_$TAG}" 2>&1 | tail -16 ;;
+    moonlight)
+      # Issue 38: Moonlight-16B's geometry cut to 8 blocks (MLA, sigmoid routing balanced by
+      # its correction bias, no auxiliary loss): MFU on active parameters (target 40%) and
+      # each step's most loaded expert against the mean (expert_loads in its run's JSON).
+      python3 bench/train_bench.py --models moonlight-8l --systems ${SYSTEMS:-fastllm} \
+        --steps "${STEPS:-20}" --timeout 300 \
+        --commit "$COMMIT" --out "$RES/train_moonlight${TAG:+_$TAG}" 2>&1 | tail -10 ;;
     energy)
       # What one step's matmuls and attention alone take in joules at the power limit
       # (bench/energy_floor.py; SEQ, default 16384; STEP_J: a measured step's joules).

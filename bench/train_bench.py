@@ -105,8 +105,25 @@ class ModelSpec:
     micro_batch: int
     name: str
     """For charts."""
+    hf_format: str = "llama"
+    """The transformers architecture of the hf systems (fastllm's conversion makes its
+    config)."""
+    variant_of: str | None = None
+    """A model this one differs from by one option: its fastllm run is the baseline of this
+    one's, the option's cost."""
+    tiny: tuple[str, ...] | None = None
+    """--tiny's overrides where TINY does not fit the architecture."""
 
 
+QWEN3_1_7B = (
+    T + "num_layers=28",
+    T + "hidden_size=2048",
+    T + "num_attention_heads=16",
+    T + "head_groups=8",
+    T + "kv_channels=128",
+    T + "ffn_hidden_size=6144",
+    "model.base_model.tie_word_embeddings=true",
+)
 MODELS = {
     "1b": ModelSpec("llama3-1b.yaml", (), 4, "llama-1b"),
     # Llama 3.2 3B: the 1B's rotary and tied embeddings, wider and deeper, head size 128.
@@ -125,6 +142,42 @@ MODELS = {
     ),
     "8b": ModelSpec("llama3-8b.yaml", (), 1, "llama-8b"),
     "mistral": ModelSpec("mistral-7b.yaml", (), 1, "mistral-7b"),
+    # Qwen3 1.7B: the 8B's per-head QK-norm and rotary, tied embeddings.
+    "qwen3-1.7b": ModelSpec("qwen3-8b.yaml", QWEN3_1_7B, 4, "qwen3-1.7b", hf_format="qwen3"),
+    # The same without QK-norm: what the norms cost.
+    "qwen3-1.7b-no-qk-norm": ModelSpec(
+        "qwen3-8b.yaml",
+        (*QWEN3_1_7B, T + "query_norm=null", T + "key_norm=null"),
+        4,
+        "qwen3-1.7b without QK-norm",
+        hf_format="llama",  # Qwen3 without its QK-norm is Llama's architecture
+        variant_of="qwen3-1.7b",
+    ),
+    # Moonlight 16B-A3B cut to fit one GPU with its optimizer state: 1 dense and 7 MoE blocks
+    # of its 27 (4.7B parameters, 2.3B active a token).
+    "moonlight-8l": ModelSpec(
+        "moonlight-16b.yaml",
+        (T + "num_layers=8",),
+        1,
+        "moonlight-16b (8 layers)",
+        hf_format="deepseek_v3",
+        tiny=(
+            T + "num_layers=3",
+            T + "hidden_size=64",
+            T + "num_attention_heads=4",
+            T + "head_groups=4",
+            T + "latent_attention.kv_lora_rank=16",
+            T + "latent_attention.qk_head_dim=8",
+            T + "latent_attention.qk_pos_emb_head_dim=8",
+            T + "latent_attention.v_head_dim=8",
+            T + "ffn_hidden_size=32",
+            T + "dense_ffn_hidden_size=128",
+            T + "num_experts=8",
+            T + "num_experts_per_token=2",
+            T + "num_shared_experts=1",
+            "model.base_model.vocab_size=512",
+        ),
+    ),
 }
 TINY = (
     T + "num_layers=2",
@@ -143,7 +196,9 @@ TINY = (
 
 def model_overrides(model: str, args: argparse.Namespace) -> list[str]:
     spec = MODELS[model]
-    return [*spec.overrides, *(TINY if args.tiny else ())]
+    if not args.tiny:
+        return list(spec.overrides)
+    return [*spec.overrides, *(TINY if spec.tiny is None else spec.tiny)]
 
 
 def micro_batch(model: str, args: argparse.Namespace) -> int:
@@ -318,12 +373,18 @@ def time_trainer(
 def run_fastllm(spec: dict[str, Any]) -> dict[str, Any]:
     config = load_trainer_config(spec["model"], spec["overrides"])
     spy = AttentionSpy()
+    experts = config.model.base_model.transformer.num_experts > 1
+    loads: list[dict[str, float]] = []
 
     def train_step(trainer: Any, micro_batches: list[Any]) -> dict[str, Any]:
         if spy.calls:
-            return trainer.engine.train_step(micro_batches)
-        with spy:  # the first (warm-up) step only: which masks the kernels are asked for
-            return trainer.engine.train_step(micro_batches)
+            metrics = trainer.engine.train_step(micro_batches)
+        else:
+            with spy:  # the first (warm-up) step only: which masks the kernels are asked for
+                metrics = trainer.engine.train_step(micro_batches)
+        if experts:  # each step's expert loads, as `fastllm train` logs them
+            loads.append(trainer.engine.expert_load(1))
+        return metrics
 
     trainer, timing = time_trainer(config, spec["warmup"], spec["steps"], train_step)
     cuda = trainer.distributed.device.type == "cuda"
@@ -340,7 +401,19 @@ def run_fastllm(spec: dict[str, Any]) -> dict[str, Any]:
             if lora
             else ""
         ),
+        **({"expert_loads": expert_loads(loads)} if experts else {}),
         **timing,
+    }
+
+
+def expert_loads(loads: list[dict[str, float]]) -> dict[str, Any]:
+    """Each step's most loaded expert (any layer) against the mean load, which a balanced
+    router gives every expert: 1.0 is perfect balance."""
+    ratios = [load["expert_tokens_max"] / load["expert_tokens_mean"] for load in loads]
+    return {
+        "max_over_mean_by_step": ratios,
+        "max_over_mean_last": ratios[-1] if ratios else None,
+        "per_step": loads,
     }
 
 
@@ -428,11 +501,14 @@ def hf_flops_per_token(model: Any, sequence_length: int) -> float:
     return parameters - embedding + head + attention * sequence_length
 
 
-def build_hf_model(config: Any, device: Any) -> Any:
+def build_hf_model(config: Any, device: Any, hf_format: str = "llama") -> Any:
+    """transformers' model of `hf_format` (its class from fastllm's conversion registry) with
+    the config fastllm's conversion writes for `config`'s model."""
     import msgspec
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
+    from fastllm.checkpoint.architectures import ARCHITECTURES
     from fastllm.checkpoint.hf_config import to_hf_config
 
     base = config.model.base_model
@@ -443,11 +519,12 @@ def build_hf_model(config: Any, device: Any) -> Any:
         # kernels: Llama is the same model at this length.
         transformer = msgspec.structs.replace(base.transformer, window_size=None)
         base = msgspec.structs.replace(base, transformer=transformer)
-    hf_config = LlamaConfig.from_dict(to_hf_config(base, "llama"))
+    model_class = getattr(transformers, ARCHITECTURES[hf_format].hf_class)
+    hf_config = model_class.config_class.from_dict(to_hf_config(base, hf_format))
     hf_config.use_cache = False
     torch.manual_seed(config.model.distributed.seed)
     with torch.device(device):
-        model = LlamaForCausalLM._from_config(
+        model = model_class._from_config(
             hf_config, attn_implementation="sdpa", dtype=torch.bfloat16
         )
     assert model.config._attn_implementation == "sdpa", model.config._attn_implementation
@@ -478,7 +555,7 @@ def run_hf(spec: dict[str, Any]) -> dict[str, Any]:
     config = load_trainer_config(spec["model"], spec["overrides"])
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    model = build_hf_model(config, device)
+    model = build_hf_model(config, device, MODELS[spec["model"]].hf_format)
     if spec["system"] == "hf-peft":
         model = with_lora(model)
     trained = [p for p in model.parameters() if p.requires_grad]
@@ -698,6 +775,12 @@ def comparisons(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 ours, theirs = by_key.get((model, system)), by_key.get((model, baseline))
                 if ours and theirs and ours["status"] == theirs["status"] == "ok":
                     rows.append(comparison(model, system, baseline, ours, theirs))
+        # A variant's option costs what the model that has it loses against the one without.
+        variant = MODELS[model].variant_of if model in MODELS else None
+        for system in ("fastllm", "fastllm-compile"):
+            ours, theirs = by_key.get((variant, system)), by_key.get((model, system))
+            if variant and ours and theirs and ours["status"] == theirs["status"] == "ok":
+                rows.append(comparison(variant, system, f"{model} {system}", ours, theirs))
     return rows
 
 
