@@ -25,7 +25,10 @@ key, so such calls go to the masked kernels.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor
@@ -39,6 +42,20 @@ except ImportError:  # optional: most installs use SDPA / flex_attention
 
 _FLEX_MIN_KEYS = 128
 """flex_attention's block size: masks on fewer keys go to SDPA as a dense boolean mask."""
+
+_DENSE_MASKS: contextvars.ContextVar[bool] = contextvars.ContextVar("dense_masks", default=False)
+
+
+@contextlib.contextmanager
+def dense_masks() -> Iterator[None]:
+    """Branches as a dense boolean mask through SDPA, not flex_attention, inside: for batches
+    whose shapes vary (evaluation), which flex_attention would compile one by one."""
+    token = _DENSE_MASKS.set(True)
+    try:
+        yield
+    finally:
+        _DENSE_MASKS.reset(token)
+
 
 _SDPA_PRIORITY = [
     SDPBackend.CUDNN_ATTENTION,
@@ -68,7 +85,7 @@ def attention(
     offset = k.shape[1] - q.shape[1]
     masked = window_size is not None or document_ids is not None or (causal and offset > 0)
     if branch_ids is not None:  # only the masked kernels of a mask function know branches
-        if q.is_cuda and q.shape[1] >= _FLEX_MIN_KEYS:
+        if q.is_cuda and q.shape[1] >= _FLEX_MIN_KEYS and not _DENSE_MASKS.get():
             return _flex(q, k, v, causal, window_size, document_ids, scale, branch_ids)
         mask = _dense_mask(q, k, causal, window_size, document_ids, branch_ids)
         return _sdpa(q, k, v, attn_mask=mask, scale=scale)

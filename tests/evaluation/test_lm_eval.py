@@ -128,3 +128,44 @@ def test_bad_input_is_refused_naming_the_key(model_directory: Path, tmp_path: Pa
     assert "pretrained.path" in missing.stderr and "no such model directory" in missing.stderr
     no_tasks = run_cli("evaluate", f"pretrained.path={model_directory}", "evaluators.x.limit=3")
     assert no_tasks.returncode == 2 and "evaluators.x.tasks: is required" in no_tasks.stderr
+
+
+def test_requests_of_one_context_share_a_row_and_score_as_alone(model_directory: Path) -> None:
+    # A question read once for its four answers: the model reads the context and each
+    # answer but its last token, each answer attending to the context and itself only.
+    import torch
+    from transformers import AutoTokenizer
+
+    import fastllm
+    from fastllm.evaluation.lm_eval_model import FastLLMLM
+
+    model = fastllm.load_model(model_directory)
+    lm = FastLLMLM(
+        model, AutoTokenizer.from_pretrained(str(model_directory)), max_length=CONTEXT,
+        batch_size=2,
+    )  # fmt: skip
+    context = [7, 40, 41, 42, 43]
+    continuations = [[50, 51, 52], [60], [70, 71], [50, 51, 52], [80, 81, 82, 83], [70, 72]]
+    long_context = list(range(100, 100 + CONTEXT))  # cut from the left
+    requests = [(None, context, c) for c in continuations] + [(None, long_context, [9, 10])]
+    read: list[int] = []
+    hidden_states = model.hidden_states
+
+    def spy(input_ids: torch.Tensor, **kwargs: Any) -> Any:
+        read.append(input_ids.shape[0] * input_ids.shape[1])
+        return hidden_states(input_ids, **kwargs)
+
+    model.hidden_states = spy  # type: ignore[method-assign]
+    ours = lm._loglikelihood_tokens(requests)
+    # One row of 5 + 2 + 0 + 1 + 3 tokens (the repeated answer, and the one that differs from
+    # another in its last token only, read once), one of 64: one batch.
+    assert read == [2 * CONTEXT]
+    for (_, ctx, continuation), (log_p, greedy) in zip(requests, ours, strict=True):
+        tokens = (ctx + continuation)[-(CONTEXT + 1) :]
+        with torch.no_grad():
+            logits = hidden_states(torch.tensor([tokens[:-1]]))[0] @ model.head_weight.T
+        scored = logits[0, -len(continuation) :].log_softmax(-1)
+        target = torch.tensor(continuation)
+        expected = scored.gather(1, target[:, None]).sum().item()
+        assert abs(log_p - expected) <= 1e-5, (continuation, log_p, expected)
+        assert greedy == bool((scored.argmax(-1) == target).all())

@@ -2,8 +2,8 @@
 computes it (the same tokenization, truncation, rolling windows, stop sequences and greedy
 decoding), so that a task's results agree with that backend's on the same weights.
 
-What differs is how: requests that feed the model the same tokens share one row, rows are sorted
-by length and batched, only the scored positions go through the head (no batch of logits), and a
+What differs is how: requests of one context (a question's answers) share one row, the context
+read once and each continuation a branch attending to it, rows are sorted by length and batched, only the scored positions go through the head (no batch of logits), and a
 batch of prompts is generated at once, left-padded, through the KV cache. Under torchrun each
 data-parallel rank scores the documents lm-eval gives it, and lm-eval gathers the metrics
 through this class's collectives."""
@@ -33,6 +33,7 @@ from torch import Tensor
 from fastllm.evaluation.scoring import token_log_probs
 from fastllm.hf import FastLLMForCausalLM
 from fastllm.model import GPTModel
+from fastllm_kernels.attention import dense_masks
 
 if TYPE_CHECKING:
     from lm_eval.api.instance import Instance
@@ -153,51 +154,81 @@ class FastLLMLM(TemplateLM):
     ) -> list[tuple[float, bool]]:
         """(log p(continuation | context), whether greedy decoding gives the continuation) of
         each request. The model reads (context + continuation)[:-1], cut from the left to
-        `max_length` tokens; the last len(continuation) positions are scored."""
-        rows: dict[tuple[int, ...], int] = {}
-        scored = []  # per request: its row and continuation
+        `max_length` tokens; the last len(continuation) positions are scored.
+
+        Requests of one context (a multiple-choice question's answers) share a row: the
+        context once, then each continuation but its last token as a branch that attends to
+        the context and to itself only, its positions following the context's; the context's
+        last position scores every continuation's first token."""
+        pieces: dict[tuple[tuple[int, ...], tuple[int, ...]], int] = {}
+        of_request = []  # each request's (context, continuation) piece
         for _, context, continuation in requests:
             if not context or not continuation or len(continuation) > self.max_length:
                 raise ValueError(
                     f"bad loglikelihood request: {len(context)} context and "
                     f"{len(continuation)} continuation tokens (max_length {self.max_length})"
                 )
-            tokens = tuple((context + continuation)[-(self.max_length + 1) :][:-1])
-            scored.append((rows.setdefault(tokens, len(rows)), continuation))
-        by_row: dict[int, list[int]] = defaultdict(list)
-        for index, (row, _) in enumerate(scored):
-            by_row[row].append(index)
-        inputs = sorted(rows.items(), key=lambda item: (-len(item[0]), item[0]))
-        results: list[tuple[float, bool]] = [(0.0, False)] * len(requests)
-        for start in range(0, len(inputs), self.batch_size):
-            batch = inputs[start : start + self.batch_size]
-            hidden = self._hidden_states([tokens for tokens, _ in batch])
-            requests_here = [i for _, row in batch for i in by_row[row]]
-            batch_index, position, target = [], [], []
-            for b, (tokens, row) in enumerate(batch):
-                for i in by_row[row]:
-                    continuation = scored[i][1]
+            window = (context + continuation)[-(self.max_length + 1) :]
+            piece = (tuple(window[: -len(continuation)]), tuple(continuation))
+            of_request.append(pieces.setdefault(piece, len(pieces)))
+        rows = self._shared_rows(list(pieces))
+        rows.sort(key=lambda row: (-row.length, row.context))
+        scores: list[tuple[float, bool]] = [(0.0, False)] * len(pieces)
+        for start in range(0, len(rows), self.batch_size):
+            batch = rows[start : start + self.batch_size]
+            hidden = self._hidden_states(batch)
+            batch_index, position, target, lengths = [], [], [], []
+            for b, row in enumerate(batch):
+                for offset, continuation in zip(row.offsets, row.continuations, strict=True):
+                    # The context's last position, then the branch's own.
                     batch_index += [b] * len(continuation)
-                    position += range(len(tokens) - len(continuation), len(tokens))
+                    position += [
+                        len(row.context) - 1,
+                        *range(offset, offset + len(continuation) - 1),
+                    ]
                     target += continuation
+                    lengths.append(len(continuation))
             index = torch.tensor([batch_index, position], device=self.device)
             log_probs, greedy = token_log_probs(
                 hidden[index[0], index[1]],
                 self.model.head_weight,
                 torch.tensor(target, device=self.device),
             )
-            lengths = [len(scored[i][1]) for i in requests_here]
-            for i, lp, g in zip(
-                requests_here,
-                log_probs.split(lengths),
-                greedy.split(lengths),
-                strict=True,
+            pieces_here = [piece for row in batch for piece in row.pieces]
+            for piece, lp, g in zip(
+                pieces_here, log_probs.split(lengths), greedy.split(lengths), strict=True
             ):
-                results[i] = (float(lp.sum()), bool(g.all()))
+                scores[piece] = (float(lp.sum()), bool(g.all()))
+        results = [scores[piece] for piece in of_request]
         for (strings, _, _), result in zip(requests, results, strict=True):
             if strings is not None:
                 self.cache_hook.add_partial("loglikelihood", strings, result)
         return results
+
+    def _shared_rows(self, pieces: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> list[_Row]:
+        """The rows that read `pieces` (context, continuation): the continuations of one
+        context together, as many as fit `max_length` a row (one a row where the model's
+        sliding windows count rows, not positions)."""
+        share = not any(
+            self.model.config.transformer.window_of(i) is not None
+            for i in range(self.model.config.transformer.num_layers)
+        )
+        by_context: dict[tuple[int, ...], list[int]] = defaultdict(list)
+        for index, (context, _) in enumerate(pieces):
+            by_context[context].append(index)
+        rows = []
+        for context, indices in by_context.items():
+            row = _Row(context)
+            for index in indices:
+                continuation = pieces[index][1]
+                if row.pieces and (
+                    not share or row.length + row.grown_by(continuation) > self.max_length
+                ):
+                    rows.append(row)
+                    row = _Row(context)
+                row.add(index, continuation)
+            rows.append(row)
+        return rows
 
     @contextlib.contextmanager
     def _in_eval_mode(self) -> Iterator[None]:
@@ -210,15 +241,30 @@ class FastLLMLM(TemplateLM):
         finally:
             self.model.train(training)
 
-    def _hidden_states(self, rows: list[tuple[int, ...]]) -> Tensor:
+    def _hidden_states(self, rows: list[_Row]) -> Tensor:
         """Final-normed hidden states of `rows`, right-padded to the longest: a padded
-        position comes after every real one, which causal attention never lets it reach."""
-        length = len(rows[0])
+        position comes after every real one, which causal attention never lets it reach.
+        Branches (rows of several continuations) are read with their branch ids and
+        positions, as a dense mask (the batches' shapes vary: flex_attention would compile
+        each)."""
+        length = rows[0].length
         ids = torch.zeros(len(rows), length, dtype=torch.long)
-        for b, tokens in enumerate(rows):
-            ids[b, : len(tokens)] = torch.tensor(tokens)
-        with torch.no_grad(), self._in_eval_mode():
-            hidden, _ = self.model.hidden_states(ids.to(self.device, non_blocking=True))
+        branches = any(len(row.branches) > 1 for row in rows)
+        branch_ids = torch.zeros(len(rows), length, dtype=torch.int32) if branches else None
+        positions = torch.zeros(len(rows), length, dtype=torch.long) if branches else None
+        for b, row in enumerate(rows):
+            ids[b, : row.length] = torch.tensor(row.tokens)
+            if branch_ids is not None and positions is not None:
+                branch_ids[b, : row.length] = torch.tensor(row.branch_ids)
+                positions[b, : row.length] = torch.tensor(row.positions)
+        options: dict[str, Tensor] = {}
+        if branch_ids is not None and positions is not None:
+            options = {
+                "branch_ids": branch_ids.to(self.device, non_blocking=True),
+                "position_ids": positions.to(self.device, non_blocking=True),
+            }
+        with torch.no_grad(), self._in_eval_mode(), dense_masks():
+            hidden, _ = self.model.hidden_states(ids.to(self.device, non_blocking=True), **options)
         return hidden
 
     def loglikelihood_rolling(
@@ -318,3 +364,50 @@ class FastLLMLM(TemplateLM):
                 use_cache=True,
                 **options,
             )
+
+
+class _Row:
+    """One row of loglikelihood scoring: a context, then the continuations as branches, each
+    without its last token (which nothing reads); continuations that differ only in their last
+    token read one branch."""
+
+    def __init__(self, context: tuple[int, ...]) -> None:
+        self.context = context
+        self.pieces: list[int] = []
+        self.continuations: list[tuple[int, ...]] = []
+        self.offsets: list[int] = []
+        """Where each piece's branch starts in the row."""
+        self.branches: dict[tuple[int, ...], int] = {}
+        """Each branch's tokens and where it starts."""
+        self.length = len(context)
+
+    def grown_by(self, continuation: tuple[int, ...]) -> int:
+        """The tokens `add(…, continuation)` would add."""
+        return 0 if continuation[:-1] in self.branches else len(continuation) - 1
+
+    def add(self, piece: int, continuation: tuple[int, ...]) -> None:
+        branch = continuation[:-1]
+        if branch not in self.branches:
+            self.branches[branch] = self.length
+            self.length += len(branch)
+        self.pieces.append(piece)
+        self.continuations.append(continuation)
+        self.offsets.append(self.branches[branch])
+
+    @property
+    def tokens(self) -> list[int]:
+        return [*self.context, *(t for branch in self.branches for t in branch)]
+
+    @property
+    def branch_ids(self) -> list[int]:
+        """0 for the context, which every branch reads; 1, 2, … for the branches."""
+        ids = [0] * len(self.context)
+        for number, branch in enumerate(self.branches, start=1):
+            ids += [number] * len(branch)
+        return ids
+
+    @property
+    def positions(self) -> list[int]:
+        """Each branch's positions follow the context's, as if it were the only one."""
+        start = len(self.context)
+        return [*range(start), *(p for b in self.branches for p in range(start, start + len(b)))]
