@@ -306,7 +306,8 @@ def _norm_type(norm: object) -> str:
 def _deepseek_checks(config: BaseModelConfig, can: Expressible) -> list[Check]:
     """The checks of `inexpressible` for DeepSeek-V3's latent attention and routing."""
     t = config.transformer
-    latent = t.latent_attention
+    latent = t.latent_mixer
+    mixer = registry.name_of(type(t.mixer))
     if not can.deepseek:
         return [
             (
@@ -315,7 +316,7 @@ def _deepseek_checks(config: BaseModelConfig, can: Expressible) -> list[Check]:
                 "set",
                 "no multi-token prediction",
             ),
-            (latent is not None, "latent_attention", "set", "no latent attention"),
+            (latent is not None, "mixer.type", mixer, "no latent attention"),
             (
                 t.expert_score_function != "softmax",
                 "expert_score_function",
@@ -339,16 +340,16 @@ def _deepseek_checks(config: BaseModelConfig, can: Expressible) -> list[Check]:
         ]
     rotary = type(t.rotary).__struct_config__.tag
     return [
-        (latent is None, "latent_attention", None, "latent attention"),
+        (latent is None, "mixer.type", mixer, "a latent_attention mixer"),
         (
             latent is not None and latent.latent_norm_epsilon != 1e-6,
-            "latent_attention.latent_norm_epsilon",
+            "mixer.latent_norm_epsilon",
             getattr(latent, "latent_norm_epsilon", None),
             "latent norms of epsilon 1e-06",
         ),
         (
             latent is not None and bool(latent.mscale_all_dim) and rotary != "yarn",
-            "latent_attention.mscale_all_dim",
+            "mixer.mscale_all_dim",
             getattr(latent, "mscale_all_dim", None),
             "mscale_all_dim with yarn rotary only",
         ),
