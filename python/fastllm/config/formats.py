@@ -64,6 +64,8 @@ class Expressible:
     embeddings scaled by sqrt(hidden_size), tanh GELU; and those it may have: sliding and global blocks
     (`global_attention_interval`, a plain `window_rotary`) and an `attention_scale` of
     n ** -0.5 for a whole n. The other architectures have none of them."""
+    dense_layers: bool = False
+    """Its mixtures of experts may come after dense MLP layers (`first_dense_layers`)."""
     deepseek: bool = False
     """DeepSeek-V3's attention and routing: latent attention (which a model must then have,
     and no other architecture can express), sigmoid scores with a correction bias,
@@ -106,6 +108,7 @@ EXPRESSIBLE = {
         window=True,
         biases=frozenset({(True, False), (False, False)}),
         shared_experts=True,
+        dense_layers=True,
     ),
     "qwen3": Expressible(
         layer_norm=False,
@@ -122,6 +125,7 @@ EXPRESSIBLE = {
         window=True,
         biases=_NO_BIASES,
         query_key_norm="head",
+        dense_layers=True,
     ),
     "olmo2": Expressible(
         layer_norm=False,
@@ -149,6 +153,7 @@ EXPRESSIBLE = {
         window=False,
         biases=_NO_BIASES,
         shared_experts=True,
+        dense_layers=True,
         deepseek=True,
     ),
     "starcoder2": Expressible(
@@ -217,6 +222,12 @@ def inexpressible(config: BaseModelConfig, architecture: str) -> str | None:
             "shared_expert_gate",
             t.shared_expert_gate,
             "ungated shared experts" if can.deepseek else "gated shared experts",
+        ),
+        (
+            can.experts and t.first_dense_layers != 0 and not can.dense_layers,
+            "first_dense_layers",
+            t.first_dense_layers,
+            "no dense layers among the mixtures",
         ),
         (
             can.experts and t.expert_renormalize not in can.renormalize,
@@ -330,12 +341,6 @@ def _deepseek_checks(config: BaseModelConfig, can: Expressible) -> list[Check]:
                 "expert_routed_scaling_factor",
                 t.expert_routed_scaling_factor,
                 "unscaled routing weights",
-            ),
-            (
-                can.experts and t.first_dense_layers != 0,
-                "first_dense_layers",
-                t.first_dense_layers,
-                "no dense layers among the mixtures",
             ),
         ]
     rotary = type(t.rotary).__struct_config__.tag

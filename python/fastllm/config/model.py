@@ -385,7 +385,8 @@ class TransformerConfig(Section):
     """The routing weights are multiplied by this (DeepSeek-V3's routed_scaling_factor)."""
     first_dense_layers: int = 0
     """With num_experts > 1, the first blocks (this many) have a dense MLP of
-    `dense_ffn_hidden_size` instead of a mixture (DeepSeek-V3's first_k_dense_replace)."""
+    `dense_ffn_hidden_size` instead of a mixture (DeepSeek-V3's first_k_dense_replace;
+    Qwen-MoE's mlp_only_layers [0, …, k - 1])."""
     dense_ffn_hidden_size: int | None = None
     """Width of the dense MLPs of the first_dense_layers; default ffn_hidden_size."""
     init_method_std: float | None = None
