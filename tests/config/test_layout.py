@@ -106,11 +106,11 @@ LATENT = (
     "model.base_model.transformer.head_groups=8",
     "model.base_model.transformer.window_size=null",
     "model.base_model.transformer.add_linear_biases=false",
-    "model.base_model.transformer.latent_attention={kv_lora_rank: 16, qk_head_dim: 16, "
-    "qk_pos_emb_head_dim: 16, v_head_dim: 32}",
+    "model.base_model.transformer.mixer={type: latent_attention, kv_lora_rank: 16, "
+    "qk_head_dim: 16, qk_pos_emb_head_dim: 16, v_head_dim: 32}",
 )
 PREDICTION = "model.base_model.multi_token_prediction={depth: 1}"
-ODD_LATENT = "model.base_model.transformer.latent_attention={kv_lora_rank: 15}"
+ODD_LATENT = "model.base_model.transformer.mixer={type: latent_attention, kv_lora_rank: 15}"
 ROW_SETTINGS = {
     ("training.evaluators", "model.distributed.tensor_parallel"):
         (LM_EVAL, "model.distributed.tensor_parallel=2"),
@@ -164,7 +164,7 @@ ROW_SETTINGS = {
         (*TEACHER, "model.base_model.transformer.num_experts=4",
          "model.base_model.transformer.add_linear_biases=only_attn_qkv",
          "model.distributed.expert_parallel=2"),
-    ("model.base_model.transformer.latent_attention", "model.distributed.sequence_data_parallel"):
+    ("model.base_model.transformer.mixer", "model.distributed.sequence_data_parallel"):
         (*LATENT[:-1], ODD_LATENT, "model.distributed.sequence_data_parallel=2"),
     ("model.base_model.multi_token_prediction", "model.distributed.pipeline_parallel"):
         (PREDICTION, "model.distributed.pipeline_parallel=2"),

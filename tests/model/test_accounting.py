@@ -30,7 +30,7 @@ MOE_VARIANTS = {
                     "add_linear_biases=false", "num_shared_experts=1", "expert_bias=true",
                     "expert_score_function=sigmoid", "expert_auxiliary_loss_coefficient=0",
                     "first_dense_layers=1", "dense_ffn_hidden_size=40", "head_groups=4",
-                    "latent_attention={q_lora_rank: 12, kv_lora_rank: 10, qk_head_dim: 6, "
+                    "mixer={type: latent_attention, q_lora_rank: 12, kv_lora_rank: 10, qk_head_dim: 6, "
                     "qk_pos_emb_head_dim: 4, v_head_dim: 8}"],
 }  # fmt: skip
 

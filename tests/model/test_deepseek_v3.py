@@ -40,7 +40,7 @@ def test_logits_match_transformers(overrides: dict, tmp_path: Path) -> None:
     theirs = save_hf_model("deepseek_v3", tmp_path, **overrides)
     ours = fastllm.load_model(tmp_path)
     transformer = ours.config.transformer
-    assert transformer.latent_attention is not None
+    assert transformer.latent_mixer is not None
     assert sum(isinstance(b.mlp, MixtureOfExperts) for b in ours.layers) == 2 - min(
         overrides.get("first_k_dense_replace", 1), 2
     )
@@ -122,8 +122,11 @@ def test_bias_update_moves_towards_the_mean_load() -> None:
         ({"expert_groups": 3}, "expert_groups"),
         ({"expert_groups_per_token": 5}, "expert_groups_per_token"),
         ({"expert_groups_per_token": 1}, "num_experts_per_token"),
-        ({"latent_attention": {"kv_lora_rank": 8}, "head_groups": 2}, "head_groups"),
-        ({"latent_attention": {"qk_pos_emb_head_dim": 5}}, "qk_pos_emb_head_dim"),
+        (
+            {"mixer": {"type": "latent_attention", "kv_lora_rank": 8}, "head_groups": 2},
+            "head_groups",
+        ),
+        ({"mixer": {"type": "latent_attention", "qk_pos_emb_head_dim": 5}}, "qk_pos_emb_head_dim"),
     ],
 )
 def test_bad_routing_and_latent_settings_are_refused_naming_the_key(
@@ -131,6 +134,42 @@ def test_bad_routing_and_latent_settings_are_refused_naming_the_key(
 ) -> None:
     with pytest.raises(ConfigError, match=key):
         routing_config(**overrides)
+
+
+def test_the_former_latent_attention_key_says_it_is_now_a_mixer() -> None:
+    with pytest.raises(ConfigError) as refused:
+        routing_config(latent_attention={"kv_lora_rank": 16})
+    assert refused.value.path == "transformer.latent_attention"
+    assert "transformer.mixer: {type: latent_attention" in refused.value.message
+
+
+@pytest.mark.parametrize(
+    ("layers", "key", "named"),
+    [
+        (["query", "value"], "model.base_model.peft.layers", "'latent_attention'"),
+        (["mlp_1"], "model.base_model.transformer.mixer", "model.base_model.peft"),
+    ],
+)
+def test_lora_is_refused_with_latent_attention(layers: list[str], key: str, named: str) -> None:
+    from fastllm.config import TrainerConfig, load_config
+
+    overrides = [
+        f"model.base_model.transformer.{setting}"
+        for setting in (
+            "head_groups=8",
+            "window_size=null",
+            "add_linear_biases=false",
+            "mixer={type: latent_attention, kv_lora_rank: 16, qk_head_dim: 16, "
+            "qk_pos_emb_head_dim: 16, v_head_dim: 32}",
+        )
+    ]
+    lora = f"model.base_model.peft={{type: lora, layers: [{', '.join(layers)}]}}"
+    export = "training.export.format=fastllm"  # a distributed export refuses LoRA itself
+    examples = Path(__file__).resolve().parents[2] / "examples"
+    with pytest.raises(ConfigError) as refused:
+        load_config(TrainerConfig, [examples / "tiny.yaml"], [*overrides, lora, export])
+    assert refused.value.path == key
+    assert named in refused.value.message
 
 
 def test_only_deepseek_v3_expresses_latent_attention_and_sigmoid_routing() -> None:

@@ -27,7 +27,7 @@ def test_deepseek_v3_style_model_on_gpu_matches_the_cpu_reference(documents: boo
             "hidden_size=256",
             "num_attention_heads=4",
             "head_groups=4",
-            "latent_attention={q_lora_rank: 96, kv_lora_rank: 64, qk_head_dim: 64, "
+            "mixer={type: latent_attention, q_lora_rank: 96, kv_lora_rank: 64, qk_head_dim: 64, "
             "qk_pos_emb_head_dim: 32, v_head_dim: 64}",
             "ffn_hidden_size=64",
             "dense_ffn_hidden_size=512",

@@ -1,8 +1,8 @@
-"""Gemma 3 and Qwen3-MoE conversion beyond the parity every architecture gets
+"""Gemma 3 and Qwen-MoE conversion beyond the parity every architecture gets
 (tests/model/test_parity.py): the config written back runs as the one read (Gemma 3's pattern
-of sliding and global layers, their rotaries, its attention scale), an older Gemma 3
-config.json reads as transformers 5's, and what neither can express is refused naming the
-key."""
+of sliding and global layers, their rotaries, its attention scale; Qwen-MoE's dense first
+layers), an older Gemma 3 config.json reads as transformers 5's, and what they cannot express
+is refused naming the key."""
 
 from __future__ import annotations
 
@@ -18,9 +18,24 @@ from fastllm.checkpoint.convert import convert
 from fastllm.config import ConfigError, build
 from fastllm.config.convert import ConvertConfig
 from tests.model.hf_models import save_hf_model
-from tests.model.test_parity import relative_error
+from tests.model.test_parity import all_tensors, relative_error
 
 INPUT_IDS = torch.randint(0, 97, (2, 13), generator=torch.Generator().manual_seed(4))
+
+
+def convert_through_fastllm(architecture: str, directory: Path) -> None:
+    """directory/hf converted to directory/ours (fastllm), then to directory/back."""
+    steps = ((architecture, "hf", "fastllm", "ours"), ("fastllm", "ours", architecture, "back"))
+    for source, source_path, target, target_path in steps:
+        convert(
+            build(
+                ConvertConfig,
+                {
+                    "input": {"format": source, "path": str(directory / source_path)},
+                    "output": {"type": target, "path": str(directory / target_path)},
+                },
+            )
+        )
 
 
 @pytest.mark.parametrize("architecture", ["gemma3_text", "qwen3_moe"])
@@ -28,19 +43,35 @@ def test_converted_back_through_fastllm_runs_as_the_original(
     architecture: str, tmp_path: Path
 ) -> None:
     theirs = save_hf_model(architecture, tmp_path / "hf")
-    steps = ((architecture, "hf", "fastllm", "ours"), ("fastllm", "ours", architecture, "back"))
-    for source, source_path, target, target_path in steps:
-        convert(
-            build(
-                ConvertConfig,
-                {
-                    "input": {"format": source, "path": str(tmp_path / source_path)},
-                    "output": {"type": target, "path": str(tmp_path / target_path)},
-                },
-            )
-        )
+    convert_through_fastllm(architecture, tmp_path)
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
     assert relative_error(back(INPUT_IDS).logits, theirs(INPUT_IDS).logits) <= 1e-6
+
+
+@pytest.mark.parametrize(
+    ("architecture", "dense"),
+    [
+        ("qwen3_moe", {"mlp_only_layers": [0]}),
+        ("qwen3_moe", {"decoder_sparse_step": 2}),  # of 2 layers: the first dense
+        ("qwen2_moe", {"mlp_only_layers": [0]}),
+    ],
+)
+def test_qwen_moe_dense_first_layers_match_transformers_both_ways(
+    architecture: str, dense: dict, tmp_path: Path
+) -> None:
+    theirs = save_hf_model(architecture, tmp_path / "hf", **dense)
+    ours = fastllm.load_model(tmp_path / "hf")
+    transformer = ours.config.transformer
+    assert (transformer.first_dense_layers, transformer.dense_ffn_width) == (1, 80)
+    assert relative_error(ours(INPUT_IDS), theirs(INPUT_IDS).logits) <= 1e-5
+    convert_through_fastllm(architecture, tmp_path)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
+    assert (back.config.mlp_only_layers, back.config.decoder_sparse_step) == ([0], 1)
+    assert relative_error(back(INPUT_IDS).logits, theirs(INPUT_IDS).logits) <= 1e-6
+    original, written = all_tensors(tmp_path / "hf"), all_tensors(tmp_path / "back")
+    assert sorted(original) == sorted(written)
+    for name, tensor in original.items():
+        assert torch.equal(tensor, written[name]), name
 
 
 def test_an_older_gemma3_config_json_reads_as_transformers_5(tmp_path: Path) -> None:
@@ -79,7 +110,9 @@ def test_an_older_gemma3_config_json_reads_as_transformers_5(tmp_path: Path) -> 
             "layer_types",
         ),
         ("qwen3_moe", {"mlp_only_layers": [1]}, "mlp_only_layers"),
-        ("qwen3_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step"),
+        ("qwen2_moe", {"mlp_only_layers": [1]}, "mlp_only_layers"),
+        # of 4 layers: layers 0 and 2 dense
+        ("qwen3_moe", {"decoder_sparse_step": 2, "num_hidden_layers": 4}, "decoder_sparse_step"),
     ],
 )
 def test_what_fastllm_cannot_express_is_refused_naming_the_key(

@@ -29,7 +29,7 @@ DEEPSEEK = (
     "model.base_model.transformer.add_linear_biases=false",
     "model.base_model.transformer.window_size=null",
     "model.base_model.transformer.head_groups=4",
-    "model.base_model.transformer.latent_attention={q_lora_rank: 24, kv_lora_rank: 16, "
+    "model.base_model.transformer.mixer={type: latent_attention, q_lora_rank: 24, kv_lora_rank: 16, "
     "qk_head_dim: 12, qk_pos_emb_head_dim: 8, v_head_dim: 20}",
     "model.base_model.transformer.ffn_hidden_size=32",
     "model.base_model.transformer.dense_ffn_hidden_size=96",

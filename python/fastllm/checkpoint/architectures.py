@@ -176,14 +176,45 @@ def _mixtral_mlp(config: BaseModelConfig, ours: str, theirs: str) -> Iterator[Ru
     yield stack(f"{ours}.layer_2", tuple(f"{experts}.{e}.w2.weight" for e in range(t.num_experts)))
 
 
+def _qwen_moe_dense_layers_from_hf(hf: dict[str, Any], transformer: dict[str, Any]) -> None:
+    """Qwen-MoE's dense layers: layer i has a dense MLP of intermediate_size when
+    mlp_only_layers lists it or decoder_sparse_step does not divide i + 1. Only the first
+    layers can (`first_dense_layers`)."""
+    layers = hf["num_hidden_layers"]
+    listed = sorted(set(hf.get("mlp_only_layers") or ()) & set(range(layers)))
+    if listed != list(range(len(listed))):
+        raise ConfigError(
+            "config.json:mlp_only_layers",
+            f"{listed}: dense MLP layers other than the first ones are not supported (they "
+            "become first_dense_layers)",
+        )
+    step = hf.get("decoder_sparse_step", 1)
+    if not isinstance(step, int) or step < 1:
+        raise ConfigError("config.json:decoder_sparse_step", f"must be 1 or more, got {step!r}")
+    dense = [i for i in range(layers) if i < len(listed) or (i + 1) % step]
+    if dense != list(range(len(dense))):
+        raise ConfigError(
+            "config.json:decoder_sparse_step",
+            f"{step} makes layers {dense} dense: dense MLP layers other than the first ones are "
+            "not supported (they become first_dense_layers)",
+        )
+    if dense:
+        transformer["first_dense_layers"] = len(dense)
+        transformer["dense_ffn_hidden_size"] = hf["intermediate_size"]
+
+
+def _qwen_moe_dense_layers_to_hf(config: BaseModelConfig, hf: dict[str, Any]) -> None:
+    t = config.transformer
+    hf["decoder_sparse_step"] = 1
+    hf["mlp_only_layers"] = list(range(t.first_dense_layers))
+    if t.first_dense_layers:
+        hf["intermediate_size"] = t.dense_ffn_width
+
+
 def _qwen2_moe_from_hf(hf: dict[str, Any], transformer: dict[str, Any]) -> None:
     # Qwen2-MoE's sliding layers: every other one, from the first, below max_window_layers.
     _layer_windows_from_hf(hf, transformer, lambda i, first: i % 2 == 0 and i < first)
-    if hf.get("decoder_sparse_step", 1) != 1 or hf.get("mlp_only_layers"):
-        raise ConfigError(
-            "config.json:mlp_only_layers",
-            "dense MLP layers among the sparse ones are not supported",
-        )
+    _qwen_moe_dense_layers_from_hf(hf, transformer)
     ffn, shared = hf["moe_intermediate_size"], hf["shared_expert_intermediate_size"]
     if shared <= 0 or shared % ffn:
         raise ConfigError(
@@ -211,8 +242,7 @@ def _qwen2_moe_to_hf(config: BaseModelConfig, hf: dict[str, Any]) -> None:
     hf["num_experts_per_tok"] = t.num_experts_per_token
     hf["norm_topk_prob"] = t.expert_renormalize
     hf["router_aux_loss_coef"] = t.expert_auxiliary_loss_coefficient
-    hf["decoder_sparse_step"] = 1
-    hf["mlp_only_layers"] = []
+    _qwen_moe_dense_layers_to_hf(config, hf)
     hf["output_router_logits"] = False
 
 
@@ -245,14 +275,7 @@ def _qwen2_moe_mlp(config: BaseModelConfig, ours: str, theirs: str) -> Iterator[
 
 def _qwen3_moe_from_hf(hf: dict[str, Any], transformer: dict[str, Any]) -> None:
     _refuse_attention_biases(hf)
-    for key, dense in (
-        ("decoder_sparse_step", hf.get("decoder_sparse_step", 1) != 1),
-        ("mlp_only_layers", bool(hf.get("mlp_only_layers"))),
-    ):
-        if dense:
-            raise ConfigError(
-                f"config.json:{key}", "dense MLP layers among the sparse ones are not supported"
-            )
+    _qwen_moe_dense_layers_from_hf(hf, transformer)
     if hf.get("use_sliding_window") and hf.get("sliding_window"):  # in every layer
         transformer["window_size"] = hf["sliding_window"]
     transformer["query_norm"] = transformer["key_norm"] = _rms_norm(hf)
@@ -277,8 +300,7 @@ def _qwen3_moe_to_hf(config: BaseModelConfig, hf: dict[str, Any]) -> None:
     hf["num_experts_per_tok"] = t.num_experts_per_token
     hf["norm_topk_prob"] = t.expert_renormalize
     hf["router_aux_loss_coef"] = t.expert_auxiliary_loss_coefficient
-    hf["decoder_sparse_step"] = 1
-    hf["mlp_only_layers"] = []
+    _qwen_moe_dense_layers_to_hf(config, hf)
     hf["output_router_logits"] = False
 
 

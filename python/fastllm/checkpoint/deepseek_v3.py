@@ -31,6 +31,7 @@ def deepseek_v3_from_hf(hf: dict[str, Any], transformer: dict[str, Any]) -> None
         raise ConfigError("config.json:attention_bias", "latent attention has no biases")
     nope, rope = hf["qk_nope_head_dim"], hf["qk_rope_head_dim"]
     latent: dict[str, Any] = {
+        "type": "latent_attention",
         "q_lora_rank": hf.get("q_lora_rank"),
         "kv_lora_rank": hf["kv_lora_rank"],
         "qk_head_dim": nope,
@@ -48,7 +49,7 @@ def deepseek_v3_from_hf(hf: dict[str, Any], transformer: dict[str, Any]) -> None
             latent["mscale_all_dim"] = mscale_all_dim
     transformer.update(
         {
-            "latent_attention": latent,
+            "mixer": latent,
             "kv_channels": nope + rope,
             "add_linear_biases": False,
             "ffn_hidden_size": hf["moe_intermediate_size"],
@@ -87,7 +88,7 @@ def deepseek_v3_from_tensors(config: BaseModelConfig, names: set[str]) -> None:
 
 def deepseek_v3_to_hf(config: BaseModelConfig, hf: dict[str, Any]) -> None:
     t = config.transformer
-    latent = t.latent_attention
+    latent = t.latent_mixer
     assert latent is not None and t.ffn_hidden_size is not None
     hf.update(
         {
@@ -120,7 +121,7 @@ def deepseek_v3_to_hf(config: BaseModelConfig, hf: dict[str, Any]) -> None:
 
 def deepseek_v3_attention(config: BaseModelConfig, ours: str, theirs: str) -> Iterator[Rule]:
     t = config.transformer
-    latent = t.latent_attention
+    latent = t.latent_mixer
     assert latent is not None
     mine, attention = f"{ours}.attention", f"{theirs}.self_attn"
     heads = t.num_attention_heads

@@ -207,11 +207,10 @@ _LATER_TRANSFORMER_KEYS = (
     "expert_routed_scaling_factor",
     "first_dense_layers",
     "dense_ffn_hidden_size",
-    "latent_attention",
 )
 """Keys of `transformer` that fastllm-format configs have had since QK-norm and post-norms
-(and Gemma 3's options; mixer and mlp: since they are components; DeepSeek-V3's latent
-attention and routing)."""
+(and Gemma 3's options; mixer and mlp: since they are components; DeepSeek-V3's
+routing)."""
 
 
 def _omit_later_defaults(transformer: dict[str, Any]) -> None:

@@ -64,7 +64,7 @@ def _score_and_value_width(config: BaseModelConfig) -> int:
     """Per head, the width of q·kᵀ plus that of the scores' product with v: 2 × head size, or
     with latent attention its query head size plus its value head size."""
     t = config.transformer
-    if t.latent_attention is not None:
-        return t.latent_attention.query_head_dim + t.latent_attention.v_head_dim
+    if t.latent_mixer is not None:
+        return t.latent_mixer.query_head_dim + t.latent_mixer.v_head_dim
     assert t.kv_channels is not None
     return 2 * t.kv_channels

@@ -64,6 +64,8 @@ class Expressible:
     embeddings scaled by sqrt(hidden_size), tanh GELU; and those it may have: sliding and global blocks
     (`global_attention_interval`, a plain `window_rotary`) and an `attention_scale` of
     n ** -0.5 for a whole n. The other architectures have none of them."""
+    dense_layers: bool = False
+    """Its mixtures of experts may come after dense MLP layers (`first_dense_layers`)."""
     deepseek: bool = False
     """DeepSeek-V3's attention and routing: latent attention (which a model must then have,
     and no other architecture can express), sigmoid scores with a correction bias,
@@ -106,6 +108,7 @@ EXPRESSIBLE = {
         window=True,
         biases=frozenset({(True, False), (False, False)}),
         shared_experts=True,
+        dense_layers=True,
     ),
     "qwen3": Expressible(
         layer_norm=False,
@@ -122,6 +125,7 @@ EXPRESSIBLE = {
         window=True,
         biases=_NO_BIASES,
         query_key_norm="head",
+        dense_layers=True,
     ),
     "olmo2": Expressible(
         layer_norm=False,
@@ -149,6 +153,7 @@ EXPRESSIBLE = {
         window=False,
         biases=_NO_BIASES,
         shared_experts=True,
+        dense_layers=True,
         deepseek=True,
     ),
     "starcoder2": Expressible(
@@ -217,6 +222,12 @@ def inexpressible(config: BaseModelConfig, architecture: str) -> str | None:
             "shared_expert_gate",
             t.shared_expert_gate,
             "ungated shared experts" if can.deepseek else "gated shared experts",
+        ),
+        (
+            can.experts and t.first_dense_layers != 0 and not can.dense_layers,
+            "first_dense_layers",
+            t.first_dense_layers,
+            "no dense layers among the mixtures",
         ),
         (
             can.experts and t.expert_renormalize not in can.renormalize,
@@ -306,7 +317,8 @@ def _norm_type(norm: object) -> str:
 def _deepseek_checks(config: BaseModelConfig, can: Expressible) -> list[Check]:
     """The checks of `inexpressible` for DeepSeek-V3's latent attention and routing."""
     t = config.transformer
-    latent = t.latent_attention
+    latent = t.latent_mixer
+    mixer = registry.name_of(type(t.mixer))
     if not can.deepseek:
         return [
             (
@@ -315,7 +327,7 @@ def _deepseek_checks(config: BaseModelConfig, can: Expressible) -> list[Check]:
                 "set",
                 "no multi-token prediction",
             ),
-            (latent is not None, "latent_attention", "set", "no latent attention"),
+            (latent is not None, "mixer.type", mixer, "no latent attention"),
             (
                 t.expert_score_function != "softmax",
                 "expert_score_function",
@@ -330,25 +342,19 @@ def _deepseek_checks(config: BaseModelConfig, can: Expressible) -> list[Check]:
                 t.expert_routed_scaling_factor,
                 "unscaled routing weights",
             ),
-            (
-                can.experts and t.first_dense_layers != 0,
-                "first_dense_layers",
-                t.first_dense_layers,
-                "no dense layers among the mixtures",
-            ),
         ]
     rotary = type(t.rotary).__struct_config__.tag
     return [
-        (latent is None, "latent_attention", None, "latent attention"),
+        (latent is None, "mixer.type", mixer, "a latent_attention mixer"),
         (
             latent is not None and latent.latent_norm_epsilon != 1e-6,
-            "latent_attention.latent_norm_epsilon",
+            "mixer.latent_norm_epsilon",
             getattr(latent, "latent_norm_epsilon", None),
             "latent norms of epsilon 1e-06",
         ),
         (
             latent is not None and bool(latent.mscale_all_dim) and rotary != "yarn",
-            "latent_attention.mscale_all_dim",
+            "mixer.mscale_all_dim",
             getattr(latent, "mscale_all_dim", None),
             "mscale_all_dim with yarn rotary only",
         ),

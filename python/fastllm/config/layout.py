@@ -256,9 +256,11 @@ COMPATIBILITY: tuple[Incompatibility, ...] = (
     ),
     Incompatibility(
         Condition(
-            "model.base_model.transformer.latent_attention",
-            lambda latent: latent is not None and latent.kv_lora_rank % 2 == 1,
-            "model.base_model.transformer.latent_attention with an odd kv_lora_rank",
+            "model.base_model.transformer.mixer",
+            lambda mixer: (
+                mixer.__struct_config__.tag == "latent_attention" and mixer.kv_lora_rank % 2 == 1
+            ),
+            "model.base_model.transformer.mixer of type latent_attention with an odd kv_lora_rank",
         ),
         _above_one("model.distributed.sequence_data_parallel"),
         "the sequence-data ranks gather each token's latent and rotary key part as two "

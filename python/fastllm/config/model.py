@@ -8,7 +8,6 @@ from typing import ClassVar, Literal
 
 import msgspec
 
-from fastllm.config.latent_attention import LatentAttentionConfig
 from fastllm.config.layout import num_stages
 from fastllm.config.multi_token_prediction import MultiTokenPredictionConfig
 from fastllm.config.registry import Component
@@ -169,6 +168,83 @@ class AttentionConfig(MixerConfig, tag="attention"):
         return count + (h if t.biases_elsewhere else 0)
 
 
+class LatentAttentionConfig(MixerConfig, tag="latent_attention"):
+    """Multi-head latent attention (DeepSeek-V2, V3), Megatron-LM's names for its sizes:
+    queries, keys and values from low-rank projections of the block's input. The keys and
+    values of every head are up-projected from one normalized latent of `kv_lora_rank` per
+    token, the queries from one of `q_lora_rank` (or projected whole); each head's query and
+    key are a part without position (`qk_head_dim`) and a rotary part
+    (`qk_pos_emb_head_dim`), the key's rotary part one per token, shared by the heads; the
+    values have `v_head_dim` per head. Every head has its own key (the transformer's
+    head_groups is num_attention_heads) and kv_channels is qk_head_dim + qk_pos_emb_head_dim."""
+
+    implementation = "fastllm.model.latent_attention:LatentAttention"
+    unsupported_settings: ClassVar[dict[str, str]] = {
+        "model.base_model.peft": "LoRA is not supported with latent attention yet: its "
+        "projections are not LoRA's query, key, value and dense",
+    }
+
+    q_lora_rank: int | None = None
+    """Rank of the queries' down projection (normalized, then up-projected to the heads); null
+    projects the queries from the block's input whole (DeepSeek-V2-Lite, Moonlight)."""
+    kv_lora_rank: int = 512
+    """Rank of the keys' and values' shared latent."""
+    qk_head_dim: int = 128
+    """Per head, the query and key dimensions without rotary embedding (DeepSeek's
+    qk_nope_head_dim)."""
+    qk_pos_emb_head_dim: int = 64
+    """Per head, the query and key dimensions with rotary embedding (DeepSeek's
+    qk_rope_head_dim); the key's are computed once per token and shared by the heads."""
+    v_head_dim: int = 128
+    """Size of one value head, and of one head of attention's output."""
+    latent_norm_epsilon: float = 1e-6
+    """Epsilon of the RMSNorms of the two latents (DeepSeek's are 1e-6 whatever the blocks')."""
+    mscale_all_dim: float = 0.0
+    """With yarn rotary: the softmax scale (qk_head_dim + qk_pos_emb_head_dim)^-0.5 is
+    multiplied by (0.1 · mscale_all_dim · ln(scale_factor) + 1)², as DeepSeek-V3 scales the
+    dimensions without rotary too (0: not multiplied)."""
+
+    def validate(self) -> None:
+        for key in ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "v_head_dim"):
+            check_positive(getattr(self, key), key)
+        check_positive(self.qk_pos_emb_head_dim, "qk_pos_emb_head_dim")
+        if self.qk_pos_emb_head_dim % 2:
+            raise ConfigError(
+                "qk_pos_emb_head_dim",
+                f"must be even (rotary pairs), got {self.qk_pos_emb_head_dim}",
+            )
+        check_positive(self.latent_norm_epsilon, "latent_norm_epsilon")
+        check_non_negative(self.mscale_all_dim, "mscale_all_dim")
+
+    @property
+    def query_head_dim(self) -> int:
+        """Size of one query (and key) head: both parts."""
+        return self.qk_head_dim + self.qk_pos_emb_head_dim
+
+    @property
+    def norm_parameters(self) -> int:
+        """The weights of the two latents' norms (the query's only with q_lora_rank)."""
+        return self.kv_lora_rank + (self.q_lora_rank or 0)
+
+    def softmax_scale(self, yarn_scale_factor: float | None) -> float:
+        """The scale of q·k: 1/√(query_head_dim), times yarn's mscale² when it applies."""
+        scale = self.query_head_dim**-0.5
+        if yarn_scale_factor is not None and yarn_scale_factor > 1 and self.mscale_all_dim:
+            mscale = 0.1 * self.mscale_all_dim * math.log(yarn_scale_factor) + 1.0
+            scale *= mscale * mscale
+        return scale
+
+    def num_parameters(self, transformer: TransformerConfig) -> int:
+        """Its projections' and its latents' norms'."""
+        h, heads = transformer.hidden_size, transformer.num_attention_heads
+        query_heads = heads * self.query_head_dim
+        rank = self.q_lora_rank
+        query = h * query_heads if rank is None else h * rank + rank * query_heads
+        key_value = h * (self.kv_lora_rank + self.qk_pos_emb_head_dim)
+        key_value += self.kv_lora_rank * heads * (self.qk_head_dim + self.v_head_dim)
+        return query + key_value + heads * self.v_head_dim * h + self.norm_parameters
+
+
 class MLPBaseConfig(Component):
     """The MLP of a block (extension point `mlp`). Its implementation is built as
     `Layer(config, transformer, layer_index, mesh, lora)` (model/block.py says the contract)."""
@@ -203,8 +279,8 @@ class MLPConfig(MLPBaseConfig, tag="mlp"):
 
 class TransformerConfig(Section):
     mixer: MixerConfig = msgspec.field(default_factory=AttentionConfig)
-    """What mixes the tokens in each block (Fast-LLM's key): attention, or a component of
-    another package."""
+    """What mixes the tokens in each block (Fast-LLM's key): attention, latent_attention
+    (DeepSeek-V2, V3), or a component of another package."""
     mlp: MLPBaseConfig = msgspec.field(default_factory=MLPConfig)
     """The MLP of each block (Fast-LLM's key): mlp, the one the keys below describe, or a
     component of another package."""
@@ -309,14 +385,16 @@ class TransformerConfig(Section):
     """The routing weights are multiplied by this (DeepSeek-V3's routed_scaling_factor)."""
     first_dense_layers: int = 0
     """With num_experts > 1, the first blocks (this many) have a dense MLP of
-    `dense_ffn_hidden_size` instead of a mixture (DeepSeek-V3's first_k_dense_replace)."""
+    `dense_ffn_hidden_size` instead of a mixture (DeepSeek-V3's first_k_dense_replace;
+    Qwen-MoE's mlp_only_layers [0, …, k - 1])."""
     dense_ffn_hidden_size: int | None = None
     """Width of the dense MLPs of the first_dense_layers; default ffn_hidden_size."""
     init_method_std: float | None = None
     """Standard deviation of the normal initialization of weights; default hidden_size ** -0.5."""
-    latent_attention: LatentAttentionConfig | None = None
-    """Multi-head latent attention (DeepSeek-V2, V3) in every block instead of the fused q/k/v
-    projection; null: the q/k/v projection."""
+    moved: ClassVar[dict[str, str]] = {
+        "latent_attention": "is now transformer.mixer: {type: latent_attention, q_lora_rank: "
+        "…, kv_lora_rank: …} (the same keys)",
+    }
 
     def validate(self) -> None:
         for key in ("num_layers", "hidden_size", "num_attention_heads", "head_groups"):
@@ -330,8 +408,8 @@ class TransformerConfig(Section):
                 f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
                 f"head_groups ({self.head_groups})",
             )
-        if self.kv_channels is None and self.latent_attention is not None:
-            self.kv_channels = self.latent_attention.query_head_dim
+        if self.kv_channels is None and self.latent_mixer is not None:
+            self.kv_channels = self.latent_mixer.query_head_dim
         if self.kv_channels is None:
             if self.hidden_size % self.num_attention_heads:
                 raise ConfigError(
@@ -377,7 +455,7 @@ class TransformerConfig(Section):
             )
 
     def _validate_latent_attention(self) -> None:
-        latent = self.latent_attention
+        latent = self.latent_mixer
         if latent is None:
             return
         if self.head_groups != self.num_attention_heads:
@@ -389,13 +467,13 @@ class TransformerConfig(Section):
         if self.kv_channels != latent.query_head_dim:
             raise ConfigError(
                 "kv_channels",
-                f"latent attention's heads are latent_attention.qk_head_dim + "
-                f"qk_pos_emb_head_dim ({latent.query_head_dim}) wide, got {self.kv_channels}",
+                f"latent attention's heads are mixer.qk_head_dim + qk_pos_emb_head_dim "
+                f"({latent.query_head_dim}) wide, got {self.kv_channels}",
             )
-        # its softmax scale is latent_attention's (softmax_scale)
+        # its softmax scale is the mixer's (softmax_scale)
         for key in ("query_norm", "key_norm", "window_size", "attention_scale"):
             if getattr(self, key) is not None:
-                raise ConfigError(key, "is not supported with latent_attention")
+                raise ConfigError(key, "is not supported with mixer type latent_attention")
         if self.add_linear_biases not in (False, "nowhere"):
             raise ConfigError(
                 "add_linear_biases",
@@ -454,10 +532,15 @@ class TransformerConfig(Section):
         return width
 
     @property
+    def latent_mixer(self) -> LatentAttentionConfig | None:
+        """The mixer when it is latent attention (its sizes), else None."""
+        return self.mixer if isinstance(self.mixer, LatentAttentionConfig) else None
+
+    @property
     def rotary_channels(self) -> int:
         """The dimensions of a query or key head that rotary turns."""
-        if self.latent_attention is not None:
-            return self.latent_attention.qk_pos_emb_head_dim
+        if self.latent_mixer is not None:
+            return self.latent_mixer.qk_pos_emb_head_dim
         assert self.kv_channels is not None
         return self.kv_channels
 
@@ -747,12 +830,6 @@ class BaseModelConfig(Section):
             self._check_adapted_layers(peft)
         if isinstance(peft, LoRAConfig) and self.multi_token_prediction is not None:
             raise ConfigError("peft", "LoRA is not supported with multi_token_prediction yet")
-        if isinstance(peft, LoRAConfig) and self.transformer.latent_attention is not None:
-            raise ConfigError(
-                "peft",
-                "LoRA is not supported with transformer.latent_attention yet (its projections "
-                "are not query, key, value)",
-            )
         if isinstance(peft, LoRAConfig) and self.transformer.num_experts > 1:
             mlp = [layer for layer in peft.layers if layer in ("mlp_1", "mlp_2")]
             if mlp:
@@ -814,10 +891,9 @@ class BaseModelConfig(Section):
         assert t.kv_channels is not None and t.ffn_hidden_size is not None, "validate() first"
         h, kv = t.hidden_size, t.kv_channels
         q_size, kv_size = t.num_attention_heads * kv, t.head_groups * kv
-        attention = t.mixer.num_parameters(t)
-        latent_norms = 0
-        if t.latent_attention is not None:
-            attention, latent_norms = _latent_attention_parameters(t)
+        # the latents' norms of latent attention count among the block's norms
+        latent_norms = 0 if t.latent_mixer is None else t.latent_mixer.norm_parameters
+        attention = t.mixer.num_parameters(t) - latent_norms
         mlp_inputs = 2 if t.gated else 1
         if dense:  # a mixture-of-experts model's first dense blocks
             mlp = (mlp_inputs + 1) * h * t.dense_ffn_width
@@ -861,21 +937,6 @@ class BaseModelConfig(Section):
             final_norm=norm,
             adapters=adapters,
         )
-
-
-def _latent_attention_parameters(t: TransformerConfig) -> tuple[int, int]:
-    """Latent attention's parameters in one block: (its projections', its two norms')."""
-    latent = t.latent_attention
-    assert latent is not None
-    h, heads = t.hidden_size, t.num_attention_heads
-    query_heads = heads * latent.query_head_dim
-    rank = latent.q_lora_rank
-    query = h * query_heads if rank is None else h * rank + rank * query_heads
-    key_value = h * (
-        latent.kv_lora_rank + latent.qk_pos_emb_head_dim
-    ) + latent.kv_lora_rank * heads * (latent.qk_head_dim + latent.v_head_dim)
-    norms = latent.kv_lora_rank + (rank or 0)
-    return query + key_value + heads * latent.v_head_dim * h, norms
 
 
 @dataclass(frozen=True)

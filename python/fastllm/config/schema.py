@@ -212,6 +212,9 @@ def _check_struct(cls: type[msgspec.Struct], value: dict[str, Any], key: list[st
             continue
         field = fields.get(name) if isinstance(name, str) else None
         if field is None:
+            moved = getattr(cls, "moved", {}).get(name)
+            if moved is not None:
+                raise ConfigError(format_key([*key, str(name)]), f"unknown key: it {moved}")
             hint = _suggest(name, fields) if isinstance(name, str) else ""
             raise ConfigError(
                 format_key([*key, str(name)]),

@@ -35,7 +35,9 @@ def _cut(text: str, limit: int) -> str:
 
 class Section(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """A config section: typed fields, unknown keys rejected. A class attribute
-    `aliases: ClassVar[dict[str, str]]` maps accepted synonyms to field names.
+    `aliases: ClassVar[dict[str, str]]` maps accepted synonyms to field names, and
+    `moved: ClassVar[dict[str, str]]` says where each of its former keys went (the error of
+    such a key says it: "unknown key: it {moved[key]}").
 
     `validate()` checks fields against each other and fills defaults that derive from other
     fields. It runs after the section's children were validated and raises

@@ -10,7 +10,6 @@ from torch import Tensor
 
 from fastllm.config.model import AttentionConfig, LoRAConfig, TransformerConfig
 from fastllm.model.attend import attend
-from fastllm.model.latent_attention import LatentAttention
 from fastllm.model.lora import adapter_of
 from fastllm.model.normalization import InputNorm, Normalization
 from fastllm.model.parameters import TensorSplit, describe
@@ -30,11 +29,8 @@ def attention_mixer(
     layer_index: int,
     mesh: ParallelMesh,
     lora: LoRAConfig | None,
-) -> Attention | LatentAttention:
-    """The `attention` component's layer: multi-head latent attention with
-    `transformer.latent_attention` (DeepSeek-V3), else grouped-query attention."""
-    if transformer.latent_attention is not None:
-        return LatentAttention(transformer, layer_index, mesh.tensor, mesh.sequence_data)
+) -> Attention:
+    """The `attention` component's layer: grouped-query attention."""
     return Attention(transformer, layer_index, mesh.tensor, mesh.sequence_data, lora)
 
 

@@ -9,19 +9,29 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fastllm.config.model import RMSNormConfig, TransformerConfig, YarnRotaryConfig
+from fastllm.config.model import (
+    LatentAttentionConfig,
+    LoRAConfig,
+    RMSNormConfig,
+    TransformerConfig,
+    YarnRotaryConfig,
+)
 from fastllm.model.attend import attend
 from fastllm.model.normalization import InputNorm, Normalization
 from fastllm.model.parameters import TensorSplit, describe
+from fastllm.parallel.mesh import ParallelMesh
 from fastllm.parallel.sequence_data import KeyValueGather, SequenceDataDimension
-from fastllm.parallel.tensor import TensorDimension, enter, leave
+from fastllm.parallel.tensor import enter, leave
 from fastllm_kernels.linear import linear
 from fastllm_kernels.recipe import WeightRecipe
 from fastllm_kernels.rotary import apply_rotary
 
 
 class LatentAttention(torch.nn.Module):
-    """norm(x) → [query_down → query_norm →] query_up: per head a query of qk_head_dim
+    """The `latent_attention` mixer's layer, built as model/block.py's contract says (`lora`
+    adapts none of its projections: its config refuses LoRA).
+
+    norm(x) → [query_down → query_norm →] query_up: per head a query of qk_head_dim
     dimensions without position and qk_pos_emb_head_dim rotated; norm(x) → key_value_down:
     the latent of kv_lora_rank and the key's rotary part; key_value_norm → key_value_up: per
     head the key's other part and the value. Then attention (softmax scale
@@ -41,17 +51,16 @@ class LatentAttention(torch.nn.Module):
 
     def __init__(
         self,
+        latent: LatentAttentionConfig,
         config: TransformerConfig,
         layer_index: int,
-        tensor: TensorDimension | None = None,
-        sequence_data: SequenceDataDimension | None = None,
+        mesh: ParallelMesh,
+        lora: LoRAConfig | None = None,
     ) -> None:
         super().__init__()
-        latent = config.latent_attention
-        assert latent is not None
         self.layer_index = layer_index
-        self.tensor = tensor = tensor or TensorDimension()
-        self.sequence_data = sequence_data or SequenceDataDimension()
+        self.tensor = tensor = mesh.tensor
+        self.sequence_data = mesh.sequence_data
         self.window_size = None  # the whole causal context (windows are refused with it)
         self.heads = config.num_attention_heads // tensor.size
         self.nope, self.rope = latent.qk_head_dim, latent.qk_pos_emb_head_dim
