@@ -85,6 +85,27 @@ class FimOptions:
         eos: int,
     ) -> None: ...
 
+class Fim:
+    """The FIM transform of `SampleSource`, for samples made elsewhere (a data source's): a
+    sample gets the transform its index and the seed give, wherever it is filled."""
+
+    def __init__(self, options: FimOptions, *, seed: int, tokenizer: _Path | None = None) -> None:
+        """`tokenizer`: the tokenizer.json of the tokens, for character-level FIM."""
+
+    def fill(
+        self,
+        first_sample: int,
+        tokens: NDArray[np.int64],
+        document_ids: NDArray[np.int32],
+        loss_mask: NDArray[np.uint8],
+        real: Sequence[int],
+    ) -> None:
+        """Transforms samples `first_sample, first_sample + 1, …` in place, laid end to end in
+        flat contiguous buffers, sample `k` holding `real[k]` real tokens: the transformed
+        tokens, the loss mask 1 on them, then padding (the pad token, one more document id,
+        loss mask 0). ValueError when the buffers do not hold `len(real)` samples of one
+        length, each at least its real tokens."""
+
 class SampleSource:
     """Training samples from prepared datasets (sampling index, blending, FIM), written straight
     into numpy buffers that Python owns."""

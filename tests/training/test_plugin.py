@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
-from fastllm.config import TrainerConfig, build, load_raw
+from fastllm.config import ConfigError, TrainerConfig, build, load_raw
 from fastllm.model.normalization import NoNormalization
 from fastllm.training.trainer import Trainer
 from tests.conftest import ROOT
@@ -147,6 +147,44 @@ def test_the_plugins_source_trains_on_the_answers_only(dataset: Path, tmp_path: 
             assert "+" not in trained and "=" not in trained
 
 
+def test_the_plugins_source_with_truncated_sampling_puts_one_exercise_in_a_sample(
+    dataset: Path, tmp_path: Path
+) -> None:
+    run = plugin_trainer(
+        dataset,
+        tmp_path / "run",
+        "training.train_iters=1",
+        "data.sampling=truncated",
+        arguments=source_arguments,
+    )
+    tokenizer = Tokenizer.from_file(str(dataset / "tokenizer.json"))
+    for batch in next(iter(run.data_loader())):
+        for row, labels in zip(batch.input_ids, batch.labels, strict=True):
+            real = int((labels != -100).nonzero().max()) + 2  # its last label is its EOS
+            text = tokenizer.decode(row[:real].tolist(), skip_special_tokens=False)
+            assert re.fullmatch(r"\d+ \+ \d+ = \d+\n<\|endoftext\|>", text), text
+            assert (labels[real - 1 :] == -100).all()  # padding
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("data.fim={rate: 0.5, tokenizer: DATASET/tokenizer.json}",),
+        ("data.fim={rate: 0.5}", "data.path=[DATASET]", "data.source.share=0.75"),  # its tokenizer
+    ],
+)
+def test_fim_on_the_plugins_source_refuses_its_masked_questions(
+    dataset: Path, tmp_path: Path, overrides: tuple[str, ...]
+) -> None:
+    overrides = tuple(o.replace("DATASET", str(dataset)) for o in overrides)
+    run = plugin_trainer(
+        dataset, tmp_path / "run", "training.train_iters=1", *overrides, arguments=source_arguments
+    )
+    refused = r"^data.fim: data.source: document 0 has loss-masking spans, which FIM would move"
+    with pytest.raises(ConfigError, match=refused):
+        next(iter(run.data_loader()))
+
+
 def test_the_plugins_source_on_two_data_ranks_matches_one_process(
     dataset: Path, tmp_path: Path
 ) -> None:
@@ -197,11 +235,7 @@ def test_a_run_without_the_plugin_is_refused_naming_its_key_type_and_error(
     [
         ("data.path=[DATASET]", "data.source.share: is 1: the prepared datasets of data.path"),
         ("data.source.share=0.5", "data.source.share: is 0.5, and data.path gives no other"),
-        (
-            "data.sampling=truncated",
-            "data.sampling: truncated sampling (sources are packed) is not",
-        ),
-        ("data.fim={rate: 0.5}", "data.fim: FIM (it runs in the Rust sampler of prepared"),
+        ("data.fim={rate: 0.5}", "data.fim.tokenizer: is required for FIM on a data.source"),
         ("training.phases=[{begin_step: 2, data: {weights: [1.0]}}]", "training.phases[0].data:"),
         ("training.export.interval=2", "training.export.interval: exports copy"),
         (

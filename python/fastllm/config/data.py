@@ -29,6 +29,13 @@ class FimConfig(Section):
     """Token before the suffix."""
     pad_token: str = "<fim_pad>"
     """Token that pads a sample shortened by the transformation."""
+    tokenizer: str | None = None
+    """tokenizer.json holding the four tokens (and, with split: character, the text's tokens)
+    for a run on `data.source` without `data.path`; required there. With `data.path` FIM
+    reads the first dataset's tokenizer, and this key is refused."""
+    eos_token: str | None = None
+    """End-of-document token of `tokenizer` (default `<|endoftext|>`); with `data.path` the
+    first dataset's, recorded by `prepare`, and this key is refused."""
 
     def validate(self) -> None:
         for key in ("rate", "spm_rate"):
@@ -94,6 +101,8 @@ class DataConfig(Section):
         check_non_negative(self.prefetch, "prefetch")
         if self.source is not None:
             self._check_source()
+        if self.fim is not None:
+            self._check_fim_tokenizer()
         if self.weights is None:
             return
         if len(self.weights) != len(self.path):
@@ -105,7 +114,8 @@ class DataConfig(Section):
                 raise ConfigError(f"weights[{i}]", f"must be finite and positive, got {weight}")
 
     def _check_source(self) -> None:
-        """What a data source does not compose with yet, refused by key."""
+        """How the source's share fits `data.path` (phases, the remaining refusal of a
+        source, are refused by `training.phases`)."""
         assert self.source is not None
         share = self.source.share
         if self.path and share == 1.0:
@@ -114,10 +124,23 @@ class DataConfig(Section):
             )
         if not self.path and share != 1.0:
             raise ConfigError("source.share", f"is {share}, and data.path gives no other data")
-        unsupported = {
-            "sampling": (self.sampling != "packed", "truncated sampling (sources are packed)"),
-            "fim": (self.fim is not None, "FIM (it runs in the Rust sampler of prepared datasets)"),
-        }
-        for key, (chosen, what) in unsupported.items():
-            if chosen:
-                raise ConfigError(key, f"{what} is not supported with data.source yet")
+
+    def _check_fim_tokenizer(self) -> None:
+        """FIM's tokenizer: `fim.tokenizer` on a source alone, which has no dataset to take it
+        from; else the first dataset's."""
+        assert self.fim is not None
+        if self.source is not None and not self.path:
+            if self.fim.tokenizer is None:
+                raise ConfigError(
+                    "fim.tokenizer",
+                    "is required for FIM on a data.source without data.path: the tokenizer.json "
+                    "of the FIM tokens",
+                )
+            return
+        for key in ("tokenizer", "eos_token"):
+            if getattr(self.fim, key) is not None:
+                raise ConfigError(
+                    f"fim.{key}",
+                    "is for a data.source without data.path; FIM reads the tokenizer of "
+                    "data.path[0] otherwise",
+                )

@@ -4,7 +4,9 @@
   `tokenizer_training`: `fastllm tokenizer train` on the same inputs.
 - `dataset`: a prepared dataset (shards + metadata) or a Megatron `.bin`/`.idx` prefix.
 - `samples`: the run's sample stream: datasets cut into samples, blended, FIM-transformed.
-- `source`: Python data sources (`data.source`), their documents packed into samples.
+- `source`: Python data sources (`data.source`), their documents packed or truncated into
+  samples, FIM-transformed as the datasets' are.
+- `fim`: FIM's settings resolved against a tokenizer, for both.
 - `loader`: one data-parallel rank's batches, prepared ahead in pinned memory.
 - `errors`: what a failed write of prepare raises.
 

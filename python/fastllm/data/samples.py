@@ -17,6 +17,7 @@ from fastllm.config.bounds import INDEX_BYTES_PER_SAMPLE
 from fastllm.config.data import DataConfig, FimConfig
 from fastllm.data.dataset import TokenDataset
 from fastllm.data.errors import BuildStopped
+from fastllm.data.fim import FimSettings, fim_settings
 
 
 @dataclass
@@ -131,9 +132,8 @@ class SampleStream:
                 )
         prefixes = [prefix for dataset in datasets for prefix in dataset.prefixes]
         shard_weights = _shard_weights(datasets, weights)
-        fim, tokenizer = (
-            _fim_options(config.fim, datasets, key, vocab_size) if config.fim else (None, None)
-        )
+        self.fim = _fim_options(config.fim, datasets, key, vocab_size) if config.fim else None
+        """FIM's resolved settings (`data.fim`), which a data source blended in shares."""
         self.datasets = datasets
         self.key = key
         try:  # a weight of 0 or an empty dataset in the blend, found while building the index
@@ -146,8 +146,8 @@ class SampleStream:
                 weights=shard_weights,
                 cache_dir=str(cache_dir),
                 threads=min(8, os.cpu_count() or 1),
-                fim=fim,
-                tokenizer=tokenizer,
+                fim=None if self.fim is None else self.fim.options,
+                tokenizer=None if self.fim is None else self.fim.tokenizer,
                 vocab_size=vocab_size,
                 stop=stop,
             )
@@ -265,11 +265,9 @@ def _shard_weights(datasets: list[TokenDataset], weights: list[float] | None) ->
 
 def _fim_options(
     config: FimConfig, datasets: list[TokenDataset], key: str, vocab_size: int | None
-) -> tuple[object, str | None]:
+) -> FimSettings:
     """FIM applies the first dataset's tokenizer to the whole blend: the others must have
-    been made with the same one. The ids it inserts (its special tokens, and with character
-    splits any token of the tokenizer) must fit the model's `vocab_size`: the batches' range
-    check covers the ids copied from documents only."""
+    been made with the same one."""
     from tokenizers import Tokenizer
 
     dataset = datasets[0]
@@ -281,20 +279,13 @@ def _fim_options(
             "data.fim", f"{dataset.path}: its tokenizer.json is needed for the FIM tokens"
         )
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
-    size = tokenizer.get_vocab_size(with_added_tokens=True)
-    if vocab_size is not None and size > vocab_size:
-        raise ConfigError(
-            "data.fim",
-            f"the FIM tokenizer {tokenizer_file} has {size} tokens but "
-            f"model.base_model.vocab_size is {vocab_size}",
-        )
     digest = dataset.metadata.get("tokenizer", {}).get("sha256")
     for i, other in enumerate(datasets):
-        vocab_size = other.metadata.get("vocab_size")
-        if vocab_size is not None and vocab_size > tokenizer.get_vocab_size():
+        other_size = other.metadata.get("vocab_size")
+        if other_size is not None and other_size > tokenizer.get_vocab_size():
             raise ConfigError(
                 f"{key}[{i}]",
-                f"{other.path} has a vocabulary of {vocab_size} tokens but the FIM tokenizer "
+                f"{other.path} has a vocabulary of {other_size} tokens but the FIM tokenizer "
                 f"{tokenizer_file} only {tokenizer.get_vocab_size()}",
             )
         other_digest = other.metadata.get("tokenizer", {}).get("sha256")
@@ -304,28 +295,9 @@ def _fim_options(
                 f"{other.path} was made with another tokenizer than {dataset.path}; FIM "
                 "needs one tokenizer for the whole blend",
             )
-
-    def token(key: str) -> int:
-        name = getattr(config, key)
-        token_id = tokenizer.token_to_id(name)
-        if token_id is None:
-            raise ConfigError(f"data.fim.{key}", f"{name!r} is not a token of {tokenizer_file}")
-        return token_id
-
     eos = (dataset.metadata.get("eos_token") or {}).get("id")
     if eos is None:
         raise ConfigError(
             "data.fim", f"{dataset.path}/metadata.json records no end-of-document token"
         )
-    options = _native.FimOptions(
-        rate=config.rate,
-        spm_rate=config.spm_rate,
-        max_middle_len=config.max_middle_len,
-        split=config.split,
-        prefix=token("prefix_token"),
-        middle=token("middle_token"),
-        suffix=token("suffix_token"),
-        pad=token("pad_token"),
-        eos=eos,
-    )
-    return options, str(tokenizer_file) if config.split == "character" else None
+    return fim_settings(config, tokenizer_file, tokenizer, eos, vocab_size)

@@ -1,6 +1,7 @@
-"""Python data sources (`data.source`): documents yielded by user code, packed here into the
-samples of a run as packed sampling packs prepared datasets, with the source's position at each
-step boundary kept for the checkpoint, so that a resumed run reads exactly the samples the
+"""Python data sources (`data.source`): documents yielded by user code, packed (or, with
+truncated sampling, cut) here into the samples of a run as the Rust sampler does prepared
+datasets, FIM-transformed by the same native code, with the source's position at each step
+boundary kept for the checkpoint, so that a resumed run reads exactly the samples the
 uninterrupted run would have."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from fastllm import _native
 from fastllm.config import ConfigError, registry
 from fastllm.config.data import DataSourceConfig
 from fastllm.data.samples import Samples, SampleStream
@@ -63,6 +65,11 @@ class SourceSamples:
     at the end of each step (`step_ends`: its samples before the end of each step, increasing),
     known once the step is read, is kept until `position(samples)` is asked for it.
 
+    `truncate`: each sample is one document instead, cut to the sample's length or padded (as
+    `data.sampling: truncated` samples prepared datasets: token 0, or FIM's pad token; one more
+    document id; not trained); a document whose loss-masking spans leave its sample no trained
+    label is skipped. `fim`: sample k is transformed as the Rust sampler transforms its
+    samples, with k's draws; a document with loss-masking spans is then refused.
     `start`, `position`: a resumed run's samples read and the position saved with them."""
 
     is_preference = False
@@ -75,11 +82,14 @@ class SourceSamples:
         sequence_length: int,
         step_ends: np.ndarray,
         vocab_size: int,
+        truncate: bool = False,
+        fim: _native.Fim | None = None,
         start: int = 0,
         position: dict[str, Any] | None = None,
         key: str = "data.source",
     ) -> None:
         self.source, self.key = source, key
+        self.truncate, self.fim = truncate, fim
         self.sample_length = sequence_length + 1
         self.num_samples, self.vocab_size = int(step_ends[-1]), vocab_size
         self._step_ends, self._step_end_set = step_ends, set(step_ends.tolist())
@@ -117,16 +127,37 @@ class SourceSamples:
         tokens = np.empty(shape, dtype=np.int64)
         document_ids = np.empty(shape, dtype=np.int32)
         loss_mask = np.empty(shape, dtype=np.uint8)
+        real = np.empty(count, dtype=np.int64)
         for row in range(count):
-            tokens[row], document_ids[row], loss_mask[row] = self._next_sample()
+            parts = self._next_sample()
+            real[row] = length = len(parts[0])
+            for buffer, part in zip((tokens, document_ids, loss_mask), parts, strict=True):
+                buffer[row, :length] = part
+        if self.fim is not None:  # it pads after its transform, with its pad token
+            flat = (tokens.reshape(-1), document_ids.reshape(-1), loss_mask.reshape(-1))
+            self.fim.fill(first, *flat, real.tolist())
+        else:  # as the Rust sampler pads without FIM
+            padding = np.arange(self.sample_length) >= real[:, None]
+            tokens[padding], document_ids[padding], loss_mask[padding] = 0, 1, 0
         end = self._step_ends[np.searchsorted(self._step_ends, self._cursor)]
         while self._cursor < end:  # the later ranks' share: the step's position
             self._next_sample()
         return Samples(tokens, document_ids, loss_mask)
 
     def _next_sample(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The next sample's real tokens, document ids and loss mask (truncated: fewer than
+        `sample_length` when its document is shorter)."""
         if self._cursor >= self.num_samples:
             raise ValueError(f"{self.key}: sample {self._cursor} is past the run's last")
+        parts = self._truncated_sample() if self.truncate else self._packed_sample()
+        self._cursor += 1
+        if self._cursor in self._step_end_set:
+            with self._lock:
+                self._positions[self._cursor] = self._position()
+        return parts
+
+    def _packed_sample(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The next `sample_length` tokens of the documents laid end to end."""
         tokens, ids, mask = [], [], []
         filled = 0
         while filled < self.sample_length:
@@ -142,11 +173,19 @@ class SourceSamples:
             self._used += take
             if self._used == len(self._pending[0]):
                 self._pending = None
-        self._cursor += 1
-        if self._cursor in self._step_end_set:
-            with self._lock:
-                self._positions[self._cursor] = self._position()
         return np.concatenate(tokens), np.concatenate(ids), np.concatenate(mask)
+
+    def _truncated_sample(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The next document's first `sample_length` tokens (as one document), skipping those
+        whose spans leave them no trained label (the first token is only ever an input), as
+        the Rust sampler skips such samples of datasets with spans."""
+        while True:
+            self._read_document()
+            assert self._pending is not None
+            tokens, mask = (part[: self.sample_length] for part in self._pending)
+            self._pending = None
+            if mask.all() or mask[1:].any():
+                return tokens, np.zeros(len(tokens), dtype=np.int32), mask
 
     def _read_document(self) -> None:
         """The next document of the source that has a token, checked."""
@@ -179,6 +218,11 @@ class SourceSamples:
                         f"{where}: loss-masking span {(begin, end)} outside its {len(tokens)} tokens",
                     )
                 mask[begin:end] = 0
+            if self.fim is not None and not mask.all():
+                raise ConfigError(
+                    "data.fim",
+                    f"{where} has loss-masking spans, which FIM would move; turn one of them off",
+                )
             self._pending, self._pending_state, self._used = (tokens, mask), state, 0
             return
 

@@ -28,6 +28,7 @@ from fastllm.config.training import check_cadences
 from fastllm.data import DataLoader, SampleStream
 from fastllm.data.dataset import TokenDataset
 from fastllm.data.errors import BuildStopped
+from fastllm.data.fim import source_fim, tokenizer_fim
 from fastllm.data.source import (
     BlendedSamples,
     SourceContext,
@@ -178,21 +179,30 @@ class Trainer:
         )
         before = np.concatenate([[0], np.cumsum(from_source)])
         vocab_size = config.model.base_model.vocab_size
+        stream = None
+        if data.path:
+            prepared = int((~from_source).sum())
+            stream = self.sample_stream(
+                data.path, max(prepared, 1), "data.path", stop, weights=data.weights
+            )
+        fim = None
+        if data.fim is not None:  # the prepared datasets' settings, else data.fim.tokenizer's
+            settings = stream.fim if stream is not None else tokenizer_fim(data.fim, vocab_size)
+            assert settings is not None
+            fim = source_fim(settings, seed)
         context = SourceContext(seed=seed, vocab_size=vocab_size)
         samples = SourceSamples(
             make_source(data.source, context),
             sequence_length=config.batch.sequence_length,
             step_ends=before[batch_size::batch_size],
             vocab_size=vocab_size,
+            truncate=data.sampling == "truncated",
+            fim=fim,
             start=int(before[run.consumed_samples]),
             position=run.data_source,
         )
         self.source_samples = samples
-        if data.path:
-            prepared = int((~from_source).sum())
-            stream = self.sample_stream(
-                data.path, max(prepared, 1), "data.path", stop, weights=data.weights
-            )
+        if stream is not None:
             self.source_samples = BlendedSamples(samples, stream, from_source)
         return self.source_samples
 

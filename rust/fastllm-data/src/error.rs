@@ -184,6 +184,19 @@ pub enum DataError {
         loss_mask: usize,
     },
 
+    #[error(
+        "FIM buffers must hold {samples} samples of one length, each at least its real tokens \
+         (tokens {tokens}, document ids {document_ids}, loss mask {loss_mask}, most real \
+         tokens {real})"
+    )]
+    BadFimBuffers {
+        samples: usize,
+        tokens: usize,
+        document_ids: usize,
+        loss_mask: usize,
+        real: usize,
+    },
+
     #[error("stopped before the index was built")]
     Cancelled,
 }

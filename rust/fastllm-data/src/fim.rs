@@ -18,6 +18,7 @@
 //! generator shared by all samples, so there it depends on the order samples are read).
 
 use crate::random::{mix, SplitMix64};
+use crate::sample_source::pad_sample;
 use crate::DataError;
 
 /// Separates the FIM random stream from the sampling index's, which may use the same seed.
@@ -166,6 +167,70 @@ impl Fim {
         tokens[..kept].copy_from_slice(&out_tokens[..kept]);
         document_ids[..kept].copy_from_slice(&out_ids[..kept]);
         Ok(kept)
+    }
+
+    /// Transforms sample number `sample` as a training batch holds it: [`apply`](Self::apply)
+    /// to its first `real` tokens, then every token of the result trained (loss mask 1) and the
+    /// positions after it padding with the pad token ([`pad_sample`]). Returns how many tokens
+    /// are real after the transform.
+    ///
+    /// Panics as [`apply`](Self::apply) does, or if `loss_mask` has another length.
+    pub fn fill_sample(
+        &self,
+        seed: u64,
+        sample: u64,
+        tokens: &mut [i64],
+        document_ids: &mut [i32],
+        loss_mask: &mut [u8],
+        real: usize,
+    ) -> Result<usize, DataError> {
+        let real = self.apply(seed, sample, tokens, document_ids, real)?;
+        loss_mask[..real].fill(1);
+        pad_sample(
+            tokens,
+            document_ids,
+            loss_mask,
+            real,
+            i64::from(self.config.pad),
+        );
+        Ok(real)
+    }
+
+    /// [`fill_sample`](Self::fill_sample) for samples `first_sample, first_sample + 1, …`, laid
+    /// end to end in the buffers, as many as `real` has entries: sample `k` holds `real[k]` real
+    /// tokens on entry (at most the sample length, the buffers' length over the sample count).
+    pub fn fill(
+        &self,
+        seed: u64,
+        first_sample: u64,
+        tokens: &mut [i64],
+        document_ids: &mut [i32],
+        loss_mask: &mut [u8],
+        real: &[usize],
+    ) -> Result<(), DataError> {
+        let length = tokens.len().checked_div(real.len()).unwrap_or(0);
+        if tokens.len() != length * real.len()
+            || document_ids.len() != tokens.len()
+            || loss_mask.len() != tokens.len()
+            || real.iter().any(|&r| r > length)
+        {
+            return Err(DataError::BadFimBuffers {
+                samples: real.len(),
+                tokens: tokens.len(),
+                document_ids: document_ids.len(),
+                loss_mask: loss_mask.len(),
+                real: real.iter().copied().max().unwrap_or(0),
+            });
+        }
+        let samples = tokens
+            .chunks_exact_mut(length.max(1))
+            .zip(document_ids.chunks_exact_mut(length.max(1)))
+            .zip(loss_mask.chunks_exact_mut(length.max(1)));
+        for (k, (((tokens, document_ids), loss_mask), &real)) in samples.zip(real).enumerate() {
+            let sample = first_sample + k as u64;
+            self.fill_sample(seed, sample, tokens, document_ids, loss_mask, real)?;
+        }
+        Ok(())
     }
 
     /// Appends the FIM form of `content` to `out`.

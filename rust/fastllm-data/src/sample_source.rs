@@ -509,20 +509,36 @@ impl SampleSource {
             }
             end = range.end;
         }
-        let real = match &self.fim {
+        match &self.fim {
             Some(fim) => {
-                let real = fim.apply(self.seed, sample as u64, tokens, document_ids, end)?;
-                loss_mask[..real].fill(1);
-                real
+                fim.fill_sample(
+                    self.seed,
+                    sample as u64,
+                    tokens,
+                    document_ids,
+                    loss_mask,
+                    end,
+                )?;
             }
-            None => end,
-        };
-        let padding_id = real.checked_sub(1).map_or(0, |last| document_ids[last] + 1);
-        tokens[real..].fill(self.padding_token);
-        document_ids[real..].fill(padding_id);
-        loss_mask[real..].fill(0);
+            None => pad_sample(tokens, document_ids, loss_mask, end, self.padding_token),
+        }
         Ok(())
     }
+}
+
+/// Makes positions `real..` of a sample padding: `token`, one document after the last real
+/// token's (document 0 when none is real), not trained (loss mask 0).
+pub(crate) fn pad_sample(
+    tokens: &mut [i64],
+    document_ids: &mut [i32],
+    loss_mask: &mut [u8],
+    real: usize,
+    token: i64,
+) {
+    let padding_id = real.checked_sub(1).map_or(0, |last| document_ids[last] + 1);
+    tokens[real..].fill(token);
+    document_ids[real..].fill(padding_id);
+    loss_mask[real..].fill(0);
 }
 
 /// Fails unless every token lies in `0..vocab_size`: one branch-free pass over the copied

@@ -542,3 +542,53 @@ fn invalid_settings_and_tokens_are_errors() {
     let error = fim.apply(0, 0, &mut tokens, &mut ids, 3).unwrap_err();
     assert_eq!(error.to_string(), "character-level FIM: 300 is not a byte");
 }
+
+#[test]
+fn fill_transforms_each_sample_as_apply_does_then_pads_and_trains_the_rest() {
+    // Two samples of 120 positions: three documents, then one that leaves padding.
+    let fim = Fim::new(
+        config(FimSplit::Character, 1.0, 0.5),
+        Some(Box::new(PairCodec)),
+    )
+    .unwrap();
+    let length = 120;
+    let (mut first, mut first_ids) = sample_of_documents(&[30, 40, 45]);
+    first.resize(length, 0);
+    first_ids.resize(length, 1);
+    let mut second = vec![1i64; 60];
+    second.resize(length, 0);
+    let mut second_ids = vec![0; 60];
+    second_ids.resize(length, 1);
+    let real = [length - 2, 60];
+    let mut tokens = [first.clone(), second.clone()].concat();
+    let mut ids = [first_ids.clone(), second_ids.clone()].concat();
+    let mut mask = vec![0u8; 2 * length];
+    fim.fill(3, 10, &mut tokens, &mut ids, &mut mask, &real)
+        .unwrap();
+    for (k, (mut alone, mut alone_ids)) in [(first, first_ids), (second, second_ids)]
+        .into_iter()
+        .enumerate()
+    {
+        let kept = fim
+            .apply(3, 10 + k as u64, &mut alone, &mut alone_ids, real[k])
+            .unwrap();
+        // Re-encoded shorter ("aa" for "a a"), the second sample gets more padding.
+        assert!(k == 0 || kept < real[k], "{kept}");
+        let sample = k * length..(k + 1) * length;
+        assert_eq!(tokens[sample.start..sample.start + kept], alone[..kept]);
+        assert_eq!(ids[sample.start..sample.start + kept], alone_ids[..kept]);
+        assert!(mask[sample.start..sample.start + kept]
+            .iter()
+            .all(|&m| m == 1));
+        let padding = sample.start + kept..sample.end;
+        assert!(tokens[padding.clone()].iter().all(|&t| t == PAD));
+        assert!(ids[padding.clone()]
+            .iter()
+            .all(|&id| id == alone_ids[kept - 1] + 1));
+        assert!(mask[padding].iter().all(|&m| m == 0));
+    }
+    let error = fim
+        .fill(3, 0, &mut tokens, &mut ids, &mut mask, &[length + 1, 0])
+        .unwrap_err();
+    assert!(matches!(error, DataError::BadFimBuffers { .. }), "{error}");
+}

@@ -37,6 +37,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(prepare::start_prepare, m)?)?;
     m.add_class::<samples::SampleSource>()?;
     m.add_class::<samples::FimOptions>()?;
+    m.add_class::<samples::FimTransform>()?;
     m.add("Cancelled", m.py().get_type::<errors::Cancelled>())?;
     m.add(
         "TokenRangeError",

@@ -1,5 +1,6 @@
 //! `fastllm._native.SampleSource`: training samples from prepared datasets (sampling index,
-//! blending, FIM), written straight into numpy buffers that Python owns.
+//! blending, FIM), written straight into numpy buffers that Python owns; `fastllm._native.Fim`:
+//! the same FIM transform for samples made in Python (a data source's).
 
 use std::path::PathBuf;
 use std::thread;
@@ -62,6 +63,66 @@ impl FimOptions {
             eos,
         };
         Ok(Self { config })
+    }
+}
+
+/// The FIM transform of [`SampleSource`], for samples made elsewhere: a sample gets the
+/// transform its index and the seed give, wherever it is filled.
+#[pyclass(frozen, name = "Fim", module = "fastllm._native")]
+pub struct FimTransform {
+    inner: Fim,
+    seed: u64,
+}
+
+#[pymethods]
+impl FimTransform {
+    /// `tokenizer`: the tokenizer.json of the tokens, for character-level FIM.
+    #[new]
+    #[pyo3(signature = (options, *, seed, tokenizer=None))]
+    fn new(
+        py: Python<'_>,
+        options: FimOptions,
+        seed: u64,
+        tokenizer: Option<PathBuf>,
+    ) -> PyResult<Self> {
+        let inner = py.detach(|| {
+            let codec = crate::tokenizer::codec(options.config.split, tokenizer.as_deref())?;
+            Fim::new(options.config, codec).map_err(data_error)
+        })?;
+        Ok(Self { inner, seed })
+    }
+
+    /// Transforms samples `first_sample, first_sample + 1, …` in place, laid end to end in flat
+    /// contiguous buffers, sample `k` holding `real[k]` real tokens: the transformed tokens, the
+    /// loss mask 1 on them, then padding (the pad token, one more document id, loss mask 0).
+    fn fill(
+        &self,
+        py: Python<'_>,
+        first_sample: u64,
+        tokens: &Bound<'_, PyArray1<i64>>,
+        document_ids: &Bound<'_, PyArray1<i32>>,
+        loss_mask: &Bound<'_, PyArray1<u8>>,
+        real: Vec<usize>,
+    ) -> PyResult<()> {
+        let mut tokens = tokens.try_readwrite()?;
+        let mut document_ids = document_ids.try_readwrite()?;
+        let mut loss_mask = loss_mask.try_readwrite()?;
+        let (tokens, document_ids, loss_mask) = (
+            tokens.as_slice_mut()?,
+            document_ids.as_slice_mut()?,
+            loss_mask.as_slice_mut()?,
+        );
+        py.detach(|| {
+            self.inner.fill(
+                self.seed,
+                first_sample,
+                tokens,
+                document_ids,
+                loss_mask,
+                &real,
+            )
+        })
+        .map_err(data_error)
     }
 }
 
