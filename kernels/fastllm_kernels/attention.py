@@ -48,8 +48,10 @@ _DENSE_MASKS: contextvars.ContextVar[bool] = contextvars.ContextVar("dense_masks
 
 @contextlib.contextmanager
 def dense_masks() -> Iterator[None]:
-    """Branches as a dense boolean mask through SDPA, not flex_attention, inside: for batches
-    whose shapes vary (evaluation), which flex_attention would compile one by one."""
+    """Masks (documents, windows, branches) as a dense boolean mask through SDPA where
+    flex_attention would run, inside: for batches whose shapes vary (evaluation, generation),
+    which flex_attention would compile one by one. flash-attn, when installed, still takes the
+    masks it knows."""
     token = _DENSE_MASKS.set(True)
     try:
         yield
@@ -84,8 +86,11 @@ def attention(
         window_size = None  # masks nothing: keep the fastest (dense) kernels
     offset = k.shape[1] - q.shape[1]
     masked = window_size is not None or document_ids is not None or (causal and offset > 0)
+    # Fewer keys than one flex block leave nothing to skip; and torch 2.11's inductor found no
+    # flex kernel config for head dim 128 at 48 keys (H200).
+    flex = q.is_cuda and q.shape[1] >= _FLEX_MIN_KEYS and not _DENSE_MASKS.get()
     if branch_ids is not None:  # only the masked kernels of a mask function know branches
-        if q.is_cuda and q.shape[1] >= _FLEX_MIN_KEYS and not _DENSE_MASKS.get():
+        if flex:
             return _flex(q, k, v, causal, window_size, document_ids, scale, branch_ids)
         mask = _dense_mask(q, k, causal, window_size, document_ids, branch_ids)
         return _sdpa(q, k, v, attn_mask=mask, scale=scale)
@@ -98,9 +103,7 @@ def attention(
     # query and key document offsets apart.
     if q.is_cuda and flash and (document_ids is None or offset == 0):
         return _flash_attn(q, k, v, causal, window_size, document_ids, scale)
-    # Fewer keys than one flex block leave nothing to skip; and torch 2.11's inductor found no
-    # flex kernel config for head dim 128 at 48 keys (H200).
-    if q.is_cuda and q.shape[1] >= _FLEX_MIN_KEYS:
+    if flex:
         return _flex(q, k, v, causal, window_size, document_ids, scale)
     mask = _dense_mask(q, k, causal, window_size, document_ids)
     if mask is None:

@@ -184,6 +184,25 @@ def test_masked_attention_on_fewer_keys_than_a_flex_block_on_gpu():
     assert all(t.grad is not None and t.grad.isfinite().all() for t in (q, k, v))
 
 
+@pytest.mark.gpu
+@cuda
+def test_dense_masks_take_sdpa_where_flex_would_run_with_the_same_result_on_gpu(monkeypatch):
+    # Evaluation's batches vary in shape: flex_attention would compile each.
+    import fastllm_kernels.attention as module
+    from fastllm_kernels.attention import dense_masks
+
+    q, k, v = _qkv(2, 256, 8, 2, 64, dtype=torch.bfloat16, device="cuda")
+    documents = _documents(2, 256, device="cuda")
+    branches = (torch.arange(256, device="cuda") >= 200).int().expand(2, -1).contiguous()
+    flexed = attention(q, k, v, document_ids=documents, branch_ids=branches)
+    monkeypatch.setattr(module, "_flex", None)  # any call of it fails
+    with dense_masks():
+        dense = attention(q, k, v, document_ids=documents, branch_ids=branches)
+        plain = attention(q, k, v, document_ids=documents)
+    assert_close(dense, flexed, atol=2e-2)
+    assert_close(plain, attention_reference(q, k, v, document_ids=documents), atol=2e-2)
+
+
 def _pairs(batch: int, prompt: int, chosen: int, rejected: int, device="cpu"):
     """Rows of one preference pair each: document ids and branch ids (0 the prompt, 1 and 2
     its answers), as `engine.batch.Pairs` has them."""

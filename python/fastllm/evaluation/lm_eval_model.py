@@ -353,7 +353,9 @@ class FastLLMLM(TemplateLM):
             if self._generator is None:
                 self._generator = FastLLMForCausalLM.wrap(self.model)
         stopping = stop_sequences_criteria(self.tokenizer, until, ids.shape[1], ids.shape[0])
-        with torch.no_grad(), self._in_eval_mode():
+        # Each batch's prompts are padded to another length: dense masks, not a flex_attention
+        # compiled for each.
+        with torch.no_grad(), self._in_eval_mode(), dense_masks():
             return self._generator.generate(
                 input_ids=ids,
                 attention_mask=mask,
