@@ -28,10 +28,10 @@ def load_model(
         config, adapters = peft.with_adapter(config, source.hf_config, Path(adapter))
     with torch.device("meta"):
         model = GPTModel(config)
-    model.to_empty(device=device or "cpu")
     state = dict(chain(source.tensors(), adapters))
     if dtype is None:
         dtype = next(iter(state.values())).dtype
-    model.to(dtype)
+    # Memory of the dtype at once: no full-precision copy to convert.
+    model.to(dtype).to_empty(device=device or "cpu")
     model.load_state_dict(state, strict=True)
     return model.eval()
