@@ -78,18 +78,24 @@ class FastLLMForCausalLM(PreTrainedModel, GenerationMixin):
         past_key_values: Any = None,
         use_cache: bool | None = None,
         labels: torch.Tensor | None = None,
+        logits_to_keep: int = 0,
         **_: Any,
     ) -> CausalLMOutputWithPast:
         """Logits of `input_ids` (batch, tokens), extending `cache` (or `past_key_values`) when
         `use_cache` is not False; with `labels`, also the mean cross-entropy of each position's
         next-token prediction. `attention_mask` (batch, cached + new tokens) marks left padding
-        with 0; a `ValueError` for a 0 after a 1 (right or inner padding)."""
+        with 0; a `ValueError` for a 0 after a 1 (right or inner padding). `logits_to_keep` >
+        0: the logits of the last that-many positions only (`generate()` asks for 1, so a
+        prompt's logits are never all formed)."""
+        if labels is not None and logits_to_keep:
+            raise ValueError("labels need every position's logits: logits_to_keep must be 0")
         cache = cache if cache is not None else past_key_values  # transformers ≥ 5.24 / older
         if use_cache and cache is None:
             cache = DynamicCache()
         logits = self.model(
             input_ids,
             cache=cache if use_cache is not False else None,
+            logits_to_keep=logits_to_keep,
             document_ids=_padding_documents(attention_mask),
         )
         loss = None

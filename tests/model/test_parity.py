@@ -177,6 +177,23 @@ def test_generate_matches_transformers_on_a_left_padded_batch(tmp_path: Path) ->
         ours(prompts, attention_mask=mask.flip(1))
 
 
+def test_generate_forms_the_logits_of_the_last_position_only(tmp_path: Path) -> None:
+    from fastllm.hf import FastLLMForCausalLM
+
+    save_hf_model("llama", tmp_path)
+    ours = FastLLMForCausalLM.wrap(fastllm.load_model(tmp_path))
+    prompt = torch.tensor([[5, 17, 33, 8, 60, 2, 41]])
+    whole = ours(prompt).logits
+    # (another matmul shape: equal to rounding)
+    torch.testing.assert_close(ours(prompt, logits_to_keep=2).logits, whole[:, -2:])
+    shapes: list[torch.Size] = []
+    ours.register_forward_hook(lambda _, __, output: shapes.append(output.logits.shape))
+    ours.generate(prompt, max_new_tokens=3, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert [shape[1] for shape in shapes] == [1, 1, 1]  # the prompt's last position, then one
+    with pytest.raises(ValueError, match="logits_to_keep"):
+        ours(prompt, labels=prompt, logits_to_keep=1)
+
+
 @pytest.mark.parametrize(
     "yarn",
     [

@@ -247,10 +247,14 @@ class GPTModel(torch.nn.Module):
             0, len(self.layers) + 1, input_ids, self.context(input_ids, **kwargs)
         )
 
-    def forward(self, input_ids: Tensor, **kwargs: Any) -> Tensor:
+    def forward(self, input_ids: Tensor, logits_to_keep: int = 0, **kwargs: Any) -> Tensor:
+        """Logits (batch, seq, vocab); of the last `logits_to_keep` positions only when it is
+        positive (what generation reads of a prompt: its logits are never all formed)."""
         if self.tensor.split:
             raise ValueError("logits of a tensor-parallel model: merge it first (fastllm convert)")
         hidden, _ = self.hidden_states(input_ids, **kwargs)
+        if logits_to_keep > 0:
+            hidden = hidden[:, -logits_to_keep:]
         return F.linear(hidden, self.head_weight)
 
     def loss(self, input_ids: Tensor, labels: Tensor, **kwargs: Any) -> Tensor:
