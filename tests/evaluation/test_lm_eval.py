@@ -169,3 +169,37 @@ def test_requests_of_one_context_share_a_row_and_score_as_alone(model_directory:
         expected = scored.gather(1, target[:, None]).sum().item()
         assert abs(log_p - expected) <= 1e-5, (continuation, log_p, expected)
         assert greedy == bool((scored.argmax(-1) == target).all())
+
+
+def test_loglikelihood_tokenizes_as_lm_evals_template_does(model_directory: Path) -> None:
+    # Encoded in batches, each distinct string once: the same tokens as TemplateLM's two
+    # encodes a request (trailing spaces moved, no context, a BOS-prefixed context).
+    from lm_eval.api.instance import Instance
+    from lm_eval.api.model import TemplateLM
+    from transformers import AutoTokenizer
+
+    import fastllm
+    from fastllm.evaluation.lm_eval_model import FastLLMLM
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_directory))
+    lm = FastLLMLM(fastllm.load_model(model_directory), tokenizer, max_length=CONTEXT)
+    bos = tokenizer.decode(lm.prefix_token_id)
+    pairs = [
+        ("Question: what is it? Answer:", " a cat"),
+        ("Question: what is it? Answer: ", "a dog"),
+        ("Question: what is it? Answer:", " a cat"),
+        ("", "alone here"),
+        ("   ", "after spaces"),
+        (bos + "starts with its own", " end"),
+        ("tab\t", "\tand newline\n"),
+    ]
+    requests = [Instance("loglikelihood", {}, pair, index) for index, pair in enumerate(pairs)]
+    seen: dict[str, list] = {}
+    for name, call in (
+        ("ours", lambda: lm.loglikelihood(requests, disable_tqdm=True)),
+        ("theirs", lambda: TemplateLM.loglikelihood(lm, requests, disable_tqdm=True)),
+    ):
+        lm._loglikelihood_tokens = lambda scored, name=name, **_: seen.setdefault(name, scored)  # type: ignore[method-assign]
+        call()
+    assert seen["ours"] == seen["theirs"]
+    assert len({tuple(context) for _, context, _ in seen["ours"]}) > 3

@@ -125,6 +125,53 @@ class FastLLMLM(TemplateLM):
             options["add_special_tokens"] = False
         return self.tokenizer.encode(string, **options)
 
+    def loglikelihood(
+        self, requests: list[Instance], disable_tqdm: bool = False
+    ) -> list[tuple[float, bool]]:
+        """`TemplateLM.loglikelihood`'s requests and tokens, each distinct string encoded once
+        and all of them in batch calls of the tokenizer (its threads), rather than two calls a
+        request: with 8,000 requests, those calls took more time than scoring them."""
+        pairs = [request.args for request in requests]
+        split = [
+            _move_trailing_space(context, continuation) if context else None
+            for context, continuation in pairs
+        ]
+        wanted = [(continuation, False) for (context, continuation) in pairs if not context]
+        for context, continuation in filter(None, split):
+            wanted += [(context + continuation, None), (context, None)]
+        encoded = self._encode_all(wanted)
+        scored: list[Scored] = []
+        for strings, moved in zip(pairs, split, strict=True):
+            if moved is None:  # no context: scored after BOS (else EOS), as TemplateLM does
+                tokens = encoded[strings[1], False]
+                if tokens and tokens[0] == self.prefix_token_id:
+                    scored.append((strings, tokens[:1], tokens[1:]))
+                else:
+                    scored.append((strings, [self.prefix_token_id], tokens))
+                continue
+            context, continuation = moved
+            whole, context_tokens = encoded[context + continuation, None], encoded[context, None]
+            scored.append((strings, context_tokens, whole[len(context_tokens) :]))
+        return self._loglikelihood_tokens(scored, disable_tqdm=disable_tqdm)
+
+    def _encode_all(
+        self, wanted: list[tuple[str, bool | None]]
+    ) -> dict[tuple[str, bool | None], list[int]]:
+        """`tok_encode(string, add_special_tokens)` of each, by (string, add_special_tokens)."""
+        prefix = self.tokenizer.decode(self.prefix_token_id)
+        by_option: dict[bool | None, list[tuple[str, bool | None]]] = defaultdict(list)
+        for key in dict.fromkeys(wanted):
+            string, option = key
+            if option is None and has_bos_prefix(string, prefix):
+                option = False  # as tok_encode: the string brings its own BOS
+            by_option[option].append(key)
+        encoded = {}
+        for option, keys in by_option.items():
+            options = {} if option is None else {"add_special_tokens": option}
+            ids = self.tokenizer([string for string, _ in keys], **options)["input_ids"]
+            encoded.update(zip(keys, ids, strict=True))
+        return encoded
+
     def tok_decode(self, tokens: int | list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
 
@@ -194,11 +241,20 @@ class FastLLMLM(TemplateLM):
                 self.model.head_weight,
                 torch.tensor(target, device=self.device),
             )
+            # Each piece's sum and whether all its tokens are greedy, read in one transfer.
+            of_piece = torch.repeat_interleave(
+                torch.arange(len(lengths), device=self.device),
+                torch.tensor(lengths, device=self.device),
+            )
+            sums = torch.zeros(len(lengths), dtype=torch.float64, device=self.device)
+            sums.index_add_(0, of_piece, log_probs.double())
+            missed = torch.zeros(len(lengths), dtype=torch.long, device=self.device)
+            missed.index_add_(0, of_piece, (~greedy).long())
             pieces_here = [piece for row in batch for piece in row.pieces]
-            for piece, lp, g in zip(
-                pieces_here, log_probs.split(lengths), greedy.split(lengths), strict=True
+            for piece, total, misses in zip(
+                pieces_here, sums.tolist(), missed.tolist(), strict=True
             ):
-                scores[piece] = (float(lp.sum()), bool(g.all()))
+                scores[piece] = (total, misses == 0)
         results = [scores[piece] for piece in of_request]
         for (strings, _, _), result in zip(requests, results, strict=True):
             if strings is not None:
@@ -413,3 +469,10 @@ class _Row:
         """Each branch's positions follow the context's, as if it were the only one."""
         start = len(self.context)
         return [*range(start), *(p for b in self.branches for p in range(start, start + len(b)))]
+
+
+def _move_trailing_space(context: str, continuation: str) -> tuple[str, str]:
+    """The context's trailing whitespace moved to the continuation, as `TemplateLM._encode_pair`
+    does (a word's tokens keep their leading space)."""
+    stripped = context.rstrip()
+    return stripped, context[len(stripped) :] + continuation
