@@ -51,6 +51,13 @@ def _check(heads, kv_heads, head_dim, angles, norms, dtype, device="cpu", batch=
     # fp32: the same fp32 expressions up to summation order; NaN shows an element left unwritten.
     tolerances = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2}
     for actual, reference in zip([*out, *actual_grads], [*expected, *expected_grads], strict=True):
+        if actual.dim() == 1 and dtype == torch.float32:
+            # A norm weight's gradient sums batch x seq x heads terms in another order: its
+            # rounding grows with their number (3.8e-5 on 16,384 terms of about 3 on a GPU).
+            terms = qkv.numel() // head_dim  # at most batch x seq x (heads + 2 kv_heads)
+            scale = max(1.0, (terms / 64) ** 0.5)
+            assert_close(actual, reference, rtol=1e-5 * scale, atol=1e-5 * scale)
+            continue
         assert_close(actual, reference.to(dtype), **tolerances)
     assert all(x.is_contiguous() for x in out)
 
