@@ -11,6 +11,7 @@ import pytest
 
 from fastllm.config import ConfigError, TrainerConfig, load_config
 from fastllm.config.layout import COMPATIBILITY, Incompatibility, StepShape, resolve
+from fastllm.config.model import BlockConfig, TransformerConfig
 from tests.conftest import ROOT
 
 TINY = ROOT / "examples" / "tiny.yaml"
@@ -110,6 +111,16 @@ LATENT = (
     "qk_head_dim: 16, qk_pos_emb_head_dim: 16, v_head_dim: 32}",
 )
 PREDICTION = "model.base_model.multi_token_prediction={depth: 1}"
+OTHER_BLOCK = "model.base_model.transformer.block={type: test_layout_block}"
+
+
+class OtherBlockConfig(BlockConfig, tag="test_layout_block"):
+    """A block of another package (never built here)."""
+
+    def num_norm_parameters(self, transformer: TransformerConfig) -> int:
+        return 0
+
+
 ODD_LATENT = "model.base_model.transformer.mixer={type: latent_attention, kv_lora_rank: 15}"
 ROW_SETTINGS = {
     ("training.evaluators", "model.distributed.tensor_parallel"):
@@ -173,6 +184,10 @@ ROW_SETTINGS = {
     ("model.base_model.multi_token_prediction", "schedule.micro_batch_splits"):
         (PREDICTION, "schedule.micro_batch_splits=2"),
     ("model.base_model.multi_token_prediction", "reference_models"): (PREDICTION, *TEACHER),
+    ("model.base_model.transformer.block", "model.base_model.peft"):
+        (OTHER_BLOCK, LORA, "training.export.format=fastllm"),  # LoRA's distributed export row
+    ("model.base_model.transformer.block", "model.multi_stage.recompute"):
+        (OTHER_BLOCK, "model.multi_stage.recompute=selective"),
 }  # fmt: skip
 """Settings under which each row of the table holds, and no earlier one."""
 
@@ -196,7 +211,7 @@ def test_every_row_of_the_compatibility_table_refuses_naming_its_keys(
         o
         for o in overrides
         if o.startswith(("model.distributed.training", "model.base"))
-        and o not in (LORA, PREDICTION, LATENT[-1], ODD_LATENT)  # the rows' own settings
+        and o not in (LORA, PREDICTION, LATENT[-1], ODD_LATENT, OTHER_BLOCK)  # the rows' own
         and o not in TEACHER
     ]
     for override in overrides:

@@ -13,6 +13,8 @@ import pytest
 
 from fastllm.config import ConfigError, TrainerConfig, build, registry
 from fastllm.config.model import (
+    BlockConfig,
+    DecoderBlockConfig,
     LossConfig,
     MixerConfig,
     MLPBaseConfig,
@@ -225,3 +227,64 @@ def test_what_a_mixer_or_a_loss_must_handle_is_refused_until_it_says_it_does() -
     assert "the head's vocabulary is split over the tensor ranks" in caught.value.message
     label = {"base_model": {"head": {"losses": {"label": {}}}, "transformer": {"head_groups": 2}}}
     build(TrainerConfig, {"model": {**label, "distributed": {"tensor_parallel": 2}}})
+
+
+BLOCK_KEY = "model.base_model.transformer.block"
+
+
+class TwoNormBlockConfig(BlockConfig, tag="test_two_norm_block"):
+    """A test block of another package, with two norms."""
+
+    def num_norm_parameters(self, transformer: TransformerConfig) -> int:
+        return 2 * transformer.normalization.num_parameters(transformer.hidden_size)
+
+
+def block(value: dict[str, Any], *overrides: tuple[str, Any]) -> TrainerConfig:
+    return mlp({"type": "mlp"}, (BLOCK_KEY, value), *overrides)
+
+
+def test_the_block_is_a_point_whose_decoder_is_found_as_any_component() -> None:
+    assert registry.is_point(BlockConfig)
+    assert registry.builtins("block") == {"decoder": DecoderBlockConfig}
+    assert registry.lookup("block", "decoder", f"{BLOCK_KEY}.type") is DecoderBlockConfig
+    assert block({"type": "decoder"}) == mlp({"type": "mlp"})
+    assert isinstance(TrainerConfig().model.base_model.transformer.block, DecoderBlockConfig)
+    config = block({"type": f"{HERE}:TwoNormBlockConfig"})
+    assert isinstance(config.model.base_model.transformer.block, TwoNormBlockConfig)
+    assert registry.record(config) == {
+        "block": {"test_two_norm_block": f"{HERE}:TwoNormBlockConfig"}
+    }
+    t, counts = config.model.base_model.transformer, config.model.base_model.parameter_counts()
+    norms = 2 * t.normalization.num_parameters(64)
+    assert counts.block_norms == norms
+    assert counts.block == t.mixer.num_parameters(t) + t.mlp.num_parameters(t) + norms
+
+
+def test_an_unknown_or_broken_block_type_is_refused_at_its_key() -> None:
+    error = refused({"type": "mlp"}, (BLOCK_KEY, {"type": "decodr"}))
+    assert error.path == f"{BLOCK_KEY}.type" and error.message.endswith("; did you mean decoder?")
+    assert "fastllm.block" in error.message
+    error = refused({"type": "mlp"}, (BLOCK_KEY, {"type": "no_such_package.blocks:Block"}))
+    assert error.path == f"{BLOCK_KEY}.type"
+    assert "ModuleNotFoundError: No module named 'no_such_package'" in error.message
+    error = refused({"type": "mlp"}, (BLOCK_KEY, {"type": f"{HERE}:WideMLPConfig"}))
+    assert "is not a BlockConfig subclass (a block component)" in error.message
+
+
+@pytest.mark.parametrize(
+    ("setting", "value", "reason"),
+    [
+        ("model.base_model.peft", {"type": "lora"}, "counted and exported as the decoder block's"),
+        ("model.multi_stage.recompute", "selective", "wraps the decoder block's MLP"),
+    ],
+)
+def test_what_reaches_into_the_decoder_block_is_refused_with_another_block(
+    setting: str, value: Any, reason: str
+) -> None:
+    block({"type": "decoder"}, (setting, value))
+    with pytest.raises(ConfigError) as caught:
+        block({"type": "test_two_norm_block"}, (setting, value))
+    assert caught.value.path == BLOCK_KEY
+    assert f"not supported yet with {setting}" in caught.value.message
+    assert reason in caught.value.message
+    block({"type": "test_two_norm_block"}, ("model.multi_stage.recompute", "full"))

@@ -1,6 +1,6 @@
-"""The example plugin (examples/plugin, installed by `make setup`): a squared-ReLU MLP, a
-label-smoothed loss and an arithmetic data source of another package train through `fastllm
-train`, resume from their checkpoint exactly, and a run or a conversion without the plugin is
+"""The example plugin (examples/plugin, installed by `make setup`): a parallel block, a
+squared-ReLU MLP, a label-smoothed loss and an arithmetic data source of another package train
+through `fastllm train`, resume from their checkpoint exactly, and a run or a conversion without the plugin is
 refused naming it (exit code 2)."""
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from tests.training.test_train_cli import losses
 PLUGIN_CONFIG = "examples/plugin/plugin.yaml"
 SMOOTHING = 0.1
 RECORDED = {
+    "block": {"parallel": "fastllm_example_plugin.config:ParallelBlockConfig"},
     "mlp": {"squared_relu": "fastllm_example_plugin.config:SquaredReLUMLPConfig"},
     "head_loss": {"label_smoothing": "fastllm_example_plugin.config:LabelSmoothingLossConfig"},
     "data_source": {"arithmetic": "fastllm_example_plugin.config:ArithmeticSourceConfig"},
@@ -78,16 +79,24 @@ def installed() -> None:
         pytest.fail("the example plugin is not installed: pip install ./examples/plugin")
 
 
-def test_the_plugins_mlp_and_loss_compute_what_torch_does(dataset: Path, tmp_path: Path) -> None:
+def test_the_plugins_block_mlp_and_loss_compute_what_torch_does(
+    dataset: Path, tmp_path: Path
+) -> None:
     run = plugin_trainer(dataset, tmp_path / "run", "training.train_iters=1")
-    mlp = run.engine.model.layers[0].mlp
-    assert type(mlp).__name__ == "SquaredReLUMLP"
+    block = run.engine.model.layers[0]
+    mlp = block.mlp
+    assert type(block).__name__ == "ParallelBlock" and type(mlp).__name__ == "SquaredReLUMLP"
     x = torch.randn(2, 5, mlp.layer_1.in_features, generator=torch.Generator().manual_seed(0))
+    none = NoNormalization()
     with torch.no_grad():
-        out, auxiliary = mlp(x, NoNormalization())
+        out, auxiliary = mlp(x, none)
         expected = F.relu(x @ mlp.layer_1.weight.T).square() @ mlp.layer_2.weight.T
-    torch.testing.assert_close(out, expected)
-    assert auxiliary is None
+        torch.testing.assert_close(out, expected)
+        assert auxiliary is None
+        norm = block.norm  # one layer norm, read by both the mixer and the MLP
+        h = F.layer_norm(x, x.shape[-1:], norm.weight, norm.bias, norm.epsilon)
+        expected = x + block.mixer(h, none, None, None, None, None) + mlp(h, none)[0]
+        torch.testing.assert_close(block(x, None, None, None, None)[0], expected)
     batches = next(iter(run.data_loader()))
     with torch.no_grad():  # the weights the step starts from
         logits = torch.cat([run.engine.model(b.input_ids).float().flatten(0, 1) for b in batches])
@@ -208,9 +217,15 @@ def without_plugin(*arguments: str) -> subprocess.CompletedProcess[str]:
 @pytest.mark.parametrize(
     ("overrides", "key", "component"),
     [
-        ((), "model.base_model.transformer.mlp.type: type 'squared_relu'", "SquaredReLUMLPConfig"),
-        (  # fastllm's own MLP and loss: the source is the first of the plugin's components
+        ((), "model.base_model.transformer.block.type: type 'parallel'", "ParallelBlockConfig"),
+        (
+            ("model.base_model.transformer.block={type: decoder}",),
+            "model.base_model.transformer.mlp.type: type 'squared_relu'",
+            "SquaredReLUMLPConfig",
+        ),
+        (  # fastllm's own block, MLP and loss: the source is the first of the plugin's components
             (
+                "model.base_model.transformer.block={type: decoder}",
                 "model.base_model.transformer.mlp={type: mlp}",
                 "model.base_model.head.losses={lm: {type: label}}",
             ),
@@ -265,7 +280,11 @@ def test_converting_its_checkpoint_without_the_plugin_is_refused_naming_them(
     convert = ("convert", f"input.path={checkpoint}", "input.format=distributed")
     result = without_plugin(*convert, f"output.path={exported}")
     assert result.returncode == 2
-    for named in ("mlp type 'squared_relu'", "head_loss type 'label_smoothing'"):
+    for named in (
+        "block type 'parallel'",
+        "mlp type 'squared_relu'",
+        "head_loss type 'label_smoothing'",
+    ):
         assert named in result.stderr
     assert "Install the packages that provide them" in result.stderr
     assert not exported.exists()
@@ -284,7 +303,8 @@ def test_the_plugins_config_is_shown_and_validated_without_torch() -> None:
     result = run_cli("config", "show", "-c", PLUGIN_CONFIG)
     assert result.returncode == 0, result.stderr
     assert (
-        "      mlp:\n        type: squared_relu\n        ffn_hidden_size: null\n" in result.stdout
+        "      mlp:\n        type: squared_relu\n        ffn_hidden_size: null\n"
+        "      block:\n        type: parallel\n" in result.stdout
     )
     assert "label_smoothing:\n          type: label_smoothing\n" in result.stdout
     load = (
@@ -297,7 +317,11 @@ def test_the_plugins_config_is_shown_and_validated_without_torch() -> None:
     assert loaded.stdout == "False\n"  # the plugin's configs import no torch, as fastllm's
 
 
-PLUGIN_MLP = ("model.base_model.transformer.mlp={type: squared_relu}", "training.train_iters=3")
+PLUGIN_LAYERS = (
+    "model.base_model.transformer.block={type: parallel}",
+    "model.base_model.transformer.mlp={type: squared_relu}",
+    "training.train_iters=3",
+)
 PLUGIN_LAYOUTS = {
     "plugin_tensor": (
         "model.distributed.tensor_parallel=2",
@@ -308,16 +332,16 @@ PLUGIN_LAYOUTS = {
 
 
 def layouts(dataset: Path, one_process: Callable[..., Path], root: Path) -> dict[str, Layout]:
-    return {name: Layout(2, (*PLUGIN_MLP, *layout)) for name, layout in PLUGIN_LAYOUTS.items()}
+    return {name: Layout(2, (*PLUGIN_LAYERS, *layout)) for name, layout in PLUGIN_LAYOUTS.items()}
 
 
 @pytest.mark.parametrize("name", PLUGIN_LAYOUTS)
-def test_the_plugins_mlp_on_two_ranks_matches_one_process(
+def test_the_plugins_block_and_mlp_on_two_ranks_match_one_process(
     name: str, launched: dict[str, Launched], one_process: Callable[..., Path]
 ) -> None:
-    """Its parameters' metadata is all the engine needs to split it over tensor ranks (its
-    declared splits) and to shard it with ZeRO-3."""
-    single, double = one_process(*PLUGIN_MLP), launched[name].succeeded()
+    """Their parameters' metadata is all the engine needs to split them over tensor ranks
+    (their declared splits) and to shard them with ZeRO-3."""
+    single, double = one_process(*PLUGIN_LAYERS), launched[name].succeeded()
     expected, got = logged(single, "loss"), logged(double, "loss")
     assert sorted(got) == sorted(expected) == [1, 2, 3]
     for step, value in expected.items():

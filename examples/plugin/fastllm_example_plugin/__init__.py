@@ -1,2 +1,3 @@
 """An example fastllm plugin: `config` holds the components' configs (no torch, so that
-validating a config stays instant), `mlp` and `loss` their runtime parts."""
+validating a config stays instant), `block`, `mlp`, `loss` and `source` their runtime
+parts."""

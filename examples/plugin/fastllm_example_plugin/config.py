@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 from fastllm.config.data import DataSourceConfig
-from fastllm.config.model import LossConfig, MLPBaseConfig, TransformerConfig
+from fastllm.config.model import BlockConfig, LossConfig, MLPBaseConfig, TransformerConfig
 from fastllm.config.section import ConfigError, check_positive
 
 
@@ -29,6 +29,19 @@ class SquaredReLUMLPConfig(MLPBaseConfig, tag="squared_relu"):
 
     def num_parameters(self, transformer: TransformerConfig, *, active: bool = False) -> int:
         return 2 * transformer.hidden_size * self.width(transformer)
+
+
+class ParallelBlockConfig(BlockConfig, tag="parallel"):
+    """x + mixer(norm(x)) + mlp(norm(x)) (GPT-J, PaLM): the mixer and the MLP read the same
+    input through one shared norm, side by side instead of one after the other."""
+
+    implementation = "fastllm_example_plugin.block:ParallelBlock"
+    unsupported_settings: ClassVar[dict[str, str]] = {
+        "model.base_model.transformer.normalization_placement": "it has one norm, of its input"
+    }
+
+    def num_norm_parameters(self, transformer: TransformerConfig) -> int:
+        return transformer.normalization.num_parameters(transformer.hidden_size)
 
 
 class LabelSmoothingLossConfig(LossConfig, tag="label_smoothing"):

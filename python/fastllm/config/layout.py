@@ -182,6 +182,11 @@ _PREDICTION = Condition(
     "model.base_model.multi_token_prediction",
 )
 _GRAPHS = "their collectives would break the compiled graphs"
+_OTHER_BLOCK = Condition(
+    "model.base_model.transformer.block",
+    lambda block: block.__struct_config__.tag != "decoder",
+    "model.base_model.transformer.block of a type other than decoder",
+)
 _DISTRIBUTED_EXPORT = Condition(
     "training.export",
     lambda export: export.interval is not None and export.format == "distributed",
@@ -252,6 +257,24 @@ COMPATIBILITY: tuple[Incompatibility, ...] = (
             ),
             (_SPLITS, "its tokens and labels are shifted along the whole sequence"),
             (_REFERENCES, "not yet tested with reference models"),
+        )
+    ),
+    *(
+        Incompatibility(_OTHER_BLOCK, other, reason)
+        for other, reason in (
+            (
+                Condition(
+                    "model.base_model.peft",
+                    lambda peft: peft.__struct_config__.tag == "lora",
+                    "model.base_model.peft of type lora",
+                ),
+                "LoRA's adapters are counted and exported as the decoder block's "
+                "attention and MLP projections",
+            ),
+            (
+                _equal_to("model.multi_stage.recompute", "selective"),
+                "selective recomputation wraps the decoder block's MLP",
+            ),
         )
     ),
     Incompatibility(

@@ -277,6 +277,31 @@ class MLPConfig(MLPBaseConfig, tag="mlp"):
         return (experts + t.num_shared_experts) * expert + router
 
 
+class BlockConfig(Component):
+    """One transformer block (extension point `block`). Its implementation is built as
+    `Block(config, transformer, layer_index, mesh, lora)` and called as
+    `block(x, rotary, document_ids, cache, branch_ids)`, returning the new residual stream and
+    its weighted auxiliary loss or None (model/block.py says the contract)."""
+
+    point = "block"
+
+    def num_norm_parameters(self, transformer: TransformerConfig) -> int:
+        """One block's own norms' parameters: a block's parameters are counted as these, its
+        mixer's and its MLP's (the counts the run reports, its FLOPs, `model.freeze.norms`)."""
+        raise NotImplementedError(f"{type(self).__name__}.num_norm_parameters")
+
+
+class DecoderBlockConfig(BlockConfig, tag="decoder"):
+    """The mixer and then the MLP, each added to the residual stream, normalized where the
+    transformer's `normalization_placement` says."""
+
+    implementation = "fastllm.model.block:TransformerBlock"
+
+    def num_norm_parameters(self, transformer: TransformerConfig) -> int:
+        t = transformer
+        return (t.pre_norms + t.post_norms) * 2 * t.normalization.num_parameters(t.hidden_size)
+
+
 class TransformerConfig(Section):
     mixer: MixerConfig = msgspec.field(default_factory=AttentionConfig)
     """What mixes the tokens in each block (Fast-LLM's key): attention, latent_attention
@@ -284,6 +309,9 @@ class TransformerConfig(Section):
     mlp: MLPBaseConfig = msgspec.field(default_factory=MLPConfig)
     """The MLP of each block (Fast-LLM's key): mlp, the one the keys below describe, or a
     component of another package."""
+    block: BlockConfig = msgspec.field(default_factory=DecoderBlockConfig)
+    """How each block joins its mixer and MLP to the residual stream: decoder, one after the
+    other (every model fastllm converts), or a component of another package."""
     normalization: NormalizationConfig = msgspec.field(default_factory=RMSNormConfig)
     """Normalization of the blocks (where `normalization_placement` says) and before the head."""
     normalization_placement: NormalizationPlacement = "pre"
@@ -900,7 +928,7 @@ class BaseModelConfig(Section):
         else:
             mlp = t.mlp.num_parameters(t, active=active)
         norm = t.normalization.num_parameters(h)
-        block_norms = (t.pre_norms + t.post_norms) * 2 * norm + latent_norms
+        block_norms = t.block.num_norm_parameters(t) + latent_norms
         block_norm_elements = block_norms
         for query_key_norm, heads in (
             (t.query_norm, t.num_attention_heads),

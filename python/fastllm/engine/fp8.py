@@ -58,14 +58,15 @@ def apply_fp8(
     elif device.type != "cpu":
         raise ConfigError(KEY, f"{recipe} runs on CUDA GPUs (or emulated on CPU), not {device}")
     layers: list[torch.nn.Linear] = []
-    for block in model.layers:
-        attention = block.attention
-        if isinstance(attention, LatentAttention):
-            layers += attention.projections()
-        elif isinstance(attention, Attention):
-            layers += [attention.query_key_value, attention.dense]
-        if isinstance(block.mlp, MLP):
-            layers += [block.mlp.layer_1, block.mlp.layer_2]
+    # fastllm's attention and dense MLPs among each block's own layers, whatever the block's
+    # type (an MLP inside a mixture, its shared experts, stays bf16)
+    for layer in (layer for block in model.layers for layer in block.children()):
+        if isinstance(layer, LatentAttention):
+            layers += layer.projections()
+        elif isinstance(layer, Attention):
+            layers += [layer.query_key_value, layer.dense]
+        elif isinstance(layer, MLP):
+            layers += [layer.layer_1, layer.layer_2]
     histories = AmaxHistories(len(layers), history_length, device) if delayed else None
     for index, layer in enumerate(layers):
         entry = None if histories is None else (histories, index)

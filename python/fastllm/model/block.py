@@ -1,8 +1,12 @@
-"""One transformer block: a mixer (attention) and an MLP, each added to the residual stream,
+"""The `decoder` block: a mixer (attention) and an MLP, each added to the residual stream,
 with norms before them, after them or both (`normalization_placement`).
 
-The contracts of the `mixer` and `mlp` components (config/registry.py), whose layers the block
-builds from their configs:
+The contract of the `block` components (config/registry.py): a block's implementation is built
+as `Block(config, transformer, layer_index, mesh, lora)` and called as
+`block(x, rotary, document_ids, cache, branch_ids)`: x (batch, seq, hidden) is the residual
+stream, the rest what its mixer reads; it returns the new residual stream and its weighted
+auxiliary loss or None. The contracts of the `mixer` and `mlp` components, whose layers the
+block builds from their configs:
 - a mixer's implementation is built as `Layer(config, transformer, layer_index, mesh, lora)`
   and called as `layer(x, norm, rotary, document_ids, cache, branch_ids)`: x (batch, seq,
   hidden) is the residual stream, `norm` the `NormalizationLayer` to read it through
@@ -23,7 +27,7 @@ import torch
 from torch import Tensor
 
 from fastllm.config import registry
-from fastllm.config.model import LoRAConfig, TransformerConfig
+from fastllm.config.model import DecoderBlockConfig, LoRAConfig, TransformerConfig
 from fastllm.model.normalization import (
     InputNorm,
     NoNormalization,
@@ -40,20 +44,20 @@ class TransformerBlock(torch.nn.Module):
 
     def __init__(
         self,
-        config: TransformerConfig,
+        config: DecoderBlockConfig,
+        transformer: TransformerConfig,
         layer_index: int,
         mesh: ParallelMesh | None = None,
         lora: LoRAConfig | None = None,
     ) -> None:
         super().__init__()
-        mesh = mesh or ParallelMesh.single()
-        self.norm_1 = _input_norm(config)
-        mixer = registry.implementation(config.mixer)
-        self.attention = mixer(config.mixer, config, layer_index, mesh, lora)
-        self.post_norm_1 = _output_norm(config)
-        self.norm_2 = _input_norm(config)
-        self.mlp = registry.implementation(config.mlp)(config.mlp, config, layer_index, mesh, lora)
-        self.post_norm_2 = _output_norm(config)
+        t, mesh = transformer, mesh or ParallelMesh.single()
+        self.norm_1 = _input_norm(t)
+        self.attention = registry.implementation(t.mixer)(t.mixer, t, layer_index, mesh, lora)
+        self.post_norm_1 = _output_norm(t)
+        self.norm_2 = _input_norm(t)
+        self.mlp = registry.implementation(t.mlp)(t.mlp, t, layer_index, mesh, lora)
+        self.post_norm_2 = _output_norm(t)
 
     def forward(
         self,

@@ -11,7 +11,6 @@ from torch import Tensor
 
 from fastllm.config import registry
 from fastllm.config.model import BaseModelConfig, LoRAConfig, RotaryConfig
-from fastllm.model.block import TransformerBlock
 from fastllm.model.multi_token_prediction import PredictionModule, prediction_loss
 from fastllm.model.normalization import normalization
 from fastllm.model.parameters import TensorSplit, describe, set_layer
@@ -43,9 +42,10 @@ class Context:
     """The next-token labels, which multi-token prediction is trained on, shifted (None when
     the model has no such modules, or nothing is trained)."""
 
-    def rotary_of(self, block: TransformerBlock) -> tuple[Tensor, Tensor] | None:
-        # A mixer of another package slides over no window of ours: the global tables.
-        sliding = getattr(block.attention, "window_size", None) is not None
+    def rotary_of(self, block: torch.nn.Module) -> tuple[Tensor, Tensor] | None:
+        # The sliding tables where one of the block's layers slides (fastllm's attention); a
+        # mixer of another package slides over no window of ours: the global tables.
+        sliding = any(getattr(m, "window_size", None) is not None for m in block.children())
         return self.window_rotary if sliding else self.rotary
 
 
@@ -106,8 +106,10 @@ class GPTModel(torch.nn.Module):
             tied=config.tie_word_embeddings,
         )
         lora = config.peft if isinstance(config.peft, LoRAConfig) else None
+        block = registry.implementation(transformer.block)
         self.layers = torch.nn.ModuleList(
-            TransformerBlock(transformer, i, mesh, lora) for i in range(transformer.num_layers)
+            block(transformer.block, transformer, i, mesh, lora)
+            for i in range(transformer.num_layers)
         )
         self.final_norm = normalization(transformer.normalization, hidden)
         self.head = (

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from fastllm.config import registry
 from fastllm.config.model import TransformerConfig
-from fastllm.model.block import TransformerBlock
 from fastllm.model.normalization import normalization
 from fastllm.model.parameters import describe
 from fastllm.parallel.mesh import ParallelMesh
@@ -46,7 +46,10 @@ class PredictionModule(torch.nn.Module):
             weight_decay=True,
             sequence_tensor_parallel_replicated=True,
         )
-        self.block = TransformerBlock(config, layer_index, mesh)
+        # no adapters: LoRA is refused with multi-token prediction
+        self.block = registry.implementation(config.block)(
+            config.block, config, layer_index, mesh, None
+        )
         self.output_norm = normalization(config.normalization, hidden)
 
     def forward(
