@@ -1173,15 +1173,21 @@ class ModelConfig(Section):
     def num_frozen_parameters(self) -> int:
         """Parameters `freeze` (and LoRA's `freeze_others`) hold fixed."""
         freeze, base = self.freeze, self.base_model
+        t = base.transformer
         counts = base.parameter_counts()
-        blocks = len(freeze.frozen_blocks())
+        dense_layers = min(t.first_dense_layers, t.num_layers) if t.num_experts > 1 else 0
+        dense = base.parameter_counts(dense=True) if dense_layers else counts
+        of_block = [dense if i < dense_layers else counts for i in range(t.num_layers)]
+        frozen_blocks = set(freeze.frozen_blocks())
+        training = [c for i, c in enumerate(of_block) if i not in frozen_blocks]
         if self.others_frozen:
-            layers = base.transformer.num_layers
-            return base.num_parameters() - (layers - blocks) * counts.adapters
-        frozen = blocks * (counts.block + counts.adapters)
+            return base.num_parameters() - sum(c.adapters for c in training)
+        frozen = sum(of_block[i].block + of_block[i].adapters for i in frozen_blocks)
         if freeze.norms:
-            layers = self.base_model.transformer.num_layers
-            frozen += (layers - blocks) * counts.block_norms + counts.final_norm
+            frozen += sum(c.block_norms for c in training) + counts.final_norm
+            if base.multi_token_prediction is not None:  # each module's block and three norms
+                module = counts.block_norms + 3 * counts.final_norm
+                frozen += base.multi_token_prediction.depth * module
         if freeze.embeddings:
             frozen += counts.embedding
         if freeze.head:

@@ -1,0 +1,60 @@
+"""The frozen parameters the config counts (the start-up summary, memory and MFU accounting)
+are those `apply_freeze` marks in the model it builds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from fastllm.config import ModelConfig, build
+from fastllm.model import GPTModel
+from fastllm.model.freeze import apply_freeze
+from fastllm.model.parameters import parameter_metas
+
+TRANSFORMER = {
+    "num_layers": 3,
+    "hidden_size": 32,
+    "num_attention_heads": 4,
+    "head_groups": 2,
+    "ffn_hidden_size": 48,
+}
+MIXTURE = {
+    **TRANSFORMER,
+    "add_linear_biases": False,
+    "num_experts": 4,
+    "num_experts_per_token": 2,
+    "first_dense_layers": 1,
+}
+
+
+@pytest.mark.parametrize(
+    ("transformer", "extra"),
+    [
+        # a mixture whose first block is dense: blocks of two sizes
+        (MIXTURE, {"freeze": {"blocks": [0, 2]}}),
+        (MIXTURE, {"freeze": {"blocks": [1, 3], "norms": True}}),
+        # the multi-token prediction modules' norms freeze with the others
+        (
+            TRANSFORMER,
+            {"freeze": {"norms": True, "embeddings": True, "head": True}},
+        ),
+        (MIXTURE, {"freeze": {"norms": True}, "multi_token_prediction": {}}),
+        # LoRA (attention only with a mixture), a frozen block's adapters frozen with it
+        (MIXTURE, {"peft": {"type": "lora", "layers": ["query"]}, "freeze": {"blocks": [0, 1]}}),
+    ],
+)
+def test_the_config_counts_the_parameters_the_model_freezes(
+    transformer: dict[str, Any], extra: dict[str, Any]
+) -> None:
+    base: dict[str, Any] = {"transformer": transformer, "vocab_size": 31}
+    if "multi_token_prediction" in extra:
+        base["multi_token_prediction"] = extra["multi_token_prediction"]
+    if "peft" in extra:
+        base["peft"] = extra["peft"]
+    config = build(ModelConfig, {"base_model": base, "freeze": extra.get("freeze", {})})
+    model = GPTModel(config.base_model)
+    apply_freeze(model, config.freeze, config.base_model.peft)
+    frozen = {name for name, meta in parameter_metas(model).items() if meta.frozen}
+    named = dict(model.named_parameters())
+    assert sum(named[name].numel() for name in frozen) == config.num_frozen_parameters()
