@@ -58,3 +58,30 @@ def test_the_config_counts_the_parameters_the_model_freezes(
     frozen = {name for name, meta in parameter_metas(model).items() if meta.frozen}
     named = dict(model.named_parameters())
     assert sum(named[name].numel() for name in frozen) == config.num_frozen_parameters()
+
+
+def test_frozen_norms_and_head_save_their_weight_gradients_in_the_prediction_modules_too() -> None:
+    from fastllm.config.flops import flops_per_token
+    from fastllm.config.model import FreezeConfig
+
+    base = build(
+        ModelConfig,
+        {
+            "base_model": {
+                "transformer": TRANSFORMER,
+                "vocab_size": 31,
+                "multi_token_prediction": {},
+            }
+        },
+    ).base_model
+    counts, depth = base.parameter_counts(), 1
+    head = base.vocab_size * TRANSFORMER["hidden_size"]
+    frozen = FreezeConfig(norms=True, embeddings=True, head=True)
+    norm_elements = (
+        TRANSFORMER["num_layers"] * counts.block_norm_elements
+        + counts.final_norm
+        + depth * (counts.block_norm_elements + 3 * counts.final_norm)
+    )
+    # 2 × each frozen parameter's count: no weight gradient (the head in each module too)
+    saved = 2 * norm_elements + 2 * head * (1 + depth)
+    assert flops_per_token(base, 16) - flops_per_token(base, 16, frozen) == saved

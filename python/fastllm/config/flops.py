@@ -15,9 +15,10 @@ def flops_per_token(
     6 × heads × (query head size + value head size) × keys, and its parameters are its real
     matmuls': the down projections, the latents' up projections and the output, as a token
     computes them). A mixture's first dense layers count their dense MLPs. Each multi-token
-    prediction module counts as a block, its projection and norms, and the head. A norm counts
-    as its weight (and bias) would as a matmul's: 6 × the elements it scales, so a norm over
-    each head (QK-norm) counts every head, not its one weight of a head's size.
+    prediction module counts as a block, its projection and norms, and the head (frozen as the
+    model's are). A norm counts as its weight (and bias) would as a matmul's: 6 × the elements
+    it scales, so a norm over each head (QK-norm) counts every head, not its one weight of a
+    head's size.
 
     Frozen parameters (`freeze`, and under LoRA with `freeze_others` all but the adapters)
     need no weight gradient: 4 × their count (the forward pass and the input gradient), and
@@ -49,14 +50,15 @@ def flops_per_token(
             total += (4 if others else 6) * weights + norms * layer.block_norm_elements
             total += 6 * layer.adapters + attention
     head = config.vocab_size * t.hidden_size  # tied or not, the head multiplies
-    total += norms * counts.final_norm + (4 if freeze.head or others else 6) * head
+    head_factor = 4 if freeze.head or others else 6
+    total += norms * counts.final_norm + head_factor * head
     prediction = config.multi_token_prediction
     if prediction is not None:  # a block, its projection and norms, and the head again
         module = counts.block - counts.block_norms + 2 * t.hidden_size**2
         norm_elements = counts.block_norm_elements + 3 * counts.final_norm
         for index in range(t.num_layers, t.num_layers + prediction.depth):
             window = min(t.window_of(index) or sequence_length, sequence_length)
-            total += 6 * (module + norm_elements + head) + heads * window
+            total += 6 * module + norms * norm_elements + head_factor * head + heads * window
     return total
 
 
