@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -620,7 +621,11 @@ class TransformerConfig(Section):
         return self.add_linear_biases in (True, "everywhere")
 
 
-LoraLayer = Literal["query", "key", "value", "key_value", "dense", "mlp_1", "mlp_2"]
+LoraLayer = Literal[
+    "query", "key", "value", "key_value", "dense", "mlp_1", "mlp_2", "experts_1", "experts_2"
+]
+EXPERT_LORA_LAYERS = ("experts_1", "experts_2")
+"""The `layers` that adapt a mixture's routed experts."""
 
 
 class PeftConfig(Section, tag_field="type"):
@@ -645,8 +650,11 @@ class LoRAConfig(PeftConfig, tag="lora"):
     layers: list[LoraLayer] = msgspec.field(default_factory=lambda: ["query", "value"])
     """The projections adapted in every block (Fast-LLM's names): query, key, value (q_proj,
     k_proj, v_proj; key_value is both key and value), dense (o_proj), mlp_1 (the MLP's input:
-    gate_proj and up_proj when gated), mlp_2 (its output, down_proj). Not the MLPs of a
-    mixture of experts."""
+    gate_proj and up_proj when gated), mlp_2 (its output, down_proj); in a mixture of experts,
+    experts_1 (every routed expert's input, one adapter per expert over its fused gate and up:
+    PEFT's target_parameters `mlp.experts.gate_up_proj`) and experts_2 (every routed expert's
+    output, `mlp.experts.down_proj`). Not the dense MLPs of a mixture-of-experts model (its
+    first dense blocks, its shared experts) yet."""
     freeze_others: bool = True
     """Every parameter but the adapters frozen (as `model.freeze` freezes)."""
 
@@ -671,6 +679,19 @@ class LoRAConfig(PeftConfig, tag="lora"):
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
+
+    @property
+    def adapts_experts(self) -> bool:
+        return any(layer in EXPERT_LORA_LAYERS for layer in self.layers)
+
+    def peft_refusal(self) -> str | None:
+        """Why PEFT cannot load these adapters, or None."""
+        if self.adapts_experts and self.dropout:
+            return (
+                f"PEFT's LoRA of fused experts (target_parameters) has no dropout, and the "
+                f"experts are adapted with model.base_model.peft.dropout {self.dropout}"
+            )
+        return None
 
 
 class LossConfig(Component):
@@ -835,8 +856,18 @@ class BaseModelConfig(Section):
             if mlp:
                 raise ConfigError(
                     "peft.layers",
-                    f"{mlp}: LoRA on the MLPs of a mixture of experts is not supported yet "
-                    f"(num_experts {self.transformer.num_experts}); adapt attention only",
+                    f"{mlp}: LoRA on the dense MLPs of a mixture-of-experts model (first dense "
+                    f"blocks, shared experts) is not supported yet (num_experts "
+                    f"{self.transformer.num_experts}); adapt the routed experts with "
+                    "experts_1 and experts_2",
+                )
+        if isinstance(peft, LoRAConfig) and self.transformer.num_experts == 1:
+            experts = [layer for layer in peft.layers if layer in EXPERT_LORA_LAYERS]
+            if experts:
+                raise ConfigError(
+                    "peft.layers",
+                    f"{experts}: the model has no mixture of experts (num_experts 1); "
+                    "adapt its MLP with mlp_1 and mlp_2",
                 )
 
     def _check_adapted_layers(self, lora: LoRAConfig) -> None:
@@ -844,7 +875,7 @@ class BaseModelConfig(Section):
         t = self.transformer
         for layers, component, builtin in (
             (("query", "key", "value", "dense"), t.mixer, AttentionConfig),
-            (("mlp_1", "mlp_2"), t.mlp, MLPConfig),
+            (("mlp_1", "mlp_2", *EXPERT_LORA_LAYERS), t.mlp, MLPConfig),
         ):
             adapted = [layer for layer in lora.adapted() if layer in layers]
             if adapted and not isinstance(component, builtin):
@@ -864,8 +895,9 @@ class BaseModelConfig(Section):
         dense_layers = min(t.first_dense_layers, t.num_layers) if t.num_experts > 1 else 0
         dense = self.parameter_counts(dense=True) if dense_layers else counts
         layers = (
-            (t.num_layers - dense_layers) * (counts.block + counts.adapters)
-            + dense_layers * (dense.block + dense.adapters)
+            (t.num_layers - dense_layers) * counts.block
+            + dense_layers * dense.block
+            + self.adapter_parameters(active=active)
             + counts.final_norm
         )
         return (
@@ -873,6 +905,18 @@ class BaseModelConfig(Section):
             + self.prediction_parameters(active=active)
             + (counts.embedding + counts.head if embeddings else 0)
         )
+
+    def adapter_parameters(
+        self, blocks: Collection[int] | None = None, *, active: bool = False
+    ) -> int:
+        """The LoRA adapters' parameters in `blocks` (indices from 0; default: all); with
+        `active`, as in `num_parameters`."""
+        t = self.transformer
+        if blocks is None:
+            blocks = range(t.num_layers)
+        counts = self.parameter_counts(active=active)
+        dense = self.parameter_counts(dense=True) if t.num_experts > 1 else counts
+        return sum((counts if t.has_experts(i) else dense).adapters for i in blocks)
 
     def prediction_parameters(self, *, active: bool = False) -> int:
         """The multi-token prediction modules' parameters: each a block (a mixture's when
@@ -924,10 +968,20 @@ class BaseModelConfig(Section):
             }
             rank = self.peft.rank
             for layer in self.peft.adapted():
+                if layer in EXPERT_LORA_LAYERS:
+                    continue
                 fan_in, fan_out = outputs[layer]
                 # gate and up have an adapter each, both reading the same input
                 copies = mlp_inputs if layer == "mlp_1" else 1
                 adapters += rank * (copies * fan_in + fan_out)
+            if not dense:  # each expert's adapter, one over its fused gate and up
+                experts = t.num_experts_per_token if active else t.num_experts
+                ffn = t.ffn_hidden_size
+                expert_shapes = {"experts_1": (h, mlp_inputs * ffn), "experts_2": (ffn, h)}
+                for layer in self.peft.adapted():
+                    if layer in EXPERT_LORA_LAYERS:
+                        fan_in, fan_out = expert_shapes[layer]
+                        adapters += experts * rank * (fan_in + fan_out)
         return ParameterCounts(
             embedding=self.vocab_size * h,
             head=0 if self.tie_word_embeddings else self.vocab_size * h,
@@ -955,7 +1009,8 @@ class ParameterCounts:
     biases): their parameters, but that a norm over each head scales every head."""
     final_norm: int
     adapters: int = 0
-    """One transformer block's LoRA adapters."""
+    """One transformer block's LoRA adapters (with `active`, of a mixture's experts only
+    those one token uses)."""
 
 
 class DistributedConfig(Section):
@@ -1146,11 +1201,15 @@ class ModelConfig(Section):
         """Parameters `freeze` (and LoRA's `freeze_others`) hold fixed."""
         freeze, base = self.freeze, self.base_model
         counts = base.parameter_counts()
-        blocks = len(freeze.frozen_blocks())
+        frozen_blocks = freeze.frozen_blocks()
+        blocks = len(frozen_blocks)
         if self.others_frozen:
-            layers = base.transformer.num_layers
-            return base.num_parameters() - (layers - blocks) * counts.adapters
-        frozen = blocks * (counts.block + counts.adapters)
+            return (
+                base.num_parameters()
+                - base.adapter_parameters()
+                + base.adapter_parameters(frozen_blocks)
+            )
+        frozen = blocks * counts.block + base.adapter_parameters(frozen_blocks)
         if freeze.norms:
             layers = self.base_model.transformer.num_layers
             frozen += (layers - blocks) * counts.block_norms + counts.final_norm
