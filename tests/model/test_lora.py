@@ -30,6 +30,16 @@ PEFT_EXPERTS = {
     "target_modules": ["q_proj"],
     "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
 }
+# Qwen2-MoE's shared experts are a dense MLP: mlp_1 and mlp_2, gate_proj, up_proj, down_proj.
+SHARED_LAYERS = [*EXPERT_LAYERS, "mlp_1", "mlp_2"]
+PEFT_SHARED = {
+    "target_modules": ["q_proj", "gate_proj", "up_proj", "down_proj"],
+    "target_parameters": PEFT_EXPERTS["target_parameters"],
+}
+MIXTURES = {  # our layers, PEFT's targets, PEFT's adapted modules per block
+    "mixtral": (EXPERT_LAYERS, PEFT_EXPERTS, 3),
+    "qwen2_moe": (SHARED_LAYERS, PEFT_SHARED, 6),
+}
 
 
 def test_a_lora_layer_adds_each_segments_update_as_plain_torch_does() -> None:
@@ -139,16 +149,19 @@ def test_a_tiny_llama_with_lora_matches_peft_loss_and_adapter_gradients(tmp_path
     assert len(covered) == 2 * 7 * 2
 
 
-@pytest.mark.parametrize("dropless", [True, False])
-def test_a_tiny_mixtral_with_expert_lora_matches_peft_target_parameters(
-    tmp_path: Path, dropless: bool
+@pytest.mark.parametrize(
+    ("architecture", "dropless"), [("mixtral", True), ("mixtral", False), ("qwen2_moe", True)]
+)
+def test_a_tiny_mixture_with_expert_lora_matches_peft_target_parameters(
+    tmp_path: Path, architecture: str, dropless: bool
 ) -> None:
     # Each expert's own adapters of gate_up_proj and down_proj (PEFT's ParamWrapper), on the
-    # grouped matmuls (dropless) and on the looped reference.
-    save_hf_model("mixtral", tmp_path)
-    theirs = peft_model(tmp_path, rank=4, alpha=8.0, targets=PEFT_EXPERTS)
+    # grouped matmuls (dropless) and on the looped reference; Qwen2-MoE's shared experts too.
+    layers, targets, per_block = MIXTURES[architecture]
+    save_hf_model(architecture, tmp_path)
+    theirs = peft_model(tmp_path, rank=4, alpha=8.0, targets=targets)
     ours = ours_with_their_adapters(
-        tmp_path, theirs, "mixtral", rank=4, alpha=8.0, layers=EXPERT_LAYERS
+        tmp_path, theirs, architecture, rank=4, alpha=8.0, layers=layers
     )
     if not dropless:
         state = ours.state_dict()
@@ -173,12 +186,12 @@ def test_a_tiny_mixtral_with_expert_lora_matches_peft_target_parameters(
         if p.requires_grad
     }
     our_params = dict(ours.named_parameters())
-    rules = list(adapter_rules(ours.config, "mixtral"))
+    rules = list(adapter_rules(ours.config, architecture))
     for rule in rules:
         expected = rule.join([their_grads[PREFIX + name] for name in rule.theirs])
         assert relative_error(our_params[rule.ours].grad, expected) <= 1e-5, rule.ours
     assert {PREFIX + name for rule in rules for name in rule.theirs} == set(their_grads)
-    assert len(their_grads) == 2 * 3 * 2  # q_proj, gate_up_proj and down_proj in 2 blocks
+    assert len(their_grads) == 2 * per_block * 2  # A and B of each, in 2 blocks
     assert our_params["layers.0.mlp.layer_1_lora.a"].shape == (4, 4, 48)  # experts, rank, in
     adapters = sum(p.numel() for name, p in our_params.items() if "_lora." in name)
     assert ours.config.adapter_parameters() == adapters
@@ -187,7 +200,7 @@ def test_a_tiny_mixtral_with_expert_lora_matches_peft_target_parameters(
 
 @pytest.mark.parametrize(
     ("architecture", "layers", "targets"),
-    [("llama", EVERY_LINEAR, None), ("mixtral", EXPERT_LAYERS, PEFT_EXPERTS)],
+    [("llama", EVERY_LINEAR, None), ("qwen2_moe", SHARED_LAYERS, PEFT_SHARED)],
 )
 def test_merged_weights_compute_what_the_base_and_its_adapters_compute(
     tmp_path: Path, architecture: str, layers: list[str], targets: dict[str, list[str]] | None
@@ -215,7 +228,7 @@ def test_lora_settings_are_checked() -> None:
     with pytest.raises(ConfigError, match="names a projection twice"):
         build(BaseModelConfig, {"peft": {"type": "lora", "layers": ["key", "key_value"]}})
     moe = {"transformer": {"num_experts": 4, "add_linear_biases": False}}
-    with pytest.raises(ConfigError, match="experts_1 and experts_2") as caught:
+    with pytest.raises(ConfigError, match="no dense MLP") as caught:
         build(BaseModelConfig, {**moe, "peft": {"type": "lora", "layers": ["query", "mlp_1"]}})
     assert caught.value.path == "peft.layers"
     with pytest.raises(ConfigError, match="no mixture of experts") as caught:

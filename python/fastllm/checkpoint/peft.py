@@ -265,7 +265,7 @@ def _layers_of(
     their projections (mlp_1 to gate_proj and up_proj), all adapted or none; with `experts`
     (target parameters adapt the experts) none is allowed."""
     every = ["query", "key", "value", "dense", "mlp_1", "mlp_2"]
-    if config.transformer.num_experts > 1:
+    if not config.has_dense_mlp:
         every = every[:4]
     probe = msgspec.structs.replace(config, peft=LoRAConfig(rank=1, layers=every))  # type: ignore[arg-type]
     names: dict[str, set[str]] = {}

@@ -653,8 +653,8 @@ class LoRAConfig(PeftConfig, tag="lora"):
     gate_proj and up_proj when gated), mlp_2 (its output, down_proj); in a mixture of experts,
     experts_1 (every routed expert's input, one adapter per expert over its fused gate and up:
     PEFT's target_parameters `mlp.experts.gate_up_proj`) and experts_2 (every routed expert's
-    output, `mlp.experts.down_proj`). Not the dense MLPs of a mixture-of-experts model (its
-    first dense blocks, its shared experts) yet."""
+    output, `mlp.experts.down_proj`), while mlp_1 and mlp_2 adapt its dense MLPs (the shared
+    experts, the first dense blocks)."""
     freeze_others: bool = True
     """Every parameter but the adapters frozen (as `model.freeze` freezes)."""
 
@@ -851,15 +851,15 @@ class BaseModelConfig(Section):
             self._check_adapted_layers(peft)
         if isinstance(peft, LoRAConfig) and self.multi_token_prediction is not None:
             raise ConfigError("peft", "LoRA is not supported with multi_token_prediction yet")
-        if isinstance(peft, LoRAConfig) and self.transformer.num_experts > 1:
+        t = self.transformer
+        if isinstance(peft, LoRAConfig) and t.num_experts > 1 and not self.has_dense_mlp:
             mlp = [layer for layer in peft.layers if layer in ("mlp_1", "mlp_2")]
             if mlp:
                 raise ConfigError(
                     "peft.layers",
-                    f"{mlp}: LoRA on the dense MLPs of a mixture-of-experts model (first dense "
-                    f"blocks, shared experts) is not supported yet (num_experts "
-                    f"{self.transformer.num_experts}); adapt the routed experts with "
-                    "experts_1 and experts_2",
+                    f"{mlp}: the mixture of experts has no dense MLP (no shared experts, no "
+                    "first dense blocks); adapt its routed experts with experts_1 and "
+                    "experts_2",
                 )
         if isinstance(peft, LoRAConfig) and self.transformer.num_experts == 1:
             experts = [layer for layer in peft.layers if layer in EXPERT_LORA_LAYERS]
@@ -869,6 +869,13 @@ class BaseModelConfig(Section):
                     f"{experts}: the model has no mixture of experts (num_experts 1); "
                     "adapt its MLP with mlp_1 and mlp_2",
                 )
+
+    @property
+    def has_dense_mlp(self) -> bool:
+        """Some block has a dense MLP (one of a mixture of experts: its shared experts or
+        its first dense blocks)."""
+        t = self.transformer
+        return t.num_experts == 1 or t.num_shared_experts > 0 or t.first_dense_layers > 0
 
     def _check_adapted_layers(self, lora: LoRAConfig) -> None:
         """LoRA adapts the projections of the built-in attention and MLP only."""
@@ -958,17 +965,23 @@ class BaseModelConfig(Section):
             block_norm_elements += query_key_norm.num_parameters(heads * kv)
         adapters = 0
         if isinstance(self.peft, LoRAConfig):
+            # The dense MLP's width: a mixture's shared experts' (none without them), or its
+            # first dense blocks'.
+            if dense:
+                dense_ffn = t.dense_ffn_width
+            else:
+                dense_ffn = t.ffn_hidden_size * (t.num_shared_experts if t.num_experts > 1 else 1)
             outputs = {
                 "query": (h, q_size),
                 "key": (h, kv_size),
                 "value": (h, kv_size),
                 "dense": (q_size, h),
-                "mlp_1": (h, mlp_inputs * t.ffn_hidden_size),
-                "mlp_2": (t.ffn_hidden_size, h),
+                "mlp_1": (h, mlp_inputs * dense_ffn),
+                "mlp_2": (dense_ffn, h),
             }
             rank = self.peft.rank
             for layer in self.peft.adapted():
-                if layer in EXPERT_LORA_LAYERS:
+                if layer in EXPERT_LORA_LAYERS or (layer.startswith("mlp") and not dense_ffn):
                     continue
                 fan_in, fan_out = outputs[layer]
                 # gate and up have an adapter each, both reading the same input

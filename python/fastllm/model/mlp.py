@@ -202,7 +202,8 @@ class MixtureOfExperts(torch.nn.Module):
 
     With LoRA on the experts (`experts_1`, `experts_2`), `layer_1_lora` and `layer_2_lora`
     hold each expert's adapters, split as the experts' weights are (model/lora.py); they
-    compute on the same expert-ordered rows as the weights."""
+    compute on the same expert-ordered rows as the weights. The shared MLP is adapted as a
+    dense one (`mlp_1`, `mlp_2`)."""
 
     recompute_activation = True
     """The looped path recomputes a gated activation in the backward pass rather than storing
@@ -264,7 +265,7 @@ class MixtureOfExperts(torch.nn.Module):
         if config.num_shared_experts:
             width = config.num_shared_experts * ffn
             shared = msgspec.structs.replace(config, ffn_hidden_size=width, num_experts=1)
-            self.shared = MLP(shared, tensor)
+            self.shared = MLP(shared, tensor, lora)  # a dense MLP: mlp_1 and mlp_2 adapt it
         self.shared_gate = (
             torch.nn.Linear(hidden, 1, bias=False) if config.shared_expert_gate else None
         )
