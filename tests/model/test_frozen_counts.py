@@ -42,6 +42,21 @@ MIXTURE = {
         (MIXTURE, {"freeze": {"norms": True}, "multi_token_prediction": {}}),
         # LoRA (attention only with a mixture), a frozen block's adapters frozen with it
         (MIXTURE, {"peft": {"type": "lora", "layers": ["query"]}, "freeze": {"blocks": [0, 1]}}),
+        # the experts' adapters, and the dense first block's MLP adapted instead
+        (
+            MIXTURE,
+            {
+                "peft": {"type": "lora", "layers": ["experts_2", "mlp_1"], "freeze_others": False},
+                "freeze": {"blocks": [0, 2]},
+            },
+        ),
+        (
+            MIXTURE,
+            {
+                "peft": {"type": "lora", "layers": ["experts_1", "mlp_2"]},
+                "freeze": {"blocks": [1, 2]},
+            },
+        ),
     ],
 )
 def test_the_config_counts_the_parameters_the_model_freezes(

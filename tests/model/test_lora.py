@@ -1,5 +1,6 @@
 """LoRA adapters: one layer against plain torch, a tiny model against PEFT on the same
-`transformers` model (loss and the adapters' gradients), and merged weights."""
+`transformers` model (loss and the adapters' gradients; a mixture's experts against PEFT's
+`target_parameters`), and merged weights."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 
 from fastllm.checkpoint.formats import open_model
 from fastllm.checkpoint.peft import PREFIX, adapter_rules, merged
-from fastllm.config import BaseModelConfig, ConfigError, build
+from fastllm.config import BaseModelConfig, ConfigError, TrainerConfig, build
 from fastllm.config.model import LoRAConfig
 from fastllm.model import GPTModel
 from fastllm.model.lora import LoRA
@@ -23,6 +24,22 @@ from tests.model.test_parity import relative_error
 
 EVERY_LINEAR = ["query", "key", "value", "dense", "mlp_1", "mlp_2"]
 PEFT_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+EXPERT_LAYERS = ["query", "experts_1", "experts_2"]
+"""A mixture's adapters: its routed experts, and queries beside them."""
+PEFT_EXPERTS = {
+    "target_modules": ["q_proj"],
+    "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+}
+# Qwen2-MoE's shared experts are a dense MLP: mlp_1 and mlp_2, gate_proj, up_proj, down_proj.
+SHARED_LAYERS = [*EXPERT_LAYERS, "mlp_1", "mlp_2"]
+PEFT_SHARED = {
+    "target_modules": ["q_proj", "gate_proj", "up_proj", "down_proj"],
+    "target_parameters": PEFT_EXPERTS["target_parameters"],
+}
+MIXTURES = {  # our layers, PEFT's targets, PEFT's adapted modules per block
+    "mixtral": (EXPERT_LAYERS, PEFT_EXPERTS, 3),
+    "qwen2_moe": (SHARED_LAYERS, PEFT_SHARED, 6),
+}
 
 
 def test_a_lora_layer_adds_each_segments_update_as_plain_torch_does() -> None:
@@ -64,14 +81,19 @@ def lora_config(source_config: BaseModelConfig, **lora: object) -> BaseModelConf
     return build(BaseModelConfig, {**raw, "peft": {"type": "lora", **lora}})
 
 
-def peft_model(directory: Path, rank: int, alpha: float) -> peft.PeftModel:
-    """PEFT's LoRA on every linear of the saved model, its B matrices random (PEFT starts
-    them at zero, which would leave A without a gradient)."""
+def peft_model(
+    directory: Path, rank: int, alpha: float, targets: dict[str, list[str]] | None = None
+) -> peft.PeftModel:
+    """PEFT's LoRA on every linear of the saved model (or on `targets`, LoraConfig's keyword
+    arguments), its B matrices random (PEFT starts them at zero, which would leave A without
+    a gradient)."""
     import transformers
 
     base = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
     base.config._attn_implementation = "eager"
-    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=PEFT_MODULES)
+    config = peft.LoraConfig(
+        r=rank, lora_alpha=alpha, **(targets or {"target_modules": PEFT_MODULES})
+    )
     model = peft.get_peft_model(base, config)
     generator = torch.Generator().manual_seed(3)
     with torch.no_grad():
@@ -127,11 +149,66 @@ def test_a_tiny_llama_with_lora_matches_peft_loss_and_adapter_gradients(tmp_path
     assert len(covered) == 2 * 7 * 2
 
 
-def test_merged_weights_compute_what_the_base_and_its_adapters_compute(tmp_path: Path) -> None:
-    save_hf_model("llama", tmp_path)
-    theirs = peft_model(tmp_path, rank=4, alpha=16.0)
+@pytest.mark.parametrize(
+    ("architecture", "dropless"), [("mixtral", True), ("mixtral", False), ("qwen2_moe", True)]
+)
+def test_a_tiny_mixture_with_expert_lora_matches_peft_target_parameters(
+    tmp_path: Path, architecture: str, dropless: bool
+) -> None:
+    # Each expert's own adapters of gate_up_proj and down_proj (PEFT's ParamWrapper), on the
+    # grouped matmuls (dropless) and on the looped reference; Qwen2-MoE's shared experts too.
+    layers, targets, per_block = MIXTURES[architecture]
+    save_hf_model(architecture, tmp_path)
+    theirs = peft_model(tmp_path, rank=4, alpha=8.0, targets=targets)
     ours = ours_with_their_adapters(
-        tmp_path, theirs, "llama", rank=4, alpha=16.0, layers=EVERY_LINEAR
+        tmp_path, theirs, architecture, rank=4, alpha=8.0, layers=layers
+    )
+    if not dropless:
+        state = ours.state_dict()
+        t = msgspec.structs.replace(ours.config.transformer, dropless_moe=False)
+        ours = GPTModel(msgspec.structs.replace(ours.config, transformer=t))
+        ours.load_state_dict(state, strict=True)
+    generator = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, 97, (2, 13), generator=generator)
+    labels = torch.randint(0, 97, (2, 13), generator=generator)
+
+    # From the logits: our loss would add the router's auxiliary loss, which PEFT's leaves out.
+    our_loss = F.cross_entropy(ours(input_ids).flatten(0, 1), labels.flatten())
+    their_logits = theirs(input_ids=input_ids).logits
+    their_loss = F.cross_entropy(their_logits.flatten(0, 1), labels.flatten())
+    assert our_loss.item() == pytest.approx(their_loss.item(), rel=1e-5)
+    our_loss.backward()
+    their_loss.backward()
+
+    their_grads = {
+        name.replace(".default", ""): p.grad
+        for name, p in theirs.named_parameters()
+        if p.requires_grad
+    }
+    our_params = dict(ours.named_parameters())
+    rules = list(adapter_rules(ours.config, architecture))
+    for rule in rules:
+        expected = rule.join([their_grads[PREFIX + name] for name in rule.theirs])
+        assert relative_error(our_params[rule.ours].grad, expected) <= 1e-5, rule.ours
+    assert {PREFIX + name for rule in rules for name in rule.theirs} == set(their_grads)
+    assert len(their_grads) == 2 * per_block * 2  # A and B of each, in 2 blocks
+    assert our_params["layers.0.mlp.layer_1_lora.a"].shape == (4, 4, 48)  # experts, rank, in
+    adapters = sum(p.numel() for name, p in our_params.items() if "_lora." in name)
+    assert ours.config.adapter_parameters() == adapters
+    assert ours.config.num_parameters() == sum(p.numel() for p in our_params.values())
+
+
+@pytest.mark.parametrize(
+    ("architecture", "layers", "targets"),
+    [("llama", EVERY_LINEAR, None), ("qwen2_moe", SHARED_LAYERS, PEFT_SHARED)],
+)
+def test_merged_weights_compute_what_the_base_and_its_adapters_compute(
+    tmp_path: Path, architecture: str, layers: list[str], targets: dict[str, list[str]] | None
+) -> None:
+    save_hf_model(architecture, tmp_path)
+    theirs = peft_model(tmp_path, rank=4, alpha=16.0, targets=targets)
+    ours = ours_with_their_adapters(
+        tmp_path, theirs, architecture, rank=4, alpha=16.0, layers=layers
     )
     state = {name: t.detach() for name, t in ours.state_dict().items()}
     plain = GPTModel(msgspec.structs.replace(ours.config, peft=build(BaseModelConfig, {}).peft))
@@ -151,5 +228,15 @@ def test_lora_settings_are_checked() -> None:
     with pytest.raises(ConfigError, match="names a projection twice"):
         build(BaseModelConfig, {"peft": {"type": "lora", "layers": ["key", "key_value"]}})
     moe = {"transformer": {"num_experts": 4, "add_linear_biases": False}}
-    with pytest.raises(ConfigError, match="mixture of experts"):
+    with pytest.raises(ConfigError, match="no dense MLP") as caught:
         build(BaseModelConfig, {**moe, "peft": {"type": "lora", "layers": ["query", "mlp_1"]}})
+    assert caught.value.path == "peft.layers"
+    with pytest.raises(ConfigError, match="no mixture of experts") as caught:
+        build(BaseModelConfig, {"peft": {"type": "lora", "layers": ["experts_2"]}})
+    assert caught.value.path == "peft.layers"
+    experts = {"type": "lora", "layers": ["experts_1"], "dropout": 0.1}
+    trainer = {"model": {"base_model": {**moe, "peft": experts}}}
+    build(TrainerConfig, trainer)  # dropout on the experts' adapters trains
+    with pytest.raises(ConfigError, match=r"target_parameters\) has no dropout") as caught:
+        build(TrainerConfig, {**trainer, "training": {"export": {"format": "peft"}}})
+    assert caught.value.path == "training.export.format"

@@ -1,10 +1,11 @@
 """LoRA through the trainer: a Hugging Face model fine-tuned from `pretrained` with adapters,
-against PEFT on the same `transformers` model with the same optimizer settings; the buffers
-hold the adapters' state alone."""
+against PEFT on the same `transformers` model with the same optimizer settings (a Mixtral's
+experts through PEFT's `target_parameters`); the buffers hold the adapters' state alone."""
 
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from fastllm.hf import FastLLMForCausalLM
 from fastllm.training.setup import with_pretrained_architecture
 from fastllm.training.trainer import Trainer
 from tests.model.hf_models import save_hf_model
-from tests.model.test_lora import PEFT_MODULES
+from tests.model.test_lora import EXPERT_LAYERS, PEFT_EXPERTS, PEFT_MODULES
 from tests.training.conftest import Launched, Layout
 from tests.training.test_frozen import assert_same_run
 
@@ -36,13 +37,22 @@ LORA = {
 }
 
 
-def lora_config(dataset: Path, experiment: Path, hf: Path, **sections: object) -> Path:
-    """A run that fine-tunes the Hugging Face model in `hf` with LoRA, architecture from it."""
+def lora_config(
+    dataset: Path,
+    experiment: Path,
+    hf: Path,
+    architecture: str = "llama",
+    layers: list[str] | None = None,
+    **sections: object,
+) -> Path:
+    """A run that fine-tunes the Hugging Face model in `hf` with LoRA (on `layers`, default
+    every linear), architecture from it."""
+    peft_section = LORA if layers is None else {**LORA, "layers": layers}
     config = {
         "run": {"experiment_dir": str(experiment)},
-        "pretrained": {"path": str(hf), "format": "llama"},
+        "pretrained": {"path": str(hf), "format": architecture},
         "model": {
-            "base_model": {"peft": LORA},
+            "base_model": {"peft": peft_section},
             "distributed": {"training_dtype": "float32", "seed": 7},
         },
         "training": {
@@ -79,6 +89,22 @@ def hf_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
+@pytest.fixture(scope="module")
+def hf_mixtral(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Mixtral (4 experts, top 2) of the dataset's 512-token vocabulary, without the
+    router's auxiliary loss (which PEFT's loss, from the logits, leaves out)."""
+    directory = tmp_path_factory.mktemp("hf_mixtral")
+    save_hf_model("mixtral", directory, vocab_size=512, router_aux_loss_coef=0.0)
+    return directory
+
+
+# Each architecture's adapted layers and PEFT's targets of them.
+ARCHITECTURES = {
+    "llama": (None, {"target_modules": PEFT_MODULES}),
+    "mixtral": (EXPERT_LAYERS, PEFT_EXPERTS),
+}
+
+
 def test_lora_buffers_hold_the_adapters_state_alone(
     dataset: Path, hf_llama: Path, tmp_path: Path
 ) -> None:
@@ -105,24 +131,25 @@ def test_lora_buffers_hold_the_adapters_state_alone(
     )
 
 
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
 def test_ten_steps_match_peft_with_the_same_optimizer(
-    dataset: Path, hf_llama: Path, tmp_path: Path
+    dataset: Path, request: pytest.FixtureRequest, tmp_path: Path, architecture: str
 ) -> None:
-    run = lora_trainer(lora_config(dataset, tmp_path / "run", hf_llama))
+    layers, targets = ARCHITECTURES[architecture]
+    hf = request.getfixturevalue(f"hf_{architecture}")
+    run = lora_trainer(lora_config(dataset, tmp_path / "run", hf, architecture, layers))
     config = run.config.model.base_model
     ours = dict(run.engine.whole_parameters())
 
     # PEFT on the same model, its adapters set to ours (A drawn from our seed, B zero).
-    base = transformers.AutoModelForCausalLM.from_pretrained(hf_llama, dtype=torch.float32)
+    base = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
     base.config._attn_implementation = "eager"
-    theirs = peft.get_peft_model(
-        base, peft.LoraConfig(r=4, lora_alpha=8.0, target_modules=PEFT_MODULES)
-    )
+    theirs = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8.0, **targets))
     adapters = {
         name.replace(".default", ""): p for name, p in theirs.named_parameters() if p.requires_grad
     }
     with torch.no_grad():
-        for rule in adapter_rules(config, "llama"):
+        for rule in adapter_rules(config, architecture):
             for name, piece in zip(rule.theirs, rule.split(ours[rule.ours]), strict=True):
                 adapters[PREFIX + name].copy_(piece)
     trainable = list(adapters.values())
@@ -143,7 +170,7 @@ def test_ten_steps_match_peft_with_the_same_optimizer(
         assert our["loss"] == pytest.approx(loss.item(), rel=2e-5), step
         assert our["grad_norm"] == pytest.approx(norm.item(), rel=1e-4), step
     final = dict(run.engine.whole_parameters())
-    for rule in adapter_rules(config, "llama"):
+    for rule in adapter_rules(config, architecture):
         expected = rule.join([adapters[PREFIX + name].detach() for name in rule.theirs])
         torch.testing.assert_close(final[rule.ours], expected, rtol=1e-4, atol=1e-6)
     # The base weights did not move.
@@ -213,6 +240,32 @@ def test_exports_load_in_peft_and_transformers_with_the_same_logits(
         torch.testing.assert_close(whole(input_ids=INPUT_IDS).logits, ours, rtol=1e-5, atol=1e-5)
 
 
+def test_expert_adapters_export_to_peft_and_import_back(
+    dataset: Path, hf_mixtral: Path, tmp_path: Path
+) -> None:
+    config = lora_config(dataset, tmp_path / "run", hf_mixtral, "mixtral", EXPERT_LAYERS)
+    exports = ("training.train_iters=3", "training.export.interval=3")
+    run = trained(config, *exports, "training.export.format=peft")
+    ours = logits_of(run, INPUT_IDS)
+    exported = tmp_path / "run" / "export" / "3"
+    written = json.loads((exported / "adapter_config.json").read_text())
+    assert written["target_parameters"] == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(hf_mixtral, dtype=torch.float32)
+    with torch.no_grad():
+        plain = base.eval()(input_ids=INPUT_IDS).logits
+        theirs = peft.PeftModel.from_pretrained(base, exported).eval()(input_ids=INPUT_IDS).logits
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+    assert (theirs - plain).abs().max() > 1e-3  # the adapters trained
+
+    imported = lora_trainer(
+        config, f"run.experiment_dir={tmp_path / 'imported'}", f"pretrained.adapter={exported}"
+    )
+    expected = dict(run.engine.whole_parameters())
+    for name, tensor in imported.engine.whole_parameters():
+        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0, msg=name)
+
+
 def test_an_imported_peft_adapter_continues_as_our_own_export_does(
     dataset: Path, hf_llama: Path, tmp_path: Path
 ) -> None:
@@ -280,21 +333,20 @@ FOUR_STEPS = (
     "training.export.interval=4",
     "training.export.format=fastllm",
 )
-MOE = (  # top-2 of 4 experts: frozen with freeze_others, attention adapted
+MOE = (  # top-2 of 4 experts: the routed experts and attention adapted, the rest frozen
     "model.base_model.transformer.num_experts=4",
     "model.base_model.transformer.num_experts_per_token=2",
     "model.base_model.transformer.add_linear_biases=only_attn_qkv",
-    "model.base_model.peft.layers=[query,key,value,dense]",
+    "model.base_model.peft.layers=[query,key,value,dense,experts_1,experts_2]",
 )
+TENSOR = ("model.distributed.tensor_parallel=2", "model.distributed.sequence_tensor_parallel=true")
 LAYOUTS = {  # the model's overrides, the layout's
     "zero3": ((), ("model.multi_stage.zero_stage=3",)),
-    "tensor": (
-        (),
-        ("model.distributed.tensor_parallel=2", "model.distributed.sequence_tensor_parallel=true"),
-    ),
+    "tensor": ((), TENSOR),
     "pipeline": ((), ("model.distributed.pipeline_parallel=2",)),
     "sequence_data": ((), ("model.distributed.sequence_data_parallel=2",)),
     "expert": (MOE, ("model.distributed.expert_parallel=2", "model.multi_stage.zero_stage=3")),
+    "expert_tensor": (MOE, TENSOR),  # the experts' adapters split as their weights
 }
 
 

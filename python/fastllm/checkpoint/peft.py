@@ -4,7 +4,16 @@ PEFT gives each adapted Hugging Face projection (q_proj, gate_proj, …) its own
 `lora_B`; fastllm stacks those of a fused projection (model/lora.py), so each adapter tensor
 is a concatenation of PEFT's, named from the base weight's conversion rule. A PEFT adapter
 directory holds `adapter_config.json` and `adapter_model.safetensors`, its keys prefixed
-`base_model.model.` (the `PeftModel` around the `…ForCausalLM`)."""
+`base_model.model.` (the `PeftModel` around the `…ForCausalLM`).
+
+A mixture's routed experts are adapted in PEFT through `target_parameters`: transformers
+holds each block's experts as one module, `mlp.experts`, of two 3D parameters,
+`gate_up_proj` (experts, 2 × ffn, hidden) and `down_proj` (experts, hidden, ffn), and
+PEFT's ParamWrapper gives each one adapter over all experts: lora_A (experts × rank, in),
+expert e's A its rows e·rank …; lora_B (out, rank × experts), expert e's B its columns
+e, e + experts, … (rank-major). Both parameters adapted, PEFT nests the wrappers in the
+module's parameter order, so gate_up_proj's adapter is `experts.base_layer.lora_A` and
+down_proj's `experts.lora_A`; one alone is `experts.lora_A`."""
 
 from __future__ import annotations
 
@@ -22,8 +31,8 @@ from fastllm.checkpoint.hf_rules import Rule, concat, same
 from fastllm.checkpoint.hf_weights import rules
 from fastllm.config import BaseModelConfig, ConfigError
 from fastllm.config.formats import HF_ARCHITECTURES, inexpressible
-from fastllm.config.model import LoRAConfig, NoPeftConfig
-from fastllm.model.lora import SUFFIX, LoRA
+from fastllm.config.model import EXPERT_LORA_LAYERS, LoRAConfig, NoPeftConfig
+from fastllm.model.lora import SUFFIX, Adapter, ExpertLoRA, LoRA
 
 PREFIX = "base_model.model."
 """What PEFT puts before the wrapped model's tensor names."""
@@ -36,23 +45,38 @@ def lora_of(config: BaseModelConfig) -> LoRAConfig:
     return config.peft
 
 
-def _adapters(config: BaseModelConfig) -> Iterator[tuple[str, LoRA]]:
-    """Each projection with adapters (`layers.0.attention.query_key_value`) and its module,
-    in the model's order."""
+EXPERT_PARAMETERS = {"experts_1": "gate_up_proj", "experts_2": "down_proj"}
+"""The fused experts' parameter of transformers that each of our expert layers is."""
+
+
+def _adapters(config: BaseModelConfig) -> Iterator[tuple[str, Adapter]]:
+    """Each projection with adapters (`layers.0.attention.query_key_value`, `layers.1.mlp.
+    layer_1` for experts) and its module, in the model's order."""
     from fastllm.model import GPTModel
 
     with torch.device("meta"):
         model = GPTModel(config)
     for name, module in model.named_modules():
-        if isinstance(module, LoRA):
+        if isinstance(module, Adapter):
             yield name.removesuffix(SUFFIX), module
+
+
+def _weight_of(projection: str, module: Adapter) -> str:
+    """The name of the weight an adapter adapts (the experts' weights are parameters of the
+    mixture itself)."""
+    return projection if isinstance(module, ExpertLoRA) else f"{projection}.weight"
 
 
 def adapter_rules(config: BaseModelConfig, architecture: str) -> Iterator[Rule]:
     """Each adapter tensor of the model as a rule to PEFT's names (without `PREFIX`)."""
     base = {rule.ours: rule for rule in rules(config, architecture)}
-    rank = lora_of(config).rank
+    lora = lora_of(config)
+    rank = lora.rank
+    nested = all(layer in lora.adapted() for layer in EXPERT_LORA_LAYERS)
     for projection, module in _adapters(config):
+        if isinstance(module, ExpertLoRA):
+            yield from _expert_rules(projection, module, nested)
+            continue
         theirs = base[f"{projection}.weight"].theirs
         modules = [theirs[i].removesuffix(".weight") for i in module.adapted]
         rows = [module.segments[i] for i in module.adapted]
@@ -62,15 +86,51 @@ def adapter_rules(config: BaseModelConfig, architecture: str) -> Iterator[Rule]:
             yield same(ours_name, names[0]) if len(names) == 1 else concat(ours_name, names, sizes)
 
 
+def _expert_rules(projection: str, module: ExpertLoRA, nested: bool) -> Iterator[Rule]:
+    """The rules of one mixture's expert adapters (`projection`: `layers.N.mlp.layer_1` or
+    `layer_2`): ours a (experts, rank, in) and b (experts, out, rank), theirs PEFT's
+    ParamWrapper's (the module docstring says its layout)."""
+    block, _, layer = projection.rpartition(".")
+    # transformers' module path of the block's experts: `model.` before our `layers.N.mlp`.
+    wrapper = f"model.{block}.experts"
+    if nested and layer == "layer_1":  # gate_up_proj, wrapped first, is the inner wrapper
+        wrapper += ".base_layer"
+    experts, rank = module.a.shape[:2]
+    ours = f"{projection}{SUFFIX}"
+    yield Rule(
+        f"{ours}.a",
+        (f"{wrapper}.lora_A.weight",),
+        lambda ts: ts[0].unflatten(0, (experts, rank)),
+        lambda t: [t.flatten(0, 1)],
+    )
+    yield Rule(
+        f"{ours}.b",
+        (f"{wrapper}.lora_B.weight",),
+        lambda ts: ts[0].unflatten(1, (rank, experts)).permute(2, 0, 1),
+        lambda t: [t.permute(1, 2, 0).flatten(1, 2)],
+    )
+
+
 def target_modules(config: BaseModelConfig, architecture: str) -> list[str]:
-    """PEFT's `target_modules`: the adapted projections' names (q_proj, …)."""
+    """PEFT's `target_modules`: the adapted projections' names (q_proj, …), the experts'
+    (adapted as parameters) aside."""
     return sorted(
         {
             name.removesuffix(".lora_A.weight").rsplit(".", 1)[-1]
             for rule in adapter_rules(config, architecture)
             for name in rule.theirs
-            if name.endswith(".lora_A.weight")
+            if name.endswith(".lora_A.weight") and ".experts." not in name
         }
+    )
+
+
+def target_parameters(config: BaseModelConfig) -> list[str]:
+    """PEFT's `target_parameters`: the experts' adapted parameters (`mlp.experts.down_proj`)."""
+    adapted = lora_of(config).adapted()
+    return sorted(
+        f"mlp.experts.{parameter}"
+        for layer, parameter in EXPERT_PARAMETERS.items()
+        if layer in adapted
     )
 
 
@@ -89,6 +149,8 @@ def architecture_for(config: BaseModelConfig, hf_config: dict[str, Any] | None) 
 def adapter_config(config: BaseModelConfig, architecture: str, base: str | None) -> dict[str, Any]:
     """adapter_config.json for the model's adapters."""
     lora = lora_of(config)
+    if reason := lora.peft_refusal():
+        raise ConfigError("model.base_model.peft", reason)
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -96,7 +158,8 @@ def adapter_config(config: BaseModelConfig, architecture: str, base: str | None)
         "r": lora.rank,
         "lora_alpha": lora.alpha,
         "lora_dropout": lora.dropout,
-        "target_modules": target_modules(config, architecture),
+        "target_modules": target_modules(config, architecture) or None,
+        "target_parameters": target_parameters(config) or None,
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,
@@ -155,7 +218,8 @@ def read_adapter_config(directory: Path, config: BaseModelConfig, architecture: 
     targets = raw.get("target_modules")
     if isinstance(targets, str):
         raise ConfigError(f"{path}:target_modules", "a regular expression is not supported")
-    layers = _layers_of(set(targets or ()), config, architecture, path)
+    experts = _expert_layers_of(raw.get("target_parameters") or [], config, path)
+    layers = _layers_of(set(targets or ()), config, architecture, path, bool(experts)) + experts
     try:
         return msgspec.convert(
             {
@@ -170,13 +234,38 @@ def read_adapter_config(directory: Path, config: BaseModelConfig, architecture: 
         raise ConfigError(str(path), f"bad LoRA settings ({error})") from None
 
 
+def _expert_layers_of(parameters: list[str], config: BaseModelConfig, path: Path) -> list[str]:
+    """Our expert `layers` for PEFT's target parameters: `mlp.experts.gate_up_proj` (or a
+    dotted suffix of it, which PEFT matches alike) is experts_1, `…down_proj` experts_2."""
+    layers = []
+    for parameter in parameters:
+        matches = [
+            layer
+            for layer, theirs in EXPERT_PARAMETERS.items()
+            if f".mlp.experts.{theirs}".endswith(f".{parameter}")
+        ]
+        if not matches or config.transformer.num_experts == 1:
+            raise ConfigError(
+                f"{path}:target_parameters",
+                f"{parameter!r} is not a parameter fastllm adapts (the fused experts' "
+                "mlp.experts.gate_up_proj and mlp.experts.down_proj of a mixture of experts)",
+            )
+        layers += matches
+    return [layer for layer in EXPERT_LORA_LAYERS if layer in layers]
+
+
 def _layers_of(
-    targets: set[str], config: BaseModelConfig, architecture: str, path: Path
+    targets: set[str],
+    config: BaseModelConfig,
+    architecture: str,
+    path: Path,
+    experts: bool = False,
 ) -> list[str]:
     """Our `layers` for PEFT's target modules: each of our sub-layers maps to one or more of
-    their projections (mlp_1 to gate_proj and up_proj), all adapted or none."""
+    their projections (mlp_1 to gate_proj and up_proj), all adapted or none; with `experts`
+    (target parameters adapt the experts) none is allowed."""
     every = ["query", "key", "value", "dense", "mlp_1", "mlp_2"]
-    if config.transformer.num_experts > 1:
+    if not config.has_dense_mlp:
         every = every[:4]
     probe = msgspec.structs.replace(config, peft=LoRAConfig(rank=1, layers=every))  # type: ignore[arg-type]
     names: dict[str, set[str]] = {}
@@ -192,7 +281,7 @@ def _layers_of(
             f"{sorted(unknown)} are not adapters fastllm can load into {architecture} "
             f"(known: {sorted(set().union(*names.values()))}; gate_proj and up_proj go together)",
         )
-    if not layers:
+    if not layers and not experts:
         raise ConfigError(f"{path}:target_modules", "names no projection")
     return layers
 
@@ -259,25 +348,32 @@ def merged(
     dtype); a weight is held back until its adapters have come."""
     lora = lora_of(config)
     modules = dict(_adapters(config))
+    weights = {_weight_of(projection, module): projection for projection, module in modules.items()}
     held: dict[str, dict[str, Tensor]] = {}
     for name, tensor in tensors:
-        projection, _, part = name.rpartition(".")
-        if projection.endswith(SUFFIX):
-            projection = projection.removesuffix(SUFFIX)
-        elif projection not in modules or part != "weight":
+        head, _, part = name.rpartition(".")
+        if name in weights:
+            projection, part = weights[name], "weight"
+        elif head.endswith(SUFFIX):
+            projection = head.removesuffix(SUFFIX)
+        else:
             yield name, tensor
             continue
         parts = held.setdefault(projection, {})
         parts[part] = tensor
         if len(parts) == 3:
             del held[projection]
-            yield f"{projection}.weight", _merge(parts, modules[projection], lora.scale)
+            module = modules[projection]
+            yield _weight_of(projection, module), _merge(parts, module, lora.scale)
     if held:
         raise ValueError(f"adapters without their weights, or weights without adapters: {held}")
 
 
-def _merge(parts: dict[str, Tensor], module: LoRA, scale: float) -> Tensor:
+def _merge(parts: dict[str, Tensor], module: Adapter, scale: float) -> Tensor:
     weight, a, b = parts["weight"], parts["a"].float(), parts["b"].float()
+    if isinstance(module, ExpertLoRA):  # each expert's B_e A_e
+        return torch.baddbmm(weight.float(), b, a, alpha=scale).to(weight.dtype)
+    assert isinstance(module, LoRA)
     out = weight.float().clone()
     starts = [sum(module.segments[:i]) for i in range(len(module.segments))]
     b_row = 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -648,7 +649,11 @@ class TransformerConfig(Section):
         return self.add_linear_biases in (True, "everywhere")
 
 
-LoraLayer = Literal["query", "key", "value", "key_value", "dense", "mlp_1", "mlp_2"]
+LoraLayer = Literal[
+    "query", "key", "value", "key_value", "dense", "mlp_1", "mlp_2", "experts_1", "experts_2"
+]
+EXPERT_LORA_LAYERS = ("experts_1", "experts_2")
+"""The `layers` that adapt a mixture's routed experts."""
 
 
 class PeftConfig(Section, tag_field="type"):
@@ -673,8 +678,11 @@ class LoRAConfig(PeftConfig, tag="lora"):
     layers: list[LoraLayer] = msgspec.field(default_factory=lambda: ["query", "value"])
     """The projections adapted in every block (Fast-LLM's names): query, key, value (q_proj,
     k_proj, v_proj; key_value is both key and value), dense (o_proj), mlp_1 (the MLP's input:
-    gate_proj and up_proj when gated), mlp_2 (its output, down_proj). Not the MLPs of a
-    mixture of experts."""
+    gate_proj and up_proj when gated), mlp_2 (its output, down_proj); in a mixture of experts,
+    experts_1 (every routed expert's input, one adapter per expert over its fused gate and up:
+    PEFT's target_parameters `mlp.experts.gate_up_proj`) and experts_2 (every routed expert's
+    output, `mlp.experts.down_proj`), while mlp_1 and mlp_2 adapt its dense MLPs (the shared
+    experts, the first dense blocks)."""
     freeze_others: bool = True
     """Every parameter but the adapters frozen (as `model.freeze` freezes)."""
 
@@ -699,6 +707,19 @@ class LoRAConfig(PeftConfig, tag="lora"):
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
+
+    @property
+    def adapts_experts(self) -> bool:
+        return any(layer in EXPERT_LORA_LAYERS for layer in self.layers)
+
+    def peft_refusal(self) -> str | None:
+        """Why PEFT cannot load these adapters, or None."""
+        if self.adapts_experts and self.dropout:
+            return (
+                f"PEFT's LoRA of fused experts (target_parameters) has no dropout, and the "
+                f"experts are adapted with model.base_model.peft.dropout {self.dropout}"
+            )
+        return None
 
 
 class LossConfig(Component):
@@ -858,21 +879,38 @@ class BaseModelConfig(Section):
             self._check_adapted_layers(peft)
         if isinstance(peft, LoRAConfig) and self.multi_token_prediction is not None:
             raise ConfigError("peft", "LoRA is not supported with multi_token_prediction yet")
-        if isinstance(peft, LoRAConfig) and self.transformer.num_experts > 1:
+        t = self.transformer
+        if isinstance(peft, LoRAConfig) and t.num_experts > 1 and not self.has_dense_mlp:
             mlp = [layer for layer in peft.layers if layer in ("mlp_1", "mlp_2")]
             if mlp:
                 raise ConfigError(
                     "peft.layers",
-                    f"{mlp}: LoRA on the MLPs of a mixture of experts is not supported yet "
-                    f"(num_experts {self.transformer.num_experts}); adapt attention only",
+                    f"{mlp}: the mixture of experts has no dense MLP (no shared experts, no "
+                    "first dense blocks); adapt its routed experts with experts_1 and "
+                    "experts_2",
                 )
+        if isinstance(peft, LoRAConfig) and self.transformer.num_experts == 1:
+            experts = [layer for layer in peft.layers if layer in EXPERT_LORA_LAYERS]
+            if experts:
+                raise ConfigError(
+                    "peft.layers",
+                    f"{experts}: the model has no mixture of experts (num_experts 1); "
+                    "adapt its MLP with mlp_1 and mlp_2",
+                )
+
+    @property
+    def has_dense_mlp(self) -> bool:
+        """Some block has a dense MLP (one of a mixture of experts: its shared experts or
+        its first dense blocks)."""
+        t = self.transformer
+        return t.num_experts == 1 or t.num_shared_experts > 0 or t.first_dense_layers > 0
 
     def _check_adapted_layers(self, lora: LoRAConfig) -> None:
         """LoRA adapts the projections of the built-in attention and MLP only."""
         t = self.transformer
         for layers, component, builtin in (
             (("query", "key", "value", "dense"), t.mixer, AttentionConfig),
-            (("mlp_1", "mlp_2"), t.mlp, MLPConfig),
+            (("mlp_1", "mlp_2", *EXPERT_LORA_LAYERS), t.mlp, MLPConfig),
         ):
             adapted = [layer for layer in lora.adapted() if layer in layers]
             if adapted and not isinstance(component, builtin):
@@ -892,8 +930,9 @@ class BaseModelConfig(Section):
         dense_layers = min(t.first_dense_layers, t.num_layers) if t.num_experts > 1 else 0
         dense = self.parameter_counts(dense=True) if dense_layers else counts
         layers = (
-            (t.num_layers - dense_layers) * (counts.block + counts.adapters)
-            + dense_layers * (dense.block + dense.adapters)
+            (t.num_layers - dense_layers) * counts.block
+            + dense_layers * dense.block
+            + self.adapter_parameters(active=active)
             + counts.final_norm
         )
         return (
@@ -901,6 +940,18 @@ class BaseModelConfig(Section):
             + self.prediction_parameters(active=active)
             + (counts.embedding + counts.head if embeddings else 0)
         )
+
+    def adapter_parameters(
+        self, blocks: Collection[int] | None = None, *, active: bool = False
+    ) -> int:
+        """The LoRA adapters' parameters in `blocks` (indices from 0; default: all); with
+        `active`, as in `num_parameters`."""
+        t = self.transformer
+        if blocks is None:
+            blocks = range(t.num_layers)
+        counts = self.parameter_counts(active=active)
+        dense = self.parameter_counts(dense=True) if t.num_experts > 1 else counts
+        return sum((counts if t.has_experts(i) else dense).adapters for i in blocks)
 
     def prediction_parameters(self, *, active: bool = False) -> int:
         """The multi-token prediction modules' parameters: each a block (a mixture's when
@@ -942,20 +993,36 @@ class BaseModelConfig(Section):
             block_norm_elements += query_key_norm.num_parameters(heads * kv)
         adapters = 0
         if isinstance(self.peft, LoRAConfig):
+            # The dense MLP's width: a mixture's shared experts' (none without them), or its
+            # first dense blocks'.
+            if dense:
+                dense_ffn = t.dense_ffn_width
+            else:
+                dense_ffn = t.ffn_hidden_size * (t.num_shared_experts if t.num_experts > 1 else 1)
             outputs = {
                 "query": (h, q_size),
                 "key": (h, kv_size),
                 "value": (h, kv_size),
                 "dense": (q_size, h),
-                "mlp_1": (h, mlp_inputs * t.ffn_hidden_size),
-                "mlp_2": (t.ffn_hidden_size, h),
+                "mlp_1": (h, mlp_inputs * dense_ffn),
+                "mlp_2": (dense_ffn, h),
             }
             rank = self.peft.rank
             for layer in self.peft.adapted():
+                if layer in EXPERT_LORA_LAYERS or (layer.startswith("mlp") and not dense_ffn):
+                    continue
                 fan_in, fan_out = outputs[layer]
                 # gate and up have an adapter each, both reading the same input
                 copies = mlp_inputs if layer == "mlp_1" else 1
                 adapters += rank * (copies * fan_in + fan_out)
+            if not dense:  # each expert's adapter, one over its fused gate and up
+                experts = t.num_experts_per_token if active else t.num_experts
+                ffn = t.ffn_hidden_size
+                expert_shapes = {"experts_1": (h, mlp_inputs * ffn), "experts_2": (ffn, h)}
+                for layer in self.peft.adapted():
+                    if layer in EXPERT_LORA_LAYERS:
+                        fan_in, fan_out = expert_shapes[layer]
+                        adapters += experts * rank * (fan_in + fan_out)
         return ParameterCounts(
             embedding=self.vocab_size * h,
             head=0 if self.tie_word_embeddings else self.vocab_size * h,
@@ -983,7 +1050,8 @@ class ParameterCounts:
     biases): their parameters, but that a norm over each head scales every head."""
     final_norm: int
     adapters: int = 0
-    """One transformer block's LoRA adapters."""
+    """One transformer block's LoRA adapters (with `active`, of a mixture's experts only
+    those one token uses)."""
 
 
 class DistributedConfig(Section):
@@ -1175,9 +1243,9 @@ class ModelConfig(Section):
         freeze, base = self.freeze, self.base_model
         t = base.transformer
         counts = base.parameter_counts()
-        dense_layers = min(t.first_dense_layers, t.num_layers) if t.num_experts > 1 else 0
-        dense = base.parameter_counts(dense=True) if dense_layers else counts
-        of_block = [dense if i < dense_layers else counts for i in range(t.num_layers)]
+        dense = base.parameter_counts(dense=True) if t.num_experts > 1 else counts
+        # each block's counts: a mixture's dense blocks are smaller, and adapted otherwise
+        of_block = [counts if t.has_experts(i) else dense for i in range(t.num_layers)]
         frozen_blocks = set(freeze.frozen_blocks())
         training = [c for i, c in enumerate(of_block) if i not in frozen_blocks]
         if self.others_frozen:

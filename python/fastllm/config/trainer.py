@@ -84,6 +84,9 @@ class TrainerConfig(Section):
                 "training.export.format",
                 "peft writes LoRA adapters, and the model has none (model.base_model.peft)",
             )
+        peft = self.model.base_model.peft
+        if export == "peft" and isinstance(peft, LoRAConfig) and (reason := peft.peft_refusal()):
+            raise ConfigError("training.export.format", f"peft: {reason}")
         if export in HF_ARCHITECTURES and (reason := inexpressible(self.model.base_model, export)):
             raise ConfigError(
                 "training.export.format", f"{export} cannot express the model: {reason}"

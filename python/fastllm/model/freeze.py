@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from fastllm.config.model import FreezeConfig, LoRAConfig, NoPeftConfig
 from fastllm.model.gpt import GPTModel
-from fastllm.model.lora import LoRA
+from fastllm.model.lora import Adapter
 from fastllm.model.normalization import NormalizationLayer
 from fastllm.model.parameters import freeze
 
@@ -15,7 +15,7 @@ def apply_freeze(
     model: GPTModel, config: FreezeConfig, peft: LoRAConfig | NoPeftConfig | None = None
 ) -> None:
     if isinstance(peft, LoRAConfig) and peft.freeze_others:
-        adapters = {id(m) for m in model.modules() if isinstance(m, LoRA)}
+        adapters = {id(m) for m in model.modules() if isinstance(m, Adapter)}
         for module in model.modules():
             if id(module) not in adapters:
                 freeze(module, recurse=False)

@@ -18,7 +18,7 @@ import torch
 from fastllm.model.attention import Attention
 from fastllm.model.gpt import GPTModel
 from fastllm.model.latent_attention import LatentAttention
-from fastllm.model.lora import LoRA
+from fastllm.model.lora import Adapter
 from fastllm.model.mlp import MLP, MixtureOfExperts
 from fastllm.model.multi_token_prediction import PredictionModule
 from fastllm.model.normalization import Normalization
@@ -82,7 +82,7 @@ def initializers(
             constant(module.expert_bias, 0.0)  # balanced from the first step's loads on
         elif isinstance(module, PredictionModule):
             normal(module.projection.weight, std)
-        elif isinstance(module, LoRA):
+        elif isinstance(module, Adapter):
             bound = module.in_features**-0.5
             plan.append(
                 (names[id(module.a)], lambda t, b=bound: t.uniform_(-b, b, generator=generator))

@@ -14,7 +14,15 @@ Under tensor parallelism an adapter is split with its projection: a column-paral
 row-parallel one (attention output, the MLP's output) splits A with the input columns, each
 rank holding B whole. The row-parallel update is then a partial sum like the base output's,
 summed by the same `leave`. In both cases the replicated matrix's gradient on each rank is a
-part of the whole (tensor_partial)."""
+part of the whole (tensor_partial).
+
+The experts of a mixture (`ExpertLoRA`, experts_1 and experts_2) have one adapter each per
+projection, stacked on a first dimension of experts as their weights are: on the rows the
+base's grouped matmul takes (each expert's tokens contiguous), one grouped matmul projects
+through every expert's A and another through its B. Their fused [gate; up] input has one
+adapter of 2 × ffn rows, as PEFT's LoRA of Hugging Face's fused `gate_up_proj` has, so that
+the two exchange (checkpoint/peft.py). They split over tensor ranks as the dense ones do, and
+over expert ranks with their experts."""
 
 from __future__ import annotations
 
@@ -25,6 +33,7 @@ from torch import Tensor
 from fastllm.config.model import LoRAConfig
 from fastllm.model.parameters import TensorSplit, describe
 from fastllm.parallel.tensor import TensorDimension
+from fastllm_kernels.moe.grouped_linear import grouped_linear
 
 SUFFIX = "_lora"
 """The adapters of projection `NAME` are the module `NAME_lora` beside it."""
@@ -35,7 +44,24 @@ def is_adapter(parameter: str) -> bool:
     return f"{SUFFIX}." in parameter
 
 
-class LoRA(torch.nn.Module):
+class Adapter(torch.nn.Module):
+    """What every LoRA module has: `a` and `b` (the A and B matrices, trained, everything else
+    frozen with `freeze_others`), A drawn from ±1/sqrt(`in_features`) (the whole projection's
+    input, before any tensor split), B from zero (model/init.py)."""
+
+    a: torch.nn.Parameter
+    b: torch.nn.Parameter
+
+    def __init__(self, config: LoRAConfig, in_features: int) -> None:
+        super().__init__()
+        self.rank, self.scale, self.dropout = config.rank, config.scale, config.dropout
+        self.in_features = in_features
+
+    def _dropped(self, x: Tensor) -> Tensor:
+        return F.dropout(x, self.dropout) if self.dropout and self.training else x
+
+
+class LoRA(Adapter):
     """The adapters of one projection of `segments` (the whole projection's output segments,
     before any tensor split), of which those at `adapted` indices have one."""
 
@@ -48,8 +74,7 @@ class LoRA(torch.nn.Module):
         tensor: TensorDimension,
         row_parallel: bool,
     ) -> None:
-        super().__init__()
-        self.rank, self.scale, self.dropout = config.rank, config.scale, config.dropout
+        super().__init__(config, in_features)
         size = tensor.size
         self.segments = tuple(s // size for s in segments) if not row_parallel else segments
         self.adapted = adapted
@@ -57,7 +82,6 @@ class LoRA(torch.nn.Module):
         rows = sum(self.segments[i] for i in adapted)
         self.a = torch.nn.Parameter(torch.empty(len(adapted) * self.rank, local_in))
         self.b = torch.nn.Parameter(torch.empty(rows, self.rank))
-        self.in_features = in_features
         if row_parallel:
             describe(self, "a", weight_decay=True, tensor_split=TensorSplit(1, (in_features,)))
             describe(self, "b", weight_decay=True, tensor_partial=True)
@@ -68,9 +92,7 @@ class LoRA(torch.nn.Module):
 
     def add_to(self, out: Tensor, x: Tensor) -> Tensor:
         """out (…, this rank's output features) plus the update of x (…, input features)."""
-        if self.dropout and self.training:
-            x = F.dropout(x, self.dropout)
-        low = F.linear(x, self.a)
+        low = F.linear(self._dropped(x), self.a)
         update = F.linear(low, self._block_diagonal_b())
         return torch.add(out, update, alpha=self.scale)
 
@@ -88,6 +110,65 @@ class LoRA(torch.nn.Module):
         if len(blocks) == 1:
             return blocks[0]
         return torch.block_diag(*blocks)
+
+
+class ExpertLoRA(Adapter):
+    """The adapters of one projection of a mixture's experts, weight (experts, out, in): `a`
+    (experts, rank, in) and `b` (experts, out, rank), expert e's update B_e A_e. This rank
+    holds the adapters of the `held` experts it holds. Column-parallel (experts_1), `b`'s
+    rows split as the weight's `segments` (the whole output's, [gate; up] when gated);
+    row-parallel (experts_2), `a`'s columns split as the weight's input."""
+
+    def __init__(
+        self,
+        config: LoRAConfig,
+        held: int,
+        in_features: int,
+        segments: tuple[int, ...],
+        tensor: TensorDimension,
+        row_parallel: bool,
+    ) -> None:
+        super().__init__(config, in_features)
+        size = tensor.size
+        local_in = in_features // size if row_parallel else in_features
+        local_out = sum(segments) if row_parallel else sum(segments) // size
+        self.a = torch.nn.Parameter(torch.empty(held, self.rank, local_in))
+        self.b = torch.nn.Parameter(torch.empty(held, local_out, self.rank))
+        if row_parallel:
+            split_a = TensorSplit(2, (in_features,))
+            describe(self, "a", weight_decay=True, tensor_split=split_a, expert_split=True)
+            describe(self, "b", weight_decay=True, tensor_partial=True, expert_split=True)
+        else:
+            describe(self, "a", weight_decay=True, tensor_partial=True, expert_split=True)
+            split_b = TensorSplit(1, segments)
+            describe(self, "b", weight_decay=True, tensor_split=split_b, expert_split=True)
+
+    def add_grouped(self, out: Tensor, x: Tensor, ends: Tensor) -> Tensor:
+        """out plus the update of x, both (rows, …) in the expert order of the base's grouped
+        matmul (`ends`: each held expert's row range's end)."""
+        low = grouped_linear(self._dropped(x), self.a, ends)
+        return torch.add(out, grouped_linear(low, self.b, ends), alpha=self.scale)
+
+    def add_expert(self, out: Tensor, x: Tensor, expert: int) -> Tensor:
+        """out plus the update of x, rows of held expert `expert` (the looped reference)."""
+        low = F.linear(self._dropped(x), self.a[expert])
+        return torch.add(out, F.linear(low, self.b[expert]), alpha=self.scale)
+
+
+def expert_adapter_of(
+    config: LoRAConfig | None,
+    name: str,
+    held: int,
+    in_features: int,
+    segments: tuple[int, ...],
+    tensor: TensorDimension,
+    row_parallel: bool = False,
+) -> ExpertLoRA | None:
+    """The experts' adapters of the projection `name` (experts_1 or experts_2 of
+    `LoRAConfig.layers`), or None when it is not adapted."""
+    if config is None or name not in config.adapted():
+        return None
+    return ExpertLoRA(config, held, in_features, segments, tensor, row_parallel)
 
 
 def adapter_of(

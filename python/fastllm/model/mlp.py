@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fastllm.config.model import LoRAConfig, MLPConfig, TransformerConfig
-from fastllm.model.lora import adapter_of
+from fastllm.model.lora import adapter_of, expert_adapter_of
 from fastllm.model.normalization import InputNorm, Normalization
 from fastllm.model.parameters import TensorSplit, describe
 from fastllm.model.routing import route_scored
@@ -43,11 +43,11 @@ def mlp_layer(
     mesh: ParallelMesh,
     lora: LoRAConfig | None,
 ) -> MLP | MixtureOfExperts:
-    """The `mlp` component's layer: a mixture of experts in the blocks that have experts (LoRA
-    does not adapt it), else the dense MLP (`dense_ffn_width` wide in a mixture-of-experts
-    model's first dense blocks)."""
+    """The `mlp` component's layer: a mixture of experts in the blocks that have experts, else
+    the dense MLP (`dense_ffn_width` wide in a mixture-of-experts model's first dense
+    blocks)."""
     if transformer.has_experts(layer_index):
-        return MixtureOfExperts(transformer, mesh.tensor, mesh.expert)
+        return MixtureOfExperts(transformer, mesh.tensor, mesh.expert, lora)
     return MLP(_dense(transformer), mesh.tensor, lora)
 
 
@@ -146,13 +146,14 @@ class MLP(torch.nn.Module):
                 self.layer_2_recipe,
             )
         # The adapters read act(h): it is stored, not recomputed in the backward pass.
-        active = (
-            gated_activation_fused(h, self.activation)
-            if self.gated
-            else _ACTIVATIONS[self.activation](h)
-        )
+        active = _activate(h, self.gated, self.activation)
         out = linear(active, self.layer_2.weight, bias_2, self.layer_2_recipe)
         return self.layer_2_lora.add_to(out, active)
+
+
+def _activate(h: Tensor, gated: bool, activation: str) -> Tensor:
+    """act(h), or act(gate) * up of h = [gate; up] when gated."""
+    return gated_activation_fused(h, activation) if gated else _ACTIVATIONS[activation](h)
 
 
 def _project(
@@ -168,9 +169,7 @@ def _project(
     activation is recomputed in the backward pass rather than stored."""
     if gated and recompute:
         return gated_linear(h, weight, bias, activation, recipe)
-    if gated:
-        return linear(gated_activation_fused(h, activation), weight, bias, recipe)
-    return linear(_ACTIVATIONS[activation](h), weight, bias, recipe)
+    return linear(_activate(h, gated, activation), weight, bias, recipe)
 
 
 class MixtureOfExperts(torch.nn.Module):
@@ -199,7 +198,12 @@ class MixtureOfExperts(torch.nn.Module):
     experts (`layer_1` and `layer_2` list them) and computes them for the tokens the expert
     group routes to them (parallel/expert.py; with tensor parallelism too, each tensor
     rank exchanging with its peers of the other data ranks); routing, the shared experts and
-    the auxiliary losses stay per rank, on its own tokens."""
+    the auxiliary losses stay per rank, on its own tokens.
+
+    With LoRA on the experts (`experts_1`, `experts_2`), `layer_1_lora` and `layer_2_lora`
+    hold each expert's adapters, split as the experts' weights are (model/lora.py); they
+    compute on the same expert-ordered rows as the weights. The shared MLP is adapted as a
+    dense one (`mlp_1`, `mlp_2`)."""
 
     recompute_activation = True
     """The looped path recomputes a gated activation in the backward pass rather than storing
@@ -211,6 +215,7 @@ class MixtureOfExperts(torch.nn.Module):
         config: TransformerConfig,
         tensor: TensorDimension | None = None,
         expert: Dimension | None = None,
+        lora: LoRAConfig | None = None,
     ) -> None:
         super().__init__()
         assert config.ffn_hidden_size is not None and config.activation_type is not None
@@ -250,11 +255,17 @@ class MixtureOfExperts(torch.nn.Module):
             expert_split=True,
             recipe=self.layer_2_recipe,
         )
+        self.layer_1_lora = expert_adapter_of(
+            lora, "experts_1", held, hidden, (ffn,) * inputs, tensor
+        )
+        self.layer_2_lora = expert_adapter_of(
+            lora, "experts_2", held, ffn, (hidden,), tensor, row_parallel=True
+        )
         self.shared = None
         if config.num_shared_experts:
             width = config.num_shared_experts * ffn
             shared = msgspec.structs.replace(config, ffn_hidden_size=width, num_experts=1)
-            self.shared = MLP(shared, tensor)
+            self.shared = MLP(shared, tensor, lora)  # a dense MLP: mlp_1 and mlp_2 adapt it
         self.shared_gate = (
             torch.nn.Linear(hidden, 1, bias=False) if config.shared_expert_gate else None
         )
@@ -322,14 +333,14 @@ class MixtureOfExperts(torch.nn.Module):
         return self._looped(rows, ones, experts[:, None])
 
     def _dropless(self, tokens: Tensor, weights: Tensor, sparse: SparseMap) -> Tensor:
-        h = dispatch(tokens, sparse)
-        h = grouped_linear(h, self.layer_1, sparse.ends, self.layer_1_recipe)
-        h = (
-            gated_activation_fused(h, self.activation)
-            if self.gated
-            else _ACTIVATIONS[self.activation](h)
-        )
+        rows = dispatch(tokens, sparse)
+        h = grouped_linear(rows, self.layer_1, sparse.ends, self.layer_1_recipe)
+        if self.layer_1_lora is not None:
+            h = self.layer_1_lora.add_grouped(h, rows, sparse.ends)
+        h = _activate(h, self.gated, self.activation)
         y = grouped_linear(h, self.layer_2, sparse.ends, self.layer_2_recipe)
+        if self.layer_2_lora is not None:
+            y = self.layer_2_lora.add_grouped(y, h, sparse.ends)
         return combine(y, sparse, weights)
 
     def _looped(self, tokens: Tensor, weights: Tensor, experts: Tensor) -> Tensor:
@@ -338,14 +349,24 @@ class MixtureOfExperts(torch.nn.Module):
             rows, slot = torch.nonzero(experts == expert, as_tuple=True)
             if rows.numel() == 0:
                 continue
-            y = _project(
-                F.linear(tokens[rows], self.layer_1[expert]),
-                self.layer_2[expert],
-                None,
-                self.gated,
-                self.activation,
-                self.recompute_activation,
-            )
+            x = tokens[rows]
+            h = F.linear(x, self.layer_1[expert])
+            if self.layer_1_lora is not None:
+                h = self.layer_1_lora.add_expert(h, x, expert)
+            if self.layer_2_lora is None:
+                y = _project(
+                    h,
+                    self.layer_2[expert],
+                    None,
+                    self.gated,
+                    self.activation,
+                    self.recompute_activation,
+                )
+            else:  # the adapters read act(h): stored, not recomputed
+                active = _activate(h, self.gated, self.activation)
+                y = self.layer_2_lora.add_expert(
+                    F.linear(active, self.layer_2[expert]), active, expert
+                )
             y = y * weights[rows, slot, None]
             out.index_add_(0, rows, y)
         return out
