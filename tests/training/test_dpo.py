@@ -109,7 +109,7 @@ def test_shared_prefix_pairs_give_dpo_of_each_answer_computed_apart(pairs, tmp_p
 
     with torch.no_grad():
         hidden, _ = reference.run_positions(0, 3, batch.input_ids, context(reference))
-        reference_log_probs = sequence_log_probs(reference, hidden, batch.labels, spans)
+        reference_log_probs = sequence_log_probs(reference, hidden, batch.labels, spans, 2 * count)
     hidden, _ = ours.run_positions(0, 3, batch.input_ids, context(ours))
     targets = HeadTargets(
         batch.labels, {"reference": Teacher(log_probs=reference_log_probs)}, spans
