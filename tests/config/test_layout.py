@@ -102,6 +102,11 @@ TEACHER = (
     "reference_models.teacher.pretrained.path=teacher",
     "model.base_model.head.losses={kd: {type: distillation}}",
 )
+DPO = (
+    "reference_models.reference.pretrained.path=reference",
+    "model.base_model.head.losses={dpo: {type: dpo}}",
+)
+IPO = (DPO[0], "model.base_model.head.losses={dpo: {type: dpo, loss_type: ipo}}")
 LM_EVAL = "training.evaluators.mc.evaluator={type: lm_eval, tasks: [copa]}"
 LATENT = (
     "model.base_model.transformer.head_groups=8",
@@ -169,12 +174,8 @@ ROW_SETTINGS = {
     ("reference_models", "model.distributed.pipeline_parallel"):
         (*TEACHER, "model.distributed.pipeline_parallel=2"),
     ("reference_models", "schedule.micro_batch_splits"): (*TEACHER, "schedule.micro_batch_splits=2"),
-    ("reference_models", "model.distributed.sequence_data_parallel"):
-        (*TEACHER, "model.distributed.sequence_data_parallel=2"),
-    ("reference_models", "model.distributed.expert_parallel"):
-        (*TEACHER, "model.base_model.transformer.num_experts=4",
-         "model.base_model.transformer.add_linear_biases=only_attn_qkv",
-         "model.distributed.expert_parallel=2"),
+    ("model.base_model.head.losses", "model.distributed.sequence_data_parallel"):
+        (*IPO, "model.distributed.sequence_data_parallel=2"),
     ("model.base_model.transformer.mixer", "model.distributed.sequence_data_parallel"):
         (*LATENT[:-1], ODD_LATENT, "model.distributed.sequence_data_parallel=2"),
     ("model.base_model.multi_token_prediction", "model.distributed.pipeline_parallel"):
@@ -183,7 +184,8 @@ ROW_SETTINGS = {
         (PREDICTION, "model.distributed.sequence_data_parallel=2"),
     ("model.base_model.multi_token_prediction", "schedule.micro_batch_splits"):
         (PREDICTION, "schedule.micro_batch_splits=2"),
-    ("model.base_model.multi_token_prediction", "reference_models"): (PREDICTION, *TEACHER),
+    ("model.base_model.multi_token_prediction", "model.base_model.head.losses"):
+        (PREDICTION, *DPO),
     ("model.base_model.transformer.block", "model.base_model.peft"):
         (OTHER_BLOCK, LORA, "training.export.format=fastllm"),  # LoRA's distributed export row
     ("model.base_model.transformer.block", "model.multi_stage.recompute"):
@@ -212,10 +214,11 @@ def test_every_row_of_the_compatibility_table_refuses_naming_its_keys(
         for o in overrides
         if o.startswith(("model.distributed.training", "model.base"))
         and o not in (LORA, PREDICTION, LATENT[-1], ODD_LATENT, OTHER_BLOCK)  # the rows' own
-        and o not in TEACHER
+        and not any(o in losses for losses in (TEACHER, DPO, IPO))
     ]
     for override in overrides:
-        together = TEACHER if override in TEACHER else (override,)  # a teacher needs its loss
+        # A reference model needs its loss, and a loss its reference model.
+        together = next((o for o in (TEACHER, DPO, IPO) if override in o), (override,))
         tiny("training.export.format=fastllm", *together, *context)
 
 

@@ -1,6 +1,7 @@
 """Distillation from a reference model (`reference_models` + a `distillation` head loss):
 zero when the teacher is the student, the value a plain-torch KL gives otherwise, a teacher
-larger than the student, and two ranks (ZeRO-3, tensor parallel) against one process."""
+larger than the student, and two ranks (ZeRO-3, tensor, sequence-data and expert parallel,
+multi-token prediction) against one process."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 import fastllm
 from fastllm.config import ConfigError, TrainerConfig, load_config
 from tests.training.conftest import Launched, Layout
+from tests.training.test_expert_parallel import MOE_MODEL
 from tests.training.test_training_options import trainer
 
 TEACHER_RUN = (
@@ -103,29 +105,46 @@ def test_reference_models_and_losses_are_checked_by_name() -> None:
     assert caught.value.path == "reference_models.teacher"
 
 
-LAYOUTS = {
-    "zero3": ("model.multi_stage.zero_stage=3",),
+LAYOUTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    # name: (the student's and the teacher's architecture, the layout)
+    "zero3": ((), ("model.multi_stage.zero_stage=3",)),
     "tensor": (
-        "model.distributed.tensor_parallel=2",
-        "model.distributed.sequence_tensor_parallel=true",
+        (),
+        ("model.distributed.tensor_parallel=2", "model.distributed.sequence_tensor_parallel=true"),
+    ),
+    # Each rank's teacher runs on its chunk, gathering the other chunk's keys and values.
+    "sequence_data": ((), ("model.distributed.sequence_data_parallel=2",)),
+    # A mixture-of-experts teacher and student, each rank holding two of their four experts.
+    "expert": (MOE_MODEL, ("model.distributed.expert_parallel=2",)),
+    # A student and a teacher with a prediction module: the student's trains on the labels, the
+    # teacher's never runs (only the student's context holds labels).
+    "prediction_zero3": (
+        ("model.base_model.multi_token_prediction={depth: 1}",),
+        ("model.multi_stage.zero_stage=3",),
     ),
 }
 STEPS = ("training.train_iters=3",)
 
 
+def teacher_of(one_process: Callable[..., Path], architecture: tuple[str, ...]) -> Path:
+    return one_process(*architecture, *TEACHER_RUN) / "export" / "4"
+
+
 def layouts(dataset: Path, one_process: Callable[..., Path], root: Path) -> dict[str, Layout]:
-    teacher = one_process(*TEACHER_RUN) / "export" / "4"
     return {
-        f"distill_{name}": Layout(2, (*STEPS, *distilling(teacher), *layout))
-        for name, layout in LAYOUTS.items()
+        f"distill_{name}": Layout(
+            2, (*STEPS, *architecture, *distilling(teacher_of(one_process, architecture)), *layout)
+        )
+        for name, (architecture, layout) in LAYOUTS.items()
     }
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_two_ranks_distilling_match_one_process(
-    launched: dict[str, Launched], one_process: Callable[..., Path], teacher: Path, layout: str
+    launched: dict[str, Launched], one_process: Callable[..., Path], layout: str
 ) -> None:
-    single = one_process(*STEPS, *distilling(teacher))
+    architecture = LAYOUTS[layout][0]
+    single = one_process(*STEPS, *architecture, *distilling(teacher_of(one_process, architecture)))
     double = launched[f"distill_{layout}"].succeeded()
     for key in ("loss", "label_loss", "kd_loss"):  # each loss logged under its name
         expected, got = logged(single, key), logged(double, key)

@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import msgspec
@@ -41,6 +41,7 @@ from tests.data.chat_fixtures import write_tokenizer
 from tests.data.conftest import prepare
 from tests.data.test_preference import write_pairs
 from tests.model.hf_models import save_hf_model
+from tests.training.test_expert_parallel import MOE_MODEL
 
 RECORDS = [
     {"prompt": "What is 2 + 2?", "chosen": " 4, of course.", "rejected": " 5."},
@@ -109,7 +110,7 @@ def test_shared_prefix_pairs_give_dpo_of_each_answer_computed_apart(pairs, tmp_p
 
     with torch.no_grad():
         hidden, _ = reference.run_positions(0, 3, batch.input_ids, context(reference))
-        reference_log_probs = sequence_log_probs(reference, hidden, batch.labels, spans)
+        reference_log_probs = sequence_log_probs(reference, hidden, batch.labels, spans, 2 * count)
     hidden, _ = ours.run_positions(0, 3, batch.input_ids, context(ours))
     targets = HeadTargets(
         batch.labels, {"reference": Teacher(log_probs=reference_log_probs)}, spans
@@ -422,14 +423,21 @@ def preference_dataset(root: Path) -> Path:
     return root / "pairs" / "data"
 
 
-DPO_LAYOUTS = {
-    "zero3": ("model.multi_stage.zero_stage=3",),
+DPO_LAYOUTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    # name: (the policy's and the reference's architecture, the layout)
+    "zero3": ((), ("model.multi_stage.zero_stage=3",)),
     # Each data rank computes the reference's log-probabilities of its share of the pairs.
-    "zero3_precomputed": ("model.multi_stage.zero_stage=3", PRECOMPUTED),
+    "zero3_precomputed": ((), ("model.multi_stage.zero_stage=3", PRECOMPUTED)),
     "tensor": (
-        "model.distributed.tensor_parallel=2",
-        "model.distributed.sequence_tensor_parallel=true",
+        (),
+        ("model.distributed.tensor_parallel=2", "model.distributed.sequence_tensor_parallel=true"),
     ),
+    # Each rank holds a chunk of every pair's tokens: the answers' log-probabilities are
+    # summed over the two chunks, the policy's and the reference's.
+    "sequence_data": ((), ("model.distributed.sequence_data_parallel=2",)),
+    "sequence_data_precomputed": ((), ("model.distributed.sequence_data_parallel=2", PRECOMPUTED)),
+    # A mixture-of-experts policy and reference, each rank holding two of their four experts.
+    "expert": (MOE_MODEL, ("model.distributed.expert_parallel=2",)),
 }
 
 
@@ -442,15 +450,26 @@ def dpo_run(dataset: Path, reference: Path) -> tuple[str, ...]:
     )  # fmt: skip
 
 
-def layouts(dataset: Path, one_process, root: Path) -> dict:
-    from tests.training.conftest import Layout
+def reference_of(one_process: Callable[..., Path], architecture: tuple[str, ...]) -> Path:
     from tests.training.test_distillation import TEACHER_RUN
 
-    reference = one_process(*TEACHER_RUN) / "export" / "4"
+    return one_process(*architecture, *TEACHER_RUN) / "export" / "4"
+
+
+def layouts(dataset: Path, one_process, root: Path) -> dict:
+    from tests.training.conftest import Layout
+
     pairs_data = preference_dataset(root)
     return {
-        f"dpo_{name}": Layout(2, (*dpo_run(pairs_data, reference), *layout))
-        for name, layout in DPO_LAYOUTS.items()
+        f"dpo_{name}": Layout(
+            2,
+            (
+                *architecture,
+                *dpo_run(pairs_data, reference_of(one_process, architecture)),
+                *layout,
+            ),
+        )
+        for name, (architecture, layout) in DPO_LAYOUTS.items()
     }
 
 
@@ -458,11 +477,12 @@ def layouts(dataset: Path, one_process, root: Path) -> dict:
 def test_two_ranks_training_dpo_match_one_process(launched, one_process, layout: str) -> None:
     double = launched[f"dpo_{layout}"].succeeded()
     dataset = double.parent / "pairs" / "data"
-    from tests.training.test_distillation import TEACHER_RUN, logged
+    from tests.training.test_distillation import logged
 
-    reference = one_process(*TEACHER_RUN) / "export" / "4"
-    single = one_process(*dpo_run(dataset, reference))
-    for key in ("loss", "rewards/margins", "logps/chosen"):
+    architecture = DPO_LAYOUTS[layout][0]
+    single = one_process(*architecture, *dpo_run(dataset, reference_of(one_process, architecture)))
+    # The gradient's norm too: AdamW's steps hardly change when it is scaled.
+    for key in ("loss", "rewards/margins", "logps/chosen", "grad_norm"):
         expected, got = logged(single, key), logged(double, key)
         assert sorted(got) == sorted(expected) == [1, 2, 3]
         for step, value in expected.items():

@@ -181,6 +181,11 @@ _PREDICTION = Condition(
     lambda prediction: prediction is not None,
     "model.base_model.multi_token_prediction",
 )
+_DPO = Condition(
+    "model.base_model.head.losses",
+    lambda losses: any(loss.__struct_config__.tag == "dpo" for loss in losses.values()),
+    "model.base_model.head.losses, a dpo loss",
+)
 _GRAPHS = "their collectives would break the compiled graphs"
 _OTHER_BLOCK = Condition(
     "model.base_model.transformer.block",
@@ -226,8 +231,6 @@ COMPATIBILITY: tuple[Incompatibility, ...] = (
                 "the reference models run whole on the last stage's rank",
             ),
             ("schedule.micro_batch_splits", "a reference model runs whole micro-batches"),
-            ("model.distributed.sequence_data_parallel", "not yet tested with reference models"),
-            ("model.distributed.expert_parallel", "not yet tested with reference models"),
         )
     ),
     *(
@@ -256,7 +259,11 @@ COMPATIBILITY: tuple[Incompatibility, ...] = (
                 "its tokens and labels are shifted along the whole sequence",
             ),
             (_SPLITS, "its tokens and labels are shifted along the whole sequence"),
-            (_REFERENCES, "not yet tested with reference models"),
+            (
+                _DPO,
+                "its inputs and labels are shifted along the sequence, so the last tokens of a "
+                "chosen answer would learn to predict the rejected answer's",
+            ),
         )
     ),
     *(
@@ -276,6 +283,18 @@ COMPATIBILITY: tuple[Incompatibility, ...] = (
                 "selective recomputation wraps the decoder block's MLP",
             ),
         )
+    ),
+    Incompatibility(
+        Condition(
+            "model.base_model.head.losses",
+            lambda losses: any(
+                loss.__struct_config__.tag == "dpo" and loss.loss_type == "ipo"
+                for loss in losses.values()
+            ),
+            "model.base_model.head.losses, a dpo loss of loss_type ipo",
+        ),
+        _above_one("model.distributed.sequence_data_parallel"),
+        "its length normalization would count the tokens of each answer in this rank's chunk only",
     ),
     Incompatibility(
         Condition(

@@ -34,12 +34,14 @@ class Pairs:
 
     parts: Tensor
     """(batch, seq): 0 a pair's prompt, 1 its chosen answer, 2 its rejected one, -1 padding:
-    attention's branch ids (each answer sees the prompt, never the other answer)."""
+    attention's branch ids (each answer sees the prompt, never the other answer); with
+    sequence-data parallelism, up to the end of this rank's chunk (the keys)."""
     positions: Tensor
-    """(batch, seq): both answers continue the prompt's positions."""
+    """(batch, seq): both answers continue the prompt's positions (this rank's chunk)."""
     spans: Tensor
     """(batch × seq,): 2p for the labelled tokens of pair p's chosen answer, 2p + 1 for its
-    rejected one, -1 elsewhere; pairs p counted in the micro-batch, row by row."""
+    rejected one, -1 elsewhere; pairs p counted in the micro-batch, row by row (this rank's
+    chunk: a pair may have tokens in several chunks, or none in this one)."""
     count: int
     """Pairs in the micro-batch."""
     share: float
@@ -115,9 +117,14 @@ class BatchPreparer:
                     "given to the loader does not cover its pairs"
                 )
             reference = reference.to(device, non_blocking=True)
+        # With sequence-data parallelism: the branch ids of the keys (the prefix), and the
+        # positions and spans of this rank's chunk. Each rank of the group counts every pair
+        # of the micro-batch, in `total` too, so their shares of a pair add up to its own.
+        sequence_data = self.sequence_data
+        spans = sequence_data.chunk(spans.view(batch.parts.shape)).reshape(-1)
         return Pairs(
-            batch.parts.to(device, torch.int64, non_blocking=True),
-            batch.position_ids.to(device, non_blocking=True),
+            sequence_data.prefix(batch.parts).to(device, torch.int64, non_blocking=True),
+            sequence_data.chunk(batch.position_ids).to(device, non_blocking=True),
             spans.to(device, non_blocking=True),
             count,
             count / total if total else 0.0,
@@ -153,9 +160,8 @@ class BatchPreparer:
         where plain causal attention (the fastest kernels) is the same. With sequence-data
         parallelism, those of the sequences up to the end of this rank's chunk."""
         ids = batch.document_ids
-        if batch.parts is not None:  # preference pairs: each keeps to itself, always
-            return ids.to(self.device, non_blocking=True)
-        if self.cross_document_attention or bool((ids == ids[:, :1]).all()):
+        pairs = batch.parts is not None  # preference pairs: each keeps to itself, always
+        if not pairs and (self.cross_document_attention or bool((ids == ids[:, :1]).all())):
             return None
         return self.sequence_data.prefix(ids).to(self.device, non_blocking=True)
 

@@ -56,7 +56,7 @@ class ReferenceModel:
         states, _ = model.run_positions(0, len(model.layers) + 1, input_ids, context)
         log_probs = None
         if pairs is not None:
-            log_probs = sequence_log_probs(model, states, labels, pairs.spans)
+            log_probs = sequence_log_probs(model, states, labels, pairs.spans, 2 * pairs.count)
         if not hidden:
             return Teacher(log_probs=log_probs)
         return Teacher(states, model.head_weight, log_probs)

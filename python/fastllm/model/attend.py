@@ -28,8 +28,8 @@ def attend(
     branch_ids: Tensor | None,
 ) -> Tensor:
     """Causal attention of q (batch, seq, heads, ·) over k, v (batch, key_seq, heads, ·);
-    `document_ids` cover the keys (with sequence-data parallelism, the sequence up to the end
-    of this rank's chunk)."""
+    `document_ids` and `branch_ids` cover the keys (with sequence-data parallelism, the
+    sequence up to the end of this rank's chunk)."""
     if sequence_data.split:
         # The queries of each of this rank's chunks attend to the keys (the causal prefix,
         # gathered) up to that chunk's end.
@@ -45,6 +45,7 @@ def attend(
                     window_size=window_size,
                     document_ids=None if document_ids is None else document_ids[:, :end],
                     scale=scale,
+                    branch_ids=None if branch_ids is None else branch_ids[:, :end],
                 )
             )
             offset += length

@@ -37,7 +37,7 @@ from fastllm.parallel.vocab_parallel_losses import (
 )
 from fastllm_kernels.cross_entropy import linear_label_losses
 from fastllm_kernels.distillation import linear_distillation
-from fastllm_kernels.preference import linear_dpo, linear_sequence_log_probs
+from fastllm_kernels.preference import dpo_metrics, linear_dpo, linear_sequence_log_probs
 
 IGNORED = -100
 
@@ -62,17 +62,58 @@ class HeadTargets:
     """Preference pairs: the span of each label (`engine.batch.Pairs.spans`)."""
 
 
-def sequence_log_probs(model: GPTModel, hidden: Tensor, labels: Tensor, spans: Tensor) -> Tensor:
-    """The summed label log-probabilities of each span (2 a pair: chosen, rejected) of `hidden`
-    under `model`'s head, without autograd (a reference model's)."""
+def sequence_log_probs(
+    model: GPTModel, hidden: Tensor, labels: Tensor, spans: Tensor, num_spans: int
+) -> Tensor:
+    """The summed label log-probabilities of each of the `num_spans` spans (2 a pair: chosen,
+    rejected) of `hidden` under `model`'s head, without autograd (a reference model's); with
+    sequence-data parallelism, over the chunks of every rank of the group."""
+    log_probs = _chunk_log_probs(model, hidden.detach(), labels, spans, num_spans)
+    return model.sequence_data.sum_chunks(log_probs)
+
+
+def _chunk_log_probs(
+    model: GPTModel, hidden: Tensor, labels: Tensor, spans: Tensor, num_spans: int
+) -> Tensor:
     rows, labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
-    count = int(spans.max()) + 1 if spans.numel() else 0
-    count += count % 2
     if model.tensor.split:
         return vocab_parallel_sequence_log_probs(
-            rows, model.head_weight, labels, spans, count, model.tensor
+            rows, model.head_weight, labels, spans, num_spans, model.tensor
         )
-    return linear_sequence_log_probs(rows, model.head_weight, labels, spans, count)
+    return linear_sequence_log_probs(rows, model.head_weight, labels, spans, num_spans)
+
+
+def _dpo(
+    model: GPTModel, rows: Tensor, labels: Tensor, spans: Tensor, reference: Tensor,
+    loss: DPOLossConfig,
+) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
+    """DPO's loss and metrics on `rows`; with sequence-data parallelism, those of the whole
+    answers, split over the chunks of the group's ranks."""
+    tensor, weight = model.tensor, model.head_weight
+    sequence_data = model.sequence_data
+    if sequence_data.split:
+        # The fused head forms each answer's gradient once its log-probability is whole: it is
+        # given those of the other chunks (an extra pass of the head over this chunk's answer
+        # tokens, and one all-reduce) folded into the reference's, which only the margin reads.
+        mine = _chunk_log_probs(model, rows.detach(), labels, spans, reference.shape[0])
+        whole = sequence_data.sum_chunks(mine.clone())
+        policy_reference = reference - (whole - mine)
+    else:
+        policy_reference = reference
+    dpo = (loss.beta, loss.label_smoothing, loss.loss_type)
+    if tensor.split:
+        value, metrics = vocab_parallel_dpo(
+            rows, weight, labels, spans, policy_reference, tensor, *dpo, recipe=model.head_recipe
+        )
+    else:
+        value, metrics = linear_dpo(rows, weight, labels, spans, policy_reference, *dpo)
+    if not sequence_data.split:
+        return value, metrics
+    # Every rank of the group holds the whole loss, weighted by 1/size of its pairs' share; its
+    # gradient, which reaches this rank's chunk only, counts size times (the backward pass of
+    # the all-reduce).
+    size = sequence_data.size
+    return size * value - (size - 1) * value.detach(), dpo_metrics(whole, reference, loss.beta)
 
 
 def head_losses(
@@ -125,14 +166,7 @@ def head_losses(
         elif isinstance(loss, DPOLossConfig):
             reference = targets.teachers[loss.reference_model].log_probs
             assert targets.spans is not None and reference is not None
-            dpo = (loss.beta, loss.label_smoothing, loss.loss_type)
-            if tensor.split:
-                value, metrics = vocab_parallel_dpo(
-                    rows, weight, labels, targets.spans, reference, tensor, *dpo,
-                    recipe=model.head_recipe,
-                )  # fmt: skip
-            else:
-                value, metrics = linear_dpo(rows, weight, labels, targets.spans, reference, *dpo)
+            value, metrics = _dpo(model, rows, labels, targets.spans, reference, loss)
         else:
             value = registry.implementation(loss)(loss, model, rows, targets)
         total = total + weights[name] * value

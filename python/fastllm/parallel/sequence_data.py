@@ -8,7 +8,9 @@ Only attention mixes positions, so only attention communicates: each rank all-ga
 keys and values of the group's chunks and keeps those of its causal prefix (up to the end of
 its last chunk), and their gradients are reduce-scattered back to the chunks' owners in the
 backward pass; both collectives run while the queries' part of the work is done. Each of its
-chunks attends to the prefix up to its own end. Everything else (ZeRO, the gradient
+chunks attends to the prefix up to its own end. (A loss that sums over a sequence's tokens
+before a non-linear step, DPO's, adds its chunks' sums with `sum_chunks`: model/head_losses.py.)
+Everything else (ZeRO, the gradient
 reduction over the data group) sees S more data ranks, whose micro-batches are chunks
 weighted by their trained tokens (engine.batch).
 
@@ -63,6 +65,13 @@ class SequenceDataDimension(Dimension):
         """The positions in the sequence of this rank's `local` ones."""
         parts = [torch.arange(start, end, device=device) for start, end in self.spans(local)]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def sum_chunks(self, x: Tensor) -> Tensor:
+        """`x` summed over the group's ranks, in place (one all-reduce; not differentiable):
+        sums over whole sequences of what each rank summed over its chunks."""
+        if self.split:
+            dist.all_reduce(x, group=self.group)
+        return x
 
     def pieces(self, local: int) -> list[tuple[int, int, int]]:
         """The causal prefix as the gathered chunks make it up, in sequence order: (rank,

@@ -154,11 +154,13 @@ def _compute(
 ) -> Tensor:
     """The table of dataset `path`: the reference over packed samples that hold every pair
     that fits the sequence (at least once: one epoch, and the end of a sample of the next),
-    each data rank a micro-batch of each step; `stopped` is asked before each step."""
+    each data rank (each sequence-data group, its chunks) a micro-batch of each step; `stopped`
+    is asked before each step."""
     config, engine = trainer.config, trainer.engine
     data, device = engine.mesh.data, trainer.distributed.device
+    samples_of = engine.mesh.sample_groups  # a sequence-data group shares its samples
     micro_batch = engine.layout.micro_batch_size
-    per_step = micro_batch * data.size
+    per_step = micro_batch * samples_of.size
     pairs = len(TokenDataset(path))
     # One pair at least per sample: as many samples as pairs hold an epoch, the rest of the
     # last step's beyond.
@@ -177,8 +179,8 @@ def _compute(
         fitting -= len(stream.sample_pairs(samples))
         samples += 1
     loader = DataLoader(
-        stream, batch_size=per_step, micro_batch_size=micro_batch, rank=data.rank,
-        world_size=data.size, prefetch=config.data.prefetch,
+        stream, batch_size=per_step, micro_batch_size=micro_batch, rank=samples_of.rank,
+        world_size=samples_of.size, prefetch=config.data.prefetch,
     )  # fmt: skip
     table = torch.full((pairs, 2), -math.inf, dtype=torch.float32, device=device)
     steps = iter(loader)
