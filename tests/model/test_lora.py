@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import peft
@@ -127,26 +128,39 @@ def test_a_tiny_llama_with_lora_matches_peft_loss_and_adapter_gradients(tmp_path
     input_ids = torch.randint(0, 97, (2, 13), generator=generator)
     labels = torch.randint(0, 97, (2, 13), generator=generator)
 
-    our_loss = ours.loss(input_ids, labels)
+    their_grads = assert_same_loss_and_adapter_gradients(
+        ours, theirs, "llama", ours.loss(input_ids, labels), input_ids, labels
+    )
+    assert len(their_grads) == 2 * 7 * 2  # every adapter of PEFT's, 7 in each of the 2 blocks
+
+
+def assert_same_loss_and_adapter_gradients(
+    ours: GPTModel,
+    theirs: Any,
+    architecture: str,
+    our_loss: torch.Tensor,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+) -> dict[str, torch.Tensor]:
+    """Our loss against PEFT's cross-entropy of the same batch, then each of our adapters'
+    gradients against PEFT's (every one of PEFT's covered); PEFT's gradients by name."""
     their_logits = theirs(input_ids=input_ids).logits
     their_loss = F.cross_entropy(their_logits.flatten(0, 1), labels.flatten())
     assert our_loss.item() == pytest.approx(their_loss.item(), rel=1e-5)
     our_loss.backward()
     their_loss.backward()
-
     their_grads = {
         name.replace(".default", ""): p.grad
         for name, p in theirs.named_parameters()
         if p.requires_grad
     }
     our_params = dict(ours.named_parameters())
-    config = ours.config
-    for rule in adapter_rules(config, "llama"):
+    rules = list(adapter_rules(ours.config, architecture))
+    for rule in rules:
         expected = rule.join([their_grads[PREFIX + name] for name in rule.theirs])
         assert relative_error(our_params[rule.ours].grad, expected) <= 1e-5, rule.ours
-    covered = {PREFIX + name for rule in adapter_rules(config, "llama") for name in rule.theirs}
-    assert covered == set(their_grads)  # every adapter of PEFT's, 7 in each of the 2 blocks
-    assert len(covered) == 2 * 7 * 2
+    assert {PREFIX + name for rule in rules for name in rule.theirs} == set(their_grads)
+    return their_grads
 
 
 @pytest.mark.parametrize(
@@ -174,23 +188,10 @@ def test_a_tiny_mixture_with_expert_lora_matches_peft_target_parameters(
 
     # From the logits: our loss would add the router's auxiliary loss, which PEFT's leaves out.
     our_loss = F.cross_entropy(ours(input_ids).flatten(0, 1), labels.flatten())
-    their_logits = theirs(input_ids=input_ids).logits
-    their_loss = F.cross_entropy(their_logits.flatten(0, 1), labels.flatten())
-    assert our_loss.item() == pytest.approx(their_loss.item(), rel=1e-5)
-    our_loss.backward()
-    their_loss.backward()
-
-    their_grads = {
-        name.replace(".default", ""): p.grad
-        for name, p in theirs.named_parameters()
-        if p.requires_grad
-    }
+    their_grads = assert_same_loss_and_adapter_gradients(
+        ours, theirs, architecture, our_loss, input_ids, labels
+    )
     our_params = dict(ours.named_parameters())
-    rules = list(adapter_rules(ours.config, architecture))
-    for rule in rules:
-        expected = rule.join([their_grads[PREFIX + name] for name in rule.theirs])
-        assert relative_error(our_params[rule.ours].grad, expected) <= 1e-5, rule.ours
-    assert {PREFIX + name for rule in rules for name in rule.theirs} == set(their_grads)
     assert len(their_grads) == 2 * per_block * 2  # A and B of each, in 2 blocks
     assert our_params["layers.0.mlp.layer_1_lora.a"].shape == (4, 4, 48)  # experts, rank, in
     adapters = sum(p.numel() for name, p in our_params.items() if "_lora." in name)
