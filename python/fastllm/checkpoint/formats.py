@@ -199,6 +199,7 @@ _LATER_TRANSFORMER_KEYS = (
     "scale_embeddings",
     "mixer",
     "mlp",
+    "block",
     "expert_score_function",
     "expert_bias",
     "expert_bias_update_rate",
@@ -209,7 +210,7 @@ _LATER_TRANSFORMER_KEYS = (
     "dense_ffn_hidden_size",
 )
 """Keys of `transformer` that fastllm-format configs have had since QK-norm and post-norms
-(and Gemma 3's options; mixer and mlp: since they are components; DeepSeek-V3's
+(and Gemma 3's options; mixer, mlp and block: since they are components; DeepSeek-V3's
 routing)."""
 
 
