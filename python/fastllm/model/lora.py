@@ -26,6 +26,8 @@ over expert ranks with their experts."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -57,6 +59,16 @@ class Adapter(torch.nn.Module):
         self.rank, self.scale, self.dropout = config.rank, config.scale, config.dropout
         self.in_features = in_features
 
+    def _describe(self, row_parallel: bool, split: TensorSplit, **meta: Any) -> None:
+        """Row-parallel, `a` split by `split` along the base's input and `b`'s gradient partial
+        (the base's reduction sums the update); column-parallel, `a`'s gradient partial and
+        `b` split by `split` along the output."""
+        a, b = ({"tensor_split": split}, {"tensor_partial": True})
+        if not row_parallel:
+            a, b = b, a
+        describe(self, "a", weight_decay=True, **a, **meta)
+        describe(self, "b", weight_decay=True, **b, **meta)
+
     def _dropped(self, x: Tensor) -> Tensor:
         return F.dropout(x, self.dropout) if self.dropout and self.training else x
 
@@ -82,13 +94,9 @@ class LoRA(Adapter):
         rows = sum(self.segments[i] for i in adapted)
         self.a = torch.nn.Parameter(torch.empty(len(adapted) * self.rank, local_in))
         self.b = torch.nn.Parameter(torch.empty(rows, self.rank))
-        if row_parallel:
-            describe(self, "a", weight_decay=True, tensor_split=TensorSplit(1, (in_features,)))
-            describe(self, "b", weight_decay=True, tensor_partial=True)
-        else:
-            adapted_rows = tuple(segments[i] for i in adapted)
-            describe(self, "a", weight_decay=True, tensor_partial=True)
-            describe(self, "b", weight_decay=True, tensor_split=TensorSplit(0, adapted_rows))
+        adapted_rows = tuple(segments[i] for i in adapted)
+        split = TensorSplit(1, (in_features,)) if row_parallel else TensorSplit(0, adapted_rows)
+        self._describe(row_parallel, split)
 
     def add_to(self, out: Tensor, x: Tensor) -> Tensor:
         """out (…, this rank's output features) plus the update of x (…, input features)."""
@@ -134,14 +142,8 @@ class ExpertLoRA(Adapter):
         local_out = sum(segments) if row_parallel else sum(segments) // size
         self.a = torch.nn.Parameter(torch.empty(held, self.rank, local_in))
         self.b = torch.nn.Parameter(torch.empty(held, local_out, self.rank))
-        if row_parallel:
-            split_a = TensorSplit(2, (in_features,))
-            describe(self, "a", weight_decay=True, tensor_split=split_a, expert_split=True)
-            describe(self, "b", weight_decay=True, tensor_partial=True, expert_split=True)
-        else:
-            describe(self, "a", weight_decay=True, tensor_partial=True, expert_split=True)
-            split_b = TensorSplit(1, segments)
-            describe(self, "b", weight_decay=True, tensor_split=split_b, expert_split=True)
+        split = TensorSplit(2, (in_features,)) if row_parallel else TensorSplit(1, segments)
+        self._describe(row_parallel, split, expert_split=True)
 
     def add_grouped(self, out: Tensor, x: Tensor, ends: Tensor) -> Tensor:
         """out plus the update of x, both (rows, …) in the expert order of the base's grouped
