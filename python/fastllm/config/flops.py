@@ -29,14 +29,12 @@ def flops_per_token(
     freeze = freeze or FreezeConfig()
     others = isinstance(config.peft, LoRAConfig) and config.peft.freeze_others
     counts = config.parameter_counts(active=True)
-    dense = config.parameter_counts(dense=True) if t.num_experts > 1 else counts
     heads = 6 * t.num_attention_heads * _score_and_value_width(config)
     norms = 4 if freeze.norms or others else 6
     frozen_blocks = freeze.frozen_blocks()
     before_training = freeze.embeddings or others  # no backward pass before a trained one
     total = 0.0
-    for index in range(t.num_layers):
-        layer = counts if t.has_experts(index) or t.num_experts == 1 else dense
+    for index, layer in enumerate(config.block_counts(active=True)):
         weights = layer.block - layer.block_norms
         block = weights + layer.block_norm_elements + layer.adapters
         attention = heads * min(t.window_of(index) or sequence_length, sequence_length)

@@ -926,15 +926,8 @@ class BaseModelConfig(Section):
         num_experts_per_token routed experts, not all of them); without the input and output
         embeddings when `embeddings` is false, as MFU formulas count them."""
         counts = self.parameter_counts(active=active)
-        t = self.transformer
-        dense_layers = min(t.first_dense_layers, t.num_layers) if t.num_experts > 1 else 0
-        dense = self.parameter_counts(dense=True) if dense_layers else counts
-        layers = (
-            (t.num_layers - dense_layers) * counts.block
-            + dense_layers * dense.block
-            + self.adapter_parameters(active=active)
-            + counts.final_norm
-        )
+        blocks = self.block_counts(active=active)
+        layers = sum(c.block + c.adapters for c in blocks) + counts.final_norm
         return (
             layers
             + self.prediction_parameters(active=active)
@@ -946,12 +939,16 @@ class BaseModelConfig(Section):
     ) -> int:
         """The LoRA adapters' parameters in `blocks` (indices from 0; default: all); with
         `active`, as in `num_parameters`."""
+        counts = self.block_counts(active=active)
+        return sum(counts[i].adapters for i in (range(len(counts)) if blocks is None else blocks))
+
+    def block_counts(self, *, active: bool = False) -> list[ParameterCounts]:
+        """Each transformer block's parameter counts, in order (`active`: as in
+        `num_parameters`): a mixture's first dense blocks have a dense MLP's."""
         t = self.transformer
-        if blocks is None:
-            blocks = range(t.num_layers)
         counts = self.parameter_counts(active=active)
         dense = self.parameter_counts(dense=True) if t.num_experts > 1 else counts
-        return sum((counts if t.has_experts(i) else dense).adapters for i in blocks)
+        return [counts if t.has_experts(i) else dense for i in range(t.num_layers)]
 
     def prediction_parameters(self, *, active: bool = False) -> int:
         """The multi-token prediction modules' parameters: each a block (a mixture's when
@@ -1241,11 +1238,8 @@ class ModelConfig(Section):
     def num_frozen_parameters(self) -> int:
         """Parameters `freeze` (and LoRA's `freeze_others`) hold fixed."""
         freeze, base = self.freeze, self.base_model
-        t = base.transformer
         counts = base.parameter_counts()
-        dense = base.parameter_counts(dense=True) if t.num_experts > 1 else counts
-        # each block's counts: a mixture's dense blocks are smaller, and adapted otherwise
-        of_block = [counts if t.has_experts(i) else dense for i in range(t.num_layers)]
+        of_block = base.block_counts()  # a mixture's dense blocks are smaller, adapted otherwise
         frozen_blocks = set(freeze.frozen_blocks())
         training = [c for i, c in enumerate(of_block) if i not in frozen_blocks]
         if self.others_frozen:
