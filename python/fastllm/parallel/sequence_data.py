@@ -10,9 +10,8 @@ its last chunk), and their gradients are reduce-scattered back to the chunks' ow
 backward pass; both collectives run while the queries' part of the work is done. Each of its
 chunks attends to the prefix up to its own end. (A loss that sums over a sequence's tokens
 before a non-linear step, DPO's, adds its chunks' sums with `sum_chunks`: model/head_losses.py.)
-Everything else (ZeRO, the gradient
-reduction over the data group) sees S more data ranks, whose micro-batches are chunks
-weighted by their trained tokens (engine.batch).
+Everything else (ZeRO, the gradient reduction over the data group) sees S more data ranks,
+whose micro-batches are chunks weighted by their trained tokens (engine.batch).
 
 The kernels know nothing of this: they only learn that the queries may be the last positions
 of the keys (fastllm_kernels.attention)."""
