@@ -21,7 +21,9 @@ The hf backend runs with batch_size=auto (its own search); fastllm with --mc-bat
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import random
 import shutil
 import subprocess
@@ -150,6 +152,8 @@ def run(system: str, task: str, work: Path, args: argparse.Namespace) -> dict[st
 
     manager = TaskManager(include_path=str(work / "tasks"), include_defaults=False)
     torch.cuda.synchronize() if args.device == "cuda" else None
+    profile = cProfile.Profile() if args.profile else None
+    profile.enable() if profile else None
     start = time.perf_counter()
     if system == "hf":
         from lm_eval.models.huggingface import HFLM
@@ -174,8 +178,13 @@ def run(system: str, task: str, work: Path, args: argparse.Namespace) -> dict[st
             batch_size=args.mc_batch if task == "mc" else args.gen_batch,
             eos_token_ids=generation_eos(directory),
         )
+    loaded = time.perf_counter()
     results = simple_evaluate(model=lm, tasks=[TASKS[task]], task_manager=manager)
     seconds = time.perf_counter() - start
+    if profile:
+        profile.disable()
+        with (work.parent / f"profile_{system}_{task}.txt").open("w") as stream:
+            pstats.Stats(profile, stream=stream).sort_stats("cumulative").print_stats(80)
     assert results is not None
     samples = results["samples"][TASKS[task]]
     if task == "mc":
@@ -187,7 +196,13 @@ def run(system: str, task: str, work: Path, args: argparse.Namespace) -> dict[st
         answers = [s["resps"][0][0] for s in sorted(samples, key=lambda s: s["doc_id"])]
     metrics = {k: v for k, v in results["results"][TASKS[task]].items() if "," in k}
     batch = getattr(lm, "batch_sizes", None) or getattr(lm, "batch_size", None)
-    return {"seconds": seconds, "metrics": metrics, "answers": answers, "batch_size": str(batch)}
+    return {
+        "seconds": seconds,
+        "load_seconds": loaded - start,
+        "metrics": metrics,
+        "answers": answers,
+        "batch_size": str(batch),
+    }
 
 
 def main() -> None:
@@ -203,6 +218,9 @@ def main() -> None:
     parser.add_argument("--mc-batch", type=int, default=64)
     parser.add_argument("--gen-batch", type=int, default=200)
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model, for a smoke test")
+    parser.add_argument(
+        "--profile", action="store_true", help="cProfile each run: OUT/profile_SYSTEM_TASK.txt"
+    )
     parser.add_argument("--run", nargs=2, metavar=("SYSTEM", "TASK"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.tiny:
