@@ -48,7 +48,8 @@
 # dpo-1b (issue 35: DPO of llama-1b against TRL's DPOTrainer, reference in the step and
 # precomputed); distill-1b (issue 35: llama-1b distilled from a llama-8b-geometry teacher);
 # qwen3 (issue 38: Qwen3-1.7B against HF + compile, and without its QK-norm); moonlight
-# (issue 38: Moonlight-16B cut to 8 blocks, MFU on active parameters and expert loads).
+# (issue 38: Moonlight-16B cut to 8 blocks, MFU on active parameters and expert loads);
+# masked-sdpa (issue 36: SDPA with a boolean mask at evaluation's shapes, by backend).
 set -uo pipefail
 COMMIT=$1
 shift
@@ -403,6 +404,9 @@ write_random_dataset(Path('/tmp/freeze1b/data'), vocab_size=128256, tokens=8_000
       python3 -c "import lm_eval, datasets, pytablewriter" || return 1
       python3 bench/lm_eval_bench.py ${LMEVAL_ARGS:-} --commit "$COMMIT" \
         --out "$RES/lm_eval_1b${TAG:+_$TAG}" 2>&1 | grep -v "it/s\]" | tail -12 ;;
+    masked-sdpa)
+      # Issue 36: SDPA with a boolean mask at evaluation's shapes, by backend.
+      timeout 120 python3 bench/masked_sdpa_probe.py --out "$RES/masked_sdpa.json" ;;
     dpo-1b)
       # Issue 35: DPO of a random llama-1b, 8 pairs a step of a 512-token prompt with 512-token
       # chosen and rejected answers: TRL 1.16's DPOTrainer (bf16 autocast on fp32 weights,
