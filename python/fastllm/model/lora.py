@@ -101,8 +101,15 @@ class LoRA(Adapter):
     def add_to(self, out: Tensor, x: Tensor) -> Tensor:
         """out (…, this rank's output features) plus the update of x (…, input features)."""
         low = F.linear(self._dropped(x), self.a)
-        update = F.linear(low, self._block_diagonal_b())
-        return torch.add(out, update, alpha=self.scale)
+        # One GEMM adds the scaled update to `out` in its epilogue: no update tensor, and no
+        # pass scaling the gradient in the backward (alpha scales the products there too).
+        total = torch.addmm(
+            out.reshape(-1, out.shape[-1]),
+            low.reshape(-1, low.shape[-1]),
+            self._block_diagonal_b().t(),
+            alpha=self.scale,
+        )
+        return total.view(out.shape)
 
     def _block_diagonal_b(self) -> Tensor:
         """(output features, adapters × rank): each adapted segment's B in its rows and its own
