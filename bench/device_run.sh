@@ -114,10 +114,11 @@ run_part() {
       # ACCUMULATE micro-batches of 4096 a step (default 8): at 1, 6a3efc8 measured 25.7%
       # in steps of 112 ms, a third of which the Adam update of 4.7B parameters would take
       # by estimate (16 bytes of state a parameter read and written at 4.2 TB/s: ~36 ms).
-      # MICRO_BATCH: sequences of 4096 a micro-batch (default the config's, 1).
+      # MICRO_BATCH: sequences of 4096 a micro-batch (default the config's, 1); SET: more
+      # overrides (model.base_model.transformer.num_layers=6 fits an 80 GB GPU at ACCUMULATE=8).
       python3 bench/train_bench.py --models moonlight-8l --systems ${SYSTEMS:-fastllm} \
         --steps "${STEPS:-20}" --accumulate "${ACCUMULATE:-8}" --timeout 300 \
-        ${MICRO_BATCH:+--micro-batch $MICRO_BATCH} \
+        ${MICRO_BATCH:+--micro-batch $MICRO_BATCH} ${SET:+--set $SET} \
         --commit "$COMMIT" --out "$RES/train_moonlight${TAG:+_$TAG}" 2>&1 | tail -10 ;;
     energy)
       # What one step's matmuls and attention alone take in joules at the power limit
