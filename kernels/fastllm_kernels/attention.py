@@ -9,7 +9,8 @@ No kernel of our own: the op picks the fastest existing one for the case.
   and the dtype is fp16/bf16; otherwise torch's compiled flex_attention with a block mask
   (SDPA with a boolean mask below 128 keys, one flex block). Both skip the key blocks the mask
   removes entirely, which an explicit boolean mask given to SDPA cannot (it also costs seq²
-  memory and rules out the cuDNN and flash backends).
+  memory and rules out flash). SDPA with a mask on CUDA runs the memory-efficient kernel,
+  key/value heads repeated for GQA, not cuDNN, which builds a plan for each new shape.
 - CPU: SDPA with an explicit boolean mask.
 Masks: query i sees key j when j <= i (causal), i - window_size < j (window; |i - j| < window
 when not causal), document_ids[b, i] == document_ids[b, j], and with branch_ids (a shared
@@ -178,11 +179,28 @@ def _dense_mask(
     return mask
 
 
+_MASKED_SDPA = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+"""The backends of SDPA with a mask on CUDA. cuDNN, which torch may otherwise pick, builds an
+execution plan for each new shape: 300-620 ms a call on the H100 at evaluation's shapes
+(bench/masked_sdpa_probe.py), where every batch and every decoding step has its own length;
+the memory-efficient kernel then takes 0.4-0.5 ms."""
+
+
 def _sdpa(q, k, v, **kwargs) -> Tensor:
-    """SDPA on (batch, seq, heads, dim) tensors; GQA handled by the kernel (enable_gqa)."""
+    """SDPA on (batch, seq, heads, dim) tensors; GQA handled by the kernel (enable_gqa), or,
+    with a mask on CUDA, by key/value heads repeated for the memory-efficient kernel (which
+    has no GQA)."""
+    backends = contextlib.nullcontext()
+    if q.is_cuda and kwargs.get("attn_mask") is not None:
+        group = q.shape[2] // k.shape[2]
+        if group > 1:
+            k, v = (t.repeat_interleave(group, dim=2) for t in (k, v))
+        backends = sdpa_kernel(_MASKED_SDPA)
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     gqa = q.shape[1] != k.shape[1]
-    return scaled_dot_product_attention(q, k, v, enable_gqa=gqa, **kwargs).transpose(1, 2)
+    with backends:
+        out = scaled_dot_product_attention(q, k, v, enable_gqa=gqa, **kwargs)
+    return out.transpose(1, 2)
 
 
 def _flash_attn(q, k, v, causal, window_size, document_ids, scale) -> Tensor:
