@@ -1,7 +1,8 @@
 """Distillation from a reference model (`reference_models` + a `distillation` head loss):
 zero when the teacher is the student, the value a plain-torch KL gives otherwise, a teacher
-larger than the student, and two ranks (ZeRO-3, tensor, sequence-data and expert parallel,
-multi-token prediction) against one process."""
+larger than the student, and two ranks (ZeRO-3, tensor, sequence-data, expert and pipeline
+parallel, multi-token prediction) and four (pipeline and ZeRO-3 data parallel) against one
+process."""
 
 from __future__ import annotations
 
@@ -122,7 +123,35 @@ LAYOUTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("model.base_model.multi_token_prediction={depth: 1}",),
         ("model.multi_stage.zero_stage=3",),
     ),
+    # Each rank runs its stage of the student and of the teacher (its own three blocks spread
+    # over the student's two stages, wider), the teacher's hidden states sent with the
+    # student's activations.
+    "pipeline": (
+        (),
+        ("model.distributed.pipeline_parallel=2", "schedule.breadth_first_micro_batches=2"),
+    ),
+    # The same on two data ranks each, the teacher's stages gathered (ZeRO-3); checkpointed.
+    "pipeline_zero3": (
+        (),
+        (
+            "model.distributed.pipeline_parallel=2",
+            "model.multi_stage.zero_stage=3",
+            "training.checkpoint.interval=2",
+        ),
+    ),
+    # Its checkpoint of step 2 resumed on two pipeline ranks (the teacher loaded again).
+    "pipeline_resumed": ((), ("model.distributed.pipeline_parallel=2",)),
 }
+RANKS = {"pipeline_zero3": 4}
+RESUMES = {"pipeline_resumed": "pipeline_zero3"}
+"""The layouts that resume another's checkpoint of step 2 (one of more ranks: run first)."""
+BIGGER = (
+    "model.base_model.transformer.num_layers=3",
+    "model.base_model.transformer.hidden_size=96",
+    "model.base_model.transformer.num_attention_heads=6",
+)
+TEACHERS = {"pipeline": BIGGER, "pipeline_zero3": BIGGER, "pipeline_resumed": BIGGER}
+"""The teacher's architecture where it is not the student's."""
 STEPS = ("training.train_iters=3",)
 
 
@@ -130,27 +159,39 @@ def teacher_of(one_process: Callable[..., Path], architecture: tuple[str, ...]) 
     return one_process(*architecture, *TEACHER_RUN) / "export" / "4"
 
 
+def distilling_in(one_process: Callable[..., Path], layout: str) -> tuple[str, ...]:
+    """The student's architecture and its distillation in `layout`."""
+    architecture = LAYOUTS[layout][0]
+    teacher = teacher_of(one_process, (*architecture, *TEACHERS.get(layout, ())))
+    return (*architecture, *distilling(teacher))
+
+
 def layouts(dataset: Path, one_process: Callable[..., Path], root: Path) -> dict[str, Layout]:
     return {
         f"distill_{name}": Layout(
-            2, (*STEPS, *architecture, *distilling(teacher_of(one_process, architecture)), *layout)
+            RANKS.get(name, 2),
+            (*STEPS, *distilling_in(one_process, name), *layout),
+            root / f"distill_{RESUMES[name]}" / "checkpoint" / "2" if name in RESUMES else None,
         )
-        for name, (architecture, layout) in LAYOUTS.items()
+        for name, (_, layout) in LAYOUTS.items()
     }
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_two_ranks_distilling_match_one_process(
+def test_parallel_layouts_distilling_match_one_process(
     launched: dict[str, Launched], one_process: Callable[..., Path], layout: str
 ) -> None:
-    architecture = LAYOUTS[layout][0]
-    single = one_process(*STEPS, *architecture, *distilling(teacher_of(one_process, architecture)))
-    double = launched[f"distill_{layout}"].succeeded()
-    for key in ("loss", "label_loss", "kd_loss"):  # each loss logged under its name
-        expected, got = logged(single, key), logged(double, key)
-        assert sorted(got) == sorted(expected) == [1, 2, 3]
-        for step, value in expected.items():
-            assert got[step] == pytest.approx(value, rel=1e-5), (key, step)
+    single = one_process(*STEPS, *distilling_in(one_process, layout))
+    run = launched[f"distill_{layout}"]
+    first = 3 if layout in RESUMES else 1
+    assert (first > 1) == ("resumed from" in run.result.stdout)
+    # Each loss logged under its name; the gradient's norm too (AdamW's steps hardly change
+    # when it is scaled).
+    for key in ("loss", "label_loss", "kd_loss", "grad_norm"):
+        expected, got = logged(single, key), logged(run.succeeded(), key)
+        assert sorted(expected) == [1, 2, 3] and sorted(got) == list(range(first, 4))
+        for step, value in got.items():
+            assert value == pytest.approx(expected[step], rel=1e-5), (key, step)
 
 
 def logged(experiment: Path, key: str) -> dict[int, float]:
