@@ -153,6 +153,18 @@ BIGGER = (
 TEACHERS = {"pipeline": BIGGER, "pipeline_zero3": BIGGER, "pipeline_resumed": BIGGER}
 """The teacher's architecture where it is not the student's."""
 STEPS = ("training.train_iters=3",)
+VALIDATED = {"pipeline"}
+"""The layouts validated after the last step (the stages' forward passes alone)."""
+
+
+def validating(dataset: Path, layout: str) -> tuple[str, ...]:
+    if layout not in VALIDATED:
+        return ()
+    return (
+        f"data.validation_path=[{dataset}]",
+        "training.validation.interval=3",
+        "training.validation.iterations=1",
+    )
 
 
 def teacher_of(one_process: Callable[..., Path], architecture: tuple[str, ...]) -> Path:
@@ -170,7 +182,7 @@ def layouts(dataset: Path, one_process: Callable[..., Path], root: Path) -> dict
     return {
         f"distill_{name}": Layout(
             RANKS.get(name, 2),
-            (*STEPS, *distilling_in(one_process, name), *layout),
+            (*STEPS, *distilling_in(one_process, name), *validating(dataset, name), *layout),
             root / f"distill_{RESUMES[name]}" / "checkpoint" / "2" if name in RESUMES else None,
         )
         for name, (_, layout) in LAYOUTS.items()
@@ -179,9 +191,9 @@ def layouts(dataset: Path, one_process: Callable[..., Path], root: Path) -> dict
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_parallel_layouts_distilling_match_one_process(
-    launched: dict[str, Launched], one_process: Callable[..., Path], layout: str
+    launched: dict[str, Launched], one_process: Callable[..., Path], dataset: Path, layout: str
 ) -> None:
-    single = one_process(*STEPS, *distilling_in(one_process, layout))
+    single = one_process(*STEPS, *distilling_in(one_process, layout), *validating(dataset, layout))
     run = launched[f"distill_{layout}"]
     first = 3 if layout in RESUMES else 1
     assert (first > 1) == ("resumed from" in run.result.stdout)
@@ -192,6 +204,13 @@ def test_parallel_layouts_distilling_match_one_process(
         assert sorted(expected) == [1, 2, 3] and sorted(got) == list(range(first, 4))
         for step, value in got.items():
             assert value == pytest.approx(expected[step], rel=1e-5), (key, step)
+    if layout in VALIDATED:
+        expected, got = (
+            logged(single, "validation_loss"),
+            logged(run.succeeded(), "validation_loss"),
+        )
+        assert sorted(got) == sorted(expected) == [3]
+        assert got[3] == pytest.approx(expected[3], rel=1e-5)
 
 
 def logged(experiment: Path, key: str) -> dict[int, float]:
