@@ -1,8 +1,8 @@
 """Distillation from a reference model (`reference_models` + a `distillation` head loss):
 zero when the teacher is the student, the value a plain-torch KL gives otherwise, a teacher
-larger than the student, and two ranks (ZeRO-3, tensor, sequence-data, expert and pipeline
-parallel, multi-token prediction) and four (pipeline and ZeRO-3 data parallel) against one
-process."""
+larger than the student, one with fewer blocks than the student's stages refused, and two
+ranks (ZeRO-3, tensor, sequence-data, expert and pipeline parallel, multi-token prediction)
+and four (pipeline and ZeRO-3 data parallel) against one process."""
 
 from __future__ import annotations
 
@@ -92,6 +92,21 @@ def test_a_teacher_wider_than_its_student(dataset: Path, tmp_path: Path) -> None
     steps = iter(run.data_loader())
     first, second = (run.engine.train_step(next(steps)) for _ in range(2))
     assert first["kd_loss"] > 0 and second["kd_loss"] < first["kd_loss"]
+
+
+def test_a_teacher_with_fewer_blocks_than_the_students_stages_is_refused(
+    dataset: Path, teacher: Path, tmp_path: Path
+) -> None:
+    # Run stage by stage (breadth-first micro-batches), the student's four blocks make four
+    # stages, over which the teacher's two blocks cannot be spread.
+    with pytest.raises(
+        ConfigError, match="2 blocks are fewer than the trained model's 4"
+    ) as caught:
+        trainer(
+            dataset, tmp_path / "run", "model.base_model.transformer.num_layers=4",
+            "schedule.breadth_first_micro_batches=2", *distilling(teacher),
+        )  # fmt: skip
+    assert caught.value.path == "reference_models.teacher"
 
 
 def test_reference_models_and_losses_are_checked_by_name() -> None:
