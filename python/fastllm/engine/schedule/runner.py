@@ -18,7 +18,12 @@ its backward pass is done. A piece's attention reads the earlier pieces' keys an
 the micro-batch's `StagedKeyValueMemory`, and a stage's backward pass of a piece also starts
 from the gradients the later pieces gave its keys and values.
 Transfers run in the program's order: blocking receives, sends started asynchronously (one
-at a time in that order, never batched: Gloo-safe) and waited for at the end of the step."""
+at a time in that order, never batched: Gloo-safe) and waited for at the end of the step.
+
+Reference models (`engine.reference`) run in the same steps: each forward step runs their
+same stage first, without autograd, and a forward transfer carries their outputs after the
+trained model's activation, to the same peer (so they add no op to the program); the last
+stage hands their final hidden states to the losses."""
 
 from __future__ import annotations
 
