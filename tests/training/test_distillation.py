@@ -2,7 +2,7 @@
 zero when the teacher is the student, the value a plain-torch KL gives otherwise, a teacher
 larger than the student, one with fewer blocks than the student's stages refused, and two
 ranks (ZeRO-3, tensor, sequence-data, expert and pipeline parallel, multi-token prediction)
-and four (pipeline and ZeRO-3 data parallel) against one process."""
+and four (pipeline with ZeRO-3 data or sequence-tensor parallel) against one process."""
 
 from __future__ import annotations
 
@@ -154,10 +154,21 @@ LAYOUTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
             "training.checkpoint.interval=2",
         ),
     ),
-    # Its checkpoint of step 2 resumed on two pipeline ranks (the teacher loaded again).
+    # On two tensor ranks each, with sequence-tensor parallelism: what the stages hand on is
+    # split along the sequence, the teacher's too.
+    "pipeline_tensor": (
+        (),
+        (
+            "model.distributed.pipeline_parallel=2",
+            "model.distributed.tensor_parallel=2",
+            "model.distributed.sequence_tensor_parallel=true",
+        ),
+    ),
+    # pipeline_zero3's checkpoint of step 2 resumed on two pipeline ranks (the teacher loaded
+    # again).
     "pipeline_resumed": ((), ("model.distributed.pipeline_parallel=2",)),
 }
-RANKS = {"pipeline_zero3": 4}
+RANKS = {"pipeline_zero3": 4, "pipeline_tensor": 4}
 RESUMES = {"pipeline_resumed": "pipeline_zero3"}
 """The layouts that resume another's checkpoint of step 2 (one of more ranks: run first)."""
 BIGGER = (
@@ -165,7 +176,7 @@ BIGGER = (
     "model.base_model.transformer.hidden_size=96",
     "model.base_model.transformer.num_attention_heads=6",
 )
-TEACHERS = {"pipeline": BIGGER, "pipeline_zero3": BIGGER, "pipeline_resumed": BIGGER}
+TEACHERS = {name: BIGGER for name in LAYOUTS if name.startswith("pipeline")}
 """The teacher's architecture where it is not the student's."""
 STEPS = ("training.train_iters=3",)
 VALIDATED = {"pipeline"}
