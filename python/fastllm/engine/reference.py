@@ -87,6 +87,8 @@ class ReferenceModel:
         self.stages.release_weights()
 
     def _reads(self, stage: int) -> set[int]:
+        """The stages whose weights its `stage` reads (a head tied to the embedding on this
+        rank: stage 0's too)."""
         frozen = self.stages.frozen
         tied_here = frozen is not None and frozen.buffers.tied and self.stages.frozen_tied is None
         return stages_read(stage, len(self.stages.stages), tied_here)
