@@ -107,6 +107,10 @@ DPO = (
     "model.base_model.head.losses={dpo: {type: dpo}}",
 )
 IPO = (DPO[0], "model.base_model.head.losses={dpo: {type: dpo, loss_type: ipo}}")
+PRECOMPUTED_DPO = (
+    DPO[0],
+    "model.base_model.head.losses={dpo: {type: dpo, reference_log_probs: precomputed}}",
+)
 LM_EVAL = "training.evaluators.mc.evaluator={type: lm_eval, tasks: [copa]}"
 LATENT = (
     "model.base_model.transformer.head_groups=8",
@@ -171,8 +175,8 @@ ROW_SETTINGS = {
         (LORA, "model.distributed.training_dtype=bfloat16", "model.distributed.fp8_linear=tensorwise"),
     ("model.base_model.peft", "training.compile"): (LORA, "training.compile=true"),
     ("model.base_model.peft", "training.export"): (LORA, "training.export.format=distributed"),
-    ("reference_models", "model.distributed.pipeline_parallel"):
-        (*TEACHER, "model.distributed.pipeline_parallel=2"),
+    ("model.base_model.head.losses", "model.distributed.pipeline_parallel"):
+        (*PRECOMPUTED_DPO, "model.distributed.pipeline_parallel=2"),
     ("reference_models", "schedule.micro_batch_splits"): (*TEACHER, "schedule.micro_batch_splits=2"),
     ("model.base_model.head.losses", "model.distributed.sequence_data_parallel"):
         (*IPO, "model.distributed.sequence_data_parallel=2"),
@@ -214,11 +218,13 @@ def test_every_row_of_the_compatibility_table_refuses_naming_its_keys(
         for o in overrides
         if o.startswith(("model.distributed.training", "model.base"))
         and o not in (LORA, PREDICTION, LATENT[-1], ODD_LATENT, OTHER_BLOCK)  # the rows' own
-        and not any(o in losses for losses in (TEACHER, DPO, IPO))
+        and not any(o in losses for losses in (TEACHER, DPO, IPO, PRECOMPUTED_DPO))
     ]
     for override in overrides:
         # A reference model needs its loss, and a loss its reference model.
-        together = next((o for o in (TEACHER, DPO, IPO) if override in o), (override,))
+        together = next(
+            (o for o in (TEACHER, DPO, IPO, PRECOMPUTED_DPO) if override in o), (override,)
+        )
         tiny("training.export.format=fastllm", *together, *context)
 
 

@@ -3,6 +3,8 @@ exactly the parameters its model positions run."""
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import pytest
 import torch
 
@@ -13,9 +15,12 @@ from fastllm.model import GPTModel
 from tests.engine.test_stage_buffers import tiny_config
 
 
-@pytest.mark.parametrize(("num_layers", "layers_per_stage"), [(1, 1), (4, 1), (5, 2), (6, 3)])
+@pytest.mark.parametrize(
+    ("num_layers", "layers_per_stage"),
+    [(1, 1), (4, 1), (5, 2), (6, 3), (3, Fraction(3, 2)), (5, Fraction(5, 4)), (7, Fraction(7, 3))],
+)
 def test_each_model_position_is_in_the_one_stage_whose_positions_span_it(
-    num_layers: int, layers_per_stage: int
+    num_layers: int, layers_per_stage: int | Fraction
 ) -> None:
     stages = num_stages(num_layers, layers_per_stage)
     spans = [stage_positions(s, num_layers, layers_per_stage) for s in range(stages)]
@@ -24,6 +29,14 @@ def test_each_model_position_is_in_the_one_stage_whose_positions_span_it(
     for stage, (first, last) in enumerate(spans):
         for position in range(first, last + 1):
             assert stage_of_layer(position, num_layers, layers_per_stage) == stage
+
+
+def test_a_reference_models_blocks_spread_over_the_trained_models_stages() -> None:
+    # Seven blocks over three stages: 3, 2 and 2 of them, the embedding with the first and the
+    # head with the last.
+    spread = Fraction(7, 3)
+    assert num_stages(7, spread) == 3
+    assert [stage_positions(s, 7, spread) for s in range(3)] == [(0, 3), (4, 5), (6, 8)]
 
 
 def test_pipeline_ranks_share_the_stages_in_turn_and_alternate_their_slots() -> None:

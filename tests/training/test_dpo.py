@@ -438,6 +438,13 @@ DPO_LAYOUTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "sequence_data_precomputed": ((), ("model.distributed.sequence_data_parallel=2", PRECOMPUTED)),
     # A mixture-of-experts policy and reference, each rank holding two of their four experts.
     "expert": (MOE_MODEL, ("model.distributed.expert_parallel=2",)),
+    # Four stages of the policy and of the reference looped over two pipeline ranks, each
+    # rank's reference stages run with its policy stages, their outputs sent with theirs; the
+    # reference's head (stage 3, rank 1) reads a copy of its embedding (stage 0, rank 0).
+    "pipeline_looped": (
+        ("model.base_model.transformer.num_layers=4",),
+        ("model.distributed.pipeline_parallel=2", "schedule.breadth_first_micro_batches=2"),
+    ),
 }
 
 

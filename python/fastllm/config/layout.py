@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -22,8 +23,9 @@ if TYPE_CHECKING:
     from fastllm.config.trainer import TrainerConfig
 
 
-def num_stages(num_layers: int, layers_per_stage: int = 1) -> int:
-    """Stages of `layers_per_stage` blocks (the last may have fewer)."""
+def num_stages(num_layers: int, layers_per_stage: int | Fraction = 1) -> int:
+    """Stages of `layers_per_stage` blocks (the last may have fewer; a fraction spreads the
+    blocks over the stages, as `engine.stages.stage_of_layer` does)."""
     return max(1, -(-num_layers // layers_per_stage))
 
 
@@ -223,15 +225,21 @@ COMPATIBILITY: tuple[Incompatibility, ...] = (
             ),
         )
     ),
-    *(
-        Incompatibility(_REFERENCES, _above_one(key), reason)
-        for key, reason in (
-            (
-                "model.distributed.pipeline_parallel",
-                "the reference models run whole on the last stage's rank",
+    Incompatibility(
+        _REFERENCES, _SPLITS, "a reference model runs whole micro-batches through its stages"
+    ),
+    Incompatibility(
+        Condition(
+            "model.base_model.head.losses",
+            lambda losses: any(
+                loss.__struct_config__.tag == "dpo" and loss.reference_log_probs == "precomputed"
+                for loss in losses.values()
             ),
-            ("schedule.micro_batch_splits", "a reference model runs whole micro-batches"),
-        )
+            "model.base_model.head.losses, a dpo loss with reference_log_probs=precomputed",
+        ),
+        _above_one("model.distributed.pipeline_parallel"),
+        "the log-probabilities are computed before training by the whole reference model on "
+        "each rank, outside the pipeline schedule",
     ),
     *(
         Incompatibility(_LM_EVAL, other, _WHOLE_MODEL)

@@ -72,7 +72,9 @@ def build(config: TrainerConfig, distributed: Distributed | None = None) -> Engi
     # Those whose log-probabilities are precomputed run outside the step, when the data
     # loaders ask for them (training.reference_log_probs).
     in_step = set(config.reference_models) - config.model.base_model.head.precomputed_references
-    references = build_references(config, in_step, mesh, device)
+    references = build_references(
+        config, in_step, mesh, device, None if whole else layout.num_stages
+    )
     runner = StepRunner(
         model,
         stages,

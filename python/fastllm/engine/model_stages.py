@@ -9,6 +9,7 @@ the step's operations act on every group."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 from torch import Tensor
@@ -44,7 +45,7 @@ class ModelStages:
         device: torch.device,
         mesh: ParallelMesh | None = None,
         zero_stage: int = 1,
-        layers_per_stage: int = 1,
+        layers_per_stage: int | Fraction = 1,
         gather_in_forward: bool = True,
         offload_optimizer: bool = False,
     ) -> None:

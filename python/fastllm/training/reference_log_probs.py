@@ -191,7 +191,8 @@ def _compute(
             for micro in engine.batches.prepare(next(steps)):
                 input_ids, labels, documents = micro.pieces[0]
                 assert micro.pairs is not None and micro.pairs.ids is not None
-                teacher = reference.teacher(input_ids, labels, documents, micro.pairs, hidden=False)
+                states = reference.run(None, input_ids, input_ids, documents, micro.pairs)
+                teacher = reference.teacher(states, labels, micro.pairs, hidden=False)
                 reference.release()
                 assert teacher.log_probs is not None
                 table[micro.pairs.ids.to(device)] = teacher.log_probs.view(-1, 2)

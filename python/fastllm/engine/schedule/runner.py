@@ -18,7 +18,12 @@ its backward pass is done. A piece's attention reads the earlier pieces' keys an
 the micro-batch's `StagedKeyValueMemory`, and a stage's backward pass of a piece also starts
 from the gradients the later pieces gave its keys and values.
 Transfers run in the program's order: blocking receives, sends started asynchronously (one
-at a time in that order, never batched: Gloo-safe) and waited for at the end of the step."""
+at a time in that order, never batched: Gloo-safe) and waited for at the end of the step.
+
+Reference models (`engine.reference`) run in the same steps: each forward step runs their
+same stage first, without autograd, and a forward transfer carries their outputs after the
+trained model's activation, to the same peer (so they add no op to the program); the last
+stage hands their final hidden states to the losses."""
 
 from __future__ import annotations
 
@@ -176,6 +181,10 @@ class StepRunner:
         memories: dict[int, Memory | None] = {}
         contexts: dict[tuple[int, int], Context] = {}
         produced: dict[Step, Tensor] = {}
+        carried: dict[Step, list[Tensor]] = {}
+        """The reference models' outputs of a forward step, handed on with `produced`'s."""
+        computes = program.computes()
+        position = -1
         saved: dict[Step, _Saved] = {}
         pending: list[_Saved] = []
         """`whole`: the pieces' forward passes whose backward pass runs at the first piece's."""
@@ -193,16 +202,16 @@ class StepRunner:
                 stages.release_weights(op.stage)
             elif op.kind == "recv":
                 assert op.step is not None
-                buffer = torch.empty(
-                    self.activation_shape, dtype=stages.compute_dtype, device=stages.device
-                )
-                produced[op.step] = point_to_point.recv(buffer, self._global(op.peer))
+                self._receive(op.step, self._global(op.peer), produced, carried)
             elif op.kind == "send":
                 assert op.step is not None
-                sends.append(point_to_point.isend(produced.pop(op.step), self._global(op.peer)))
+                peer = self._global(op.peer)
+                tensors = [produced.pop(op.step), *carried.pop(op.step, [])]
+                sends += [point_to_point.isend(tensor, peer) for tensor in tensors]
             else:
                 step = op.step
                 assert step is not None
+                position += 1
                 m, p = step.micro_batch, step.piece
                 for stage in self._needs(step.stage):
                     stages.wait_for_weights(stage)
@@ -213,9 +222,12 @@ class StepRunner:
                 if step.forward:
                     if (m, p) not in contexts:
                         contexts[(m, p)] = self._context(micro_batches[m], p, memory)
+                    following = computes[position + 1 : position + 2]
+                    # The reference models' weights stay gathered for the stage's next forward.
+                    keep = [s.stage for s in following if s.forward] == [step.stage]
                     saved[step], value = self._forward(
-                        step, pieces[p], contexts[(m, p)], produced, last, weights[p],
-                        loss_scale, named, micro_batches[m].pairs,
+                        step, pieces[p], contexts[(m, p)], produced, carried, last, weights[p],
+                        loss_scale, named, micro_batches[m].pairs, keep,
                     )  # fmt: skip
                     loss += value
                 else:
@@ -239,35 +251,73 @@ class StepRunner:
         self.named_losses = named
         return loss
 
+    def _receive(
+        self,
+        step: Step,
+        peer: int,
+        produced: dict[Step, Tensor],
+        carried: dict[Step, list[Tensor]],
+    ) -> None:
+        """What `step`'s stage hands on, from global rank `peer`: a forward step's output
+        activation and its reference models' (each of its own width), or a backward step's
+        input gradient."""
+        stages = self.stages
+        widths = [self.activation_shape[-1]]
+        if step.forward:
+            widths += [r.model.config.transformer.hidden_size for r in self.references.values()]
+        received = [
+            point_to_point.recv(
+                torch.empty(
+                    (*self.activation_shape[:-1], width),
+                    dtype=stages.compute_dtype,
+                    device=stages.device,
+                ),
+                peer,
+            )
+            for width in widths
+        ]
+        produced[step] = received[0]
+        if len(received) > 1:
+            carried[step] = received[1:]
+
     def _forward(
         self,
         step: Step,
         piece: Piece,
         context: Context,
         produced: dict[Step, Tensor],
+        carried: dict[Step, list[Tensor]],
         last: int,
         weight: float,
         loss_scale: float,
         named: dict[str, Tensor],
         pairs: Pairs | None = None,
+        keep_references: bool = False,
     ) -> tuple[_Saved, Tensor]:
-        """The stage's forward pass: what it saves, and its weighted loss contribution (the
-        last stage adds each of its losses, and their metrics, weighted, to `named`). `weight`:
-        the piece's share of the trained tokens; `pairs`: its preference pairs."""
+        """The stage's forward pass, the reference models' same stage first: what it saves,
+        and its weighted loss contribution (the last stage adds each of its losses, and their
+        metrics, weighted, to `named`). `weight`: the piece's share of the trained tokens;
+        `pairs`: its preference pairs; `keep_references`: the reference models' weights stay
+        gathered (ZeRO-3) for the stage's next forward pass."""
         input_ids, labels, documents = piece
         first_position, last_position = self._positions(step.stage)
+        need = dependency(step, self.shape.num_stages)
+        # The reference models first: only their outputs are kept.
+        inputs = [input_ids] * len(self.references) if need is None else carried.pop(need, [])
+        outputs = {
+            name: reference.run(None if self.whole else step.stage, x, input_ids, documents, pairs)
+            for (name, reference), x in zip(self.references.items(), inputs, strict=True)
+        }
         leaf = None
-        if step.stage == 0:
+        if need is None:
             x = input_ids
         else:
-            need = dependency(step, self.shape.num_stages)
-            assert need is not None
             leaf = produced.pop(need).detach().requires_grad_(True)
             x = leaf
-        if step.stage == last:  # the reference models first: only their outputs are kept
+        if step.stage == last:
             teachers = {
                 name: reference.teacher(
-                    input_ids, labels, documents, pairs, hidden=name in self._distilled
+                    outputs[name], labels, pairs, hidden=name in self._distilled
                 )
                 for name, reference in self.references.items()
             }
@@ -295,16 +345,21 @@ class StepRunner:
             }  # fmt: skip
             weights = {name: loss.weight * shares[name] for name, loss in self.losses.items()}
             out, values, metrics = head_losses(self.model, out, targets, self.losses, weights)
-            for reference in self.references.values():
-                reference.release()
             for name, v in values.items():
                 named[name] = named.get(name, 0.0) + shares[name] * v.float()
             for name, v in metrics.items():  # DPO's, averaged over the pairs
                 named[name] = named.get(name, 0.0) + pairs.share * v.detach().float()
             value = value + out.detach().float()
-            return _Saved(leaf, out * loss_scale, auxiliary), value
-        produced[step] = out.detach()
-        return _Saved(leaf, out, auxiliary), value
+            saved = _Saved(leaf, out * loss_scale, auxiliary)
+        else:
+            produced[step] = out.detach()
+            if outputs:
+                carried[step] = list(outputs.values())
+            saved = _Saved(leaf, out, auxiliary)
+        if not keep_references:  # at the last stage, once the losses have read their heads
+            for reference in self.references.values():
+                reference.release()
+        return saved, value
 
     def _backward_whole(self, forwards: list[_Saved], reduce: bool, final: bool) -> None:
         """One micro-batch's backward pass through the whole model, from its pieces' weighted
@@ -372,6 +427,7 @@ class StepRunner:
             for p, piece in enumerate(pieces):
                 context = self._context(micro_batch, p, memory)
                 produced: dict[Step, Tensor] = {}
+                carried: dict[Step, list[Tensor]] = {}
                 for stage in range(shape.num_stages):
                     rank, step = shape.rank_of(stage), Step(stage, m, True, p)
                     previous = shape.rank_of(stage - 1) if stage else rank
@@ -379,20 +435,16 @@ class StepRunner:
                     if stage and previous != rank:
                         need = Step(stage - 1, m, True, p)
                         if previous == self.pipeline.rank:
-                            point_to_point.send(produced.pop(need), self._global(rank))
+                            for tensor in [produced.pop(need), *carried.pop(need, [])]:
+                                point_to_point.send(tensor, self._global(rank))
                         elif mine:
-                            buffer = torch.empty(
-                                self.activation_shape,
-                                dtype=stages.compute_dtype,
-                                device=stages.device,
-                            )
-                            produced[need] = point_to_point.recv(buffer, self._global(previous))
+                            self._receive(need, self._global(previous), produced, carried)
                     if not mine:
                         continue
                     for needed in self._needs(stage):
                         stages.wait_for_weights(needed)
                     _, value = self._forward(
-                        step, piece, context, produced, last, weights[p], 1.0, named,
+                        step, piece, context, produced, carried, last, weights[p], 1.0, named,
                         micro_batch.pairs,
                     )  # fmt: skip
                     loss += value
