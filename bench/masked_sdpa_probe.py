@@ -27,17 +27,18 @@ BACKENDS = {
 }
 
 
-def shapes(case: str, count: int) -> list[tuple[int, int, int]]:
-    """(batch, queries, keys) of `count` calls."""
+def shapes(case: str, count: int, first: int) -> list[tuple[int, int, int]]:
+    """(batch, queries, keys) of `count` calls, lengths from `first` on (each run its own:
+    a backend's plans or kernels for a shape would serve the runs after it)."""
     if case == "mc":
-        return [(64, 200 + i, 200 + i) for i in range(count)]
-    return [(200, 1, 264 + i) for i in range(count)]
+        return [(64, 200 + first + i, 200 + first + i) for i in range(count)]
+    return [(200, 1, 264 + first + i) for i in range(count)]
 
 
-def run(case: str, backend: str, gqa: bool, count: int) -> dict[str, float | str]:
+def run(case: str, backend: str, gqa: bool, count: int, first: int) -> dict[str, float | str]:
     heads, kv_heads, dim = 32, 8 if gqa else 32, 64
     times, warm = [], []
-    for batch, queries, keys in shapes(case, count):
+    for batch, queries, keys in shapes(case, count, first):
         q = torch.randn(batch, heads, queries, dim, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(batch, kv_heads, keys, dim, device="cuda", dtype=torch.bfloat16)
         v = torch.randn_like(k)
@@ -70,7 +71,7 @@ def main() -> None:
         for gqa in (True, False):
             for backend in BACKENDS:
                 key = f"{case} {'gqa' if gqa else 'expanded'} {backend}"
-                results[key] = run(case, backend, gqa, args.count)
+                results[key] = run(case, backend, gqa, args.count, len(results) * args.count)
                 print(key, results[key], flush=True)
     write_json(args.out, {"torch": torch.__version__, "results": results})
 
