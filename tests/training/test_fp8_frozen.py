@@ -70,7 +70,7 @@ def test_frozen_fp8_weights_compute_in_fp8_quantized_once_with_no_weight_gradien
         if metas[name].recipe is not None and metas[name].recipe.fp8 is not None
     }
     fixed = {name for name in in_fp8 if metas[name].frozen}
-    assert fixed and (fixed == set(in_fp8)) == (frozen == "lora")
+    assert fixed and (fixed == set(in_fp8)) == (frozen == "lora"), "LoRA freezes every one"
     before = {name: in_fp8[name].detach().clone() for name in fixed}
     quantized: Counter[int] = Counter()
     gradients: Counter[int] = Counter()
@@ -111,9 +111,8 @@ def test_a_delayed_scaling_run_with_frozen_weights_resumes_bit_for_bit(
     resumed = trainer(dataset, tmp_path / "second", *options)
     resumed.load_checkpoint(checkpoint)
     history = resumed.engine.fp8_histories.history[:, WEIGHT]
-    assert torch.all(history > 0) and torch.equal(
-        history, first.engine.fp8_histories.history[:, WEIGHT]
-    )
+    assert torch.all(history > 0), "every step's entry holds the frozen weights' amax too"
+    assert torch.equal(history, first.engine.fp8_histories.history[:, WEIGHT])
     assert _losses(resumed, 2) == straight[2:]
 
 
