@@ -23,14 +23,18 @@ from tests.training.test_fp8_training import BF16, RECIPES
 from tests.training.test_frozen import FOUR_STEPS
 from tests.training.test_frozen import FROZEN as FROZEN_PREFIX
 from tests.training.test_train_cli import losses
-from tests.training.test_training_options import trainer
+from tests.training.test_training_options import MOE, trainer
 
 FROZEN = {
-    # Block 0 frozen, block 1 trained: the gated MLP's fused FP8 op with and without weights
-    # to differentiate.
+    # Block 0 frozen, block 1 trained.
     "freeze": ("model.freeze.blocks=[0,1]",),
     # Every projection's weight frozen; the adapters add their update in bf16.
     "lora": ("model.base_model.peft={type: lora, rank: 4, layers: [query, value, dense, mlp_2]}",),
+    # A mixture's experts stay bf16 with their adapters; the attention is in FP8.
+    "lora-experts": (
+        *MOE,
+        "model.base_model.peft={type: lora, rank: 4, layers: [query, dense, experts_1, experts_2]}",
+    ),
 }
 ONE_FORWARD = ("batch.micro_batch_size=4",)
 """One forward pass a step: trained weights' FP8 copies are dropped after their product."""
@@ -55,8 +59,13 @@ def _spy(monkeypatch: pytest.MonkeyPatch, module: Any, name: str, counts: Counte
     monkeypatch.setattr(module, name, spied)
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
-@pytest.mark.parametrize("frozen", FROZEN)
+@pytest.mark.parametrize(
+    ("frozen", "recipe"),
+    [
+        *((frozen, recipe) for frozen in ("freeze", "lora") for recipe in RECIPES),
+        ("lora-experts", "rowwise"),
+    ],
+)
 def test_frozen_fp8_weights_compute_in_fp8_quantized_once_with_no_weight_gradient(
     dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, frozen: str, recipe: str
 ) -> None:
@@ -70,7 +79,7 @@ def test_frozen_fp8_weights_compute_in_fp8_quantized_once_with_no_weight_gradien
         if metas[name].recipe is not None and metas[name].recipe.fp8 is not None
     }
     fixed = {name for name in in_fp8 if metas[name].frozen}
-    assert fixed and (fixed == set(in_fp8)) == (frozen == "lora"), "LoRA freezes every one"
+    assert fixed and (fixed == set(in_fp8)) == frozen.startswith("lora"), "LoRA freezes all"
     before = {name: in_fp8[name].detach().clone() for name in fixed}
     quantized: Counter[int] = Counter()
     gradients: Counter[int] = Counter()
@@ -88,12 +97,12 @@ def test_frozen_fp8_weights_compute_in_fp8_quantized_once_with_no_weight_gradien
             assert quantized[pointer] == 1 and not gradients[pointer], name
         else:  # requantized after each optimizer step
             assert quantized[pointer] == 3 and gradients[pointer] == 3, name
-    if frozen == "lora":
-        adapters = [p for n, p in run.engine.model.named_parameters() if "_lora." in n]
-        assert adapters and any(p.detach().abs().sum() for p in adapters), "the adapters train"
+    if frozen.startswith("lora"):
+        b = [p for n, p in run.engine.model.named_parameters() if n.endswith("_lora.b")]
+        assert b and all(p.detach().any() for p in b), "the adapters train (B starts at zero)"
 
 
-@pytest.mark.parametrize("frozen", FROZEN)
+@pytest.mark.parametrize("frozen", ["freeze", "lora"])
 def test_a_delayed_scaling_run_with_frozen_weights_resumes_bit_for_bit(
     dataset: Path, tmp_path: Path, frozen: str
 ) -> None:
@@ -126,7 +135,7 @@ import itertools
 from pathlib import Path
 import torch.distributed as dist
 from fastllm.engine.fp8_gather import Fp8Gather
-from tests.training.test_training_options import trainer
+from tests.training.test_training_options import MOE, trainer
 
 quantized = []
 original = Fp8Gather.quantize
