@@ -165,14 +165,9 @@ ROW_SETTINGS = {
         ("schedule.micro_batch_splits=2", "model.distributed.sequence_data_parallel=2"),
     ("schedule.micro_batch_splits", "model.multi_stage.recompute"):
         ("schedule.micro_batch_splits=2", "model.multi_stage.recompute=full"),
-    ("model.freeze", "model.distributed.fp8_linear"):
-        ("model.freeze.blocks=[0,1]", "model.distributed.training_dtype=bfloat16",
-         "model.distributed.fp8_linear=tensorwise"),
     ("model.freeze", "training.compile"): ("model.freeze.blocks=[0,1]", "training.compile=true"),
     ("model.freeze", "training.export"):
         ("model.freeze.blocks=[0,1]", "training.export.format=distributed"),
-    ("model.base_model.peft", "model.distributed.fp8_linear"):
-        (LORA, "model.distributed.training_dtype=bfloat16", "model.distributed.fp8_linear=tensorwise"),
     ("model.base_model.peft", "training.compile"): (LORA, "training.compile=true"),
     ("model.base_model.peft", "training.export"): (LORA, "training.export.format=distributed"),
     ("model.base_model.head.losses", "model.distributed.pipeline_parallel"):

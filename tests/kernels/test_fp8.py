@@ -102,6 +102,24 @@ def test_fp8_linear_stays_within_the_recipe_bound_of_fp32(recipe) -> None:
     assert _relative(weight.grad, w32.grad) < gradient_bound
 
 
+@pytest.mark.parametrize("recipe", (*RECIPES, "delayed"))
+def test_an_fp8_linear_of_a_frozen_weight_keeps_no_input_and_computes_no_weight_gradient(
+    recipe,
+) -> None:
+    weight, weight_recipe = _fp8_weight(48, 64, recipe)
+    x = torch.randn(2, 16, 64).to(torch.bfloat16).requires_grad_()
+    grad = torch.randn(2, 16, 48).to(torch.bfloat16)
+    trained = fp8_linear(x, weight, None, weight_recipe)
+    trained.backward(grad)
+    x_grad, x.grad = x.grad, None
+    weight.requires_grad_(False)
+    weight_recipe.gradient_sink = lambda product: pytest.fail("a frozen weight's gradient")
+    frozen = fp8_linear(x, weight, None, weight_recipe)
+    assert frozen.grad_fn.saved_tensors[0] is None, "the input is not kept"
+    frozen.backward(grad)
+    assert torch.equal(frozen, trained) and torch.equal(x.grad, x_grad)
+
+
 def test_rowwise_scaling_keeps_rows_that_one_tensor_scale_flushes() -> None:
     x = torch.randn(32, 64) * torch.logspace(-6, 0, 32)[:, None]
     x = x.to(torch.bfloat16)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from fastllm_kernels.activation import gated_backward
+from fastllm_kernels.fp8 import gated_mlp
 from fastllm_kernels.fp8.amax_history import AmaxHistories
 from fastllm_kernels.fp8.gated_mlp import fp8_gated_mlp, fused_mlp_applies, gated_backward_quantized
 from fastllm_kernels.fp8.producers import gated_columns
@@ -126,6 +127,33 @@ def test_the_fused_fp8_mlp_computes_the_unfused_pair(poisoned_empty) -> None:
     for a, b in zip(fused[1:3], unfused[1:3], strict=True):
         assert not a.isnan().any()
         assert _relative(a, b) < 0.15
+
+
+@triton_on_cpu
+def test_the_fused_fp8_mlp_of_frozen_weights_makes_no_weight_gradient_operands(
+    poisoned_empty, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Frozen up and down weights (`model.freeze`): the output and the input gradient of
+    trained ones, and neither the weights' gradient products nor their operands (the columns
+    of the gradient of [gate | up] and of the activation)."""
+    x, norm_weight, up, down, _ = _mlp("cpu")
+    trained = _run(_fused, x, norm_weight, up, down)
+    products, operands = [], []
+    monkeypatch.setattr(gated_mlp, "weight_gradient", lambda *args: products.append(args))
+    original = gated_mlp.gated_backward_quantized
+
+    def spied(*args, **kwargs):
+        operands.append(original(*args, **kwargs))
+        return operands[-1]
+
+    monkeypatch.setattr(gated_mlp, "gated_backward_quantized", spied)
+    for weight, _ in (up, down):
+        weight.requires_grad_(False)
+    frozen = _run(_fused, x, norm_weight, up, down)
+    assert torch.equal(frozen[0], trained[0]) and torch.equal(frozen[1], trained[1])
+    assert frozen[2] is None and frozen[3] is None and not products
+    ((_, gradient_columns, activated_columns),) = operands
+    assert gradient_columns is None and activated_columns is None
 
 
 @pytest.mark.gpu

@@ -10,7 +10,8 @@ weight-gradient operand. The unfused pair (`norm_linear`, then `gated_linear`) w
 gradient in bf16 and reads it back to quantize it, and reads gate | up once more to recompute
 the activation: per llama-3b layer, 268 MB written and 536 MB read that this pass does not.
 The values are the unfused pair's: the gradient is rounded to the compute dtype before it is
-scaled, as the unfused path stores it.
+scaled, as the unfused path stores it. A frozen projection (no weight gradient asked for) has
+its weight-gradient operand neither written nor used.
 
 The forward pass is the unfused pair's (the norm and the activation quantize their outputs).
 Chosen by `gated_mlp` (fastllm_kernels' gated_mlp.py) when both projections compute in FP8
@@ -108,11 +109,12 @@ class _Fp8GatedMlpFunction(torch.autograd.Function):
         dh_rows, dh_columns, activated_columns = gated_backward_quantized(
             h, d_activated, ctx.activation, fp8_down.scale(INPUT, record=False),
             fp8_up.scale(GRADIENT), fp8_up.recipe.gradient_dtype,
+            gradient_columns=need_up, activated_columns=need_down,
         )  # fmt: skip
         del d_activated
         d_down = None
         if need_down:
-            assert dy_q.columns is not None
+            assert dy_q.columns is not None and activated_columns is not None
             d_down = weight_gradient(
                 down, dy_q.columns, activated_columns, down_recipe.gradient_sink
             )
@@ -121,6 +123,7 @@ class _Fp8GatedMlpFunction(torch.autograd.Function):
         del dh_rows
         d_up = None
         if need_up:
+            assert dh_columns is not None
             history = fp8_up.scale(INPUT, record=False).history
             normed = norm_columns(rows, norm_weight, norm_bias, mean, rstd, ctx.rms, history)
             d_up = weight_gradient(up, dh_columns, normed, up_recipe.gradient_sink)
@@ -147,11 +150,14 @@ def gated_backward_quantized(
     activated_scale: DelayedScale,
     gradient_scale: DelayedScale,
     gradient_dtype: torch.dtype,
-) -> tuple[Fp8Tensor, Fp8Tensor, Fp8Tensor]:
+    gradient_columns: bool = True,
+    activated_columns: bool = True,
+) -> tuple[Fp8Tensor, Fp8Tensor | None, Fp8Tensor | None]:
     """From [gate | up] rows h (n, 2d) and the gradient of act(gate) * up (n, d): the gradient
     of h in `gradient_dtype` as rows (n, 2d) and columns (2d, n), scaled from `gradient_scale`'s
     history, its amax recorded there; and act(gate) * up as e4m3 columns (d, n), scaled from
-    `activated_scale`'s history (as the forward pass scaled it)."""
+    `activated_scale`'s history (as the forward pass scaled it). The columns, the weight
+    gradients' operands, are made only when asked for (None otherwise: a frozen weight)."""
     if activated_scale.history is None or gradient_scale.history is None:
         raise ValueError("gated_backward_quantized scales from primed amax histories")
     n_rows, d = d_activated.shape
@@ -159,8 +165,9 @@ def gated_backward_quantized(
         raise ValueError(f"bad shapes for the gated backward: {h.shape}, {d_activated.shape}")
     device = h.device
     dh = torch.empty((n_rows, 2 * d), dtype=gradient_dtype, device=device)
-    dh_t = torch.empty((2 * d, n_rows), dtype=gradient_dtype, device=device)
-    activated_t = torch.empty((d, n_rows), dtype=E4M3, device=device)
+    dh_t_shape = (2 * d, n_rows) if gradient_columns else (0,)
+    dh_t = torch.empty(dh_t_shape, dtype=gradient_dtype, device=device)
+    activated_t = torch.empty((d, n_rows) if activated_columns else (0,), dtype=E4M3, device=device)
     dh_scale = torch.empty((), dtype=torch.float32, device=device)
     activated_scale_out = torch.empty((), dtype=torch.float32, device=device)
     record = gradient_scale.record
@@ -171,6 +178,7 @@ def gated_backward_quantized(
         record if record is not None else dh_scale,
         activated_t, activated_scale_out, activated_scale.history, activated_scale.history.numel(),
         ACTIVATION=activation, RECORD=record is not None,
+        GRADIENT_COLUMNS=gradient_columns, ACTIVATED_COLUMNS=activated_columns,
         GRADIENT_AMAX_BLOCK=triton.next_power_of_2(gradient_scale.history.numel()),
         ACTIVATED_AMAX_BLOCK=triton.next_power_of_2(activated_scale.history.numel()),
         GRADIENT_MAX=FP8_MAX[gradient_dtype], ACTIVATED_MAX=FP8_MAX[E4M3],
@@ -178,8 +186,8 @@ def gated_backward_quantized(
     )  # fmt: skip
     return (
         Fp8Tensor(dh, dh_scale),
-        Fp8Tensor(dh_t, dh_scale),
-        Fp8Tensor(activated_t, activated_scale_out),
+        Fp8Tensor(dh_t, dh_scale) if gradient_columns else None,
+        Fp8Tensor(activated_t, activated_scale_out) if activated_columns else None,
     )
 
 
@@ -189,6 +197,7 @@ def _gated_backward_quantize_kernel(
     dh_ptr, dh_t_ptr, dh_scale_ptr, dh_history_ptr, n_dh_history, record_ptr,
     a_t_ptr, a_scale_ptr, a_history_ptr, n_a_history,
     ACTIVATION: tl.constexpr, RECORD: tl.constexpr,
+    GRADIENT_COLUMNS: tl.constexpr, ACTIVATED_COLUMNS: tl.constexpr,
     GRADIENT_AMAX_BLOCK: tl.constexpr, ACTIVATED_AMAX_BLOCK: tl.constexpr,
     GRADIENT_MAX: tl.constexpr, ACTIVATED_MAX: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
 ):  # fmt: skip
@@ -207,7 +216,6 @@ def _gated_backward_quantize_kernel(
     compute = h_ptr.dtype.element_ty
     d_gate = (da * u * derivative).to(compute).to(tl.float32)
     d_up = (da * a).to(compute).to(tl.float32)
-    activated = tl.where(mask, a * u, 0.0)
 
     multiplier = tensor_multiplier(dh_history_ptr, n_dh_history, GRADIENT_AMAX_BLOCK, GRADIENT_MAX)
     if RECORD:
@@ -221,16 +229,20 @@ def _gated_backward_quantize_kernel(
     dh_offsets = rows[:, None].to(tl.int64) * (2 * d) + cols[None, :]
     tl.store(dh_ptr + dh_offsets, q_gate, mask=mask)
     tl.store(dh_ptr + dh_offsets + d, q_up, mask=mask)
-    store_transposed(dh_t_ptr, q_gate, rows, cols, n_rows, row_mask, col_mask)
-    store_transposed(dh_t_ptr, q_up, rows, cols + d, n_rows, row_mask, col_mask)
-
-    a_multiplier = tensor_multiplier(a_history_ptr, n_a_history, ACTIVATED_AMAX_BLOCK,
-                                     ACTIVATED_MAX)  # fmt: skip
-    a_bound = ACTIVATED_MAX / a_multiplier
-    q_a = (tl.minimum(tl.maximum(activated, -a_bound), a_bound) * a_multiplier).to(
-        a_t_ptr.dtype.element_ty
-    )
-    store_transposed(a_t_ptr, q_a, rows, cols, n_rows, row_mask, col_mask)
+    if GRADIENT_COLUMNS:
+        store_transposed(dh_t_ptr, q_gate, rows, cols, n_rows, row_mask, col_mask)
+        store_transposed(dh_t_ptr, q_up, rows, cols + d, n_rows, row_mask, col_mask)
     if pid_m == 0 and pid_k == 0:
         tl.store(dh_scale_ptr, tl.math.div_rn(1.0, multiplier))
-        tl.store(a_scale_ptr, tl.math.div_rn(1.0, a_multiplier))
+
+    if ACTIVATED_COLUMNS:
+        activated = tl.where(mask, a * u, 0.0)
+        a_multiplier = tensor_multiplier(a_history_ptr, n_a_history, ACTIVATED_AMAX_BLOCK,
+                                         ACTIVATED_MAX)  # fmt: skip
+        a_bound = ACTIVATED_MAX / a_multiplier
+        q_a = (tl.minimum(tl.maximum(activated, -a_bound), a_bound) * a_multiplier).to(
+            a_t_ptr.dtype.element_ty
+        )
+        store_transposed(a_t_ptr, q_a, rows, cols, n_rows, row_mask, col_mask)
+        if pid_m == 0 and pid_k == 0:
+            tl.store(a_scale_ptr, tl.math.div_rn(1.0, a_multiplier))

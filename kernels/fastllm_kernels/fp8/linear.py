@@ -155,21 +155,21 @@ class _Fp8LinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, recipe):
         rows = as_rows(x)
         out, amax = forward_product(rows, weight, bias, recipe.fp8)
-        ctx.save_for_backward(rows, weight, amax)
+        # The input is only the weight gradient's operand: none kept for a frozen weight.
+        ctx.save_for_backward(rows if ctx.needs_input_grad[1] else None, weight, amax)
         ctx.recipe, ctx.bias_dtype = recipe, None if bias is None else bias.dtype
         return out.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad):
         rows, weight, amax = ctx.saved_tensors
-        need_x, need_weight, need_bias, _ = ctx.needs_input_grad
+        need_x, _, need_bias, _ = ctx.needs_input_grad
         grad_rows = as_rows(grad)
         recipe = ctx.recipe
         dx, d_weight = backward_products(
-            grad_rows, rows if need_weight else None, amax, weight, recipe.fp8,
-            recipe.gradient_sink, need_x,
-        )  # fmt: skip
+            grad_rows, rows, amax, weight, recipe.fp8, recipe.gradient_sink, need_x
+        )
         d_bias = bias_gradient(grad_rows, ctx.bias_dtype) if need_bias else None
         if dx is not None:
-            dx = dx.view(*grad.shape[:-1], rows.shape[1])
+            dx = dx.view(*grad.shape[:-1], weight.shape[1])
         return dx, d_weight, d_bias, None

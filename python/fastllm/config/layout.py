@@ -215,7 +215,6 @@ COMPATIBILITY: tuple[Incompatibility, ...] = (
         row
         for frozen in (_FROZEN, _LORA_FROZEN)
         for row in (
-            Incompatibility(frozen, _FP8, _NOT_YET_FROZEN),
             Incompatibility(frozen, _COMPILE, _NOT_YET_FROZEN),
             Incompatibility(
                 frozen,

@@ -6,9 +6,12 @@ projections' and the dense MLPs' weights, found through their parameters' metada
 embedding and the head stay bf16 (their precision matters most and the fused loss computes the
 head), as do mixture-of-experts layers (their experts are not linear modules). The weights'
 FP8 copies are refreshed once their version changes: the optimizer bumps it after writing the
-compute weights (`AdamW.step`). With delayed scaling the layers share one `AmaxHistories` (of
-their inputs, output gradients and weights), which the trainer rolls after each optimizer step
-and checkpoints."""
+compute weights (`AdamW.step`). A frozen weight (`model.freeze`, LoRA's base) computes in FP8
+too, with no weight gradient (autograd asks for none, and it has no gradient sink); its copy
+is kept for the run, quantized at its first use only (under ZeRO-3, its group's FP8 image is
+made once: engine/fp8_gather.py). With delayed scaling the layers share one `AmaxHistories`
+(of their inputs, output gradients and weights), which the trainer rolls after each optimizer
+step and checkpoints; a frozen weight's history holds its one amax (`AmaxHistories.roll`)."""
 
 from __future__ import annotations
 
@@ -42,7 +45,8 @@ def apply_fp8(
     FP8 rounding; a GPU must have FP8 tensor cores. `keep_copies`: keep each weight's FP8 copy
     for the step (a step of several forward passes per weight: micro-batches, splits, full
     recomputation); with one, the copy lives only for its product, and FP8 takes no more
-    memory than bf16.
+    memory than bf16. A frozen weight always keeps its copy, a byte per parameter: its version
+    never changes, so it is never quantized again.
 
     The attention projections are narrower than the MLP's (llama-1b's q/k/v: 2048 → 3072) and
     gain less, but they gain: keeping them bf16 measured 2.3% slower on llama-1b and 2.7% on
@@ -70,7 +74,7 @@ def apply_fp8(
     histories = AmaxHistories(len(layers), history_length, device) if delayed else None
     for index, layer in enumerate(layers):
         entry = None if histories is None else (histories, index)
-        weight_recipe = meta_of(layer, "weight").recipe
-        assert weight_recipe is not None, "a projection's weight has a recipe"
-        weight_recipe.fp8 = Fp8Weight(recipe, keep_copies, entry)
+        meta = meta_of(layer, "weight")
+        assert meta.recipe is not None, "a projection's weight has a recipe"
+        meta.recipe.fp8 = Fp8Weight(recipe, keep_copies or meta.frozen, entry)
     return histories

@@ -12,7 +12,8 @@ as its FP8 image (every rank's shard image, a byte per element) and its other pa
 bf16 copy is not gathered (the stage's bf16 buffer is still allocated, for the other
 parameters' views: the saving is in bytes moved, not in memory). Rowwise also gathers a
 column-scaled image, the input gradient's operand. A stage without FP8 weights, or one needed
-whole in bf16 (exports), is gathered in bf16 as before."""
+whole in bf16 (exports), is gathered in bf16 as before. A frozen group's weights never change
+once loaded: its images are made at its first gather and after a restore only."""
 
 from __future__ import annotations
 
@@ -108,7 +109,7 @@ class Fp8Gather:
                 runs.append((start + s0, s1 - s0, cursor))
                 cursor += s1 - s0
             packed.append(runs)
-        size = buffers.shards[stage].weight.numel()
+        size = buffers.weight_shards[stage].numel()
         rowwise = not next(iter(weights.values())).fp8.recipe.tensorwise
         device = buffers.device
 
@@ -131,7 +132,7 @@ class Fp8Gather:
         buffers = self.buffers
         amax = torch.zeros(self.amax_size, dtype=torch.float32, device=buffers.device)
         for stage, plan in self.stages.items():
-            shard = buffers.shards[stage].weight
+            shard = buffers.weight_shards[stage]
             for index, p0, p1, s0, s1 in plan.pieces:
                 weight = plan.weights[index]
                 values = shard[s0:s1].float().abs()
@@ -149,7 +150,7 @@ class Fp8Gather:
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=buffers.data.group)
         for stage, plan in self.stages.items():
             multipliers = {i: self._multipliers(w, amax) for i, w in plan.weights.items()}
-            shard = buffers.shards[stage].weight
+            shard = buffers.weight_shards[stage]
             for index, p0, p1, s0, s1 in plan.pieces:
                 weight, (row_m, column_m, saturate) = plan.weights[index], multipliers[index]
                 x = shard[s0:s1].float()
@@ -202,7 +203,7 @@ class Fp8Gather:
             )
         mine = torch.zeros(plan.packed_size, dtype=buffers.compute_dtype, device=device)
         shard_start, _ = buffers.layout.shard_range(stage, data.rank)
-        shard = buffers.shards[stage].weight
+        shard = buffers.weight_shards[stage]
         for start, length, cursor in plan.packed[data.rank]:
             offset = start - shard_start
             mine[cursor : cursor + length] = shard[offset : offset + length]
