@@ -142,7 +142,6 @@ ROW_SETTINGS = {
         (LM_EVAL, "model.base_model.transformer.num_experts=4",
          "model.base_model.transformer.add_linear_biases=only_attn_qkv",
          "model.distributed.expert_parallel=2"),
-    ("training.evaluators", "model.multi_stage.zero_stage"): (LM_EVAL, "model.multi_stage.zero_stage=3"),
     ("training.compile", "model.distributed.tensor_parallel"):
         ("training.compile=true", "model.distributed.tensor_parallel=2"),
     ("training.compile", "model.distributed.sequence_data_parallel"):

@@ -248,11 +248,6 @@ COMPATIBILITY: tuple[Incompatibility, ...] = (
             _above_one("model.distributed.pipeline_parallel"),
             _above_one("model.distributed.sequence_data_parallel"),
             _above_one("model.distributed.expert_parallel"),
-            Condition(
-                "model.multi_stage.zero_stage",
-                lambda stage: stage == 3,
-                "model.multi_stage.zero_stage=3",
-            ),
         )
     ),
     *(

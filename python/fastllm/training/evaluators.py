@@ -147,6 +147,7 @@ class LmEvalEvaluation(Evaluation):
                 max_gen_toks=config.max_gen_toks,
                 eos_token_ids=generation_eos(directory),
                 group=engine.mesh.data.group,
+                stages=engine.stages,
             )
             self._ready = lm, manager
         return self._ready
