@@ -73,7 +73,11 @@ def layouts(
         )
         for name in ZERO_3
     }
-    return {"two_data_ranks": Layout(2, LM_EVAL), **scripts}
+    trained = {
+        "two_data_ranks": Layout(2, LM_EVAL),
+        "two_data_ranks_zero_3": Layout(2, (*LM_EVAL, *ZERO_3["zero_3"])),
+    }
+    return {**trained, **scripts}
 
 
 def answers(dataset: Path, experiment: Path, *overrides: str) -> dict[str, Any] | None:
@@ -126,10 +130,11 @@ def test_the_evaluator_logs_at_its_steps_what_fastllm_evaluate_gives_on_the_chec
     assert logged[4] == {f"tiny_{name}": value for name, value in expected.items()}
 
 
+@pytest.mark.parametrize("layout", ["two_data_ranks", "two_data_ranks_zero_3"])
 def test_two_data_parallel_ranks_log_the_metrics_of_one(
-    launched: dict[str, Launched], one_process: Callable[..., Path]
+    launched: dict[str, Launched], one_process: Callable[..., Path], layout: str
 ) -> None:
-    two, one = evaluated(launched["two_data_ranks"].succeeded()), evaluated(one_process(*LM_EVAL))
+    two, one = evaluated(launched[layout].succeeded()), evaluated(one_process(*LM_EVAL))
     assert two.keys() == one.keys()
     for step, metrics in one.items():
         assert two[step].keys() == metrics.keys()
