@@ -1,8 +1,9 @@
 """The lm_eval evaluator inside training (`training.evaluators.NAME.evaluator.type=lm_eval`):
 the test tasks of tests/evaluation run on the model being trained at the evaluator's steps,
 logged as NAME_TASK_METRIC with the numbers `fastllm evaluate` gives on the run's checkpoint
-of the same step; two data-parallel ranks give the numbers of one, also with ZeRO-3 (each
-request's answer, through lm-eval with its samples logged); an evaluation leaves the model
+of the same step; two data-parallel ranks give the numbers of one, also with ZeRO-3, and so do
+two tensor ranks (each request's answer, through lm-eval with its samples logged; generation
+refused under tensor parallelism); an evaluation leaves the model
 training and the random generators as they were; bad tasks are refused before step 1."""
 
 from __future__ import annotations
@@ -46,20 +47,22 @@ METRICS = {
 bootstrap resamples, which the perplexities need)."""
 
 
-ZERO_3 = {
-    "zero_3": ("model.multi_stage.zero_stage=3",),
+ZERO_3 = ("model.multi_stage.zero_stage=3",)
+TENSOR_PARALLEL = ("model.distributed.tensor_parallel=2",)
+ANSWERED = {
+    "zero_3": ZERO_3,
     # Steps of breadth-first micro-batches: no forward hooks gather the stages.
     "zero_3_breadth_first": (
-        "model.multi_stage.zero_stage=3", "schedule.breadth_first_micro_batches=2",
-        "batch.batch_size=8",
+        *ZERO_3, "schedule.breadth_first_micro_batches=2", "batch.batch_size=8",
     ),
+    "tensor_parallel": TENSOR_PARALLEL,
 }  # fmt: skip
-"""Layouts whose answers are compared with one process's, by name."""
+"""Layouts on two ranks whose answers are compared with one process's, by name."""
 ANSWERS_SCRIPT = """
 from pathlib import Path
-from tests.training.test_lm_eval_evaluator import ZERO_3, answers
+from tests.training.test_lm_eval_evaluator import ANSWERED, answers
 
-answers(Path(DATASET), Path(EXPERIMENT), *ZERO_3[NAME])
+answers(Path(DATASET), Path(EXPERIMENT), *ANSWERED[NAME])
 """
 
 
@@ -71,11 +74,11 @@ def layouts(
         name: Script(
             2, source.replace("EXPERIMENT", repr(str(root / name))).replace("NAME", repr(name))
         )
-        for name in ZERO_3
+        for name in ANSWERED
     }
     trained = {
         "two_data_ranks": Layout(2, LM_EVAL),
-        "two_data_ranks_zero_3": Layout(2, (*LM_EVAL, *ZERO_3["zero_3"])),
+        "two_data_ranks_zero_3": Layout(2, (*LM_EVAL, *ZERO_3)),
     }
     return {**trained, **scripts}
 
@@ -83,11 +86,17 @@ def layouts(
 def answers(dataset: Path, experiment: Path, *overrides: str) -> dict[str, Any] | None:
     """The evaluator's metrics and each task's answers (`resps`) by document, through lm-eval
     with its samples logged, on the run's initial weights: on the first rank (also written to
-    experiment/answers.json), None on the others."""
+    experiment/answers.json), None on the others. Under tensor parallelism, which generates
+    nothing, the generation task is left out (and checked to be refused)."""
     trainer = trainer_of(train_arguments(dataset, experiment, *LM_EVAL, *overrides))
     lm, manager = trainer.evaluations["tiny"]._model_and_tasks()
+    tasks = TASKS
+    if lm.model.tensor.split:
+        with pytest.raises(ValueError, match="generation"):
+            lm.generate_until([])
+        tasks = [task for task in TASKS if task != "fastllm_generation"]
     results = simple_evaluate(
-        model=lm, tasks=TASKS, bootstrap_iters=0, log_samples=True, task_manager=manager
+        model=lm, tasks=tasks, bootstrap_iters=0, log_samples=True, task_manager=manager
     )
     if results is None:
         return None
@@ -99,7 +108,8 @@ def answers(dataset: Path, experiment: Path, *overrides: str) -> dict[str, Any] 
         },
     }
     found = json.loads(json.dumps(found))  # as the file has them: tuples as lists, keys strings
-    (experiment / "answers.json").write_text(json.dumps(found))
+    if trainer.engine.mesh.tensor.rank == 0:
+        (experiment / "answers.json").write_text(json.dumps(found))
     return found
 
 
@@ -149,18 +159,28 @@ def one_process_answers(dataset: Path, tmp_path_factory: pytest.TempPathFactory)
     return found
 
 
-@pytest.mark.parametrize("name", list(ZERO_3))
-def test_zero_3_on_two_data_ranks_answers_each_request_as_one_process(
+@pytest.mark.parametrize("name", list(ANSWERED))
+def test_two_ranks_answer_each_request_as_one_process(
     launched: dict[str, Launched], one_process_answers: dict[str, Any], name: str
 ) -> None:
-    """Each rank answers its share of the documents (its own number of forward passes, each
-    gathering the stages of the weights it runs), the same log-likelihoods to 1e-5."""
+    """ZeRO-3 on two data ranks, each answering its share of the documents (its own number
+    of forward passes, each gathering the stages of the weights it runs), and tensor
+    parallelism on two ranks (log-probabilities over the vocabulary slices of the head): the
+    same log-likelihoods to 1e-5."""
     got = json.loads((launched[name].succeeded() / "answers.json").read_text())
-    expected = one_process_answers
+    expected = {
+        "metrics": {
+            metric: value
+            for metric, value in one_process_answers["metrics"].items()
+            if metric.startswith(tuple(got["answers"]))
+        },
+        "answers": {task: one_process_answers["answers"][task] for task in got["answers"]},
+    }
+    generated = name != "tensor_parallel"
+    assert got["answers"].keys() == {t for t in TASKS if generated or t != "fastllm_generation"}
     assert got["metrics"].keys() == expected["metrics"].keys()
-    for name, value in expected["metrics"].items():
-        assert got["metrics"][name] == pytest.approx(value, rel=1e-5), name
-    assert got["answers"].keys() == expected["answers"].keys()
+    for metric, value in expected["metrics"].items():
+        assert got["metrics"][metric] == pytest.approx(value, rel=1e-5), metric
     for task, by_document in expected["answers"].items():
         assert got["answers"][task].keys() == by_document.keys(), task
         for document, answer in by_document.items():

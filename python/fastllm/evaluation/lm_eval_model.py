@@ -34,6 +34,7 @@ from fastllm.evaluation.scoring import token_log_probs
 from fastllm.evaluation.sharded_weights import Pass, ShardedPasses
 from fastllm.hf import FastLLMForCausalLM
 from fastllm.model import GPTModel
+from fastllm.parallel.dimension import Dimension
 from fastllm_kernels.attention import dense_masks
 
 if TYPE_CHECKING:
@@ -42,19 +43,28 @@ if TYPE_CHECKING:
 
     from fastllm.engine.model_stages import ModelStages
 
+SEQUENCE_TENSOR_PARALLEL = (
+    "lm-eval's rows have any length, which sequence-tensor parallelism would split evenly over "
+    "the tensor ranks"
+)
+GENERATION_TENSOR_PARALLEL = (
+    "lm-eval's generation (generate_until tasks) under tensor parallelism: it runs through the "
+    "transformers wrapper, whose forward pass forms whole logits, not a tensor rank's "
+    "vocabulary slice; leave those tasks out, or run them with fastllm evaluate on a checkpoint"
+)
 Scored = tuple[tuple[str, str] | None, list[int], list[int]]
 """lm-eval's tokenized loglikelihood request: (strings, context tokens, continuation tokens)."""
 
 
 class FastLLMLM(TemplateLM):
-    """lm-eval's `LM` on `model` (whole, on this process: not split over tensor or pipeline
-    ranks), tokenizing with `tokenizer` (the model directory's, as `AutoTokenizer` loads it).
+    """lm-eval's `LM` on `model` (whole on this process, or this rank's slice of a tensor-parallel
+    model without sequence-tensor parallelism; not split over pipeline ranks), tokenizing with `tokenizer` (the model directory's, as `AutoTokenizer` loads it).
 
     `max_length`: the context length (lm-eval's hf backend takes `max_position_embeddings`
     from config.json, else 2048); `batch_size`: rows per forward pass; `eos_token_ids`: the
     tokens that end a generation (the generation config's; default the tokenizer's
-    end-of-sequence). `group`: the data-parallel ranks that split the documents (default: all
-    ranks when torch.distributed is initialized). `stages`: the flat buffers that hold the model's
+    end-of-sequence). `data`: the data-parallel ranks that split the documents (default: all
+    ranks when torch.distributed is initialized; tensor ranks answer the same documents). `stages`: the flat buffers that hold the model's
     weights (a model being trained), whose ZeRO-3 shards the passes gather."""
 
     def __init__(
@@ -66,12 +76,12 @@ class FastLLMLM(TemplateLM):
         batch_size: int = 16,
         max_gen_toks: int = 256,
         eos_token_ids: Sequence[int] | None = None,
-        group: dist.ProcessGroup | None = None,
+        data: Dimension | None = None,
         stages: ModelStages | None = None,
     ) -> None:
         super().__init__()
-        if model.tensor.split:
-            raise ValueError("lm-eval runs on a whole model, not one tensor rank's slice of it")
+        if model.tensor.sequence_tensor_parallel:
+            raise ValueError(SEQUENCE_TENSOR_PARALLEL)
         self.model = model
         self.tokenizer = configure_pad_token(tokenizer)
         self._max_length, self._batch_size, self._max_gen_toks = (
@@ -80,14 +90,16 @@ class FastLLMLM(TemplateLM):
             max_gen_toks,
         )
         self._device = next(model.parameters()).device
-        self.group = group
-        if dist.is_initialized():
-            self._rank, self._world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.group: dist.ProcessGroup | None = None  # None: every rank
+        if data is not None:
+            self.group, self._rank, self._world_size = data.group, data.rank, data.size
+        elif dist.is_initialized():
+            self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
         eos = [self.eot_token_id] if eos_token_ids is None else list(eos_token_ids)
         self._eos_token_ids = eos
         self._generator: FastLLMForCausalLM | None = None
         self._sharded = (
-            ShardedPasses(model, stages, group)
+            ShardedPasses(model, stages, self.group)
             if stages is not None and stages.weights_sharded
             else None
         )
@@ -288,6 +300,7 @@ class FastLLMLM(TemplateLM):
             hidden[index[0], index[1]],
             self.model.head_weight,
             torch.tensor(target, device=self.device),
+            self.model.tensor,
         )
         return log_probs, greedy, lengths
 
@@ -386,6 +399,8 @@ class FastLLMLM(TemplateLM):
         """Each prompt's continuation, up to the first stop sequence (`until`, and the
         end-of-sequence token) or `max_gen_toks` tokens. Prompts of the same generation
         settings are generated together, longest first, `batch_size` at a time."""
+        if self.model.tensor.split:
+            raise ValueError(GENERATION_TENSOR_PARALLEL)
         eos = self.tok_decode(self.eot_token_id, skip_special_tokens=False)
         collator = Collator(
             [request.args for request in requests],
