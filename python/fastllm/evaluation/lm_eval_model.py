@@ -3,10 +3,13 @@ computes it (the same tokenization, truncation, rolling windows, stop sequences 
 decoding), so that a task's results agree with that backend's on the same weights.
 
 What differs is how: requests of one context (a question's answers) share one row, the context
-read once and each continuation a branch attending to it, rows are sorted by length and batched, only the scored positions go through the head (no batch of logits), and a
-batch of prompts is generated at once, left-padded, through the KV cache. Under torchrun each
+read once and each continuation a branch attending to it, rows are sorted by length and
+batched, only the scored positions go through the head (no batch of logits), and a batch of
+prompts is generated at once, left-padded, through the KV cache. Under torchrun each
 data-parallel rank scores the documents lm-eval gives it, and lm-eval gathers the metrics
-through this class's collectives."""
+through this class's collectives; a model being trained with ZeRO-3 has its stages gathered
+as the passes run (`sharded_weights`), and a tensor-parallel one scores through the vocabulary
+slices of its head (`scoring`)."""
 
 from __future__ import annotations
 
@@ -57,15 +60,17 @@ Scored = tuple[tuple[str, str] | None, list[int], list[int]]
 
 
 class FastLLMLM(TemplateLM):
-    """lm-eval's `LM` on `model` (whole on this process, or this rank's slice of a tensor-parallel
-    model without sequence-tensor parallelism; not split over pipeline ranks), tokenizing with `tokenizer` (the model directory's, as `AutoTokenizer` loads it).
+    """lm-eval's `LM` on `model` (whole on this process, or this rank's slice of a
+    tensor-parallel model without sequence-tensor parallelism; not split over pipeline ranks),
+    tokenizing with `tokenizer` (the model directory's, as `AutoTokenizer` loads it).
 
     `max_length`: the context length (lm-eval's hf backend takes `max_position_embeddings`
     from config.json, else 2048); `batch_size`: rows per forward pass; `eos_token_ids`: the
     tokens that end a generation (the generation config's; default the tokenizer's
     end-of-sequence). `data`: the data-parallel ranks that split the documents (default: all
-    ranks when torch.distributed is initialized; tensor ranks answer the same documents). `stages`: the flat buffers that hold the model's
-    weights (a model being trained), whose ZeRO-3 shards the passes gather."""
+    ranks when torch.distributed is initialized; tensor ranks answer the same documents).
+    `stages`: the flat buffers that hold the model's weights (a model being trained), whose
+    ZeRO-3 shards the passes gather."""
 
     def __init__(
         self,
