@@ -3,7 +3,7 @@ the test tasks of tests/evaluation run on the model being trained at the evaluat
 logged as NAME_TASK_METRIC with the numbers `fastllm evaluate` gives on the run's checkpoint
 of the same step; two data-parallel ranks give the numbers of one, also with ZeRO-3, and so do
 two tensor ranks (each request's answer, through lm-eval with its samples logged; generation
-refused under tensor parallelism); an evaluation leaves the model
+tasks refused before step 1 under tensor parallelism); an evaluation leaves the model
 training and the random generators as they were; bad tasks are refused before step 1."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import pytest
 import torch
 from lm_eval import simple_evaluate
 
+from fastllm.config import ConfigError
 from fastllm.evaluation.tasks import numeric_metrics
 from tests.data.conftest import run_cli
 from tests.evaluation.conftest import TASKS, TASKS_DIRECTORY
@@ -87,14 +88,16 @@ def answers(dataset: Path, experiment: Path, *overrides: str) -> dict[str, Any] 
     """The evaluator's metrics and each task's answers (`resps`) by document, through lm-eval
     with its samples logged, on the run's initial weights: on the first rank (also written to
     experiment/answers.json), None on the others. Under tensor parallelism, which generates
-    nothing, the generation task is left out (and checked to be refused)."""
+    nothing, the generation task is left out (and checked to be refused before step 1)."""
     trainer = trainer_of(train_arguments(dataset, experiment, *LM_EVAL, *overrides))
-    lm, manager = trainer.evaluations["tiny"]._model_and_tasks()
     tasks = TASKS
-    if lm.model.tensor.split:
-        with pytest.raises(ValueError, match="generation"):
-            lm.generate_until([])
+    if trainer.engine.mesh.tensor.split:
+        with pytest.raises(ConfigError, match="tasks: fastllm_generation: generation"):
+            trainer.evaluations["tiny"].prepare(lambda: False)
         tasks = [task for task in TASKS if task != "fastllm_generation"]
+        only = f"{EVALUATOR}.evaluator.tasks=[{','.join(tasks)}]"
+        trainer = trainer_of(train_arguments(dataset, experiment, *LM_EVAL, *overrides, only))
+    lm, manager = trainer.evaluations["tiny"]._model_and_tasks()
     results = simple_evaluate(
         model=lm, tasks=tasks, bootstrap_iters=0, log_samples=True, task_manager=manager
     )

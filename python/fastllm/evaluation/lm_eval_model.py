@@ -51,9 +51,10 @@ SEQUENCE_TENSOR_PARALLEL = (
     "the tensor ranks"
 )
 GENERATION_TENSOR_PARALLEL = (
-    "lm-eval's generation (generate_until tasks) under tensor parallelism: it runs through the "
-    "transformers wrapper, whose forward pass forms whole logits, not a tensor rank's "
-    "vocabulary slice; leave those tasks out, or run them with fastllm evaluate on a checkpoint"
+    "generation (generate_until tasks) is not supported under tensor parallelism: it runs "
+    "through the transformers wrapper, whose forward pass forms whole logits, not a tensor "
+    "rank's vocabulary slice; leave those tasks out, or run them with fastllm evaluate on a "
+    "checkpoint"
 )
 Scored = tuple[tuple[str, str] | None, list[int], list[int]]
 """lm-eval's tokenized loglikelihood request: (strings, context tokens, continuation tokens)."""
