@@ -57,8 +57,10 @@ ANSWERED = {
         *ZERO_3, "schedule.breadth_first_micro_batches=2", "batch.batch_size=8",
     ),
     "tensor_parallel": TENSOR_PARALLEL,
+    "tensor_parallel_zero_3": (*TENSOR_PARALLEL, *ZERO_3),  # on four ranks: two data ranks
 }  # fmt: skip
-"""Layouts on two ranks whose answers are compared with one process's, by name."""
+"""Layouts on two ranks (four for both tensor and data parallelism) whose answers are compared
+with one process's, by name."""
 ANSWERS_SCRIPT = """
 from pathlib import Path
 from tests.training.test_lm_eval_evaluator import ANSWERED, answers
@@ -73,7 +75,8 @@ def layouts(
     source = ANSWERS_SCRIPT.replace("DATASET", repr(str(dataset)))
     scripts = {
         name: Script(
-            2, source.replace("EXPERIMENT", repr(str(root / name))).replace("NAME", repr(name))
+            4 if name == "tensor_parallel_zero_3" else 2,
+            source.replace("EXPERIMENT", repr(str(root / name))).replace("NAME", repr(name)),
         )
         for name in ANSWERED
     }
@@ -179,7 +182,7 @@ def test_two_ranks_answer_each_request_as_one_process(
         },
         "answers": {task: one_process_answers["answers"][task] for task in got["answers"]},
     }
-    generated = name != "tensor_parallel"
+    generated = not name.startswith("tensor_parallel")
     assert got["answers"].keys() == {t for t in TASKS if generated or t != "fastllm_generation"}
     assert got["metrics"].keys() == expected["metrics"].keys()
     for metric, value in expected["metrics"].items():
