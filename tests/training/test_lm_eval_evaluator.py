@@ -2,9 +2,9 @@
 the test tasks of tests/evaluation run on the model being trained at the evaluator's steps,
 logged as NAME_TASK_METRIC with the numbers `fastllm evaluate` gives on the run's checkpoint
 of the same step; two data-parallel ranks give the numbers of one, also with ZeRO-3, and so do
-two tensor ranks (each request's answer, through lm-eval with its samples logged; generation
-tasks refused before step 1 under tensor parallelism); an evaluation leaves the model
-training and the random generators as they were; bad tasks are refused before step 1."""
+tensor ranks (each request's answer, through lm-eval with its samples logged); an evaluation
+leaves the model training and the random generators as they were; bad tasks are refused
+before step 1."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ import pytest
 import torch
 from lm_eval import simple_evaluate
 
-from fastllm.config import ConfigError
 from fastllm.evaluation.tasks import numeric_metrics
 from tests.data.conftest import run_cli
 from tests.evaluation.conftest import TASKS, TASKS_DIRECTORY
@@ -90,19 +89,11 @@ def layouts(
 def answers(dataset: Path, experiment: Path, *overrides: str) -> dict[str, Any] | None:
     """The evaluator's metrics and each task's answers (`resps`) by document, through lm-eval
     with its samples logged, on the run's initial weights: on the first rank (also written to
-    experiment/answers.json), None on the others. Under tensor parallelism, which generates
-    nothing, the generation task is left out (and checked to be refused before step 1)."""
+    experiment/answers.json), None on the others."""
     trainer = trainer_of(train_arguments(dataset, experiment, *LM_EVAL, *overrides))
-    tasks = TASKS
-    if trainer.engine.mesh.tensor.split:
-        with pytest.raises(ConfigError, match="tasks: fastllm_generation: generation"):
-            trainer.evaluations["tiny"].prepare(lambda: False)
-        tasks = [task for task in TASKS if task != "fastllm_generation"]
-        only = f"{EVALUATOR}.evaluator.tasks=[{','.join(tasks)}]"
-        trainer = trainer_of(train_arguments(dataset, experiment, *LM_EVAL, *overrides, only))
     lm, manager = trainer.evaluations["tiny"]._model_and_tasks()
     results = simple_evaluate(
-        model=lm, tasks=tasks, bootstrap_iters=0, log_samples=True, task_manager=manager
+        model=lm, tasks=TASKS, bootstrap_iters=0, log_samples=True, task_manager=manager
     )
     if results is None:
         return None
@@ -171,19 +162,11 @@ def test_two_ranks_answer_each_request_as_one_process(
 ) -> None:
     """ZeRO-3 on two data ranks, each answering its share of the documents (its own number
     of forward passes, each gathering the stages of the weights it runs), and tensor
-    parallelism on two ranks (log-probabilities over the vocabulary slices of the head): the
-    same log-likelihoods to 1e-5."""
+    parallelism (log-probabilities over the vocabulary slices of the head, generation's
+    logits gathered): the same log-likelihoods to 1e-5, the same generated texts."""
     got = json.loads((launched[name].succeeded() / "answers.json").read_text())
-    expected = {
-        "metrics": {
-            metric: value
-            for metric, value in one_process_answers["metrics"].items()
-            if metric.startswith(tuple(got["answers"]))
-        },
-        "answers": {task: one_process_answers["answers"][task] for task in got["answers"]},
-    }
-    generated = not name.startswith("tensor_parallel")
-    assert got["answers"].keys() == {t for t in TASKS if generated or t != "fastllm_generation"}
+    expected = one_process_answers
+    assert got["answers"].keys() == set(TASKS)
     assert got["metrics"].keys() == expected["metrics"].keys()
     for metric, value in expected["metrics"].items():
         assert got["metrics"][metric] == pytest.approx(value, rel=1e-5), metric

@@ -9,7 +9,7 @@ prompts is generated at once, left-padded, through the KV cache. Under torchrun 
 data-parallel rank scores the documents lm-eval gives it, and lm-eval gathers the metrics
 through this class's collectives; a model being trained with ZeRO-3 has its stages gathered
 as the passes run (`sharded_weights`), and a tensor-parallel one scores through the vocabulary
-slices of its head (`scoring`)."""
+slices of its head (`scoring`) and generates on its gathered logits."""
 
 from __future__ import annotations
 
@@ -49,12 +49,6 @@ if TYPE_CHECKING:
 SEQUENCE_TENSOR_PARALLEL = (
     "lm-eval's rows have any length, which sequence-tensor parallelism would split evenly over "
     "the tensor ranks"
-)
-GENERATION_TENSOR_PARALLEL = (
-    "generation (generate_until tasks) is not supported under tensor parallelism: it runs "
-    "through the transformers wrapper, whose forward pass forms whole logits, not a tensor "
-    "rank's vocabulary slice; leave those tasks out, or run them with fastllm evaluate on a "
-    "checkpoint"
 )
 Scored = tuple[tuple[str, str] | None, list[int], list[int]]
 """lm-eval's tokenized loglikelihood request: (strings, context tokens, continuation tokens)."""
@@ -405,8 +399,6 @@ class FastLLMLM(TemplateLM):
         """Each prompt's continuation, up to the first stop sequence (`until`, and the
         end-of-sequence token) or `max_gen_toks` tokens. Prompts of the same generation
         settings are generated together, longest first, `batch_size` at a time."""
-        if self.model.tensor.split:
-            raise ValueError(GENERATION_TENSOR_PARALLEL)
         eos = self.tok_decode(self.eot_token_id, skip_special_tokens=False)
         collator = Collator(
             [request.args for request in requests],

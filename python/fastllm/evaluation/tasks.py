@@ -33,13 +33,6 @@ def task_manager(config: LmEvalEvaluatorConfig, key: str = "") -> TaskManager:
     return manager
 
 
-def generation_tasks(manager: TaskManager, tasks: list[str]) -> list[str]:
-    """The tasks among `tasks` (groups and tags expanded) that generate text: each is built,
-    its documents loaded (lm-eval says a task's request type only then)."""
-    built = manager.load(tasks)["tasks"]
-    return [name for name, task in built.items() if task.OUTPUT_TYPE == "generate_until"]
-
-
 def run_tasks(lm: LM, config: LmEvalEvaluatorConfig, manager: TaskManager) -> dict[str, Any] | None:
     """lm-eval's results (`results`, `versions`, `n-shot`, `configs`, …; no samples) of the
     tasks of `config` (found in `manager`) on `lm`, on rank 0; None on the other ranks."""

@@ -122,8 +122,8 @@ class LmEvalEvaluation(Evaluation):
         (the tokenizer read, the task names checked) once."""
         if self._ready is None:
             # lm-eval and transformers load in seconds: only runs that evaluate with it pay.
-            from fastllm.evaluation.lm_eval_model import GENERATION_TENSOR_PARALLEL, FastLLMLM
-            from fastllm.evaluation.tasks import generation_tasks, task_manager
+            from fastllm.evaluation.lm_eval_model import FastLLMLM
+            from fastllm.evaluation.tasks import task_manager
 
             config, key = self._config, f"training.evaluators.{self.name}.evaluator"
             if config.include_path is not None and not Path(config.include_path).is_dir():
@@ -139,12 +139,6 @@ class LmEvalEvaluation(Evaluation):
             )
             manager = task_manager(config, key)
             engine = self._trainer.engine
-            if engine.mesh.tensor.split and (
-                generating := generation_tasks(manager, list(config.tasks))
-            ):
-                raise ConfigError(
-                    f"{key}.tasks", f"{', '.join(generating)}: {GENERATION_TENSOR_PARALLEL}"
-                )
             lm = FastLLMLM(
                 engine.model,
                 tokenizer,
