@@ -66,13 +66,14 @@ class ShardedPasses:
         return x
 
     def take_turn(self, kind: Pass) -> None:
-        """Return once every rank is about to do `kind` or nothing: the other ranks' passes
-        meanwhile, the lowest kind first, run here as idle passes (their gathers only)."""
+        """Return once `kind` is the lowest kind of pass that any rank is about to run (for
+        NONE: once no rank is about to run one): the other ranks' passes meanwhile, the lowest
+        kind first, run here as idle passes (their gathers only)."""
         while True:
             mine = torch.tensor(int(kind), device=self.stages.device)
             wanted = [torch.empty_like(mine) for _ in range(self._ranks)]
             dist.all_gather(wanted, mine, group=self.group)
-            kinds = {Pass(int(k.item())) for k in wanted} - {Pass.NONE}
+            kinds = {Pass(k) for k in torch.stack(wanted).tolist()} - {Pass.NONE}
             if not kinds or min(kinds) == kind:
                 return
             self._idle(min(kinds))
