@@ -132,8 +132,9 @@ class OtherBlockConfig(BlockConfig, tag="test_layout_block"):
 
 ODD_LATENT = "model.base_model.transformer.mixer={type: latent_attention, kv_lora_rank: 15}"
 ROW_SETTINGS = {
-    ("training.evaluators", "model.distributed.tensor_parallel"):
-        (LM_EVAL, "model.distributed.tensor_parallel=2"),
+    ("training.evaluators", "model.distributed.sequence_tensor_parallel"):
+        (LM_EVAL, "model.distributed.tensor_parallel=2",
+         "model.distributed.sequence_tensor_parallel=true"),
     ("training.evaluators", "model.distributed.pipeline_parallel"):
         (LM_EVAL, "model.distributed.pipeline_parallel=2"),
     ("training.evaluators", "model.distributed.sequence_data_parallel"):
@@ -142,7 +143,6 @@ ROW_SETTINGS = {
         (LM_EVAL, "model.base_model.transformer.num_experts=4",
          "model.base_model.transformer.add_linear_biases=only_attn_qkv",
          "model.distributed.expert_parallel=2"),
-    ("training.evaluators", "model.multi_stage.zero_stage"): (LM_EVAL, "model.multi_stage.zero_stage=3"),
     ("training.compile", "model.distributed.tensor_parallel"):
         ("training.compile=true", "model.distributed.tensor_parallel=2"),
     ("training.compile", "model.distributed.sequence_data_parallel"):

@@ -1,8 +1,10 @@
 """The lm_eval evaluator inside training (`training.evaluators.NAME.evaluator.type=lm_eval`):
 the test tasks of tests/evaluation run on the model being trained at the evaluator's steps,
 logged as NAME_TASK_METRIC with the numbers `fastllm evaluate` gives on the run's checkpoint
-of the same step; two data-parallel ranks give the numbers of one; an evaluation leaves the
-model training and the random generators as they were; bad tasks are refused before step 1."""
+of the same step; two data-parallel ranks give the numbers of one, also with ZeRO-3, and so do
+tensor ranks (each request's answer, through lm-eval with its samples logged); an evaluation
+leaves the model training and the random generators as they were; bad tasks are refused
+before step 1."""
 
 from __future__ import annotations
 
@@ -12,12 +14,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
+from lm_eval import simple_evaluate
 
 from fastllm.evaluation.tasks import numeric_metrics
 from tests.data.conftest import run_cli
 from tests.evaluation.conftest import TASKS, TASKS_DIRECTORY
-from tests.training.conftest import Launched, Layout, train_arguments
+from tests.training.conftest import Launched, Layout, Script, train_arguments
 from tests.training.test_evaluators import records, trainer_of
 
 EVALUATOR = "training.evaluators.tiny"
@@ -43,8 +47,67 @@ METRICS = {
 bootstrap resamples, which the perplexities need)."""
 
 
-def layouts(dataset: Path, one_process: Callable[..., Path], root: Path) -> dict[str, Layout]:
-    return {"two_data_ranks": Layout(2, LM_EVAL)}
+ZERO_3 = ("model.multi_stage.zero_stage=3",)
+TENSOR_PARALLEL = ("model.distributed.tensor_parallel=2",)
+ANSWERED = {
+    "zero_3": ZERO_3,
+    # Steps of breadth-first micro-batches: no forward hooks gather the stages.
+    "zero_3_breadth_first": (
+        *ZERO_3, "schedule.breadth_first_micro_batches=2", "batch.batch_size=8",
+    ),
+    "tensor_parallel": TENSOR_PARALLEL,
+    "tensor_parallel_zero_3": (*TENSOR_PARALLEL, *ZERO_3),  # on four ranks: two data ranks
+}  # fmt: skip
+"""Layouts on two ranks (four for both tensor and data parallelism) whose answers are compared
+with one process's, by name."""
+ANSWERS_SCRIPT = """
+from pathlib import Path
+from tests.training.test_lm_eval_evaluator import ANSWERED, answers
+
+answers(Path(DATASET), Path(EXPERIMENT), *ANSWERED[NAME])
+"""
+
+
+def layouts(
+    dataset: Path, one_process: Callable[..., Path], root: Path
+) -> dict[str, Layout | Script]:
+    source = ANSWERS_SCRIPT.replace("DATASET", repr(str(dataset)))
+    scripts = {
+        name: Script(
+            4 if name == "tensor_parallel_zero_3" else 2,
+            source.replace("EXPERIMENT", repr(str(root / name))).replace("NAME", repr(name)),
+        )
+        for name in ANSWERED
+    }
+    trained = {
+        "two_data_ranks": Layout(2, LM_EVAL),
+        "two_data_ranks_zero_3": Layout(2, (*LM_EVAL, *ZERO_3)),
+    }
+    return {**trained, **scripts}
+
+
+def answers(dataset: Path, experiment: Path, *overrides: str) -> dict[str, Any] | None:
+    """The evaluator's metrics and each task's answers (`resps`) by document, through lm-eval
+    with its samples logged, on the run's initial weights: on the first rank (also written to
+    experiment/answers.json), None on the others."""
+    trainer = trainer_of(train_arguments(dataset, experiment, *LM_EVAL, *overrides))
+    lm, manager = trainer.evaluations["tiny"]._model_and_tasks()
+    results = simple_evaluate(
+        model=lm, tasks=TASKS, bootstrap_iters=0, log_samples=True, task_manager=manager
+    )
+    if results is None:
+        return None
+    found = {
+        "metrics": numeric_metrics(results),
+        "answers": {
+            task: {sample["doc_id"]: sample["resps"] for sample in samples}
+            for task, samples in results["samples"].items()
+        },
+    }
+    found = json.loads(json.dumps(found))  # as the file has them: tuples as lists, keys strings
+    if trainer.engine.mesh.tensor.rank == 0:
+        (experiment / "answers.json").write_text(json.dumps(found))
+    return found
 
 
 def evaluated(experiment: Path) -> dict[int, dict[str, Any]]:
@@ -74,15 +137,52 @@ def test_the_evaluator_logs_at_its_steps_what_fastllm_evaluate_gives_on_the_chec
     assert logged[4] == {f"tiny_{name}": value for name, value in expected.items()}
 
 
+@pytest.mark.parametrize("layout", ["two_data_ranks", "two_data_ranks_zero_3"])
 def test_two_data_parallel_ranks_log_the_metrics_of_one(
-    launched: dict[str, Launched], one_process: Callable[..., Path]
+    launched: dict[str, Launched], one_process: Callable[..., Path], layout: str
 ) -> None:
-    two, one = evaluated(launched["two_data_ranks"].succeeded()), evaluated(one_process(*LM_EVAL))
+    two, one = evaluated(launched[layout].succeeded()), evaluated(one_process(*LM_EVAL))
     assert two.keys() == one.keys()
     for step, metrics in one.items():
         assert two[step].keys() == metrics.keys()
         for name, value in metrics.items():  # the weights agree to the reductions' rounding
             assert math.isclose(two[step][name], value, rel_tol=1e-5), (step, name)
+
+
+@pytest.fixture(scope="module")
+def one_process_answers(dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    found = answers(dataset, tmp_path_factory.mktemp("answers"))
+    assert found is not None
+    return found
+
+
+@pytest.mark.parametrize("name", list(ANSWERED))
+def test_two_ranks_answer_each_request_as_one_process(
+    launched: dict[str, Launched], one_process_answers: dict[str, Any], name: str
+) -> None:
+    """ZeRO-3 on two data ranks, each answering its share of the documents (its own number
+    of forward passes, each gathering the stages of the weights it runs), and tensor
+    parallelism (log-probabilities over the vocabulary slices of the head, generation's
+    logits gathered): the same log-likelihoods to 1e-5, the same generated texts."""
+    got = json.loads((launched[name].succeeded() / "answers.json").read_text())
+    expected = one_process_answers
+    assert got["answers"].keys() == set(TASKS)
+    assert got["metrics"].keys() == expected["metrics"].keys()
+    for metric, value in expected["metrics"].items():
+        assert got["metrics"][metric] == pytest.approx(value, rel=1e-5), metric
+    for task, by_document in expected["answers"].items():
+        assert got["answers"][task].keys() == by_document.keys(), task
+        for document, answer in by_document.items():
+            assert close(got["answers"][task][document], answer), (task, document)
+
+
+def close(got: Any, expected: Any) -> bool:
+    """Numbers to 1e-5 (relative, or absolute near 0), anything else equal, item by item."""
+    if isinstance(expected, list):
+        return len(got) == len(expected) and all(map(close, got, expected))
+    if isinstance(expected, float):
+        return math.isclose(got, expected, rel_tol=1e-5, abs_tol=1e-5)
+    return got == expected
 
 
 def test_an_evaluation_leaves_the_model_training_and_the_random_generators_as_they_were(

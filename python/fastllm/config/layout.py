@@ -206,9 +206,6 @@ _LM_EVAL = Condition(
     ),
     "training.evaluators, an lm_eval evaluator",
 )
-_WHOLE_MODEL = (
-    "lm-eval runs the model's plain forward pass, which needs every weight whole on each rank"
-)
 
 COMPATIBILITY: tuple[Incompatibility, ...] = (
     *(
@@ -240,17 +237,29 @@ COMPATIBILITY: tuple[Incompatibility, ...] = (
         "the log-probabilities are computed before training by the whole reference model on "
         "each rank, outside the pipeline schedule",
     ),
+    Incompatibility(
+        _LM_EVAL,
+        _enabled("model.distributed.sequence_tensor_parallel"),
+        "lm-eval's rows have any length, which sequence-tensor parallelism would split evenly "
+        "over the tensor ranks",
+    ),
     *(
-        Incompatibility(_LM_EVAL, other, _WHOLE_MODEL)
-        for other in (
-            _above_one("model.distributed.tensor_parallel"),
-            _above_one("model.distributed.pipeline_parallel"),
-            _above_one("model.distributed.sequence_data_parallel"),
-            _above_one("model.distributed.expert_parallel"),
-            Condition(
-                "model.multi_stage.zero_stage",
-                lambda stage: stage == 3,
-                "model.multi_stage.zero_stage=3",
+        Incompatibility(_LM_EVAL, _above_one(key), reason)
+        for key, reason in (
+            (
+                "model.distributed.pipeline_parallel",
+                "lm-eval's forward passes run every block on each rank, outside the pipeline "
+                "schedule",
+            ),
+            (
+                "model.distributed.sequence_data_parallel",
+                "lm-eval's forward passes read whole rows, not the sequence chunks of the "
+                "sequence-data ranks",
+            ),
+            (
+                "model.distributed.expert_parallel",
+                "the experts are split over data ranks that answer different documents, whose "
+                "forward passes the expert all-to-alls would have to pair",
             ),
         )
     ),

@@ -143,6 +143,11 @@ class ModelStages:
     def mixed_precision(self) -> bool:
         return self.compute_dtype != torch.float32
 
+    @property
+    def weights_sharded(self) -> bool:
+        """ZeRO-3 over several data ranks: a stage runs on weights gathered for it."""
+        return any(group.gatherer is not None for group in self.all_groups)
+
     def group_of(self, name: str) -> ParameterGroup:
         """The group that holds parameter `name`."""
         for group in self.all_groups[1:]:
@@ -162,12 +167,27 @@ class ModelStages:
             if group.gatherer is not None:
                 group.gatherer.prefetch(stage)
 
+    def gather_for_forward(self, stage: int) -> None:
+        """ZeRO-3, a forward pass run stage by stage outside the step's runner (lm-eval's):
+        what running `stage` reads gathered, the next stage's on its way, the others released
+        (what the stages' forward hooks do, where they are installed)."""
+        for group in self.all_groups:
+            if group.gatherer is not None:
+                group.gatherer.before_forward(stage)
+
+    def hold_weights(self) -> None:
+        """ZeRO-3: every stage's weights gathered and kept, the forward hooks idle, until
+        `release_weights()`: many small forward passes (generation) gather once."""
+        for group in self.all_groups:
+            if group.gatherer is not None:
+                group.gatherer.hold()
+
     def release_weights(self, stage: int | None = None) -> None:
         """ZeRO-3: free `stage`'s gathered weights (every stage's with None)."""
         for group in self.all_groups:
             if group.gatherer is not None:
                 if stage is None:
-                    group.gatherer.keep_only(set())
+                    group.gatherer.release_all()
                 else:
                     group.gatherer.release(stage)
 

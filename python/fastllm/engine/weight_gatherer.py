@@ -45,6 +45,8 @@ class WeightGatherer:
         """Made at the first gather for a forward or backward pass (the FP8 layers are marked
         after the buffers are made)."""
         self.last = len(buffers.stages) - 1
+        self.held = False
+        """Every stage gathered and kept (`hold`): the forward hooks do nothing."""
 
     def install_hooks(self, modules: list[list[torch.nn.Module]]) -> None:
         """Gather in the stages' forward and backward passes (one process per pipeline)."""
@@ -113,14 +115,31 @@ class WeightGatherer:
         for stage in sorted(self.gathered - stages):
             self.release(stage)
 
+    def before_forward(self, stage: int) -> None:
+        """What `stage`'s forward pass reads gathered, the next stage's on its way, every other
+        stage released."""
+        if self.held:
+            return
+        upcoming = self.needs(stage + 1) if stage < self.last else set()
+        self.keep_only(self.needs(stage) | upcoming)
+        for needed in sorted(self.needs(stage)):
+            self.ensure(needed)
+        for ahead in sorted(upcoming):
+            self.prefetch(ahead)
+
+    def hold(self) -> None:
+        """Gather every stage and keep them until `release_all`, whatever runs meanwhile."""
+        for stage in range(self.last + 1):
+            self.ensure(stage)
+        self.held = True
+
+    def release_all(self) -> None:
+        self.held = False
+        self.keep_only(set())
+
     def _forward_hook(self, stage: int) -> Callable[..., None]:
         def hook(_module: torch.nn.Module, _args: Any) -> None:
-            upcoming = self.needs(stage + 1) if stage < self.last else set()
-            self.keep_only(self.needs(stage) | upcoming)
-            for needed in sorted(self.needs(stage)):
-                self.ensure(needed)
-            for ahead in sorted(upcoming):
-                self.prefetch(ahead)
+            self.before_forward(stage)
 
         return hook
 

@@ -3,10 +3,13 @@ computes it (the same tokenization, truncation, rolling windows, stop sequences 
 decoding), so that a task's results agree with that backend's on the same weights.
 
 What differs is how: requests of one context (a question's answers) share one row, the context
-read once and each continuation a branch attending to it, rows are sorted by length and batched, only the scored positions go through the head (no batch of logits), and a
-batch of prompts is generated at once, left-padded, through the KV cache. Under torchrun each
+read once and each continuation a branch attending to it, rows are sorted by length and
+batched, only the scored positions go through the head (no batch of logits), and a batch of
+prompts is generated at once, left-padded, through the KV cache. Under torchrun each
 data-parallel rank scores the documents lm-eval gives it, and lm-eval gathers the metrics
-through this class's collectives."""
+through this class's collectives; a model being trained with ZeRO-3 has its stages gathered
+as the passes run (`sharded_weights`), and a tensor-parallel one scores through the vocabulary
+slices of its head (`scoring`) and generates on its gathered logits."""
 
 from __future__ import annotations
 
@@ -31,27 +34,38 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from torch import Tensor
 
 from fastllm.evaluation.scoring import token_log_probs
+from fastllm.evaluation.sharded_weights import Pass, ShardedPasses
 from fastllm.hf import FastLLMForCausalLM
 from fastllm.model import GPTModel
+from fastllm.parallel.dimension import Dimension
 from fastllm_kernels.attention import dense_masks
 
 if TYPE_CHECKING:
     from lm_eval.api.instance import Instance
     from transformers import PreTrainedTokenizerBase
 
+    from fastllm.engine.model_stages import ModelStages
+
+SEQUENCE_TENSOR_PARALLEL = (
+    "lm-eval's rows have any length, which sequence-tensor parallelism would split evenly over "
+    "the tensor ranks"
+)
 Scored = tuple[tuple[str, str] | None, list[int], list[int]]
 """lm-eval's tokenized loglikelihood request: (strings, context tokens, continuation tokens)."""
 
 
 class FastLLMLM(TemplateLM):
-    """lm-eval's `LM` on `model` (whole, on this process: not split over tensor or pipeline
-    ranks), tokenizing with `tokenizer` (the model directory's, as `AutoTokenizer` loads it).
+    """lm-eval's `LM` on `model` (whole on this process, or this rank's slice of a
+    tensor-parallel model without sequence-tensor parallelism; not split over pipeline ranks),
+    tokenizing with `tokenizer` (the model directory's, as `AutoTokenizer` loads it).
 
     `max_length`: the context length (lm-eval's hf backend takes `max_position_embeddings`
     from config.json, else 2048); `batch_size`: rows per forward pass; `eos_token_ids`: the
     tokens that end a generation (the generation config's; default the tokenizer's
-    end-of-sequence). `group`: the data-parallel ranks that split the documents (default: all
-    ranks when torch.distributed is initialized)."""
+    end-of-sequence). `data`: the data-parallel ranks that split the documents (default: all
+    ranks when torch.distributed is initialized; tensor ranks answer the same documents).
+    `stages`: the flat buffers that hold the model's weights (a model being trained), whose
+    ZeRO-3 shards the passes gather."""
 
     def __init__(
         self,
@@ -62,11 +76,12 @@ class FastLLMLM(TemplateLM):
         batch_size: int = 16,
         max_gen_toks: int = 256,
         eos_token_ids: Sequence[int] | None = None,
-        group: dist.ProcessGroup | None = None,
+        data: Dimension | None = None,
+        stages: ModelStages | None = None,
     ) -> None:
         super().__init__()
-        if model.tensor.split:
-            raise ValueError("lm-eval runs on a whole model, not one tensor rank's slice of it")
+        if model.tensor.sequence_tensor_parallel:
+            raise ValueError(SEQUENCE_TENSOR_PARALLEL)
         self.model = model
         self.tokenizer = configure_pad_token(tokenizer)
         self._max_length, self._batch_size, self._max_gen_toks = (
@@ -75,12 +90,19 @@ class FastLLMLM(TemplateLM):
             max_gen_toks,
         )
         self._device = next(model.parameters()).device
-        self.group = group
-        if dist.is_initialized():
-            self._rank, self._world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.group: dist.ProcessGroup | None = None  # None: every rank
+        if data is not None:
+            self.group, self._rank, self._world_size = data.group, data.rank, data.size
+        elif dist.is_initialized():
+            self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
         eos = [self.eot_token_id] if eos_token_ids is None else list(eos_token_ids)
         self._eos_token_ids = eos
         self._generator: FastLLMForCausalLM | None = None
+        self._sharded = (
+            ShardedPasses(model, stages, self.group)
+            if stages is not None and stages.weights_sharded
+            else None
+        )
 
     # The sizes and tokens lm-eval reads.
     @property
@@ -179,6 +201,7 @@ class FastLLMLM(TemplateLM):
     def all_gather(self, tensor: Tensor) -> Tensor:
         if self.world_size == 1:
             return tensor
+        self._take_turn()
         pieces = [torch.empty_like(tensor) for _ in range(self.world_size)]
         dist.all_gather(pieces, tensor.contiguous(), group=self.group)
         return torch.stack(pieces) if tensor.dim() == 0 else torch.cat(pieces)
@@ -186,6 +209,7 @@ class FastLLMLM(TemplateLM):
     def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
         if self.world_size == 1:
             return [obj]
+        self._take_turn()
         gathered = [None] * self.world_size if self.rank == dst else None
         root = dst if self.group is None else dist.get_global_rank(self.group, dst)
         dist.gather_object(obj, gathered, dst=root, group=self.group)
@@ -193,7 +217,18 @@ class FastLLMLM(TemplateLM):
 
     def barrier(self) -> None:
         if self.world_size > 1:
+            self._take_turn()
             dist.barrier(group=self.group)
+
+    def _take_turn(self) -> None:
+        """Before a collective of lm-eval's: the other ranks' passes that ZeRO-3 gathers for."""
+        if self._sharded is not None:
+            self._sharded.take_turn(Pass.NONE)
+
+    def _pass(self, kind: Pass) -> contextlib.AbstractContextManager[None]:
+        """A forward pass of `kind` (or a generation's many): under ZeRO-3, with the other
+        ranks' gathers."""
+        return contextlib.nullcontext() if self._sharded is None else self._sharded.running(kind)
 
     # Scoring.
     def _loglikelihood_tokens(
@@ -223,24 +258,8 @@ class FastLLMLM(TemplateLM):
         scores: list[tuple[float, bool]] = [(0.0, False)] * len(pieces)
         for start in range(0, len(rows), self.batch_size):
             batch = rows[start : start + self.batch_size]
-            hidden = self._hidden_states(batch)
-            batch_index, position, target, lengths = [], [], [], []
-            for b, row in enumerate(batch):
-                for offset, continuation in zip(row.offsets, row.continuations, strict=True):
-                    # The context's last position, then the branch's own.
-                    batch_index += [b] * len(continuation)
-                    position += [
-                        len(row.context) - 1,
-                        *range(offset, offset + len(continuation) - 1),
-                    ]
-                    target += continuation
-                    lengths.append(len(continuation))
-            index = torch.tensor([batch_index, position], device=self.device)
-            log_probs, greedy = token_log_probs(
-                hidden[index[0], index[1]],
-                self.model.head_weight,
-                torch.tensor(target, device=self.device),
-            )
+            with self._pass(Pass.SCORE):
+                log_probs, greedy, lengths = self._score(batch)
             # Each piece's sum and whether all its tokens are greedy, read in one transfer.
             of_piece = torch.repeat_interleave(
                 torch.arange(len(lengths), device=self.device),
@@ -260,6 +279,30 @@ class FastLLMLM(TemplateLM):
             if strings is not None:
                 self.cache_hook.add_partial("loglikelihood", strings, result)
         return results
+
+    def _score(self, batch: list[_Row]) -> tuple[Tensor, Tensor, list[int]]:
+        """The log-probability of each scored token of `batch`, whether it is the greedy
+        one, and how many tokens each piece has (in the rows' order)."""
+        hidden = self._hidden_states(batch)
+        batch_index, position, target, lengths = [], [], [], []
+        for b, row in enumerate(batch):
+            for offset, continuation in zip(row.offsets, row.continuations, strict=True):
+                # The context's last position, then the branch's own.
+                batch_index += [b] * len(continuation)
+                position += [
+                    len(row.context) - 1,
+                    *range(offset, offset + len(continuation) - 1),
+                ]
+                target += continuation
+                lengths.append(len(continuation))
+        index = torch.tensor([batch_index, position], device=self.device)
+        log_probs, greedy = token_log_probs(
+            hidden[index[0], index[1]],
+            self.model.head_weight,
+            torch.tensor(target, device=self.device),
+            self.model.tensor,
+        )
+        return log_probs, greedy, lengths
 
     def _shared_rows(self, pieces: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> list[_Row]:
         """The rows that read `pieces` (context, continuation): the continuations of one
@@ -319,9 +362,11 @@ class FastLLMLM(TemplateLM):
                 "branch_ids": branch_ids.to(self.device, non_blocking=True),
                 "position_ids": positions.to(self.device, non_blocking=True),
             }
+        ids = ids.to(self.device, non_blocking=True)
         with torch.no_grad(), self._in_eval_mode(), dense_masks():
-            hidden, _ = self.model.hidden_states(ids.to(self.device, non_blocking=True), **options)
-        return hidden
+            if self._sharded is not None:
+                return self._sharded.hidden_states(ids, **options)
+            return self.model.hidden_states(ids, **options)[0]
 
     def loglikelihood_rolling(
         self, requests: list[Instance], disable_tqdm: bool = False
@@ -410,8 +455,8 @@ class FastLLMLM(TemplateLM):
                 self._generator = FastLLMForCausalLM.wrap(self.model)
         stopping = stop_sequences_criteria(self.tokenizer, until, ids.shape[1], ids.shape[0])
         # Each batch's prompts are padded to another length: dense masks, not a flex_attention
-        # compiled for each.
-        with torch.no_grad(), self._in_eval_mode(), dense_masks():
+        # compiled for each. Under ZeRO-3 the whole call runs on weights gathered once.
+        with torch.no_grad(), self._in_eval_mode(), dense_masks(), self._pass(Pass.GENERATE):
             return self._generator.generate(
                 input_ids=ids,
                 attention_mask=mask,

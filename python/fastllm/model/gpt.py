@@ -16,7 +16,12 @@ from fastllm.model.normalization import normalization
 from fastllm.model.parameters import TensorSplit, describe, set_layer
 from fastllm.model.rotary import positions_in_documents
 from fastllm.parallel.mesh import ParallelMesh
-from fastllm.parallel.tensor import TensorDimension, enter, vocab_parallel_embedding
+from fastllm.parallel.tensor import (
+    TensorDimension,
+    enter,
+    gathered_vocabulary,
+    vocab_parallel_embedding,
+)
 from fastllm.parallel.vocab_parallel_losses import vocab_parallel_label_losses
 from fastllm_kernels.cross_entropy import linear_cross_entropy
 from fastllm_kernels.recipe import WeightRecipe
@@ -251,13 +256,18 @@ class GPTModel(torch.nn.Module):
 
     def forward(self, input_ids: Tensor, logits_to_keep: int = 0, **kwargs: Any) -> Tensor:
         """Logits (batch, seq, vocab); of the last `logits_to_keep` positions only when it is
-        positive (what generation reads of a prompt: its logits are never all formed)."""
-        if self.tensor.split:
-            raise ValueError("logits of a tensor-parallel model: merge it first (fastllm convert)")
+        positive (what generation reads of a prompt: its logits are never all formed). Under
+        tensor parallelism, each rank's vocabulary slice gathered, without autograd."""
+        if self.tensor.split and torch.is_grad_enabled():
+            raise ValueError(
+                "differentiable logits of a tensor-parallel model: merge it first "
+                "(fastllm convert), or read them under torch.no_grad()"
+            )
         hidden, _ = self.hidden_states(input_ids, **kwargs)
         if logits_to_keep > 0:
             hidden = hidden[:, -logits_to_keep:]
-        return F.linear(hidden, self.head_weight)
+        logits = F.linear(hidden, self.head_weight)
+        return gathered_vocabulary(logits, self.tensor) if self.tensor.split else logits
 
     def loss(self, input_ids: Tensor, labels: Tensor, **kwargs: Any) -> Tensor:
         context = self.context(input_ids, **kwargs)

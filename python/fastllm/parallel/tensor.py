@@ -179,6 +179,14 @@ def _reduce_scatter_sequence(
     return out, work
 
 
+def gathered_vocabulary(x: Tensor, tensor: TensorDimension) -> Tensor:
+    """(..., vocab / size) on each rank, its contiguous vocabulary slice → (..., vocab), rank
+    r's slice r-th. Not differentiable: logits read whole (generation)."""
+    gathered = torch.empty((tensor.size, *x.shape), dtype=x.dtype, device=x.device)
+    dist.all_gather_into_tensor(gathered.view(-1), x.contiguous().view(-1), group=tensor.group)
+    return gathered.movedim(0, -2).reshape(*x.shape[:-1], -1)
+
+
 def vocab_parallel_embedding(ids: Tensor, weight: Tensor, tensor: TensorDimension) -> Tensor:
     """Rows of the embedding whose vocabulary is split in contiguous ranges over the tensor
     ranks: each rank looks up the ids in its range, zeros elsewhere, and `leave` sums them."""

@@ -97,9 +97,9 @@ class LossEvaluation(Evaluation):
 
 class LmEvalEvaluation(Evaluation):
     """lm-eval's tasks on the model being trained, in place: its parameters are the engine's
-    buffers, whole on every rank under the layouts the compatibility table lets an lm_eval
-    evaluator run with. Each data-parallel rank answers the requests of its share of the
-    documents; the metrics lm-eval gathers to data rank 0 reach every rank. The tokenizer is
+    buffers (ZeRO-3's shards gathered stage by stage, a tensor rank's slices), under the
+    layouts the compatibility table lets an lm_eval evaluator run with. Each data-parallel rank
+    answers the requests of its share of the documents; the metrics lm-eval gathers to data rank 0 reach every rank. The tokenizer is
     the one `fastllm prepare` copied into the first training dataset (which exports carry
     too), so the results are `fastllm evaluate`'s on the run's checkpoint of the same step."""
 
@@ -146,7 +146,8 @@ class LmEvalEvaluation(Evaluation):
                 batch_size=config.batch_size,
                 max_gen_toks=config.max_gen_toks,
                 eos_token_ids=generation_eos(directory),
-                group=engine.mesh.data.group,
+                data=engine.mesh.data,
+                stages=engine.stages,
             )
             self._ready = lm, manager
         return self._ready
