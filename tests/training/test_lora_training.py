@@ -350,7 +350,7 @@ LAYOUTS = {  # the model's overrides, the layout's
     "expert": (MOE, ("model.distributed.expert_parallel=2", "model.multi_stage.zero_stage=3")),
     "expert_tensor": (MOE, TENSOR),  # the experts' adapters split as their weights
     # ZeRO-3 gathers the frozen weights' shards into the buffers the compiled blocks read.
-    "compiled_zero3": (MOE, ("model.multi_stage.zero_stage=3", "training.compile=true")),
+    "compiled_zero3": ((), ("model.multi_stage.zero_stage=3", "training.compile=true")),
 }
 
 
