@@ -1,6 +1,7 @@
 """LoRA through the trainer: a Hugging Face model fine-tuned from `pretrained` with adapters,
 against PEFT on the same `transformers` model with the same optimizer settings (a Mixtral's
-experts through PEFT's `target_parameters`); the buffers hold the adapters' state alone."""
+experts through PEFT's `target_parameters`); the buffers hold the adapters' state alone;
+compiled blocks train adapters and frozen weights (`model.freeze` too) as eager ones do."""
 
 from __future__ import annotations
 
