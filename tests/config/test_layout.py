@@ -165,10 +165,8 @@ ROW_SETTINGS = {
         ("schedule.micro_batch_splits=2", "model.distributed.sequence_data_parallel=2"),
     ("schedule.micro_batch_splits", "model.multi_stage.recompute"):
         ("schedule.micro_batch_splits=2", "model.multi_stage.recompute=full"),
-    ("model.freeze", "training.compile"): ("model.freeze.blocks=[0,1]", "training.compile=true"),
     ("model.freeze", "training.export"):
         ("model.freeze.blocks=[0,1]", "training.export.format=distributed"),
-    ("model.base_model.peft", "training.compile"): (LORA, "training.compile=true"),
     ("model.base_model.peft", "training.export"): (LORA, "training.export.format=distributed"),
     ("model.base_model.head.losses", "model.distributed.pipeline_parallel"):
         (*PRECOMPUTED_DPO, "model.distributed.pipeline_parallel=2"),

@@ -57,6 +57,24 @@ def test_grouped_linear_matches_the_reference(
     assert_close(grads[1], expected_grads[1], atol=1e-5)
 
 
+def test_compiled_on_the_cpu_it_traces_grouped_mm_in_one_graph() -> None:
+    # Not the reference, whose host sync would break the graph at every call.
+    compiled = torch.compile(grouped_linear, fullgraph=True)
+    weight = torch.randn(4, 24, 16, requires_grad=True)
+    for tokens in (20, 31):  # rows of another count
+        x, sparse = routed_rows(tokens, 4, 2, 16, 0.0)
+        x.requires_grad_()
+        used = int(sparse.ends[-1])
+        y = compiled(x, weight, sparse.ends)[:used]
+        grad = torch.randn_like(y)
+        grads = torch.autograd.grad(y, (x, weight), grad)
+        reference = grouped_linear_reference(x, weight, sparse.ends)[:used]
+        expected = torch.autograd.grad(reference, (x, weight), grad)
+        assert_close(y, reference, atol=1e-5)
+        assert_close(grads[0][:used], expected[0][:used], atol=1e-5)
+        assert_close(grads[1], expected[1], atol=1e-5)
+
+
 @triton_on_cpu
 def test_widths_that_tma_cannot_load_take_the_reference() -> None:
     # 6 fp32 outputs: 24-byte rows of the output gradient, which a TMA descriptor refuses.

@@ -152,10 +152,6 @@ def test_a_resume_with_other_frozen_parameters_is_refused_naming_the_key(
     ("overrides", "message"),
     [
         (
-            ("training.compile=true",),
-            "model.freeze: not supported yet with training.compile",
-        ),
-        (
             ("training.export.interval=2", "training.export.format=distributed"),
             "model.freeze: not supported yet with training.export.format=distributed with an "
             "interval (a distributed export holds the trained shards only",

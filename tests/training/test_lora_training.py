@@ -1,6 +1,7 @@
 """LoRA through the trainer: a Hugging Face model fine-tuned from `pretrained` with adapters,
 against PEFT on the same `transformers` model with the same optimizer settings (a Mixtral's
-experts through PEFT's `target_parameters`); the buffers hold the adapters' state alone."""
+experts through PEFT's `target_parameters`); the buffers hold the adapters' state alone;
+compiled blocks train adapters and frozen weights (`model.freeze` too) as eager ones do."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 import transformers
 import yaml
 from safetensors.torch import load_file
+from torch._dynamo.utils import counters
 
 import fastllm
 from fastllm.checkpoint.peft import PREFIX, adapter_rules
@@ -27,7 +29,8 @@ from fastllm.training.trainer import Trainer
 from tests.model.hf_models import save_hf_model
 from tests.model.test_lora import EXPERT_LAYERS, PEFT_EXPERTS, PEFT_MODULES
 from tests.training.conftest import Launched, Layout
-from tests.training.test_frozen import assert_same_run
+from tests.training.test_frozen import FROZEN, assert_same_run
+from tests.training.test_training_options import trainer
 
 LORA = {
     "type": "lora",
@@ -347,6 +350,8 @@ LAYOUTS = {  # the model's overrides, the layout's
     "sequence_data": ((), ("model.distributed.sequence_data_parallel=2",)),
     "expert": (MOE, ("model.distributed.expert_parallel=2", "model.multi_stage.zero_stage=3")),
     "expert_tensor": (MOE, TENSOR),  # the experts' adapters split as their weights
+    # ZeRO-3 gathers the frozen weights' shards into the buffers the compiled blocks read.
+    "compiled_zero3": ((), ("model.multi_stage.zero_stage=3", "training.compile=true")),
 }
 
 
@@ -367,3 +372,37 @@ def test_two_ranks_with_lora_match_one_process(
     assert_same_run(single, double)
     start = load_file(single / "export" / "4" / "model.safetensors")
     assert any("_lora.b" in name and start[name].abs().max() > 0 for name in start)  # trained
+
+
+@pytest.mark.parametrize(
+    "frozen",
+    [(*LORA_ARGS, *MOE), FROZEN],
+    ids=["lora_experts", "freeze"],
+)
+def test_compiled_blocks_train_frozen_weights_and_adapters_as_eager_ones(
+    dataset: Path, tmp_path: Path, frozen: tuple[str, ...]
+) -> None:
+    # LoRA (freeze_others) on attention and the experts (grouped matmuls), or `model.freeze`
+    # of the embedding, the head and block 0 (whose input then needs no gradient).
+    options = ("training.train_iters=3", *frozen)
+    eager = trainer(dataset, tmp_path / "eager", *options)
+    compiled = trainer(dataset, tmp_path / "compiled", *options, "training.compile=true")
+    model = compiled.engine.model
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    torch._dynamo.reset()  # the graphs of earlier tests' models count from zero
+    graphs = []
+    # A frame recompiled past dynamo's limit would run eagerly from then on, silently.
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        for micro_batches in itertools.islice(eager.data_loader(), 3):
+            ours, theirs = (run.engine.train_step(micro_batches) for run in (compiled, eager))
+            assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-6)
+            graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] == graphs[-1] > 0  # compiled in the first step, never again
+    expected = dict(eager.engine.model.named_parameters())
+    for name, parameter in model.named_parameters():
+        if parameter.requires_grad:
+            torch.testing.assert_close(parameter, expected[name], rtol=1e-5, atol=1e-6, msg=name)
+        else:
+            assert torch.equal(parameter.detach(), before[name]), name
+    assert any(p.requires_grad for p in model.parameters())
+    assert any(not p.requires_grad for p in model.parameters())

@@ -27,9 +27,12 @@ def grouped_linear(
     torch._grouped_mm for bf16 on CUDA, else in grouped_matmul's kernels; the weight gradient,
     for a sink, in ours (fp32, into the buffer), else as the row products. The reference (a
     loop that waits for the host) is left for tensors TMA cannot load and for torch.compile's
-    tracing of anything but bf16 on CUDA."""
+    tracing of CUDA tensors other than bf16. torch.compile traces torch._grouped_mm on the CPU
+    too: the reference's loop would break the graph at each call, and dynamo would recompile
+    the code after the break for every shape of weight (LoRA's A and B add two per projection)
+    until its recompile limit left the rest uncompiled."""
     if torch.compiler.is_compiling():
-        if _cutlass(x, weight):
+        if _cutlass(x, weight) or x.device.type == "cpu":
             return torch._grouped_mm(x, weight.transpose(1, 2), offs=ends)
         return grouped_linear_reference(x, weight, ends)
     if use_triton(x, weight) and tma_loadable(x, weight):

@@ -176,7 +176,6 @@ _LORA_FROZEN = Condition(
     lambda peft: getattr(peft, "freeze_others", False),  # LoRA's (config.model imports this)
     "model.base_model.peft, LoRA with freeze_others",
 )
-_NOT_YET_FROZEN = "frozen parameters are not yet tested with it"
 _REFERENCES = Condition("reference_models", bool, "reference_models")
 _PREDICTION = Condition(
     "model.base_model.multi_token_prediction",
@@ -209,17 +208,13 @@ _LM_EVAL = Condition(
 
 COMPATIBILITY: tuple[Incompatibility, ...] = (
     *(
-        row
-        for frozen in (_FROZEN, _LORA_FROZEN)
-        for row in (
-            Incompatibility(frozen, _COMPILE, _NOT_YET_FROZEN),
-            Incompatibility(
-                frozen,
-                _DISTRIBUTED_EXPORT,
-                "a distributed export holds the trained shards only; export as fastllm or a "
-                "Hugging Face format",
-            ),
+        Incompatibility(
+            frozen,
+            _DISTRIBUTED_EXPORT,
+            "a distributed export holds the trained shards only; export as fastllm or a "
+            "Hugging Face format",
         )
+        for frozen in (_FROZEN, _LORA_FROZEN)
     ),
     Incompatibility(
         _REFERENCES, _SPLITS, "a reference model runs whole micro-batches through its stages"
