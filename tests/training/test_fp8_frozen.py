@@ -5,7 +5,6 @@ for bit, and ZeRO-3 (their FP8 image gathered) matches one process."""
 
 from __future__ import annotations
 
-import itertools
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -19,7 +18,7 @@ from fastllm.model.parameters import parameter_metas
 from fastllm_kernels.fp8 import gated_mlp, linear, weight
 from fastllm_kernels.fp8.amax_history import WEIGHT
 from tests.training.conftest import Launched, Layout, Script
-from tests.training.test_fp8_training import BF16, RECIPES
+from tests.training.test_fp8_training import BF16, RECIPES, resumed_after_two_steps, step_losses
 from tests.training.test_frozen import FOUR_STEPS
 from tests.training.test_frozen import FROZEN as FROZEN_PREFIX
 from tests.training.test_train_cli import losses
@@ -38,12 +37,6 @@ FROZEN = {
 }
 ONE_FORWARD = ("batch.micro_batch_size=4",)
 """One forward pass a step: trained weights' FP8 copies are dropped after their product."""
-
-
-def _losses(run: Any, steps: int) -> list[float]:
-    return [
-        run.engine.train_step(batch)["loss"] for batch in itertools.islice(run.data_loader(), steps)
-    ]
 
 
 def _spy(monkeypatch: pytest.MonkeyPatch, module: Any, name: str, counts: Counter[int]) -> None:
@@ -70,7 +63,7 @@ def test_frozen_fp8_weights_compute_in_fp8_quantized_once_with_no_weight_gradien
     dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, frozen: str, recipe: str
 ) -> None:
     options = ("training.train_iters=3", *ONE_FORWARD, *BF16, *FROZEN[frozen])
-    bf16 = _losses(trainer(dataset, tmp_path / "bf16", *options), 3)
+    bf16 = step_losses(trainer(dataset, tmp_path / "bf16", *options), 3)
     run = trainer(dataset, tmp_path / "fp8", *options, *RECIPES[recipe])
     metas = parameter_metas(run.engine.model)
     in_fp8 = {
@@ -87,7 +80,7 @@ def test_frozen_fp8_weights_compute_in_fp8_quantized_once_with_no_weight_gradien
     for module in (linear, gated_mlp):
         _spy(monkeypatch, module, "weight_gradient", gradients)
 
-    fp8 = _losses(run, 3)
+    fp8 = step_losses(run, 3)
     assert fp8 != bf16, "the linear layers computed in FP8"
     assert fp8 == pytest.approx(bf16, rel=2e-2)
     for name, parameter in in_fp8.items():
@@ -111,18 +104,11 @@ def test_a_delayed_scaling_run_with_frozen_weights_resumes_bit_for_bit(
     the same scales, the same copies."""
     options = ("training.train_iters=4", *ONE_FORWARD, *BF16, *RECIPES["delayed"])
     options += FROZEN[frozen]
-    straight = _losses(trainer(dataset, tmp_path / "straight", *options), 4)
-    first = trainer(dataset, tmp_path / "first", *options)
-    assert _losses(first, 2) == straight[:2]
-    first.wait_for_checkpoints()
-    checkpoint = first.save_checkpoint()
-    first.wait_for_checkpoints()
-    resumed = trainer(dataset, tmp_path / "second", *options)
-    resumed.load_checkpoint(checkpoint)
+    straight, first, resumed = resumed_after_two_steps(dataset, tmp_path, options)
     history = resumed.engine.fp8_histories.history[:, WEIGHT]
     assert torch.all(history > 0), "every step's entry holds the frozen weights' amax too"
     assert torch.equal(history, first.engine.fp8_histories.history[:, WEIGHT])
-    assert _losses(resumed, 2) == straight[2:]
+    assert step_losses(resumed, 2) == straight[2:]
 
 
 ZERO3 = (*FROZEN_PREFIX, *FOUR_STEPS, BF16[0], *RECIPES["delayed"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -34,10 +35,27 @@ RECIPES = {
 }
 
 
-def _losses(run, steps: int) -> list[float]:
+def step_losses(run, steps: int) -> list[float]:
     return [
         run.engine.train_step(batch)["loss"] for batch in itertools.islice(run.data_loader(), steps)
     ]
+
+
+def resumed_after_two_steps(
+    dataset: Path, tmp_path: Path, options: tuple[str, ...]
+) -> tuple[list[float], Any, Any]:
+    """The 4 losses of an uninterrupted run of `options`; a run stopped after 2 steps (their
+    losses checked against the uninterrupted run's) and checkpointed; and a run that resumed
+    from that checkpoint."""
+    straight = step_losses(trainer(dataset, tmp_path / "straight", *options), 4)
+    first = trainer(dataset, tmp_path / "first", *options)
+    assert step_losses(first, 2) == straight[:2]
+    first.wait_for_checkpoints()
+    checkpoint = first.save_checkpoint()
+    first.wait_for_checkpoints()
+    resumed = trainer(dataset, tmp_path / "second", *options)
+    resumed.load_checkpoint(checkpoint)
+    return straight, first, resumed
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -45,9 +63,9 @@ def test_fp8_recipes_train_close_to_bf16_but_not_identically(
     dataset: Path, tmp_path: Path, recipe: str
 ) -> None:
     options = ("training.train_iters=3", *BF16)
-    bf16 = _losses(trainer(dataset, tmp_path / "bf16", *options), 3)
+    bf16 = step_losses(trainer(dataset, tmp_path / "bf16", *options), 3)
     run = trainer(dataset, tmp_path / recipe, *options, *RECIPES[recipe])
-    fp8 = _losses(run, 3)
+    fp8 = step_losses(run, 3)
     assert fp8 != bf16, "the linear layers computed in FP8"
     assert fp8 == pytest.approx(bf16, rel=2e-2)
 
@@ -78,20 +96,13 @@ def test_an_fp8_run_resumes_bit_for_bit(dataset: Path, tmp_path: Path, recipe: s
     """Current scaling keeps no scale state: a restored run requantizes the restored weights.
     Delayed scaling restores the amax histories (after 2 steps, both entries are set)."""
     options = ("training.train_iters=4", *BF16, *RECIPES[recipe])
-    straight = _losses(trainer(dataset, tmp_path / "straight", *options), 4)
-    first = trainer(dataset, tmp_path / "first", *options)
-    assert _losses(first, 2) == straight[:2]
-    first.wait_for_checkpoints()
-    checkpoint = first.save_checkpoint()
-    first.wait_for_checkpoints()
-    resumed = trainer(dataset, tmp_path / "second", *options)
-    resumed.load_checkpoint(checkpoint)
+    straight, first, resumed = resumed_after_two_steps(dataset, tmp_path, options)
     if recipe == "delayed":
         saved, restored = first.engine.fp8_histories, resumed.engine.fp8_histories
         assert torch.all(saved.history > 0) and all(restored.primed)
         assert torch.equal(restored.history, saved.history)
         assert torch.equal(restored.current, saved.current)
-    assert _losses(resumed, 2) == straight[2:]
+    assert step_losses(resumed, 2) == straight[2:]
 
 
 def test_delayed_scaling_resumes_histories_from_before_the_weights_and_refuses_other_lengths(
@@ -102,7 +113,7 @@ def test_delayed_scaling_resumes_histories_from_before_the_weights_and_refuses_o
     One of another history length is refused, naming its entry."""
     options = ("training.train_iters=3", *BF16, *RECIPES["delayed"])
     first = trainer(dataset, tmp_path / "first", *options)
-    _losses(first, 1)
+    step_losses(first, 1)
     first.wait_for_checkpoints()
     with monkeypatch.context() as patch:
         patch.setattr(
@@ -120,7 +131,7 @@ def test_delayed_scaling_resumes_histories_from_before_the_weights_and_refuses_o
         histories.history[:, :WEIGHT], first.engine.fp8_histories.history[:, :WEIGHT]
     )
     assert not histories.history[:, WEIGHT].any()
-    _losses(resumed, 1)
+    step_losses(resumed, 1)
     assert all(histories.primed) and torch.all(histories.history[:, WEIGHT, 0] > 0)
     longer = trainer(
         dataset, tmp_path / "third", *options, "model.distributed.fp8_amax_history_length=3"

@@ -182,11 +182,21 @@ _PREDICTION = Condition(
     lambda prediction: prediction is not None,
     "model.base_model.multi_token_prediction",
 )
-_DPO = Condition(
-    "model.base_model.head.losses",
-    lambda losses: any(loss.__struct_config__.tag == "dpo" for loss in losses.values()),
-    "model.base_model.head.losses, a dpo loss",
-)
+
+
+def _dpo_loss(predicate: Callable[[Any], bool] = lambda _: True, described: str = "") -> Condition:
+    """A DPO loss among the head's losses (one of which `predicate` holds; `described` says
+    what it holds)."""
+    return Condition(
+        "model.base_model.head.losses",
+        lambda losses: any(
+            loss.__struct_config__.tag == "dpo" and predicate(loss) for loss in losses.values()
+        ),
+        f"model.base_model.head.losses, a dpo loss{described}",
+    )
+
+
+_DPO = _dpo_loss()
 _GRAPHS = "their collectives would break the compiled graphs"
 _OTHER_BLOCK = Condition(
     "model.base_model.transformer.block",
@@ -220,13 +230,9 @@ COMPATIBILITY: tuple[Incompatibility, ...] = (
         _REFERENCES, _SPLITS, "a reference model runs whole micro-batches through its stages"
     ),
     Incompatibility(
-        Condition(
-            "model.base_model.head.losses",
-            lambda losses: any(
-                loss.__struct_config__.tag == "dpo" and loss.reference_log_probs == "precomputed"
-                for loss in losses.values()
-            ),
-            "model.base_model.head.losses, a dpo loss with reference_log_probs=precomputed",
+        _dpo_loss(
+            lambda loss: loss.reference_log_probs == "precomputed",
+            " with reference_log_probs=precomputed",
         ),
         _above_one("model.distributed.pipeline_parallel"),
         "the log-probabilities are computed before training by the whole reference model on "
@@ -296,14 +302,7 @@ COMPATIBILITY: tuple[Incompatibility, ...] = (
         )
     ),
     Incompatibility(
-        Condition(
-            "model.base_model.head.losses",
-            lambda losses: any(
-                loss.__struct_config__.tag == "dpo" and loss.loss_type == "ipo"
-                for loss in losses.values()
-            ),
-            "model.base_model.head.losses, a dpo loss of loss_type ipo",
-        ),
+        _dpo_loss(lambda loss: loss.loss_type == "ipo", " of loss_type ipo"),
         _above_one("model.distributed.sequence_data_parallel"),
         "its length normalization would count the tokens of each answer in this rank's chunk only",
     ),
