@@ -65,11 +65,7 @@ def test_compiled_on_the_cpu_it_traces_grouped_mm_in_one_graph() -> None:
         x, sparse = routed_rows(tokens, 4, 2, 16, 0.0)
         x.requires_grad_()
         used = int(sparse.ends[-1])
-        y = compiled(x, weight, sparse.ends)[:used]
-        grad = torch.randn_like(y)
-        grads = torch.autograd.grad(y, (x, weight), grad)
-        reference = grouped_linear_reference(x, weight, sparse.ends)[:used]
-        expected = torch.autograd.grad(reference, (x, weight), grad)
+        y, reference, grads, expected = _with_reference(compiled, x, weight, sparse.ends)
         assert_close(y, reference, atol=1e-5)
         assert_close(grads[0][:used], expected[0][:used], atol=1e-5)
         assert_close(grads[1], expected[1], atol=1e-5)
@@ -81,12 +77,7 @@ def test_widths_that_tma_cannot_load_take_the_reference() -> None:
     x, sparse = routed_rows(20, 4, 2, 16, 0.0)
     x.requires_grad_()
     weight = torch.randn(4, 6, 16, requires_grad=True)
-    used = int(sparse.ends[-1])
-    y = grouped_linear(x, weight, sparse.ends)[:used]
-    grad = torch.randn_like(y)
-    grads = torch.autograd.grad(y, (x, weight), grad)
-    reference = grouped_linear_reference(x, weight, sparse.ends)[:used]
-    expected = torch.autograd.grad(reference, (x, weight), grad)
+    _, _, grads, expected = _with_reference(grouped_linear, x, weight, sparse.ends)
     assert_close(grads[0], expected[0], atol=1e-5)
     assert_close(grads[1], expected[1], atol=1e-5)
 
@@ -158,3 +149,15 @@ def test_grouped_linear_in_fp32_on_gpu(poisoned_empty) -> None:
     used = int(sparse.ends[-1])
     assert_close(grads[0][:used], expected[0][:used].float(), rtol=1e-4, atol=1e-4)
     assert_close(grads[1], expected[1].float(), rtol=1e-4, atol=1e-3)  # sums of ~256 terms
+
+
+def _with_reference(function, x, weight, ends):
+    """`function`'s product of the used rows and the reference's, and their gradients in x
+    and the weight for one random output gradient."""
+    used = int(ends[-1])
+    y = function(x, weight, ends)[:used]
+    grad = torch.randn_like(y)
+    grads = torch.autograd.grad(y, (x, weight), grad)
+    reference = grouped_linear_reference(x, weight, ends)[:used]
+    expected = torch.autograd.grad(reference, (x, weight), grad)
+    return y, reference, grads, expected
