@@ -53,8 +53,8 @@ def test_running_out_of_memory_in_a_step_is_one_line_with_the_memory_by_kind(
 def test_running_out_of_memory_while_building_offers_only_what_composes(
     dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
 ) -> None:
-    # Compiled blocks cannot offload activations, nor freeze parameters for LoRA: those ways
-    # out are not offered.
+    # Compiled blocks cannot offload activations: that way out is not offered (LoRA, which
+    # compiles, is).
     monkeypatch.setattr(trainer, "build", out_of_memory)
     arguments = train_arguments(
         dataset, tmp_path / "run", "training.train_iters=2", "training.compile=true",
@@ -67,7 +67,8 @@ def test_running_out_of_memory_while_building_offers_only_what_composes(
         "139.81 GiB); while the model's buffers were being made; to use less: "
         "batch.micro_batch_size=1 (now 2), model.multi_stage.zero_stage=3 (now 1) with more "
         "data ranks, model.multi_stage.offload_optimizer=true (now false: the masters and Adam "
-        "moments in host memory)"
+        "moments in host memory), model.base_model.peft={type: lora} (now none: adapters train, "
+        "every other parameter is frozen)"
     )
 
 
