@@ -51,6 +51,9 @@ Measured: warm-up steps excluded, then --steps steps between two synchronization
 
     python bench/dpo_bench.py --out bench/results/dpo_h200 --commit HASH
     python bench/dpo_bench.py --tiny --device cpu --out /tmp/dpo_smoke      # CPU smoke test
+
+--profile: fastllm's GPU kernels in two more steps, by group and the longest, in
+OUT/profile_MODE_fastllm.md (bench/profile_step.py's table).
 """
 
 from __future__ import annotations
@@ -77,6 +80,7 @@ from bench_common import (
     write_json,
     write_random_llama,
 )
+from profile_step import table as profile_table
 from train_bench import (
     PEAK_FLOPS,
     add_run_arguments,
@@ -191,7 +195,7 @@ def fastllm_overrides(args: argparse.Namespace, mode: str, work: Path) -> list[s
         f"batch.sequence_length={sequence_length(args)}",
         f"batch.batch_size={rows}",
         f"batch.micro_batch_size={args.micro_batch or rows}",
-        f"training.train_iters={args.warmup + args.steps}",
+        f"training.train_iters={args.warmup + args.steps + PROFILED_STEPS * args.profile}",
         "training.checkpoint.interval=null",
         "training.export.interval=null",
         *([PRECOMPUTED] if mode == "precomputed" else []),
@@ -273,13 +277,35 @@ def run_fastllm(spec: dict[str, Any]) -> dict[str, Any]:
             seen.update(batch_contents(micro_batches))
         return trainer.engine.train_step(micro_batches)
 
-    _, timing = time_trainer(config, spec["warmup"], spec["steps"], train_step)
+    trainer, timing = time_trainer(config, spec["warmup"], spec["steps"], train_step)
     return {
         "step_contents": seen,
         "precision": "bf16 compute, fp32 master weights, gradients and Adam moments; the "
         "reference in bf16 weights-only buffers",
         **timing,
+        **({"profile": profile_steps(trainer, PROFILED_STEPS)} if spec.get("profile") else {}),
     }
+
+
+PROFILED_STEPS = 2
+"""--profile: steps under torch.profiler after the timed ones."""
+
+
+def profile_steps(trainer: Any, steps: int) -> dict[str, Any]:
+    """The GPU kernels of `steps` more steps, by group and the longest (profile_step.py)."""
+    import torch
+    from profile_step import kernel_summary
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = trainer.distributed.device.type == "cuda"
+    batches = iter(trainer.data_loader())
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            trainer.engine.train_step(next(batches))
+        if cuda:
+            torch.cuda.synchronize()
+    return kernel_summary(prof, steps, cuda, top=40)
 
 
 def batch_contents(micro_batches: list[Any]) -> dict[str, int]:
@@ -418,6 +444,7 @@ def run_one(
     }
     if system == "fastllm":
         spec["overrides"] = fastllm_overrides(args, mode, work)
+        spec["profile"] = args.profile
         refused = refusal(spec["overrides"]) if mode == "precomputed" else None
         if refused is not None:
             print(f"{mode} {system}: skipped, the installed fastllm refuses it: {refused}",
@@ -439,6 +466,8 @@ def run_one(
     run["mode"] = run.pop("model", mode)
     if run["status"] == "ok":
         run.update(summarize(run, step_counts(system, mode, args, inputs["geometry"])))
+    if run.get("profile"):
+        (args.out / f"profile_{mode}_{system}.md").write_text(profile_table(run["profile"]) + "\n")
     write_json(Path(spec["result"]), run)
     print(
         f"  {run['status']}: {fmt(run.get('tokens_per_s'), ',.0f')} tokens/s, "
@@ -588,6 +617,9 @@ def parse_args() -> argparse.Namespace:
         choices=["float32", "bfloat16"],
         default="float32",
         help="TRL's weights (its default float32: fp32 masters under bf16 autocast, as fastllm)",
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="fastllm: its kernels in 2 more steps (profile_*.md)"
     )
     parser.add_argument("--no-liger", dest="liger", action="store_false", help="TRL without Liger")
     add_run_arguments(

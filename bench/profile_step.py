@@ -79,19 +79,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     if args.trace:
         prof.export_chrome_trace(str(args.out / "trace.json"))
     timing = _timeline(trainer, batches, args) if args.timeline and cuda else {}
-    kernels: dict[str, dict[str, float]] = defaultdict(lambda: {"calls": 0, "ms": 0.0})
-    for event in prof.key_averages():
-        time_us = event.device_time_total if cuda else event.self_cpu_time_total
-        if time_us <= 0 or (cuda and event.device_type.name != "CUDA"):
-            continue
-        kernels[event.key]["calls"] += event.count / args.steps
-        kernels[event.key]["ms"] += time_us / 1e3 / args.steps
-    total = sum(k["ms"] for k in kernels.values()) or 1.0
     ops = _operators(prof, args, cuda) if args.ops else []
-    groups: dict[str, float] = defaultdict(float)
-    for name, stats in kernels.items():
-        groups[group_of(name)] += stats["ms"]
-    top = sorted(kernels.items(), key=lambda item: -item[1]["ms"])[: args.top]
     return {
         "benchmark": "profile",
         **commit_info(args.commit),
@@ -99,15 +87,34 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
         "model": args.model,
         "seq": args.seq,
         "micro_batch": trainer.config.batch.micro_batch_size,
+        **kernel_summary(prof, args.steps, cuda, args.top),
+        "operators": ops,
+        **timing,
+    }
+
+
+def kernel_summary(prof: Any, steps: int, cuda: bool, top: int) -> dict[str, Any]:
+    """A profile of `steps` steps by kernel (the `top` longest) and by group, per step."""
+    kernels: dict[str, dict[str, float]] = defaultdict(lambda: {"calls": 0, "ms": 0.0})
+    for event in prof.key_averages():
+        time_us = event.device_time_total if cuda else event.self_cpu_time_total
+        if time_us <= 0 or (cuda and event.device_type.name != "CUDA"):
+            continue
+        kernels[event.key]["calls"] += event.count / steps
+        kernels[event.key]["ms"] += time_us / 1e3 / steps
+    total = sum(k["ms"] for k in kernels.values()) or 1.0
+    groups: dict[str, float] = defaultdict(float)
+    for name, stats in kernels.items():
+        groups[group_of(name)] += stats["ms"]
+    longest = sorted(kernels.items(), key=lambda item: -item[1]["ms"])[:top]
+    return {
         "timed": "device kernels" if cuda else "CPU operators (self time)",
         "ms_per_step": total,
         "groups": {g: {"ms": ms, "share": ms / total} for g, ms in sorted(groups.items())},
         "kernels": [
             {"name": name, "group": group_of(name), **stats, "share": stats["ms"] / total}
-            for name, stats in top
+            for name, stats in longest
         ],
-        "operators": ops,
-        **timing,
     }
 
 
@@ -186,7 +193,7 @@ def table(report: dict[str, Any]) -> str:
         [k["name"][:90], f"{k['ms']:.2f}", f"{100 * k['share']:.1f}"] for k in report["kernels"]
     ]
     text = markdown_table(["group / kernel", "ms per step", "% of step"], rows)
-    if report["operators"]:
+    if report.get("operators"):
         op_rows = [
             [o["op"], " ".join("x".join(map(str, s)) for s in o["shapes"]), f"{o['calls']:.0f}",
              f"{o['ms']:.2f}", "" if o["tflops"] is None else f"{o['tflops']:.0f}"]
