@@ -15,8 +15,10 @@ No kernel of our own: the op picks the fastest existing one for the case.
 Masks: query i sees key j when j <= i (causal), i - window_size < j (window; |i - j| < window
 when not causal), document_ids[b, i] == document_ids[b, j], and with branch_ids (a shared
 prefix: the prompt of a preference pair, branch 0, and its answers, branches 1 and 2, which
-never see each other) branch_ids[b, j] is 0 or branch_ids[b, i]; branches go to flex_attention
-on CUDA and to SDPA with a dense mask elsewhere. Each document must be one
+never see each other) branch_ids[b, j] is 0 or branch_ids[b, i]; branches go to torch's
+varlen flash attention on CUDA where the layout allows (branch_attention.py: each branch with
+its prefix as one causal sequence), else to flex_attention, and to SDPA with a dense mask
+elsewhere (CPU, evaluation's `dense_masks`). Each document must be one
 contiguous run of positions (as packing produces), which is what flash-attn's varlen assumes.
 There may be fewer queries than keys: the queries are then the last positions of the keys (a
 later chunk of a sequence that attends to its earlier chunks' keys too), i and j count key
@@ -35,6 +37,13 @@ import torch
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention
+
+from fastllm_kernels.branch_attention import (
+    branch_attention,
+    branch_plan,
+    has_varlen_flash,
+    varlen_flash,
+)
 
 try:
     from flash_attn import flash_attn_func, flash_attn_varlen_func
@@ -91,6 +100,10 @@ def attention(
     # flex kernel config for head dim 128 at 48 keys (H200).
     flex = q.is_cuda and q.shape[1] >= _FLEX_MIN_KEYS and not _DENSE_MASKS.get()
     if branch_ids is not None:  # only the masked kernels of a mask function know branches
+        if flex and _varlen_branches(q, v, causal, window_size, offset):
+            plan = branch_plan(document_ids, branch_ids)
+            if plan is not None:
+                return branch_attention(q, k, v, plan, scale, varlen_flash)
         if flex:
             return _flex(q, k, v, causal, window_size, document_ids, scale, branch_ids)
         mask = _dense_mask(q, k, causal, window_size, document_ids, branch_ids)
@@ -110,6 +123,14 @@ def attention(
     if mask is None:
         return _sdpa(q, k, v, is_causal=causal, scale=scale)
     return _sdpa(q, k, v, attn_mask=mask, scale=scale)
+
+
+def _varlen_branches(q: Tensor, v: Tensor, causal: bool, window_size, offset: int) -> bool:
+    """Whether shared prefixes can run as causal varlen sequences (branch_attention.py):
+    causal, unwindowed, whole sequences, one head size, a dtype flash takes."""
+    flash_dtype = q.dtype in (torch.float16, torch.bfloat16) and v.shape[3] == q.shape[3]
+    whole = causal and window_size is None and offset == 0
+    return flash_dtype and whole and has_varlen_flash()
 
 
 def attention_reference(

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -234,3 +236,85 @@ def test_each_answer_of_a_pair_attends_as_if_alone_with_its_prompt(device):
     torch.testing.assert_close(
         out[:, prompt], attention_reference(q[:, prompt], k[:, prompt], v[:, prompt], causal=True)
     )
+
+
+def _varlen_reference(q, k, v, cu_seqlens, max_len, scale):
+    """Causal attention of each sequence apart (what torch's varlen flash computes)."""
+    spans = list(itertools.pairwise(cu_seqlens.tolist()))
+    outs = [
+        attention_reference(q[None, s:e], k[None, s:e], v[None, s:e], causal=True, scale=scale)[0]
+        for s, e in spans
+    ]
+    assert max(e - s for s, e in spans) == max_len
+    return torch.cat(outs)
+
+
+def _packed_pairs():
+    """Two rows: pairs of several sizes (prefix 0, answers 1 and 2, the rejected answer's
+    part first), a pair whose parts run 0, 2, 1, a document without answers, padding (-1)."""
+    rows = [
+        [(0, 5), (1, 3), (2, 4), None, (0, 2), (1, 6), (2, 1), None, (-1, 3)],
+        [(0, 7), (2, 2), (1, 5), None, (0, 4), None, (-1, 6)],
+    ]
+    documents, branches = [], []
+    for row in rows:
+        doc, ids, bran = 0, [], []
+        for run in row:
+            if run is None:
+                doc += 1
+                continue
+            ids += [doc] * run[1]
+            bran += [run[0]] * run[1]
+        documents.append(ids)
+        branches.append(bran)
+    assert len(branches[0]) == len(branches[1])
+    return torch.tensor(documents), torch.tensor(branches)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2)])
+def test_shared_prefixes_as_causal_sequences_match_the_mask(heads, kv_heads):
+    from fastllm_kernels.branch_attention import branch_attention, branch_plan
+
+    documents, branches = _packed_pairs()
+    q, k, v = _qkv(2, branches.shape[1], heads, kv_heads, 8)
+    plan = branch_plan(documents, branches)
+    assert plan is not None and branch_plan(documents, branches) is plan  # kept for the layers
+    out = branch_attention(q, k, v, plan, 0.4, _varlen_reference)
+    options = {"document_ids": documents, "branch_ids": branches, "scale": 0.4}
+    expected = attention_reference(q, k, v, **options)
+    torch.testing.assert_close(out, expected)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, [q, k, v], grad_out)
+    for grad, want in zip(grads, torch.autograd.grad(expected, [q, k, v], grad_out), strict=True):
+        torch.testing.assert_close(grad, want)
+
+
+def test_a_prefix_after_a_branch_keeps_the_masked_kernel():
+    from fastllm_kernels.branch_attention import branch_plan
+
+    branches = torch.tensor([[0, 0, 1, 1, 0, 2]])
+    assert branch_plan(None, branches) is None
+    assert branch_plan(None, torch.tensor([[0, 1, 2, 1]])) is None  # branch 1 in two runs
+    assert branch_plan(None, torch.tensor([[0, 0, 1, 2]])) is not None
+
+
+@pytest.mark.gpu
+@cuda
+def test_shared_prefixes_take_varlen_flash_on_gpu(monkeypatch):
+    import fastllm_kernels.attention as module
+    from fastllm_kernels.branch_attention import has_varlen_flash
+
+    if not has_varlen_flash():
+        pytest.skip("this torch has no torch.nn.attention.varlen")
+    documents, branches = _pairs(3, 300, 200, 201, device="cuda")
+    documents[1, 400:] = 1  # a row of two documents: the second one has no prompt
+    q, k, v = _qkv(3, 701, 16, 4, 64, dtype=torch.bfloat16, device="cuda")
+    monkeypatch.setattr(module, "_flex", None)  # any call of it fails
+    options = {"document_ids": documents, "branch_ids": branches, "scale": 0.1}
+    out = attention(q, k, v, **options)
+    expected = attention_reference(q, k, v, **options)
+    assert_close(out, expected, atol=2e-2)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, [q, k, v], grad_out)
+    for grad, want in zip(grads, torch.autograd.grad(expected, [q, k, v], grad_out), strict=True):
+        assert_close(grad, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
