@@ -4,15 +4,15 @@ causal attention over variable-length sequences, on CUDA.
 A document whose prefix (branch 0) is followed by branches 1, 2, … that never see each other
 is, for attention, the sequences `prefix + branch b`, each causal: a branch's query sees the
 whole prefix and its own branch's earlier keys, and a prefix query sees the earlier prefix
-keys, in the first of them. So the queries, keys and values are gathered into those
-sequences (the prefix copied once per branch), run through torch's varlen flash attention
-(`torch.nn.attention.varlen`, causal, grouped-query heads as they are), and each position
-takes its output from its own sequence (a prefix position from the first). The prefix's
-queries are computed once per branch, where only the first counts: for a DPO pair of 512
-prompt and two 512 answers, 14% more attention FLOPs than the masked kernel's, but at
-flash's speed. flex_attention measured 40.8 ms forward and 33.8 backward a step for these
-pairs (8 rows of 1,537 positions, llama-1b, H100, bench/results/h100-4b113bc), some 60
-TFLOP/s. The gathers' backward sums the copies' gradients into the prefix.
+keys. The queries stay where they are, in runs: `prefix + branch 1` (contiguous), then each
+later branch alone; the keys and values of each run are gathered as `prefix + branch` (the
+prefix copied for every branch but the first), and torch's varlen flash attention
+(`torch.nn.attention.varlen`) aligns each run's causal mask to its last key, so a later
+branch's queries see the prefix and their own branch. The output is in the queries' own
+layout; the gather's backward sums the copies' key and value gradients into the prefix. The
+attention FLOPs are the masked kernel's; flex_attention measured 40.8 ms forward and 33.8
+backward a step for DPO pairs of 512 + 512 + 512 tokens (8 rows of 1,537 positions,
+llama-1b, H100, bench/results/h100-4b113bc), some 60 TFLOP/s.
 
 A layout this does not cover (a prefix after a branch, a branch in two runs) returns None
 from `branch_plan`: the caller keeps the masked kernel."""
@@ -28,28 +28,30 @@ import numpy as np
 import torch
 from torch import Tensor
 
-VarlenKernel = Callable[[Tensor, Tensor, Tensor, Tensor, int, float | None], Tensor]
-"""(q, k, v of (tokens, heads, dim), cumulative sequence starts, longest, scale) → causal
-attention of each sequence, (tokens, heads, v's dim)."""
+VarlenKernel = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, int, int, float | None], Tensor]
+"""(q, k, v of (tokens, heads, dim), cumulative query and key starts of the runs, the longest
+of each, scale) → causal attention of each run, aligned to its last key, (q's tokens, heads,
+v's dim)."""
 
 
 @dataclass(frozen=True)
 class BranchPlan:
-    """Where each position of a (batch, seq) layout goes among the causal sequences."""
+    """The query runs of a flat (batch × seq) layout and the keys each run sees."""
 
     gather: Tensor
-    """(sequences' tokens,) int64: the flat (batch × seq) position of each sequence token."""
-    cu_seqlens: Tensor
-    """(sequences + 1,) int32: where each sequence starts among the gathered tokens."""
-    max_len: int
-    scatter: Tensor
-    """(batch × seq,) int64: the gathered token whose output each position takes."""
+    """(keys of all runs,) int64: the flat position of each run's keys, run after run."""
+    cu_queries: Tensor
+    """(runs + 1,) int32: where each run's queries start in the flat layout."""
+    cu_keys: Tensor
+    """(runs + 1,) int32: where each run's keys start in `gather`."""
+    max_queries: int
+    max_keys: int
 
 
 def branch_plan(document_ids: Tensor | None, branch_ids: Tensor) -> BranchPlan | None:
-    """The causal sequences of a layout (module docstring), or None where the mask is not
-    theirs. One host synchronization; the last plan is kept for the same two tensors, which
-    every layer of a forward pass (and the reference model's) is given."""
+    """The runs of a layout (module docstring), or None where the mask is not theirs. One host
+    synchronization; the last plan is kept for the same two tensors, which every layer of a
+    forward pass (and the reference model's) is given."""
     key = (document_ids, branch_ids)
     if _last.matches(key):
         return _last.plan
@@ -65,9 +67,8 @@ def branch_plan(document_ids: Tensor | None, branch_ids: Tensor) -> BranchPlan |
 def _build(documents: np.ndarray | None, branches: np.ndarray, device) -> BranchPlan | None:
     batch, seq = branches.shape
     gather: list[np.ndarray] = []
-    lengths: list[int] = []
-    scatter = np.empty(batch * seq, dtype=np.int64)
-    gathered = 0
+    queries: list[int] = []
+    keys: list[int] = []
     for row in range(batch):
         base = row * seq
         ids = np.zeros(seq, dtype=np.int64) if documents is None else documents[row]
@@ -75,29 +76,31 @@ def _build(documents: np.ndarray | None, branches: np.ndarray, device) -> Branch
             labels = branches[row, start:end]
             runs = [(start + s, start + e) for s, e in _runs(labels)]
             heads = [int(labels[s - start]) for s, _ in runs]
-            prefix = runs[0] if heads[0] == 0 and len(runs) > 1 else None
-            branch_runs = runs[1:] if prefix is not None else runs
-            branch_heads = heads[1:] if prefix is not None else heads
-            if len(runs) > 1 and (0 in branch_heads or len(set(branch_heads)) < len(branch_heads)):
+            if len(runs) > 1 and (0 in heads[1:] or len(set(heads)) < len(heads)):
                 return None  # a prefix after a branch, or a branch in two runs
-            prefix_positions = np.arange(*prefix) if prefix is not None else np.empty(0, np.int64)
-            for index, (s, e) in enumerate(branch_runs):
+            if heads[0] == 0 and len(runs) > 1:  # the prefix runs with the first branch
+                prefix = np.arange(*runs[0])
+                runs = [(runs[0][0], runs[1][1]), *runs[2:]]
+            else:
+                prefix = np.empty(0, dtype=np.int64)
+            for index, (s, e) in enumerate(runs):
                 own = np.arange(s, e)
-                sequence = np.concatenate([prefix_positions, own])
-                gather.append(base + sequence)
-                if index == 0:
-                    scatter[base + prefix_positions] = gathered + np.arange(len(prefix_positions))
-                scatter[base + own] = gathered + len(prefix_positions) + np.arange(len(own))
-                lengths.append(len(sequence))
-                gathered += len(sequence)
-    cu_seqlens = np.zeros(len(lengths) + 1, dtype=np.int32)
-    np.cumsum(lengths, out=cu_seqlens[1:])
+                gather.append(base + (own if index == 0 else np.concatenate([prefix, own])))
+                queries.append(e - s)
+                keys.append(len(gather[-1]))
     return BranchPlan(
         torch.from_numpy(np.concatenate(gather)).to(device, non_blocking=True),
-        torch.from_numpy(cu_seqlens).to(device, non_blocking=True),
-        max(lengths),
-        torch.from_numpy(scatter).to(device, non_blocking=True),
+        _cumulative(queries, device),
+        _cumulative(keys, device),
+        max(queries),
+        max(keys),
     )
+
+
+def _cumulative(lengths: list[int], device) -> Tensor:
+    starts = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=starts[1:])
+    return torch.from_numpy(starts).to(device, non_blocking=True)
 
 
 def _runs(values: np.ndarray) -> list[tuple[int, int]]:
@@ -137,17 +140,27 @@ def branch_attention(
     """q (batch, seq, heads, dim), k and v (batch, seq, kv_heads, ·) → (batch, seq, heads, v's
     dim), each position attending as `plan` lays it out, through `kernel`."""
     batch, seq = q.shape[:2]
-    flat = [t.reshape(batch * seq, *t.shape[2:]).index_select(0, plan.gather) for t in (q, k, v)]
-    out = kernel(*flat, plan.cu_seqlens, plan.max_len, scale)
-    return out.index_select(0, plan.scatter).view(batch, seq, *out.shape[1:])
+    keys = [t.reshape(batch * seq, *t.shape[2:]).index_select(0, plan.gather) for t in (k, v)]
+    out = kernel(
+        q.reshape(batch * seq, *q.shape[2:]), *keys, plan.cu_queries, plan.cu_keys,
+        plan.max_queries, plan.max_keys, scale,
+    )  # fmt: skip
+    return out.view(batch, seq, *out.shape[1:])
 
 
 def varlen_flash(
-    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_len: int, scale: float | None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_queries: Tensor,
+    cu_keys: Tensor,
+    max_queries: int,
+    max_keys: int,
+    scale: float | None,
 ) -> Tensor:
-    """torch's varlen flash attention, causal, whichever of its signatures torch has (2.9's
-    `is_causal`, later `window_size`; `enable_gqa` and `scale` where present: without
-    `enable_gqa` the flash kernel takes fewer key heads as they are)."""
+    """torch's varlen flash attention, causal (aligned to each run's last key), whichever of
+    its signatures torch has (2.9's `is_causal`, later `window_size`; `enable_gqa` and `scale`
+    where present: without `enable_gqa` the flash kernel takes fewer key heads as they are)."""
     from torch.nn.attention.varlen import varlen_attn
 
     options: dict[str, object] = {}
@@ -163,7 +176,7 @@ def varlen_flash(
             options["scale"] = scale
         else:  # the kernel's own scale is head_dim ** -0.5
             q = q * (scale * q.shape[-1] ** 0.5)
-    return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, **options)
+    return varlen_attn(q, k, v, cu_queries, cu_keys, max_queries, max_keys, **options)
 
 
 def _varlen_parameters() -> frozenset[str]:

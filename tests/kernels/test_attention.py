@@ -238,14 +238,16 @@ def test_each_answer_of_a_pair_attends_as_if_alone_with_its_prompt(device):
     )
 
 
-def _varlen_reference(q, k, v, cu_seqlens, max_len, scale):
-    """Causal attention of each sequence apart (what torch's varlen flash computes)."""
-    spans = list(itertools.pairwise(cu_seqlens.tolist()))
+def _varlen_reference(q, k, v, cu_queries, cu_keys, max_queries, max_keys, scale):
+    """Causal attention of each run apart, aligned to its last key (torch's varlen flash)."""
+    queries = list(itertools.pairwise(cu_queries.tolist()))
+    keys = list(itertools.pairwise(cu_keys.tolist()))
     outs = [
-        attention_reference(q[None, s:e], k[None, s:e], v[None, s:e], causal=True, scale=scale)[0]
-        for s, e in spans
+        attention_reference(q[None, s:e], k[None, a:b], v[None, a:b], causal=True, scale=scale)[0]
+        for (s, e), (a, b) in zip(queries, keys, strict=True)
     ]
-    assert max(e - s for s, e in spans) == max_len
+    assert max(e - s for s, e in queries) == max_queries
+    assert max(b - a for a, b in keys) == max_keys
     return torch.cat(outs)
 
 
