@@ -55,11 +55,10 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     dataset = write_random_dataset(
         work / "dataset",
         vocab_size=config.model.base_model.vocab_size,
-        tokens=(args.warmup + args.steps + 1) * 64 * (args.seq + 1),
+        tokens=(args.warmup + args.steps + 1) * 64 * args.accumulate * (args.seq + 1),
         document_length=None,
         seed=0,
     )
-    args.accumulate = 1
     timed_steps = args.steps
     if args.timeline:  # three more windows of `steps` steps: unprofiled, CUDA alone, host + CUDA
         args.steps *= 4
@@ -210,6 +209,7 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(MODELS), default="1b")
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--micro-batch", type=int, default=None)
+    parser.add_argument("--accumulate", type=int, default=1, help="micro-batches a step")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--top", type=int, default=30, help="kernels listed")
