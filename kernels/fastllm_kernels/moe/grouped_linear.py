@@ -48,14 +48,22 @@ def _weight_gradient_into_(
     out: Tensor, grad: Tensor, x: Tensor, ends: Tensor, accumulate: bool
 ) -> None:
     """A grouped weight gradient written (or added) into its fp32 buffer `out`. Our kernel
-    writes it there. To add it, for bf16 on CUDA, CUTLASS's bf16 product and a pass that adds
-    it: on the H200 our kernel's adding was faster on three of the four projections of
-    bench/grouped_gemm_probe.py but 17% slower on Mixtral's second (4.47 against 3.81 ms), and
-    adding in our kernel throughout cost Mixtral training 2.8% (bench/results/h200-987f9b2)."""
-    if accumulate and _cutlass(x, grad):
+    writes it there. To add it, for bf16 on CUDA with many rows an expert, CUTLASS's bf16
+    product and a pass that adds it: on the H200 at 2,048 rows an expert (Mixtral's geometry)
+    our kernel's adding was 17% slower on the second projection (4.47 against 3.81 ms) and cost
+    training 2.8% (bench/results/h200-987f9b2). With fewer rows the pass, 10 bytes a parameter,
+    outweighs the product: at 1,024 rows (the probe's fine-grained geometry) our adding was
+    faster on both projections (1.31 against 1.50 ms, 0.73 against 0.83), and Moonlight's
+    384 rows an expert spent 80 ms of a 555 ms step in the pass, 2.5 times the products'
+    time (bench/results/h100-3186317)."""
+    if accumulate and _cutlass(x, grad) and grad.shape[0] > _ADDING_ROWS * out.shape[0]:
         accumulate_(out, torch._grouped_mm(grad.T, x, offs=ends))
     else:
         grouped_weight_gradient_(out, grad, x, ends, accumulate)
+
+
+_ADDING_ROWS = 1024
+"""Rows an expert (on average) up to which our kernel adds a weight gradient itself."""
 
 
 class _GroupedLinearFunction(torch.autograd.Function):
