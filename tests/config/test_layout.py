@@ -98,19 +98,11 @@ def test_the_step_shape_is_the_layouts_stages_and_micro_batches() -> None:
 
 
 LORA = "model.base_model.peft={type: lora}"
-TEACHER = (
-    "reference_models.teacher.pretrained.path=teacher",
-    "model.base_model.head.losses={kd: {type: distillation}}",
-)
 DPO = (
     "reference_models.reference.pretrained.path=reference",
     "model.base_model.head.losses={dpo: {type: dpo}}",
 )
 IPO = (DPO[0], "model.base_model.head.losses={dpo: {type: dpo, loss_type: ipo}}")
-PRECOMPUTED_DPO = (
-    DPO[0],
-    "model.base_model.head.losses={dpo: {type: dpo, reference_log_probs: precomputed}}",
-)
 LM_EVAL = "training.evaluators.mc.evaluator={type: lm_eval, tasks: [copa]}"
 LATENT = (
     "model.base_model.transformer.head_groups=8",
@@ -168,9 +160,6 @@ ROW_SETTINGS = {
     ("model.freeze", "training.export"):
         ("model.freeze.blocks=[0,1]", "training.export.format=distributed"),
     ("model.base_model.peft", "training.export"): (LORA, "training.export.format=distributed"),
-    ("model.base_model.head.losses", "model.distributed.pipeline_parallel"):
-        (*PRECOMPUTED_DPO, "model.distributed.pipeline_parallel=2"),
-    ("reference_models", "schedule.micro_batch_splits"): (*TEACHER, "schedule.micro_batch_splits=2"),
     ("model.base_model.head.losses", "model.distributed.sequence_data_parallel"):
         (*IPO, "model.distributed.sequence_data_parallel=2"),
     ("model.base_model.transformer.mixer", "model.distributed.sequence_data_parallel"):
@@ -211,13 +200,11 @@ def test_every_row_of_the_compatibility_table_refuses_naming_its_keys(
         for o in overrides
         if o.startswith(("model.distributed.training", "model.base"))
         and o not in (LORA, PREDICTION, LATENT[-1], ODD_LATENT, OTHER_BLOCK)  # the rows' own
-        and not any(o in losses for losses in (TEACHER, DPO, IPO, PRECOMPUTED_DPO))
+        and not any(o in losses for losses in (DPO, IPO))
     ]
     for override in overrides:
         # A reference model needs its loss, and a loss its reference model.
-        together = next(
-            (o for o in (TEACHER, DPO, IPO, PRECOMPUTED_DPO) if override in o), (override,)
-        )
+        together = next((o for o in (DPO, IPO) if override in o), (override,))
         tiny("training.export.format=fastllm", *together, *context)
 
 

@@ -2,7 +2,8 @@
 pairs against DPO's formula on a `transformers` model with each answer computed apart, the
 first step's loss log 2, TRL's metrics logged, preference data refused without DPO, the
 reference's log-probabilities precomputed (the in-step losses, an exact resume, files keyed and
-checked, two data ranks), and two ranks against one process."""
+checked, two data ranks), and two ranks against one process (of the same
+`reference_log_probs`)."""
 
 from __future__ import annotations
 
@@ -445,6 +446,12 @@ DPO_LAYOUTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("model.base_model.transformer.num_layers=4",),
         ("model.distributed.pipeline_parallel=2", "schedule.breadth_first_micro_batches=2"),
     ),
+    # The precomputation runs the reference's stages on their pipeline ranks too, and the
+    # last stage's rank gives the others its log-probabilities.
+    "pipeline_precomputed": (
+        ("model.base_model.transformer.num_layers=4",),
+        ("model.distributed.pipeline_parallel=2", PRECOMPUTED),
+    ),
 }
 
 
@@ -486,8 +493,10 @@ def test_two_ranks_training_dpo_match_one_process(launched, one_process, layout:
     dataset = double.parent / "pairs" / "data"
     from tests.training.test_distillation import logged
 
-    architecture = DPO_LAYOUTS[layout][0]
-    single = one_process(*architecture, *dpo_run(dataset, reference_of(one_process, architecture)))
+    architecture, options = DPO_LAYOUTS[layout]
+    precomputed = tuple(option for option in options if option == PRECOMPUTED)
+    reference = reference_of(one_process, architecture)
+    single = one_process(*architecture, *dpo_run(dataset, reference), *precomputed)
     # The gradient's norm too: AdamW's steps hardly change when it is scaled.
     for key in ("loss", "rewards/margins", "logps/chosen", "grad_norm"):
         expected, got = logged(single, key), logged(double, key)

@@ -212,3 +212,47 @@ def test_micro_sequences_config_errors_name_the_keys(
         trainer(dataset, tmp_path / "bad", *overrides)
     assert error.value.path == key
     assert words in error.value.message
+
+
+def reference_losses(loss: str, root: Path, one_process: Callable[..., Path]) -> tuple[str, ...]:
+    """A DPO (its reference's log-probabilities in the step or precomputed) or a distillation
+    run of the tiny model against its 4-step export."""
+    from tests.training.test_distillation import TEACHER_RUN, distilling
+    from tests.training.test_dpo import PRECOMPUTED, dpo_run, preference_dataset
+
+    reference = one_process(*TEACHER_RUN) / "export" / "4"
+    if loss == "distillation":
+        return distilling(reference)
+    dpo = dpo_run(preference_dataset(root), reference)
+    return (*dpo, PRECOMPUTED) if loss == "dpo_precomputed" else dpo
+
+
+@pytest.mark.parametrize("order", ["whole", "breadth_first"])
+@pytest.mark.parametrize("loss", ["dpo", "dpo_precomputed", "distillation"])
+def test_reference_models_in_pieces_give_the_whole_sequences_losses_and_gradients(
+    dataset: Path, one_process: Callable[..., Path], tmp_path: Path, loss: str, order: str
+) -> None:
+    """The reference model runs the pieces (its own keys and values of the earlier ones),
+    run whole or each piece a unit of the schedule: the teacher's hidden states of each
+    piece, DPO's answers whole over the pieces (its reference's log-probabilities in the
+    step, or precomputed over whole micro-batches), against the micro-batches run whole."""
+    options = reference_losses(loss, tmp_path, one_process)
+    staged = ("schedule.breadth_first_micro_batches=2",) if order == "breadth_first" else ()
+    whole = trainer(dataset, tmp_path / "whole", *options)
+    pieces = trainer(dataset, tmp_path / "pieces", *options, SPLITS_4, *staged)
+    assert pieces.engine.runner.whole == (order == "whole")
+    micro_batches = next(iter(whole.data_loader()))
+    if loss != "distillation":  # an answer in two pieces (the pairs are about 24 tokens long)
+        prepared = whole.engine.batches.prepare(micro_batches)
+        spans = [m.pairs.spans.view(2, 4, -1) for m in prepared if m.pairs is not None]
+        assert any(bool(torch.isin(s[:, 0][s[:, 0] >= 0], s[:, 1]).any()) for s in spans)
+    expected = whole.engine.forward_backward(micro_batches)
+    got = pieces.engine.forward_backward(next(iter(pieces.data_loader())))  # its own table
+    assert got.item() == pytest.approx(expected.item(), rel=1e-5)
+    theirs, ours = whole.engine.runner.named_losses, pieces.engine.runner.named_losses
+    assert sorted(ours) == sorted(theirs)
+    for name, value in theirs.items():  # DPO's margins: differences of sums over the pieces
+        assert float(ours[name]) == pytest.approx(float(value), rel=1e-5, abs=1e-5), name
+    assert_same_gradients(
+        pieces.engine.stages.dense.buffers.grads, whole.engine.stages.dense.buffers.grads
+    )

@@ -176,7 +176,6 @@ _LORA_FROZEN = Condition(
     lambda peft: getattr(peft, "freeze_others", False),  # LoRA's (config.model imports this)
     "model.base_model.peft, LoRA with freeze_others",
 )
-_REFERENCES = Condition("reference_models", bool, "reference_models")
 _PREDICTION = Condition(
     "model.base_model.multi_token_prediction",
     lambda prediction: prediction is not None,
@@ -225,18 +224,6 @@ COMPATIBILITY: tuple[Incompatibility, ...] = (
             "Hugging Face format",
         )
         for frozen in (_FROZEN, _LORA_FROZEN)
-    ),
-    Incompatibility(
-        _REFERENCES, _SPLITS, "a reference model runs whole micro-batches through its stages"
-    ),
-    Incompatibility(
-        _dpo_loss(
-            lambda loss: loss.reference_log_probs == "precomputed",
-            " with reference_log_probs=precomputed",
-        ),
-        _above_one("model.distributed.pipeline_parallel"),
-        "the log-probabilities are computed before training by the whole reference model on "
-        "each rank, outside the pipeline schedule",
     ),
     Incompatibility(
         _LM_EVAL,

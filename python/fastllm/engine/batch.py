@@ -9,7 +9,7 @@ the pieces and the data-parallel split."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -29,8 +29,8 @@ IGNORED = -100
 
 @dataclass(frozen=True)
 class Pairs:
-    """A micro-batch of preference pairs (`data.loader.Batch`; one piece: a pair is never
-    split), what attention, positions and the DPO loss read, on the device."""
+    """A micro-batch of preference pairs (`data.loader.Batch`), what attention, positions and
+    the DPO loss read, on the device."""
 
     parts: Tensor
     """(batch, seq): 0 a pair's prompt, 1 its chosen answer, 2 its rejected one, -1 padding:
@@ -53,6 +53,18 @@ class Pairs:
     """(2 × count,) fp32: the reference's log-probabilities of each pair's chosen and rejected
     answer, when the batch came with them (`Batch.reference_log_probs`)."""
 
+    def piece(self, end: int, length: int) -> Pairs:
+        """Those of the piece of `length` positions that ends at `end`: its positions and
+        spans, and the branch ids of its keys (from the start of the sequences); the pairs
+        still counted in the whole micro-batch (a pair may have tokens in several pieces)."""
+        rows = self.positions.shape[0]
+        return replace(
+            self,
+            parts=self.parts[:, :end],
+            positions=self.positions[:, end - length : end],
+            spans=self.spans.view(rows, -1)[:, end - length : end].reshape(-1),
+        )
+
 
 @dataclass(frozen=True)
 class MicroBatch:
@@ -62,6 +74,20 @@ class MicroBatch:
     """Each piece's trained tokens over those of the global batch (over every data rank)."""
     pairs: Pairs | None = None
     """Preference pairs: their parts, positions and spans."""
+
+    def pairs_of(self, piece: int) -> Pairs | None:
+        """`pairs` as piece `piece` reads them (uncut: the micro-batch's)."""
+        if self.pairs is None or len(self.pieces) == 1:
+            return self.pairs
+        length = self.pieces[piece][0].shape[1]
+        return self.pairs.piece((piece + 1) * length, length)
+
+    def whole(self) -> Piece:
+        """The micro-batch uncut: its pieces joined (the last one's document ids cover all)."""
+        if len(self.pieces) == 1:
+            return self.pieces[0]
+        input_ids, labels, _ = zip(*self.pieces, strict=True)
+        return torch.cat(input_ids, dim=1), torch.cat(labels, dim=1), self.pieces[-1][2]
 
 
 class BatchPreparer:

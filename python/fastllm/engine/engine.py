@@ -273,8 +273,12 @@ class Engine:
     def build_reference(self, name: str) -> ReferenceModel:
         """Reference model `name` of `reference_models`, on the engine's layout, its weights
         loaded: one whose log-probabilities are precomputed, run before training and then
-        dropped (every rank calls it)."""
-        return build_references(self.config, {name}, self.mesh, self.distributed.device)[name]
+        dropped (every rank calls it). Its stages are the trained model's, when its steps run
+        them one at a time (each pipeline rank holding its own)."""
+        num_stages = None if self.runner.whole else self.layout.num_stages
+        return build_references(
+            self.config, {name}, self.mesh, self.distributed.device, num_stages
+        )[name]
 
     def wait_for_weights(self) -> None:
         """Every weight of this rank current: ZeRO-1/2 leave a step's all-gathers in flight

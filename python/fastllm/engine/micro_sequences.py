@@ -93,3 +93,48 @@ class PieceCache:
 
     def update(self, k: Tensor, v: Tensor, layer_index: int) -> tuple[Tensor, Tensor]:
         return self.memory.update(k, v, layer_index, self.index)
+
+
+class AnswerStates:
+    """A micro-batch's final hidden states of its pieces, for the losses that read whole
+    answers: an answer's log-probability sums its tokens, which may fall in several pieces,
+    and DPO's loss of it is no sum over them. They run once, at the last piece, on the
+    states joined; with the reference models' log-probabilities summed over the pieces.
+    Run whole, the pieces are one autograd graph; run stage by stage (`staged`), the earlier
+    pieces' states are leaves cut from their graphs, whose gradients (from the last piece's
+    backward pass, which the schedule runs first) are where their own backward passes start
+    (`backward_root`)."""
+
+    def __init__(self, staged: bool) -> None:
+        self.staged = staged
+        self._states: list[Tensor] = []
+        """The earlier pieces' states, in order (leaves when staged)."""
+        self._own: dict[int, Tensor] = {}
+        """piece → its states in its graph, when staged."""
+        self.log_probs: dict[str, Tensor] = {}
+        """Reference model → its log-probabilities of each answer, summed over the pieces."""
+
+    def keep(self, piece: int, states: Tensor) -> None:
+        """An earlier piece's states (the pieces in order)."""
+        if self.staged and states.requires_grad:
+            self._own[piece] = states
+            states = states.detach().requires_grad_(True)
+        self._states.append(states)
+
+    def add_log_probs(self, name: str, log_probs: Tensor) -> None:
+        """Reference model `name`'s log-probabilities of a piece's tokens of each answer."""
+        earlier = self.log_probs.get(name)
+        self.log_probs[name] = log_probs if earlier is None else earlier + log_probs
+
+    def join(self, states: Tensor) -> Tensor:
+        """The micro-batch's states: the earlier pieces' and the last one's `states`."""
+        return torch.cat([*self._states, states], dim=1)
+
+    def backward_root(self, piece: int) -> tuple[Tensor, Tensor] | None:
+        """An earlier piece's states and the gradient the losses gave them, for its last
+        stage's backward pass (staged); forgets them."""
+        own = self._own.pop(piece, None)
+        if own is None:
+            return None
+        grad = self._states[piece].grad
+        return None if grad is None else (own, grad)

@@ -6,7 +6,9 @@ shards), all of its parameters in weights-only buffers: no gradients, no optimiz
 autograd graph. When the trained model's steps run stage by stage (pipeline parallelism,
 breadth-first micro-batches), a reference's blocks are spread over as many stages, each
 pipeline rank holding its own, and each of its stages runs on a micro-batch just before the
-trained model's same stage does, its output handed on with theirs (`engine.schedule.runner`)."""
+trained model's same stage does, its output handed on with theirs (`engine.schedule.runner`).
+With `schedule.micro_batch_splits`, it runs the trained model's pieces, reading the keys and
+values of the earlier ones, as they do."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from itertools import chain
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import torch
@@ -49,11 +52,13 @@ class ReferenceModel:
         input_ids: Tensor,
         document_ids: Tensor | None,
         pairs: Pairs | None,
+        cache: Any = None,
     ) -> Tensor:
         """Its `stage` (None: the whole model) on `x`: the token ids at the first stage, else
         what the previous stage handed on; a stage gathers its ZeRO-3 weights first (the whole
-        model: its stages' hooks do). Returns the residual stream, or through the last stage
-        its final-normed hidden states."""
+        model: its stages' hooks do). `cache`: the keys and values of the earlier pieces of
+        the micro-batch (`engine.micro_sequences`), its own. Returns the residual stream, or
+        through the last stage its final-normed hidden states."""
         model = self.model
         first, last = 0, len(model.layers) + 1
         if stage is not None:
@@ -63,6 +68,7 @@ class ReferenceModel:
         context = model.context(
             input_ids,
             document_ids=document_ids,
+            cache=cache,
             position_ids=None if pairs is None else pairs.positions,
             branch_ids=None if pairs is None else pairs.parts,
         )

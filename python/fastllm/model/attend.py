@@ -61,5 +61,5 @@ def attend(
     keys, values = cache.update(k.transpose(1, 2), v.transpose(1, 2), layer_index)
     return attention(
         q, keys.transpose(1, 2), values.transpose(1, 2), causal=True, window_size=window_size,
-        document_ids=document_ids, scale=scale,
+        document_ids=document_ids, scale=scale, branch_ids=branch_ids,
     )  # fmt: skip

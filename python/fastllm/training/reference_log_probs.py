@@ -3,9 +3,10 @@ precomputed`, TRL's `precompute_ref_log_probs`).
 
 Before the first step, the reference model runs over every pair of each preference dataset the
 run reads, once: packed samples of the run's sequence length, each data rank its share of them,
-under the run's layout. The (pairs, 2) log-probabilities of the chosen and the rejected answers
-(NaN for pairs longer than the sequence, which no sample holds) are gathered over the data
-ranks by an all-reduce and kept in EXPERIMENT_DIR/cache/reference_log_probs, one file per
+under the run's layout (with pipeline parallelism, the reference's stages on their pipeline
+ranks, as in the step). The (pairs, 2) log-probabilities of the chosen and the rejected
+answers (NaN for pairs longer than the sequence, which no sample holds) are gathered over the
+data ranks, and from the last pipeline stage's, by all-reduces and kept in EXPERIMENT_DIR/cache/reference_log_probs, one file per
 dataset named by a digest of its key: the fingerprints of the dataset's files and of the
 reference model's, the training dtype and the sequence length. Any change gives another file,
 so a stale one is never read; each is written whole under another name and renamed into place.
@@ -154,8 +155,8 @@ def _compute(
 ) -> Tensor:
     """The table of dataset `path`: the reference over packed samples that hold every pair
     that fits the sequence (at least once: one epoch, and the end of a sample of the next),
-    each data rank (each sequence-data group, its chunks) a micro-batch of each step; `stopped`
-    is asked before each step."""
+    each data rank (each sequence-data group, its chunks) a micro-batch of each step, through
+    the reference's stages over the pipeline ranks; `stopped` is asked before each step."""
     config, engine = trainer.config, trainer.engine
     data, device = engine.mesh.data, trainer.distributed.device
     samples_of = engine.mesh.sample_groups  # a sequence-data group shares its samples
@@ -189,17 +190,15 @@ def _compute(
             if stopped():
                 raise BuildStopped(key)
             for micro in engine.batches.prepare(next(steps)):
-                input_ids, labels, documents = micro.pieces[0]
-                assert micro.pairs is not None and micro.pairs.ids is not None
-                states = reference.run(None, input_ids, input_ids, documents, micro.pairs)
-                teacher = reference.teacher(states, labels, micro.pairs, hidden=False)
-                reference.release()
-                assert teacher.log_probs is not None
-                table[micro.pairs.ids.to(device)] = teacher.log_probs.view(-1, 2)
+                log_probs = engine.runner.reference_log_probs(reference, micro)
+                if log_probs is not None:  # the last pipeline stage's rank
+                    assert micro.pairs is not None and micro.pairs.ids is not None
+                    table[micro.pairs.ids.to(device)] = log_probs.view(-1, 2)
     finally:
         steps.close()  # its reading thread
-    if data.size > 1:
-        dist.all_reduce(table, op=dist.ReduceOp.MAX, group=data.group)
+    for group in (data, engine.mesh.pipeline):
+        if group.size > 1:
+            dist.all_reduce(table, op=dist.ReduceOp.MAX, group=group.group)
     return table.masked_fill_(table == -math.inf, math.nan).cpu()
 
 

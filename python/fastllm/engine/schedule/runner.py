@@ -23,7 +23,9 @@ at a time in that order, never batched: Gloo-safe) and waited for at the end of 
 Reference models (`engine.reference`) run in the same steps: each forward step runs their
 same stage first, without autograd, and a forward transfer carries their outputs after the
 trained model's activation, to the same peer (so they add no op to the program); the last
-stage hands their final hidden states to the losses."""
+stage hands their final hidden states to the losses. With pieces, each reference model keeps
+its own keys and values of the earlier pieces, and the losses that read whole answers (DPO)
+run at a micro-batch's last piece (`AnswerStates`)."""
 
 from __future__ import annotations
 
@@ -36,8 +38,13 @@ from torch import Tensor
 
 from fastllm.config.layout import StepShape
 from fastllm.config.model import DistillationLossConfig, DPOLossConfig, LabelLossConfig, Loss
-from fastllm.engine.batch import MicroBatch, Pairs, Piece
-from fastllm.engine.micro_sequences import KeyValueMemory, StagedKeyValueMemory
+from fastllm.engine.batch import MicroBatch, Pairs
+from fastllm.engine.micro_sequences import (
+    AnswerStates,
+    KeyValueMemory,
+    PieceCache,
+    StagedKeyValueMemory,
+)
 from fastllm.engine.model_stages import ModelStages
 from fastllm.engine.reference import ReferenceModel
 from fastllm.engine.schedule.program import Op, Program, Step, build_programs, dependency
@@ -48,6 +55,18 @@ from fastllm.parallel import point_to_point
 from fastllm_kernels.preference import DPO_METRICS
 
 Memory = KeyValueMemory | StagedKeyValueMemory
+
+
+@dataclass
+class _Pieces:
+    """What a micro-batch's pieces leave for the later ones (`engine.micro_sequences`)."""
+
+    memory: Memory
+    """The trained model's keys and values."""
+    references: dict[str, Memory]
+    """Each reference model's."""
+    answers: AnswerStates | None
+    """The final hidden states, when a loss reads whole answers (DPO)."""
 
 
 @dataclass
@@ -93,6 +112,10 @@ class StepRunner:
             if isinstance(loss, DPOLossConfig) and loss.reference_log_probs == "precomputed"
         }
         """The reference models whose log-probabilities come with the batches' pairs."""
+        self._answer_losses = {
+            name for name, loss in self.losses.items() if isinstance(loss, DPOLossConfig)
+        }
+        """The losses that read whole answers: with pieces, run once the last one is through."""
         dpo = any(isinstance(loss, DPOLossConfig) for loss in self.losses.values())
         self.named_keys = [*self.losses, *(DPO_METRICS if dpo else ())]
         """What `named_losses` holds, in a fixed order: the losses, then DPO's metrics."""
@@ -149,22 +172,23 @@ class StepRunner:
     def _global(self, pipeline_rank: int) -> int:
         return dist.get_global_rank(self.pipeline.group, pipeline_rank)
 
-    def _memory(self) -> Memory | None:
-        """A micro-batch's keys and values of its pieces (None without pieces)."""
-        if self.shape.pieces == 1:
-            return None
+    def _memory(self) -> Memory:
         return KeyValueMemory() if self.whole else StagedKeyValueMemory()
 
-    def _context(self, micro_batch: MicroBatch, piece: int, memory: Memory | None) -> Context:
+    def _pieces(self) -> _Pieces | None:
+        """What a micro-batch's pieces share (None without pieces)."""
+        if self.shape.pieces == 1:
+            return None
+        answers = AnswerStates(not self.whole) if self._answer_losses else None
+        return _Pieces(self._memory(), {name: self._memory() for name in self.references}, answers)
+
+    def _context(self, micro_batch: MicroBatch, piece: int, pieces: _Pieces | None) -> Context:
         input_ids, labels, documents = micro_batch.pieces[piece]
-        cache = memory
-        if isinstance(memory, StagedKeyValueMemory):
-            cache = memory.piece(piece, piece * input_ids.shape[1])
-        pairs = micro_batch.pairs  # one piece: a pair is never split
+        pairs = micro_batch.pairs_of(piece)
         return self.model.context(
             input_ids,
             document_ids=documents,
-            cache=cache,
+            cache=None if pieces is None else _cache(pieces.memory, piece, input_ids.shape[1]),
             position_ids=None if pairs is None else pairs.positions,
             branch_ids=None if pairs is None else pairs.parts,
             labels=labels,
@@ -178,7 +202,7 @@ class StepRunner:
         stages, shape = self.stages, self.shape
         assert all(len(m.pieces) == shape.pieces for m in micro_batches)
         program = self._program(len(micro_batches))
-        memories: dict[int, Memory | None] = {}
+        memories: dict[int, _Pieces | None] = {}
         contexts: dict[tuple[int, int], Context] = {}
         produced: dict[Step, Tensor] = {}
         carried: dict[Step, list[Tensor]] = {}
@@ -216,18 +240,17 @@ class StepRunner:
                 for stage in self._needs(step.stage):
                     stages.wait_for_weights(stage)
                 if m not in memories:
-                    memories[m] = self._memory()
-                memory = memories[m]
-                pieces, weights = micro_batches[m].pieces, micro_batches[m].weights
+                    memories[m] = self._pieces()
+                pieces = memories[m]
                 if step.forward:
                     if (m, p) not in contexts:
-                        contexts[(m, p)] = self._context(micro_batches[m], p, memory)
+                        contexts[(m, p)] = self._context(micro_batches[m], p, pieces)
                     following = computes[position + 1 : position + 2]
                     # The reference models' weights stay gathered for the stage's next forward.
                     keep = [s.stage for s in following if s.forward] == [step.stage]
                     saved[step], value = self._forward(
-                        step, pieces[p], contexts[(m, p)], produced, carried, last, weights[p],
-                        loss_scale, named, micro_batches[m].pairs, keep,
+                        step, micro_batches[m], contexts[(m, p)], produced, carried, last,
+                        loss_scale, named, pieces, keep,
                     )  # fmt: skip
                     loss += value
                 else:
@@ -239,7 +262,7 @@ class StepRunner:
                             self._backward_whole(pending, op.reduce, final)
                             pending = []
                     else:
-                        self._backward(step, saved.pop(forward), produced, op.reduce, memory)
+                        self._backward(step, saved.pop(forward), produced, op.reduce, pieces)
                     if step.stage == first_here:
                         contexts.pop((m, p), None)
                         if p == 0:
@@ -283,31 +306,37 @@ class StepRunner:
     def _forward(
         self,
         step: Step,
-        piece: Piece,
+        micro_batch: MicroBatch,
         context: Context,
         produced: dict[Step, Tensor],
         carried: dict[Step, list[Tensor]],
         last: int,
-        weight: float,
         loss_scale: float,
         named: dict[str, Tensor],
-        pairs: Pairs | None = None,
+        pieces: _Pieces | None = None,
         keep_references: bool = False,
     ) -> tuple[_Saved, Tensor]:
-        """The stage's forward pass, the reference models' same stage first: what it saves,
-        and its weighted loss contribution (the last stage adds each of its losses, and their
-        metrics, weighted, to `named`). `weight`: the piece's share of the trained tokens;
-        `pairs`: its preference pairs; `keep_references`: the reference models' weights stay
+        """The stage's forward pass of `step`'s piece of `micro_batch`, the reference models'
+        same stage first: what it saves, and its weighted loss contribution (the last stage
+        adds each of its losses, and their metrics, weighted, to `named`). `pieces`: what the
+        micro-batch's pieces share; `keep_references`: the reference models' weights stay
         gathered (ZeRO-3) for the stage's next forward pass."""
-        input_ids, labels, documents = piece
+        p = step.piece
+        input_ids, labels, documents = micro_batch.pieces[p]
+        weight, pairs = micro_batch.weights[p], micro_batch.pairs_of(p)
         first_position, last_position = self._positions(step.stage)
         need = dependency(step, self.shape.num_stages)
         # The reference models first: only their outputs are kept.
         inputs = [input_ids] * len(self.references) if need is None else carried.pop(need, [])
+        stage = None if self.whole else step.stage
+        length = input_ids.shape[1]
         outputs = {
-            name: reference.run(None if self.whole else step.stage, x, input_ids, documents, pairs)
+            name: reference.run(
+                stage, x, input_ids, documents, pairs,
+                None if pieces is None else _cache(pieces.references[name], p, length),
+            )
             for (name, reference), x in zip(self.references.items(), inputs, strict=True)
-        }
+        }  # fmt: skip
         leaf = None
         if need is None:
             x = input_ids
@@ -334,21 +363,15 @@ class StepRunner:
             value = value + weight * auxiliary.detach().float()
             auxiliary = auxiliary * (weight * loss_scale)
         if step.stage == last:
+            answers = None if pieces is None else pieces.answers
+            states, losses = out, self.losses
+            if answers is not None:
+                losses = {n: loss for n, loss in losses.items() if n not in self._answer_losses}
             spans = None if pairs is None else pairs.spans
             targets = HeadTargets(labels, teachers, spans)
-            # Each loss weighted by its piece's share of the global batch: of the trained
-            # tokens, or of the preference pairs for DPO.
-            shares = {
-                name: pairs.share if pairs is not None and isinstance(loss, DPOLossConfig)
-                else weight
-                for name, loss in self.losses.items()
-            }  # fmt: skip
-            weights = {name: loss.weight * shares[name] for name, loss in self.losses.items()}
-            out, values, metrics = head_losses(self.model, out, targets, self.losses, weights)
-            for name, v in values.items():
-                named[name] = named.get(name, 0.0) + shares[name] * v.float()
-            for name, v in metrics.items():  # DPO's, averaged over the pairs
-                named[name] = named.get(name, 0.0) + pairs.share * v.detach().float()
+            out = self._losses(states, targets, losses, weight, pairs, named)
+            if answers is not None:
+                out = out + self._answer_losses_of(answers, p, states, teachers, micro_batch, named)
             value = value + out.detach().float()
             saved = _Saved(leaf, out * loss_scale, auxiliary)
         else:
@@ -361,6 +384,61 @@ class StepRunner:
                 reference.release()
         return saved, value
 
+    def _losses(
+        self,
+        states: Tensor,
+        targets: HeadTargets,
+        losses: Mapping[str, Loss],
+        weight: float,
+        pairs: Pairs | None,
+        named: dict[str, Tensor],
+    ) -> Tensor:
+        """`losses` of the final-normed `states`, weighted, summed (each added, and its
+        metrics, to `named`)."""
+        # Each loss weighted by its piece's share of the global batch: of the trained
+        # tokens, or of the preference pairs for DPO.
+        shares = {
+            name: pairs.share if pairs is not None and isinstance(loss, DPOLossConfig) else weight
+            for name, loss in losses.items()
+        }
+        weights = {name: loss.weight * shares[name] for name, loss in losses.items()}
+        total, values, metrics = head_losses(self.model, states, targets, losses, weights)
+        for name, v in values.items():
+            named[name] = named.get(name, 0.0) + shares[name] * v.float()
+        for name, v in metrics.items():  # DPO's, averaged over the pairs
+            assert pairs is not None
+            named[name] = named.get(name, 0.0) + pairs.share * v.detach().float()
+        return total
+
+    def _answer_losses_of(
+        self,
+        answers: AnswerStates,
+        piece: int,
+        states: Tensor,
+        teachers: Mapping[str, Teacher],
+        micro_batch: MicroBatch,
+        named: dict[str, Tensor],
+    ) -> Tensor:
+        """The losses that read whole answers, at the micro-batch's last piece (0 before):
+        the earlier pieces' `states` and the reference models' log-probabilities are kept
+        until then."""
+        for name in self.references:
+            log_probs = teachers[name].log_probs
+            assert log_probs is not None
+            answers.add_log_probs(name, log_probs)
+        if piece < len(micro_batch.pieces) - 1:
+            answers.keep(piece, states)
+            return torch.zeros((), dtype=torch.float32, device=states.device)
+        pairs = micro_batch.pairs
+        assert pairs is not None
+        whole = {
+            name: Teacher(log_probs=log_probs) for name, log_probs in answers.log_probs.items()
+        }
+        whole |= {name: teachers[name] for name in self._precomputed}
+        targets = HeadTargets(micro_batch.whole()[1], whole, pairs.spans)
+        losses = {name: self.losses[name] for name in self._answer_losses}
+        return self._losses(answers.join(states), targets, losses, 1.0, pairs, named)
+
     def _backward_whole(self, forwards: list[_Saved], reduce: bool, final: bool) -> None:
         """One micro-batch's backward pass through the whole model, from its pieces' weighted
         losses; with `reduce`, the gradients are summed over data ranks while it runs, and in
@@ -368,6 +446,8 @@ class StepRunner:
         data rank of a ZeRO-2/3 run)."""
         tensors = [saved.output for saved in forwards]
         tensors += [saved.auxiliary for saved in forwards if saved.auxiliary is not None]
+        # An earlier piece's losses are none when all read whole answers (the last piece's).
+        tensors = [tensor for tensor in tensors if tensor.requires_grad]
         self.stages.arm_reduction(reduce, final, uses=len(forwards))
         torch.autograd.backward(tensors)
         self.stages.finish_backward()
@@ -378,7 +458,7 @@ class StepRunner:
         saved: _Saved,
         produced: dict[Step, Tensor],
         reduce: bool,
-        memory: StagedKeyValueMemory | None,
+        pieces: _Pieces | None,
     ) -> None:
         stages = self.stages
         tensors: list[Tensor] = [saved.output]
@@ -390,12 +470,17 @@ class StepRunner:
         if saved.auxiliary is not None:
             tensors.append(saved.auxiliary)
             grads.append(None)
-        if memory is not None:
+        if pieces is not None:
             first, last = stages.stages[step.stage].positions
             layers = range(max(first, 1) - 1, min(last, self.num_layers))
-            keys_values, their_grads = memory.backward_roots(layers, step.piece)
+            assert isinstance(pieces.memory, StagedKeyValueMemory)
+            keys_values, their_grads = pieces.memory.backward_roots(layers, step.piece)
             tensors += keys_values
             grads += their_grads
+            root = None if pieces.answers is None else pieces.answers.backward_root(step.piece)
+            if root is not None:
+                tensors.append(root[0])
+                grads.append(root[1])
         stages.arm_reduction(reduce)
         # A stage of frozen parameters with nothing trained before it has no backward pass:
         # the gradient it received goes unused.
@@ -406,6 +491,39 @@ class StepRunner:
         if saved.input is not None:
             assert saved.input.grad is not None
             produced[step] = saved.input.grad
+
+    @torch.no_grad()
+    def reference_log_probs(
+        self, reference: ReferenceModel, micro_batch: MicroBatch
+    ) -> Tensor | None:
+        """`reference`'s log-probabilities of each answer of `micro_batch`'s pairs (DPO's,
+        precomputed), its pieces run whole through the reference's stages, one after another
+        over the pipeline ranks (blocking transfers; every rank of the pipeline calls it).
+        On the rank of the last stage; None on the others."""
+        input_ids, labels, documents = micro_batch.whole()
+        pairs, shape, rank = micro_batch.pairs, self.shape, self.pipeline.rank
+        assert pairs is not None
+        states = input_ids
+        for stage in range(shape.num_stages):
+            here = shape.rank_of(stage)
+            previous = shape.rank_of(stage - 1) if stage else here
+            if previous != here and previous == rank:
+                point_to_point.send(states, self._global(here))
+            elif previous != here and here == rank:
+                width = reference.model.config.transformer.hidden_size
+                batch, length = self.activation_shape[0], self.activation_shape[1] * shape.pieces
+                received = torch.empty(
+                    (batch, length, width), dtype=self.stages.compute_dtype, device=states.device
+                )
+                states = point_to_point.recv(received, self._global(previous))
+            if here == rank:
+                whole_or_stage = None if self.whole else stage
+                states = reference.run(whole_or_stage, states, input_ids, documents, pairs)
+        log_probs = None
+        if shape.rank_of(shape.num_stages - 1) == rank:
+            log_probs = reference.teacher(states, labels, pairs, hidden=False).log_probs
+        reference.release()
+        return log_probs
 
     @torch.no_grad()
     def evaluate(
@@ -422,10 +540,9 @@ class StepRunner:
         for m, micro_batch in enumerate(micro_batches):
             if stop is not None and stop():
                 return None
-            pieces, weights = micro_batch.pieces, micro_batch.weights
-            memory = self._memory()
-            for p, piece in enumerate(pieces):
-                context = self._context(micro_batch, p, memory)
+            pieces = self._pieces()
+            for p in range(len(micro_batch.pieces)):
+                context = self._context(micro_batch, p, pieces)
                 produced: dict[Step, Tensor] = {}
                 carried: dict[Step, list[Tensor]] = {}
                 for stage in range(shape.num_stages):
@@ -444,10 +561,16 @@ class StepRunner:
                     for needed in self._needs(stage):
                         stages.wait_for_weights(needed)
                     _, value = self._forward(
-                        step, piece, context, produced, carried, last, weights[p], 1.0, named,
-                        micro_batch.pairs,
-                    )  # fmt: skip
+                        step, micro_batch, context, produced, carried, last, 1.0, named, pieces
+                    )
                     loss += value
                     stages.release_weights()
         self.named_losses = named
         return loss
+
+
+def _cache(memory: Memory, piece: int, length: int) -> Memory | PieceCache:
+    """The model's `cache` for `piece` (of `length` positions) of a micro-batch."""
+    if isinstance(memory, StagedKeyValueMemory):
+        return memory.piece(piece, piece * length)
+    return memory
