@@ -53,9 +53,10 @@ def _weight_gradient_into_(
     our kernel's adding was 17% slower on the second projection (4.47 against 3.81 ms) and cost
     training 2.8% (bench/results/h200-987f9b2). With fewer rows the pass, 10 bytes a parameter,
     outweighs the product: at 1,024 rows (the probe's fine-grained geometry) our adding was
-    faster on both projections (1.31 against 1.50 ms, 0.73 against 0.83), and Moonlight's
-    384 rows an expert spent 80 ms of a 555 ms step in the pass, 2.5 times the products'
-    time (bench/results/h100-3186317)."""
+    faster on both projections (1.31 against 1.50 ms, 0.73 against 0.83). Moonlight cut to 6
+    blocks (384 rows an expert, 8 micro-batches a step, H100) spent 80 ms of a 555 ms step in
+    the pass; with our kernel adding, the step's kernels took 506 ms against 521
+    (bench/results/h100-3186317, h100-7272fbd)."""
     if accumulate and _cutlass(x, grad) and grad.shape[0] > _ADDING_ROWS * out.shape[0]:
         accumulate_(out, torch._grouped_mm(grad.T, x, offs=ends))
     else:
