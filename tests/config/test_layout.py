@@ -132,11 +132,6 @@ class OtherBlockConfig(BlockConfig, tag="test_layout_block"):
 
 ODD_LATENT = "model.base_model.transformer.mixer={type: latent_attention, kv_lora_rank: 15}"
 ROW_SETTINGS = {
-    ("training.evaluators", "model.distributed.sequence_tensor_parallel"):
-        (LM_EVAL, "model.distributed.tensor_parallel=2",
-         "model.distributed.sequence_tensor_parallel=true"),
-    ("training.evaluators", "model.distributed.pipeline_parallel"):
-        (LM_EVAL, "model.distributed.pipeline_parallel=2"),
     ("training.evaluators", "model.distributed.sequence_data_parallel"):
         (LM_EVAL, "model.distributed.sequence_data_parallel=2"),
     ("training.evaluators", "model.distributed.expert_parallel"):

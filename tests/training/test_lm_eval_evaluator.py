@@ -1,10 +1,11 @@
 """The lm_eval evaluator inside training (`training.evaluators.NAME.evaluator.type=lm_eval`):
 the test tasks of tests/evaluation run on the model being trained at the evaluator's steps,
 logged as NAME_TASK_METRIC with the numbers `fastllm evaluate` gives on the run's checkpoint
-of the same step; two data-parallel ranks give the numbers of one, also with ZeRO-3, and so do
-tensor ranks (each request's answer, through lm-eval with its samples logged); an evaluation
-leaves the model training and the random generators as they were; bad tasks are refused
-before step 1."""
+of the same step; two data-parallel ranks give the numbers of one, also with ZeRO-3, as two
+pipeline ranks do (the tied head's copy of the embedding refreshed after each step), and so do
+tensor, sequence-tensor and pipeline ranks (each request's answer, through lm-eval with its
+samples logged); an evaluation leaves the model training and the random generators as they
+were; bad tasks are refused before step 1."""
 
 from __future__ import annotations
 
@@ -49,6 +50,8 @@ bootstrap resamples, which the perplexities need)."""
 
 ZERO_3 = ("model.multi_stage.zero_stage=3",)
 TENSOR_PARALLEL = ("model.distributed.tensor_parallel=2",)
+SEQUENCE_TENSOR_PARALLEL = (*TENSOR_PARALLEL, "model.distributed.sequence_tensor_parallel=true")
+PIPELINE_PARALLEL = ("model.distributed.pipeline_parallel=2",)  # a stage (a block) a rank
 ANSWERED = {
     "zero_3": ZERO_3,
     # Steps of breadth-first micro-batches: no forward hooks gather the stages.
@@ -57,9 +60,18 @@ ANSWERED = {
     ),
     "tensor_parallel": TENSOR_PARALLEL,
     "tensor_parallel_zero_3": (*TENSOR_PARALLEL, *ZERO_3),  # on four ranks: two data ranks
+    "sequence_tensor_parallel": SEQUENCE_TENSOR_PARALLEL,
+    "pipeline_parallel": PIPELINE_PARALLEL,
+    "pipeline_parallel_zero_3": (*PIPELINE_PARALLEL, *ZERO_3),  # four ranks: two data ranks
+    "pipeline_sequence_tensor_parallel": (*PIPELINE_PARALLEL, *SEQUENCE_TENSOR_PARALLEL),
 }  # fmt: skip
-"""Layouts on two ranks (four for both tensor and data parallelism) whose answers are compared
-with one process's, by name."""
+"""Layouts whose answers are compared with one process's, by name: on two ranks, or four
+(`FOUR_RANKS`) where two sizes are above one."""
+FOUR_RANKS = {
+    "tensor_parallel_zero_3",
+    "pipeline_parallel_zero_3",
+    "pipeline_sequence_tensor_parallel",
+}
 ANSWERS_SCRIPT = """
 from pathlib import Path
 from tests.training.test_lm_eval_evaluator import ANSWERED, answers
@@ -74,7 +86,7 @@ def layouts(
     source = ANSWERS_SCRIPT.replace("DATASET", repr(str(dataset)))
     scripts = {
         name: Script(
-            4 if name == "tensor_parallel_zero_3" else 2,
+            4 if name in FOUR_RANKS else 2,
             source.replace("EXPERIMENT", repr(str(root / name))).replace("NAME", repr(name)),
         )
         for name in ANSWERED
@@ -82,6 +94,7 @@ def layouts(
     trained = {
         "two_data_ranks": Layout(2, LM_EVAL),
         "two_data_ranks_zero_3": Layout(2, (*LM_EVAL, *ZERO_3)),
+        "two_pipeline_ranks": Layout(2, (*LM_EVAL, *PIPELINE_PARALLEL)),
     }
     return {**trained, **scripts}
 
@@ -105,7 +118,7 @@ def answers(dataset: Path, experiment: Path, *overrides: str) -> dict[str, Any] 
         },
     }
     found = json.loads(json.dumps(found))  # as the file has them: tuples as lists, keys strings
-    if trainer.engine.mesh.tensor.rank == 0:
+    if trainer.engine.mesh.rank == 0:  # under pipeline parallelism, not the last stage's rank
         (experiment / "answers.json").write_text(json.dumps(found))
     return found
 
@@ -137,8 +150,10 @@ def test_the_evaluator_logs_at_its_steps_what_fastllm_evaluate_gives_on_the_chec
     assert logged[4] == {f"tiny_{name}": value for name, value in expected.items()}
 
 
-@pytest.mark.parametrize("layout", ["two_data_ranks", "two_data_ranks_zero_3"])
-def test_two_data_parallel_ranks_log_the_metrics_of_one(
+@pytest.mark.parametrize(
+    "layout", ["two_data_ranks", "two_data_ranks_zero_3", "two_pipeline_ranks"]
+)
+def test_two_ranks_log_the_metrics_of_one(
     launched: dict[str, Launched], one_process: Callable[..., Path], layout: str
 ) -> None:
     two, one = evaluated(launched[layout].succeeded()), evaluated(one_process(*LM_EVAL))
@@ -161,9 +176,12 @@ def test_two_ranks_answer_each_request_as_one_process(
     launched: dict[str, Launched], one_process_answers: dict[str, Any], name: str
 ) -> None:
     """ZeRO-3 on two data ranks, each answering its share of the documents (its own number
-    of forward passes, each gathering the stages of the weights it runs), and tensor
+    of forward passes, each gathering the stages of the weights it runs), tensor
     parallelism (log-probabilities over the vocabulary slices of the head, generation's
-    logits gathered): the same log-likelihoods to 1e-5, the same generated texts."""
+    logits gathered), with sequence-tensor parallelism (rows and generation steps padded to
+    an even length), and pipeline parallelism (each pass through both ranks' stages, the
+    scores and logits sent back from the last stage's rank: the answers checked are the
+    first stage's rank's): the same log-likelihoods to 1e-5, the same generated texts."""
     got = json.loads((launched[name].succeeded() / "answers.json").read_text())
     expected = one_process_answers
     assert got["answers"].keys() == set(TASKS)

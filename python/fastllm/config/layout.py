@@ -238,20 +238,9 @@ COMPATIBILITY: tuple[Incompatibility, ...] = (
         "the log-probabilities are computed before training by the whole reference model on "
         "each rank, outside the pipeline schedule",
     ),
-    Incompatibility(
-        _LM_EVAL,
-        _enabled("model.distributed.sequence_tensor_parallel"),
-        "lm-eval's rows have any length, which sequence-tensor parallelism would split evenly "
-        "over the tensor ranks",
-    ),
     *(
         Incompatibility(_LM_EVAL, _above_one(key), reason)
         for key, reason in (
-            (
-                "model.distributed.pipeline_parallel",
-                "lm-eval's forward passes run every block on each rank, outside the pipeline "
-                "schedule",
-            ),
             (
                 "model.distributed.sequence_data_parallel",
                 "lm-eval's forward passes read whole rows, not the sequence chunks of the "

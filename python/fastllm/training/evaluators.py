@@ -97,11 +97,12 @@ class LossEvaluation(Evaluation):
 
 class LmEvalEvaluation(Evaluation):
     """lm-eval's tasks on the model being trained, in place: its parameters are the engine's
-    buffers (ZeRO-3's shards gathered stage by stage, a tensor rank's slices), under the
-    layouts the compatibility table lets an lm_eval evaluator run with. Each data-parallel rank
-    answers the requests of its share of the documents; the metrics lm-eval gathers to data rank 0 reach every rank. The tokenizer is
-    the one `fastllm prepare` copied into the first training dataset (which exports carry
-    too), so the results are `fastllm evaluate`'s on the run's checkpoint of the same step."""
+    buffers (ZeRO-3's shards gathered stage by stage, a tensor rank's slices, a pipeline
+    rank's stages), under the layouts the compatibility table lets an lm_eval evaluator run
+    with. Each data-parallel rank answers the requests of its share of the documents; the
+    metrics lm-eval gathers to data rank 0 reach every rank. The tokenizer is the one
+    `fastllm prepare` copied into the first training dataset (which exports carry too), so
+    the results are `fastllm evaluate`'s on the run's checkpoint of the same step."""
 
     def __init__(
         self,
