@@ -132,8 +132,6 @@ class OtherBlockConfig(BlockConfig, tag="test_layout_block"):
 
 ODD_LATENT = "model.base_model.transformer.mixer={type: latent_attention, kv_lora_rank: 15}"
 ROW_SETTINGS = {
-    ("training.evaluators", "model.distributed.sequence_data_parallel"):
-        (LM_EVAL, "model.distributed.sequence_data_parallel=2"),
     ("training.evaluators", "model.distributed.expert_parallel"):
         (LM_EVAL, "model.base_model.transformer.num_experts=4",
          "model.base_model.transformer.add_linear_biases=only_attn_qkv",

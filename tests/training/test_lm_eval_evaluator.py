@@ -3,8 +3,8 @@ the test tasks of tests/evaluation run on the model being trained at the evaluat
 logged as NAME_TASK_METRIC with the numbers `fastllm evaluate` gives on the run's checkpoint
 of the same step; two data-parallel ranks give the numbers of one, also with ZeRO-3, as two
 pipeline ranks do (the tied head's copy of the embedding refreshed after each step), and so do
-tensor, sequence-tensor and pipeline ranks (each request's answer, through lm-eval with its
-samples logged); an evaluation leaves the model training and the random generators as they
+tensor, sequence-tensor, pipeline and sequence-data ranks (each request's answer, through
+lm-eval with its samples logged); an evaluation leaves the model training and the random generators as they
 were; bad tasks are refused before step 1."""
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ ZERO_3 = ("model.multi_stage.zero_stage=3",)
 TENSOR_PARALLEL = ("model.distributed.tensor_parallel=2",)
 SEQUENCE_TENSOR_PARALLEL = (*TENSOR_PARALLEL, "model.distributed.sequence_tensor_parallel=true")
 PIPELINE_PARALLEL = ("model.distributed.pipeline_parallel=2",)  # a stage (a block) a rank
+SEQUENCE_DATA_PARALLEL = ("model.distributed.sequence_data_parallel=2",)
 ANSWERED = {
     "zero_3": ZERO_3,
     # Steps of breadth-first micro-batches: no forward hooks gather the stages.
@@ -64,6 +65,11 @@ ANSWERED = {
     "pipeline_parallel": PIPELINE_PARALLEL,
     "pipeline_parallel_zero_3": (*PIPELINE_PARALLEL, *ZERO_3),  # four ranks: two data ranks
     "pipeline_sequence_tensor_parallel": (*PIPELINE_PARALLEL, *SEQUENCE_TENSOR_PARALLEL),
+    "sequence_data_parallel": SEQUENCE_DATA_PARALLEL,
+    # On four ranks: two sequence-data groups, which answer different documents.
+    "sequence_data_parallel_head_tail": (
+        *SEQUENCE_DATA_PARALLEL, "model.distributed.sequence_data_chunking=head_tail",
+    ),
 }  # fmt: skip
 """Layouts whose answers are compared with one process's, by name: on two ranks, or four
 (`FOUR_RANKS`) where two sizes are above one."""
@@ -71,6 +77,7 @@ FOUR_RANKS = {
     "tensor_parallel_zero_3",
     "pipeline_parallel_zero_3",
     "pipeline_sequence_tensor_parallel",
+    "sequence_data_parallel_head_tail",
 }
 ANSWERS_SCRIPT = """
 from pathlib import Path
@@ -179,9 +186,11 @@ def test_two_ranks_answer_each_request_as_one_process(
     of forward passes, each gathering the stages of the weights it runs), tensor
     parallelism (log-probabilities over the vocabulary slices of the head, generation's
     logits gathered), with sequence-tensor parallelism (rows and generation steps padded to
-    an even length), and pipeline parallelism (each pass through both ranks' stages, the
+    an even length), pipeline parallelism (each pass through both ranks' stages, the
     scores and logits sent back from the last stage's rank: the answers checked are the
-    first stage's rank's): the same log-likelihoods to 1e-5, the same generated texts."""
+    first stage's rank's) and sequence-data parallelism (each rank reads its chunks of the
+    rows, their hidden states gathered; generation without the key/value cache): the same
+    log-likelihoods to 1e-5, the same generated texts."""
     got = json.loads((launched[name].succeeded() / "answers.json").read_text())
     expected = one_process_answers
     assert got["answers"].keys() == set(TASKS)

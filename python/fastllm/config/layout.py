@@ -242,11 +242,6 @@ COMPATIBILITY: tuple[Incompatibility, ...] = (
         Incompatibility(_LM_EVAL, _above_one(key), reason)
         for key, reason in (
             (
-                "model.distributed.sequence_data_parallel",
-                "lm-eval's forward passes read whole rows, not the sequence chunks of the "
-                "sequence-data ranks",
-            ),
-            (
                 "model.distributed.expert_parallel",
                 "the experts are split over data ranks that answer different documents, whose "
                 "forward passes the expert all-to-alls would have to pair",

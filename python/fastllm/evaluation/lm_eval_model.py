@@ -61,9 +61,10 @@ class FastLLMLM(TemplateLM):
     `max_length`: the context length (lm-eval's hf backend takes `max_position_embeddings`
     from config.json, else 2048); `batch_size`: rows per forward pass; `eos_token_ids`: the
     tokens that end a generation (the generation config's; default the tokenizer's
-    end-of-sequence). `data`: the data-parallel ranks that split the documents (default: all
-    ranks when torch.distributed is initialized; tensor and pipeline ranks answer the same
-    documents). `stages`: the flat buffers that hold the model's weights (a model being
+    end-of-sequence). `data`: the ranks that split the documents (the mesh's sample groups: its
+    data ranks but those that share sequences under sequence-data parallelism; default: all
+    ranks when torch.distributed is initialized; tensor, pipeline and sequence-data ranks
+    answer the same documents). `stages`: the flat buffers that hold the model's weights (a model being
     trained), whose stages the passes run on their pipeline ranks, gathering their ZeRO-3
     shards."""
 
@@ -98,7 +99,7 @@ class FastLLMLM(TemplateLM):
         self._eos_token_ids = eos
         self._generator: FastLLMForCausalLM | None = None
         self._sharded = (
-            ShardedPasses(stages, self.group)
+            ShardedPasses(stages, stages.mesh.data.group)
             if stages is not None and stages.weights_sharded
             else None
         )
@@ -369,7 +370,7 @@ class FastLLMLM(TemplateLM):
             }
         ids = ids.to(self.device, non_blocking=True)
         with torch.no_grad(), self._in_eval_mode(), dense_masks():
-            return self._passes.hidden_states(ids, self.model.context(ids, **options))
+            return self._passes.hidden_states(ids, **options)
 
     def loglikelihood_rolling(
         self, requests: list[Instance], disable_tqdm: bool = False
@@ -449,7 +450,10 @@ class FastLLMLM(TemplateLM):
         self, ids: Tensor, mask: Tensor, until: list[str], max_gen_toks: int, options: dict
     ) -> Tensor:
         """`generate()` of the `transformers` wrapper, with the hf backend's settings: greedy
-        unless sampling was asked for, each stop sequence a stopping criterion."""
+        unless sampling was asked for, each stop sequence a stopping criterion. Through the
+        key/value cache, but under sequence-data parallelism, whose attention splits every
+        pass's rows over its ranks (a step of one token a row has nothing to split): there
+        each step reads the whole sequence again."""
         if not options.get("do_sample") and options.get("temperature", 0.0) == 0.0:
             options = {**options, "do_sample": False}
             options.pop("temperature", None)
@@ -467,7 +471,7 @@ class FastLLMLM(TemplateLM):
                 stopping_criteria=stopping,
                 eos_token_id=self._eos_token_ids,
                 pad_token_id=self.tokenizer.pad_token_id,
-                use_cache=True,
+                use_cache=not self.model.sequence_data.split,
                 **options,
             )
 

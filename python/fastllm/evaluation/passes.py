@@ -57,15 +57,34 @@ class LayoutPasses:
         """The first block this rank runs, whose cache says how many tokens were generated."""
 
     def padded(self, length: int) -> int:
-        """`length` rounded up to a multiple of the tensor ranks under sequence-tensor
-        parallelism, which splits each row evenly over them."""
-        if not self.tensor.sequence_tensor_parallel:
-            return length
-        return -(-length // self.tensor.size) * self.tensor.size
+        """`length` rounded up to a length that the sequence-data ranks' chunks split evenly,
+        and each chunk the tensor ranks under sequence-tensor parallelism."""
+        sequence_data, multiple = self.model.sequence_data, 1
+        if sequence_data.split:
+            multiple = sequence_data.size * (2 if sequence_data.chunking == "head_tail" else 1)
+        if self.tensor.sequence_tensor_parallel:
+            multiple *= self.tensor.size
+        return -(-length // multiple) * multiple
 
-    def hidden_states(self, input_ids: Tensor, context: Context) -> Tensor | None:
-        """The final-normed hidden states of `input_ids` (batch, a `padded` length) on the
-        rank of the last stage; None on the other pipeline ranks."""
+    def hidden_states(self, input_ids: Tensor, **options: Any) -> Tensor | None:
+        """The final-normed hidden states (batch, length, hidden) of whole rows `input_ids`
+        (batch, a `padded` length) on the rank of the last stage; None on the other pipeline
+        ranks. `options` go to `GPTModel.context`, whole rows too (under sequence-data
+        parallelism each rank reads its chunks of the rows, and their hidden states are
+        gathered)."""
+        sequence_data = self.model.sequence_data
+        if sequence_data.split:
+            input_ids = sequence_data.chunk(input_ids)
+            if options.get("position_ids") is not None:
+                options["position_ids"] = sequence_data.chunk(options["position_ids"])
+        hidden = self._run_stages(input_ids, self.model.context(input_ids, **options))
+        if hidden is None or not sequence_data.split:
+            return hidden
+        return self._whole_rows(hidden)
+
+    def _run_stages(self, input_ids: Tensor, context: Context) -> Tensor | None:
+        """The final-normed hidden states of `input_ids` (this rank's chunks of the rows) on
+        the rank of the last stage; None on the other pipeline ranks."""
         x, last = input_ids, len(self.positions) - 1
         for stage, (first, end) in enumerate(self.positions):
             rank = self.ranks[stage]
@@ -111,8 +130,10 @@ class LayoutPasses:
         batch, length = input_ids.shape
         pad = self.padded(length) - length
         position_ids = None
-        if document_ids is None:  # the cache of layer 0 is another rank's under the pipeline
-            start = 0 if cache is None else cache.get_seq_length(self.first_block)
+        if cache is not None and document_ids is None:
+            # After the cached positions, which layer 0's cache (another pipeline rank's
+            # maybe) would give.
+            start = cache.get_seq_length(self.first_block)
             position_ids = torch.arange(start, start + length + pad, device=input_ids.device)
         if pad:
             input_ids = F.pad(input_ids, (0, pad))
@@ -120,10 +141,9 @@ class LayoutPasses:
                 document_ids = F.pad(document_ids, (0, pad), value=1)
             if cache is not None:
                 cache = _RealPositionsCached(cache, length)
-        context = self.model.context(
+        hidden = self.hidden_states(
             input_ids, document_ids=document_ids, position_ids=position_ids, cache=cache
         )
-        hidden = self.hidden_states(input_ids, context)
         kept = logits_to_keep if logits_to_keep > 0 else length
         logits = None
         if hidden is not None:
@@ -132,6 +152,22 @@ class LayoutPasses:
                 logits = gathered_vocabulary(logits, self.tensor)
         vocab = self.model.config.vocab_size
         return self.from_last_stage(logits, (batch, kept, vocab)).to(self.dtype)
+
+    def _whole_rows(self, hidden: Tensor) -> Tensor:
+        """The rows' hidden states (batch, length, hidden) from each sequence-data rank's
+        chunks of them (batch, length / ranks, hidden)."""
+        sequence_data, local = self.model.sequence_data, hidden.shape[1]
+        gathered = hidden.new_empty((sequence_data.size, *hidden.shape))
+        dist.all_gather_into_tensor(
+            gathered.view(-1), hidden.contiguous().view(-1), group=sequence_data.group
+        )
+        whole = hidden.new_empty((hidden.shape[0], local * sequence_data.size, hidden.shape[2]))
+        for rank in range(sequence_data.size):
+            offset = 0
+            for start, end in sequence_data.spans_of(rank, local):
+                whole[:, start:end] = gathered[rank, :, offset : offset + end - start]
+                offset += end - start
+        return whole
 
     def _stream_shape(self, input_ids: Tensor) -> tuple[int, int, int]:
         """The residual stream between stages: the rows' chunk of this tensor rank under

@@ -147,7 +147,7 @@ class LmEvalEvaluation(Evaluation):
                 batch_size=config.batch_size,
                 max_gen_toks=config.max_gen_toks,
                 eos_token_ids=generation_eos(directory),
-                data=engine.mesh.data,
+                data=engine.mesh.sample_groups,  # a sequence-data group shares its documents
                 stages=engine.stages,
             )
             self._ready = lm, manager
