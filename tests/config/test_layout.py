@@ -111,7 +111,6 @@ PRECOMPUTED_DPO = (
     DPO[0],
     "model.base_model.head.losses={dpo: {type: dpo, reference_log_probs: precomputed}}",
 )
-LM_EVAL = "training.evaluators.mc.evaluator={type: lm_eval, tasks: [copa]}"
 LATENT = (
     "model.base_model.transformer.head_groups=8",
     "model.base_model.transformer.window_size=null",
@@ -132,10 +131,6 @@ class OtherBlockConfig(BlockConfig, tag="test_layout_block"):
 
 ODD_LATENT = "model.base_model.transformer.mixer={type: latent_attention, kv_lora_rank: 15}"
 ROW_SETTINGS = {
-    ("training.evaluators", "model.distributed.expert_parallel"):
-        (LM_EVAL, "model.base_model.transformer.num_experts=4",
-         "model.base_model.transformer.add_linear_biases=only_attn_qkv",
-         "model.distributed.expert_parallel=2"),
     ("training.compile", "model.distributed.tensor_parallel"):
         ("training.compile=true", "model.distributed.tensor_parallel=2"),
     ("training.compile", "model.distributed.sequence_data_parallel"):

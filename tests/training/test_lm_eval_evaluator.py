@@ -3,8 +3,8 @@ the test tasks of tests/evaluation run on the model being trained at the evaluat
 logged as NAME_TASK_METRIC with the numbers `fastllm evaluate` gives on the run's checkpoint
 of the same step; two data-parallel ranks give the numbers of one, also with ZeRO-3, as two
 pipeline ranks do (the tied head's copy of the embedding refreshed after each step), and so do
-tensor, sequence-tensor, pipeline and sequence-data ranks (each request's answer, through
-lm-eval with its samples logged); an evaluation leaves the model training and the random generators as they
+tensor, sequence-tensor, pipeline, sequence-data and expert ranks (each request's answer,
+through lm-eval with its samples logged); an evaluation leaves the model training and the random generators as they
 were; bad tasks are refused before step 1."""
 
 from __future__ import annotations
@@ -53,6 +53,11 @@ TENSOR_PARALLEL = ("model.distributed.tensor_parallel=2",)
 SEQUENCE_TENSOR_PARALLEL = (*TENSOR_PARALLEL, "model.distributed.sequence_tensor_parallel=true")
 PIPELINE_PARALLEL = ("model.distributed.pipeline_parallel=2",)  # a stage (a block) a rank
 SEQUENCE_DATA_PARALLEL = ("model.distributed.sequence_data_parallel=2",)
+MIXTURE = (
+    "model.base_model.transformer.num_experts=4",
+    "model.base_model.transformer.num_experts_per_token=2",
+    "model.base_model.transformer.add_linear_biases=only_attn_qkv",
+)
 ANSWERED = {
     "zero_3": ZERO_3,
     # Steps of breadth-first micro-batches: no forward hooks gather the stages.
@@ -70,7 +75,12 @@ ANSWERED = {
     "sequence_data_parallel_head_tail": (
         *SEQUENCE_DATA_PARALLEL, "model.distributed.sequence_data_chunking=head_tail",
     ),
+    "expert_parallel": (*MIXTURE, "model.distributed.expert_parallel=2"),
+    # On four ranks: two expert groups, which answer different documents, with ZeRO-3.
+    "expert_parallel_zero_3": (*MIXTURE, "model.distributed.expert_parallel=2", *ZERO_3),
 }  # fmt: skip
+MODELS = {"expert_parallel": MIXTURE, "expert_parallel_zero_3": MIXTURE}
+"""The model of a layout whose one-process run is not the default model's, by name."""
 """Layouts whose answers are compared with one process's, by name: on two ranks, or four
 (`FOUR_RANKS`) where two sizes are above one."""
 FOUR_RANKS = {
@@ -78,6 +88,7 @@ FOUR_RANKS = {
     "pipeline_parallel_zero_3",
     "pipeline_sequence_tensor_parallel",
     "sequence_data_parallel_head_tail",
+    "expert_parallel_zero_3",
 }
 ANSWERS_SCRIPT = """
 from pathlib import Path
@@ -172,15 +183,27 @@ def test_two_ranks_log_the_metrics_of_one(
 
 
 @pytest.fixture(scope="module")
-def one_process_answers(dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    found = answers(dataset, tmp_path_factory.mktemp("answers"))
-    assert found is not None
-    return found
+def one_process_answers(
+    dataset: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[tuple[str, ...]], dict[str, Any]]:
+    """The one-process answers of the model of overrides `model`, made at the first call."""
+    found: dict[tuple[str, ...], dict[str, Any]] = {}
+
+    def of(model: tuple[str, ...]) -> dict[str, Any]:
+        if model not in found:
+            answered = answers(dataset, tmp_path_factory.mktemp("answers"), *model)
+            assert answered is not None
+            found[model] = answered
+        return found[model]
+
+    return of
 
 
 @pytest.mark.parametrize("name", list(ANSWERED))
 def test_two_ranks_answer_each_request_as_one_process(
-    launched: dict[str, Launched], one_process_answers: dict[str, Any], name: str
+    launched: dict[str, Launched],
+    one_process_answers: Callable[[tuple[str, ...]], dict[str, Any]],
+    name: str,
 ) -> None:
     """ZeRO-3 on two data ranks, each answering its share of the documents (its own number
     of forward passes, each gathering the stages of the weights it runs), tensor
@@ -189,10 +212,11 @@ def test_two_ranks_answer_each_request_as_one_process(
     an even length), pipeline parallelism (each pass through both ranks' stages, the
     scores and logits sent back from the last stage's rank: the answers checked are the
     first stage's rank's) and sequence-data parallelism (each rank reads its chunks of the
-    rows, their hidden states gathered; generation without the key/value cache): the same
-    log-likelihoods to 1e-5, the same generated texts."""
+    rows, their hidden states gathered; generation without the key/value cache), and expert
+    parallelism (the ranks of an expert group answer the same documents, so that their
+    all-to-alls pair): the same log-likelihoods to 1e-5, the same generated texts."""
     got = json.loads((launched[name].succeeded() / "answers.json").read_text())
-    expected = one_process_answers
+    expected = one_process_answers(MODELS.get(name, ()))
     assert got["answers"].keys() == set(TASKS)
     assert got["metrics"].keys() == expected["metrics"].keys()
     for metric, value in expected["metrics"].items():

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from fastllm.config.evaluation import LmEvalEvaluatorConfig
 from fastllm.config.section import ConfigError
 
 if TYPE_CHECKING:
@@ -208,13 +207,6 @@ _DISTRIBUTED_EXPORT = Condition(
     lambda export: export.interval is not None and export.format == "distributed",
     "training.export.format=distributed with an interval",
 )
-_LM_EVAL = Condition(
-    "training.evaluators",
-    lambda evaluators: any(
-        isinstance(e.evaluator, LmEvalEvaluatorConfig) for e in evaluators.values()
-    ),
-    "training.evaluators, an lm_eval evaluator",
-)
 
 COMPATIBILITY: tuple[Incompatibility, ...] = (
     *(
@@ -237,16 +229,6 @@ COMPATIBILITY: tuple[Incompatibility, ...] = (
         _above_one("model.distributed.pipeline_parallel"),
         "the log-probabilities are computed before training by the whole reference model on "
         "each rank, outside the pipeline schedule",
-    ),
-    *(
-        Incompatibility(_LM_EVAL, _above_one(key), reason)
-        for key, reason in (
-            (
-                "model.distributed.expert_parallel",
-                "the experts are split over data ranks that answer different documents, whose "
-                "forward passes the expert all-to-alls would have to pair",
-            ),
-        )
     ),
     *(
         Incompatibility(_PREDICTION, other, reason)

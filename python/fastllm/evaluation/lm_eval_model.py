@@ -61,10 +61,10 @@ class FastLLMLM(TemplateLM):
     `max_length`: the context length (lm-eval's hf backend takes `max_position_embeddings`
     from config.json, else 2048); `batch_size`: rows per forward pass; `eos_token_ids`: the
     tokens that end a generation (the generation config's; default the tokenizer's
-    end-of-sequence). `data`: the ranks that split the documents (the mesh's sample groups: its
-    data ranks but those that share sequences under sequence-data parallelism; default: all
-    ranks when torch.distributed is initialized; tensor, pipeline and sequence-data ranks
-    answer the same documents). `stages`: the flat buffers that hold the model's weights (a model being
+    end-of-sequence). `data`: the ranks that split the documents (the mesh's document groups:
+    its data ranks but those of one sequence-data or expert group, which answer the same
+    documents as tensor and pipeline ranks do; default: all ranks when torch.distributed is
+    initialized). `stages`: the flat buffers that hold the model's weights (a model being
     trained), whose stages the passes run on their pipeline ranks, gathering their ZeRO-3
     shards."""
 

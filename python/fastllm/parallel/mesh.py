@@ -5,14 +5,15 @@ Ranks are ordered tensor → data → pipeline (Fast-LLM's order): global rank
 = tensor_rank + tensor_size × (data_rank + data_size × pipeline_rank), so the ranks of one
 tensor group are neighbours (one node, the fastest links) and pipeline ranks are farthest
 apart. A dimension of size 1 has no group: nothing is communicated over it. Sequence-data
-parallelism adds two sub-groups of the data dimension: consecutive data ranks that share each
-sequence (sequence_data), and the data ranks of one sequence-data rank across those groups
-(every S-th: the sample groups, as lm-eval's ranks, which answer different documents). Expert
-parallelism adds two: consecutive data ranks that split the experts among them (expert), and
-the data ranks that hold the same experts (expert_data, every E-th)."""
+parallelism adds a sub-group of the data dimension: consecutive data ranks that share each
+sequence. Expert parallelism adds two: consecutive data ranks that split the experts among
+them (expert), and the data ranks that hold the same experts (expert_data, every E-th). With
+either, lm-eval's documents are split over the blocks of data ranks that both make up
+(document_groups)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 import torch.distributed as dist
@@ -39,18 +40,17 @@ class ParallelMesh:
     expert_data: Dimension = field(default_factory=Dimension)
     """The data ranks that hold the same experts (one per expert group): ZeRO shards the
     expert parameters over them and sums their gradients."""
-    sample_group: dist.ProcessGroup | None = None
-    """With sequence-data parallelism: the data ranks of this rank's sequence-data rank, one
-    in each sequence-data group (every S-th), which load different samples."""
+    document_groups: Dimension | None = None
+    """The data dimension as lm-eval splits its documents: one rank per block of consecutive
+    data ranks that answer the same ones (a sequence-data group shares each sequence; the
+    all-to-alls of an expert group pair every forward pass of its ranks), this rank in the
+    group of the blocks' ranks at its place (every B-th); None: the data dimension."""
 
     @property
     def sample_groups(self) -> Dimension:
-        """The data dimension as the data loader sees it: one rank per sequence-data group
-        (this rank in the group of the sequence-data groups' ranks that hold its chunks)."""
+        """The data dimension as the data loader sees it: one rank per sequence-data group."""
         sdp = self.sequence_data.size
-        if sdp == 1:
-            return self.data
-        return Dimension(self.data.size // sdp, self.data.rank // sdp, self.sample_group)
+        return Dimension(self.data.size // sdp, self.data.rank // sdp, None)
 
     @staticmethod
     def single() -> ParallelMesh:
@@ -77,7 +77,8 @@ def build_mesh(layout: RunLayout, rank: int) -> ParallelMesh:
     sequence_data = _data_blocks(layout.sequence_data, sizes, coordinates)
     expert = _data_blocks(layout.expert, sizes, coordinates)
     expert_data = _data_strides(layout.expert, sizes, coordinates)
-    samples = _data_strides(layout.sequence_data, sizes, coordinates)
+    block = math.lcm(layout.sequence_data, layout.expert)
+    documents = None if block == 1 else _data_strides(block, sizes, coordinates)
     return ParallelMesh(
         world_size,
         rank,
@@ -97,7 +98,7 @@ def build_mesh(layout: RunLayout, rank: int) -> ParallelMesh:
         ),
         expert,
         expert_data,
-        samples.group,
+        documents,
     )
 
 

@@ -140,6 +140,7 @@ class LmEvalEvaluation(Evaluation):
             )
             manager = task_manager(config, key)
             engine = self._trainer.engine
+            documents = engine.mesh.document_groups
             lm = FastLLMLM(
                 engine.model,
                 tokenizer,
@@ -147,7 +148,7 @@ class LmEvalEvaluation(Evaluation):
                 batch_size=config.batch_size,
                 max_gen_toks=config.max_gen_toks,
                 eos_token_ids=generation_eos(directory),
-                data=engine.mesh.sample_groups,  # a sequence-data group shares its documents
+                data=engine.mesh.data if documents is None else documents,
                 stages=engine.stages,
             )
             self._ready = lm, manager
