@@ -2,13 +2,17 @@
 
 Under sequence-tensor parallelism a pass's rows are padded at the end to a length the tensor
 ranks divide: padding after a causal row changes none of its positions, and a generation
-step's padded keys and values are read in that step only, never cached. Under pipeline
+step's padded keys and values are read in that step only, never cached. Under sequence-data
+parallelism the rows are padded to a length its chunks split evenly, each rank runs its
+chunks, and the final hidden states are all-gathered over the group (a generation step
+reads the whole sequence: the attention of these ranks splits it, so no cache). Under pipeline
 parallelism a pass runs through the stages in order, each on its pipeline rank, the residual
 stream sent from one stage's rank to the next one's; what the last stage computes (scores, a
 generation step's logits) is broadcast from its rank to the other pipeline ranks, so that
-every rank gives lm-eval the same answers. The pipeline ranks of one data rank answer the same
-documents, so they run the same passes in the same order. Under ZeRO-3 each stage's weights
-are gathered as it runs."""
+every rank gives lm-eval the same answers. The tensor, pipeline, sequence-data and expert
+ranks of one document group answer the same documents, so they run the same passes in the
+same order (which the expert all-to-alls need too). Under ZeRO-3 each stage's weights are
+gathered as it runs."""
 
 from __future__ import annotations
 
@@ -131,8 +135,8 @@ class LayoutPasses:
         pad = self.padded(length) - length
         position_ids = None
         if cache is not None and document_ids is None:
-            # After the cached positions, which layer 0's cache (another pipeline rank's
-            # maybe) would give.
+            # After the cached ones, as the cache of this rank's first block counts them (under
+            # the pipeline, layer 0's may be another rank's).
             start = cache.get_seq_length(self.first_block)
             position_ids = torch.arange(start, start + length + pad, device=input_ids.device)
         if pad:
