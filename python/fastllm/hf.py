@@ -3,6 +3,7 @@ and the rest of the `transformers` tooling work on them."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -52,20 +53,31 @@ class FastLLMForCausalLM(PreTrainedModel, GenerationMixin):
     base_model_prefix = "model"
     _supports_cache_class = True
 
-    def __init__(self, config: FastLLMConfig, model: GPTModel | None = None) -> None:
+    def __init__(
+        self,
+        config: FastLLMConfig,
+        model: GPTModel | None = None,
+        logits: Callable[..., torch.Tensor] | None = None,
+    ) -> None:
         super().__init__(config)
         self.model = (
             model if model is not None else GPTModel(build(BaseModelConfig, config.base_model))
         )
+        self._logits = logits
 
     @classmethod
-    def wrap(cls, model: GPTModel, **config: Any) -> FastLLMForCausalLM:
+    def wrap(
+        cls, model: GPTModel, logits: Callable[..., torch.Tensor] | None = None, **config: Any
+    ) -> FastLLMForCausalLM:
         """`model` as a `transformers` model, on its device and dtype, in eval mode: the weights
-        are shared, not copied. `config` adds or overrides `PretrainedConfig` attributes
-        (`eos_token_id=...`)."""
-        wrapper = cls(FastLLMConfig(msgspec.to_builtins(model.config), **config), model)
-        first = next(model.parameters())
-        return wrapper.to(device=first.device, dtype=first.dtype).eval()
+        are shared, not copied. `logits` computes the logits in its place, taking what its
+        `forward` takes (a model split over pipeline ranks: lm-eval's passes). `config` adds or
+        overrides `PretrainedConfig` attributes (`eos_token_id=...`)."""
+        wrapper = cls(FastLLMConfig(msgspec.to_builtins(model.config), **config), model, logits)
+        parameters = list(model.parameters())
+        if any(p.is_meta for p in parameters):  # other pipeline ranks' stages: not to be moved
+            return wrapper.eval()
+        return wrapper.to(device=parameters[0].device, dtype=parameters[0].dtype).eval()
 
     def get_input_embeddings(self) -> torch.nn.Module:
         return self.model.embeddings
@@ -92,7 +104,7 @@ class FastLLMForCausalLM(PreTrainedModel, GenerationMixin):
         cache = cache if cache is not None else past_key_values  # transformers ≥ 5.24 / older
         if use_cache and cache is None:
             cache = DynamicCache()
-        logits = self.model(
+        logits = (self.model if self._logits is None else self._logits)(
             input_ids,
             cache=cache if use_cache is not False else None,
             logits_to_keep=logits_to_keep,

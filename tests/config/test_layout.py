@@ -103,7 +103,6 @@ DPO = (
     "model.base_model.head.losses={dpo: {type: dpo}}",
 )
 IPO = (DPO[0], "model.base_model.head.losses={dpo: {type: dpo, loss_type: ipo}}")
-LM_EVAL = "training.evaluators.mc.evaluator={type: lm_eval, tasks: [copa]}"
 LATENT = (
     "model.base_model.transformer.head_groups=8",
     "model.base_model.transformer.window_size=null",
@@ -124,17 +123,6 @@ class OtherBlockConfig(BlockConfig, tag="test_layout_block"):
 
 ODD_LATENT = "model.base_model.transformer.mixer={type: latent_attention, kv_lora_rank: 15}"
 ROW_SETTINGS = {
-    ("training.evaluators", "model.distributed.sequence_tensor_parallel"):
-        (LM_EVAL, "model.distributed.tensor_parallel=2",
-         "model.distributed.sequence_tensor_parallel=true"),
-    ("training.evaluators", "model.distributed.pipeline_parallel"):
-        (LM_EVAL, "model.distributed.pipeline_parallel=2"),
-    ("training.evaluators", "model.distributed.sequence_data_parallel"):
-        (LM_EVAL, "model.distributed.sequence_data_parallel=2"),
-    ("training.evaluators", "model.distributed.expert_parallel"):
-        (LM_EVAL, "model.base_model.transformer.num_experts=4",
-         "model.base_model.transformer.add_linear_biases=only_attn_qkv",
-         "model.distributed.expert_parallel=2"),
     ("training.compile", "model.distributed.tensor_parallel"):
         ("training.compile=true", "model.distributed.tensor_parallel=2"),
     ("training.compile", "model.distributed.sequence_data_parallel"):

@@ -149,13 +149,13 @@ def test_requests_of_one_context_share_a_row_and_score_as_alone(model_directory:
     long_context = list(range(100, 100 + CONTEXT))  # cut from the left
     requests = [(None, context, c) for c in continuations] + [(None, long_context, [9, 10])]
     read: list[int] = []
-    hidden_states = model.hidden_states
+    context_of = model.context  # made once a forward pass
 
     def spy(input_ids: torch.Tensor, **kwargs: Any) -> Any:
         read.append(input_ids.shape[0] * input_ids.shape[1])
-        return hidden_states(input_ids, **kwargs)
+        return context_of(input_ids, **kwargs)
 
-    model.hidden_states = spy  # type: ignore[method-assign]
+    model.context = spy  # type: ignore[method-assign]
     ours = lm._loglikelihood_tokens(requests)
     # One row of 5 + 2 + 0 + 1 + 3 tokens (the repeated answer, and the one that differs from
     # another in its last token only, read once), one of 64: one batch.
@@ -163,7 +163,7 @@ def test_requests_of_one_context_share_a_row_and_score_as_alone(model_directory:
     for (_, ctx, continuation), (log_p, greedy) in zip(requests, ours, strict=True):
         tokens = (ctx + continuation)[-(CONTEXT + 1) :]
         with torch.no_grad():
-            logits = hidden_states(torch.tensor([tokens[:-1]]))[0] @ model.head_weight.T
+            logits = model.hidden_states(torch.tensor([tokens[:-1]]))[0] @ model.head_weight.T
         scored = logits[0, -len(continuation) :].log_softmax(-1)
         target = torch.tensor(continuation)
         expected = scored.gather(1, target[:, None]).sum().item()

@@ -1,10 +1,11 @@
 """The lm_eval evaluator inside training (`training.evaluators.NAME.evaluator.type=lm_eval`):
 the test tasks of tests/evaluation run on the model being trained at the evaluator's steps,
 logged as NAME_TASK_METRIC with the numbers `fastllm evaluate` gives on the run's checkpoint
-of the same step; two data-parallel ranks give the numbers of one, also with ZeRO-3, and so do
-tensor ranks (each request's answer, through lm-eval with its samples logged); an evaluation
-leaves the model training and the random generators as they were; bad tasks are refused
-before step 1."""
+of the same step; two data-parallel ranks give the numbers of one, also with ZeRO-3, as two
+pipeline ranks do (the tied head's copy of the embedding refreshed after each step), and so do
+tensor, sequence-tensor, pipeline, sequence-data and expert ranks (each request's answer,
+through lm-eval with its samples logged); an evaluation leaves the model training and the random generators as they
+were; bad tasks are refused before step 1."""
 
 from __future__ import annotations
 
@@ -49,6 +50,14 @@ bootstrap resamples, which the perplexities need)."""
 
 ZERO_3 = ("model.multi_stage.zero_stage=3",)
 TENSOR_PARALLEL = ("model.distributed.tensor_parallel=2",)
+SEQUENCE_TENSOR_PARALLEL = (*TENSOR_PARALLEL, "model.distributed.sequence_tensor_parallel=true")
+PIPELINE_PARALLEL = ("model.distributed.pipeline_parallel=2",)  # a stage (a block) a rank
+SEQUENCE_DATA_PARALLEL = ("model.distributed.sequence_data_parallel=2",)
+MIXTURE = (
+    "model.base_model.transformer.num_experts=4",
+    "model.base_model.transformer.num_experts_per_token=2",
+    "model.base_model.transformer.add_linear_biases=only_attn_qkv",
+)
 ANSWERED = {
     "zero_3": ZERO_3,
     # Steps of breadth-first micro-batches: no forward hooks gather the stages.
@@ -57,9 +66,30 @@ ANSWERED = {
     ),
     "tensor_parallel": TENSOR_PARALLEL,
     "tensor_parallel_zero_3": (*TENSOR_PARALLEL, *ZERO_3),  # on four ranks: two data ranks
+    "sequence_tensor_parallel": SEQUENCE_TENSOR_PARALLEL,
+    "pipeline_parallel": PIPELINE_PARALLEL,
+    "pipeline_parallel_zero_3": (*PIPELINE_PARALLEL, *ZERO_3),  # four ranks: two data ranks
+    "pipeline_sequence_tensor_parallel": (*PIPELINE_PARALLEL, *SEQUENCE_TENSOR_PARALLEL),
+    "sequence_data_parallel": SEQUENCE_DATA_PARALLEL,
+    # On four ranks: two sequence-data groups, which answer different documents.
+    "sequence_data_parallel_head_tail": (
+        *SEQUENCE_DATA_PARALLEL, "model.distributed.sequence_data_chunking=head_tail",
+    ),
+    "expert_parallel": (*MIXTURE, "model.distributed.expert_parallel=2"),
+    # On four ranks: two expert groups, which answer different documents, with ZeRO-3.
+    "expert_parallel_zero_3": (*MIXTURE, "model.distributed.expert_parallel=2", *ZERO_3),
 }  # fmt: skip
-"""Layouts on two ranks (four for both tensor and data parallelism) whose answers are compared
-with one process's, by name."""
+MODELS = {"expert_parallel": MIXTURE, "expert_parallel_zero_3": MIXTURE}
+"""The model of a layout whose one-process run is not the default model's, by name."""
+"""Layouts whose answers are compared with one process's, by name: on two ranks, or four
+(`FOUR_RANKS`) where two sizes are above one."""
+FOUR_RANKS = {
+    "tensor_parallel_zero_3",
+    "pipeline_parallel_zero_3",
+    "pipeline_sequence_tensor_parallel",
+    "sequence_data_parallel_head_tail",
+    "expert_parallel_zero_3",
+}
 ANSWERS_SCRIPT = """
 from pathlib import Path
 from tests.training.test_lm_eval_evaluator import ANSWERED, answers
@@ -74,7 +104,7 @@ def layouts(
     source = ANSWERS_SCRIPT.replace("DATASET", repr(str(dataset)))
     scripts = {
         name: Script(
-            4 if name == "tensor_parallel_zero_3" else 2,
+            4 if name in FOUR_RANKS else 2,
             source.replace("EXPERIMENT", repr(str(root / name))).replace("NAME", repr(name)),
         )
         for name in ANSWERED
@@ -82,6 +112,7 @@ def layouts(
     trained = {
         "two_data_ranks": Layout(2, LM_EVAL),
         "two_data_ranks_zero_3": Layout(2, (*LM_EVAL, *ZERO_3)),
+        "two_pipeline_ranks": Layout(2, (*LM_EVAL, *PIPELINE_PARALLEL)),
     }
     return {**trained, **scripts}
 
@@ -105,7 +136,7 @@ def answers(dataset: Path, experiment: Path, *overrides: str) -> dict[str, Any] 
         },
     }
     found = json.loads(json.dumps(found))  # as the file has them: tuples as lists, keys strings
-    if trainer.engine.mesh.tensor.rank == 0:
+    if trainer.engine.mesh.rank == 0:  # under pipeline parallelism, not the last stage's rank
         (experiment / "answers.json").write_text(json.dumps(found))
     return found
 
@@ -137,8 +168,10 @@ def test_the_evaluator_logs_at_its_steps_what_fastllm_evaluate_gives_on_the_chec
     assert logged[4] == {f"tiny_{name}": value for name, value in expected.items()}
 
 
-@pytest.mark.parametrize("layout", ["two_data_ranks", "two_data_ranks_zero_3"])
-def test_two_data_parallel_ranks_log_the_metrics_of_one(
+@pytest.mark.parametrize(
+    "layout", ["two_data_ranks", "two_data_ranks_zero_3", "two_pipeline_ranks"]
+)
+def test_two_ranks_log_the_metrics_of_one(
     launched: dict[str, Launched], one_process: Callable[..., Path], layout: str
 ) -> None:
     two, one = evaluated(launched[layout].succeeded()), evaluated(one_process(*LM_EVAL))
@@ -150,22 +183,40 @@ def test_two_data_parallel_ranks_log_the_metrics_of_one(
 
 
 @pytest.fixture(scope="module")
-def one_process_answers(dataset: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    found = answers(dataset, tmp_path_factory.mktemp("answers"))
-    assert found is not None
-    return found
+def one_process_answers(
+    dataset: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[tuple[str, ...]], dict[str, Any]]:
+    """The one-process answers of the model of overrides `model`, made at the first call."""
+    found: dict[tuple[str, ...], dict[str, Any]] = {}
+
+    def of(model: tuple[str, ...]) -> dict[str, Any]:
+        if model not in found:
+            answered = answers(dataset, tmp_path_factory.mktemp("answers"), *model)
+            assert answered is not None
+            found[model] = answered
+        return found[model]
+
+    return of
 
 
 @pytest.mark.parametrize("name", list(ANSWERED))
 def test_two_ranks_answer_each_request_as_one_process(
-    launched: dict[str, Launched], one_process_answers: dict[str, Any], name: str
+    launched: dict[str, Launched],
+    one_process_answers: Callable[[tuple[str, ...]], dict[str, Any]],
+    name: str,
 ) -> None:
     """ZeRO-3 on two data ranks, each answering its share of the documents (its own number
-    of forward passes, each gathering the stages of the weights it runs), and tensor
+    of forward passes, each gathering the stages of the weights it runs), tensor
     parallelism (log-probabilities over the vocabulary slices of the head, generation's
-    logits gathered): the same log-likelihoods to 1e-5, the same generated texts."""
+    logits gathered), with sequence-tensor parallelism (rows and generation steps padded to
+    an even length), pipeline parallelism (each pass through both ranks' stages, the
+    scores and logits sent back from the last stage's rank: the answers checked are the
+    first stage's rank's) and sequence-data parallelism (each rank reads its chunks of the
+    rows, their hidden states gathered; generation without the key/value cache), and expert
+    parallelism (the ranks of an expert group answer the same documents, so that their
+    all-to-alls pair): the same log-likelihoods to 1e-5, the same generated texts."""
     got = json.loads((launched[name].succeeded() / "answers.json").read_text())
-    expected = one_process_answers
+    expected = one_process_answers(MODELS.get(name, ()))
     assert got["answers"].keys() == set(TASKS)
     assert got["metrics"].keys() == expected["metrics"].keys()
     for metric, value in expected["metrics"].items():

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from fastllm.config.evaluation import LmEvalEvaluatorConfig
 from fastllm.config.section import ConfigError
 
 if TYPE_CHECKING:
@@ -207,13 +206,6 @@ _DISTRIBUTED_EXPORT = Condition(
     lambda export: export.interval is not None and export.format == "distributed",
     "training.export.format=distributed with an interval",
 )
-_LM_EVAL = Condition(
-    "training.evaluators",
-    lambda evaluators: any(
-        isinstance(e.evaluator, LmEvalEvaluatorConfig) for e in evaluators.values()
-    ),
-    "training.evaluators, an lm_eval evaluator",
-)
 
 COMPATIBILITY: tuple[Incompatibility, ...] = (
     *(
@@ -224,32 +216,6 @@ COMPATIBILITY: tuple[Incompatibility, ...] = (
             "Hugging Face format",
         )
         for frozen in (_FROZEN, _LORA_FROZEN)
-    ),
-    Incompatibility(
-        _LM_EVAL,
-        _enabled("model.distributed.sequence_tensor_parallel"),
-        "lm-eval's rows have any length, which sequence-tensor parallelism would split evenly "
-        "over the tensor ranks",
-    ),
-    *(
-        Incompatibility(_LM_EVAL, _above_one(key), reason)
-        for key, reason in (
-            (
-                "model.distributed.pipeline_parallel",
-                "lm-eval's forward passes run every block on each rank, outside the pipeline "
-                "schedule",
-            ),
-            (
-                "model.distributed.sequence_data_parallel",
-                "lm-eval's forward passes read whole rows, not the sequence chunks of the "
-                "sequence-data ranks",
-            ),
-            (
-                "model.distributed.expert_parallel",
-                "the experts are split over data ranks that answer different documents, whose "
-                "forward passes the expert all-to-alls would have to pair",
-            ),
-        )
     ),
     *(
         Incompatibility(_PREDICTION, other, reason)

@@ -116,11 +116,12 @@ class WeightGatherer:
             self.release(stage)
 
     def before_forward(self, stage: int) -> None:
-        """What `stage`'s forward pass reads gathered, the next stage's on its way, every other
-        stage released."""
+        """What `stage`'s forward pass reads gathered, the next stage's on its way (the next
+        one this pipeline rank runs), every other stage released."""
         if self.held:
             return
-        upcoming = self.needs(stage + 1) if stage < self.last else set()
+        later = [s for s in self.group.owned if s > stage]
+        upcoming = self.needs(later[0]) if later else set()
         self.keep_only(self.needs(stage) | upcoming)
         for needed in sorted(self.needs(stage)):
             self.ensure(needed)
@@ -128,8 +129,9 @@ class WeightGatherer:
             self.prefetch(ahead)
 
     def hold(self) -> None:
-        """Gather every stage and keep them until `release_all`, whatever runs meanwhile."""
-        for stage in range(self.last + 1):
+        """Gather every stage this pipeline rank runs and keep them until `release_all`,
+        whatever runs meanwhile."""
+        for stage in self.group.owned:
             self.ensure(stage)
         self.held = True
 

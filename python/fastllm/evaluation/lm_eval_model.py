@@ -8,8 +8,10 @@ batched, only the scored positions go through the head (no batch of logits), and
 prompts is generated at once, left-padded, through the KV cache. Under torchrun each
 data-parallel rank scores the documents lm-eval gives it, and lm-eval gathers the metrics
 through this class's collectives; a model being trained with ZeRO-3 has its stages gathered
-as the passes run (`sharded_weights`), and a tensor-parallel one scores through the vocabulary
-slices of its head (`scoring`) and generates on its gathered logits."""
+as the passes run (`sharded_weights`), a tensor-parallel one scores through the vocabulary
+slices of its head (`scoring`) and generates on its gathered logits, and one split along the
+sequence over its tensor ranks or into stages over pipeline ranks runs its passes as
+`passes` says."""
 
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from lm_eval.models.utils_hf import stop_sequences_criteria
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from torch import Tensor
 
+from fastllm.evaluation.passes import LayoutPasses
 from fastllm.evaluation.scoring import token_log_probs
 from fastllm.evaluation.sharded_weights import Pass, ShardedPasses
 from fastllm.hf import FastLLMForCausalLM
@@ -46,26 +49,24 @@ if TYPE_CHECKING:
 
     from fastllm.engine.model_stages import ModelStages
 
-SEQUENCE_TENSOR_PARALLEL = (
-    "lm-eval's rows have any length, which sequence-tensor parallelism would split evenly over "
-    "the tensor ranks"
-)
 Scored = tuple[tuple[str, str] | None, list[int], list[int]]
 """lm-eval's tokenized loglikelihood request: (strings, context tokens, continuation tokens)."""
 
 
 class FastLLMLM(TemplateLM):
-    """lm-eval's `LM` on `model` (whole on this process, or this rank's slice of a
-    tensor-parallel model without sequence-tensor parallelism; not split over pipeline ranks),
-    tokenizing with `tokenizer` (the model directory's, as `AutoTokenizer` loads it).
+    """lm-eval's `LM` on `model` (whole on this process, or this rank's part of a model split
+    over tensor ranks, and over pipeline ranks when `stages` says so), tokenizing with
+    `tokenizer` (the model directory's, as `AutoTokenizer` loads it).
 
     `max_length`: the context length (lm-eval's hf backend takes `max_position_embeddings`
     from config.json, else 2048); `batch_size`: rows per forward pass; `eos_token_ids`: the
     tokens that end a generation (the generation config's; default the tokenizer's
-    end-of-sequence). `data`: the data-parallel ranks that split the documents (default: all
-    ranks when torch.distributed is initialized; tensor ranks answer the same documents).
-    `stages`: the flat buffers that hold the model's weights (a model being trained), whose
-    ZeRO-3 shards the passes gather."""
+    end-of-sequence). `data`: the ranks that split the documents (the mesh's document groups:
+    its data ranks but those of one sequence-data or expert group, which answer the same
+    documents as tensor and pipeline ranks do; default: all ranks when torch.distributed is
+    initialized). `stages`: the flat buffers that hold the model's weights (a model being
+    trained), whose stages the passes run on their pipeline ranks, gathering their ZeRO-3
+    shards."""
 
     def __init__(
         self,
@@ -80,8 +81,6 @@ class FastLLMLM(TemplateLM):
         stages: ModelStages | None = None,
     ) -> None:
         super().__init__()
-        if model.tensor.sequence_tensor_parallel:
-            raise ValueError(SEQUENCE_TENSOR_PARALLEL)
         self.model = model
         self.tokenizer = configure_pad_token(tokenizer)
         self._max_length, self._batch_size, self._max_gen_toks = (
@@ -89,7 +88,8 @@ class FastLLMLM(TemplateLM):
             batch_size,
             max_gen_toks,
         )
-        self._device = next(model.parameters()).device
+        self._passes = LayoutPasses(model, stages)
+        self._device = self._passes.device
         self.group: dist.ProcessGroup | None = None  # None: every rank
         if data is not None:
             self.group, self._rank, self._world_size = data.group, data.rank, data.size
@@ -99,7 +99,7 @@ class FastLLMLM(TemplateLM):
         self._eos_token_ids = eos
         self._generator: FastLLMForCausalLM | None = None
         self._sharded = (
-            ShardedPasses(model, stages, self.group)
+            ShardedPasses(stages, stages.mesh.data.group)
             if stages is not None and stages.weights_sharded
             else None
         )
@@ -282,7 +282,8 @@ class FastLLMLM(TemplateLM):
 
     def _score(self, batch: list[_Row]) -> tuple[Tensor, Tensor, list[int]]:
         """The log-probability of each scored token of `batch`, whether it is the greedy
-        one, and how many tokens each piece has (in the rows' order)."""
+        one, and how many tokens each piece has (in the rows' order), on every rank (computed
+        on the last pipeline stage's)."""
         hidden = self._hidden_states(batch)
         batch_index, position, target, lengths = [], [], [], []
         for b, row in enumerate(batch):
@@ -295,14 +296,18 @@ class FastLLMLM(TemplateLM):
                 ]
                 target += continuation
                 lengths.append(len(continuation))
-        index = torch.tensor([batch_index, position], device=self.device)
-        log_probs, greedy = token_log_probs(
-            hidden[index[0], index[1]],
-            self.model.head_weight,
-            torch.tensor(target, device=self.device),
-            self.model.tensor,
-        )
-        return log_probs, greedy, lengths
+        scores = None
+        if hidden is not None:
+            index = torch.tensor([batch_index, position], device=self.device)
+            log_probs, greedy = token_log_probs(
+                hidden[index[0], index[1]],
+                self.model.head_weight,
+                torch.tensor(target, device=self.device),
+                self.model.tensor,
+            )
+            scores = torch.stack([log_probs, greedy.float()])
+        scores = self._passes.from_last_stage(scores, (2, len(target)))
+        return scores[0], scores[1].bool(), lengths
 
     def _shared_rows(self, pieces: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> list[_Row]:
         """The rows that read `pieces` (context, continuation): the continuations of one
@@ -340,13 +345,14 @@ class FastLLMLM(TemplateLM):
         finally:
             self.model.train(training)
 
-    def _hidden_states(self, rows: list[_Row]) -> Tensor:
-        """Final-normed hidden states of `rows`, right-padded to the longest: a padded
-        position comes after every real one, which causal attention never lets it reach.
-        Branches (rows of several continuations) are read with their branch ids and
-        positions, as a dense mask (the batches' shapes vary: flex_attention would compile
-        each)."""
-        length = rows[0].length
+    def _hidden_states(self, rows: list[_Row]) -> Tensor | None:
+        """Final-normed hidden states of `rows`, right-padded to the longest (to a length the
+        tensor ranks divide, under sequence-tensor parallelism): a padded position comes after
+        every real one, which causal attention never lets it reach; on the rank of the last
+        pipeline stage (None on the others). Branches (rows of several continuations) are read
+        with their branch ids and positions, as a dense mask (the batches' shapes vary:
+        flex_attention would compile each)."""
+        length = self._passes.padded(rows[0].length)
         ids = torch.zeros(len(rows), length, dtype=torch.long)
         branches = any(len(row.branches) > 1 for row in rows)
         branch_ids = torch.zeros(len(rows), length, dtype=torch.int32) if branches else None
@@ -364,9 +370,7 @@ class FastLLMLM(TemplateLM):
             }
         ids = ids.to(self.device, non_blocking=True)
         with torch.no_grad(), self._in_eval_mode(), dense_masks():
-            if self._sharded is not None:
-                return self._sharded.hidden_states(ids, **options)
-            return self.model.hidden_states(ids, **options)[0]
+            return self._passes.hidden_states(ids, **options)
 
     def loglikelihood_rolling(
         self, requests: list[Instance], disable_tqdm: bool = False
@@ -446,13 +450,16 @@ class FastLLMLM(TemplateLM):
         self, ids: Tensor, mask: Tensor, until: list[str], max_gen_toks: int, options: dict
     ) -> Tensor:
         """`generate()` of the `transformers` wrapper, with the hf backend's settings: greedy
-        unless sampling was asked for, each stop sequence a stopping criterion."""
+        unless sampling was asked for, each stop sequence a stopping criterion. Through the
+        key/value cache, but under sequence-data parallelism, whose attention splits every
+        pass's rows over its ranks (a step of one token a row has nothing to split): there
+        each step reads the whole sequence again."""
         if not options.get("do_sample") and options.get("temperature", 0.0) == 0.0:
             options = {**options, "do_sample": False}
             options.pop("temperature", None)
         with self._in_eval_mode():  # wrap() sets eval mode too
             if self._generator is None:
-                self._generator = FastLLMForCausalLM.wrap(self.model)
+                self._generator = FastLLMForCausalLM.wrap(self.model, self._passes.logits)
         stopping = stop_sequences_criteria(self.tokenizer, until, ids.shape[1], ids.shape[0])
         # Each batch's prompts are padded to another length: dense masks, not a flex_attention
         # compiled for each. Under ZeRO-3 the whole call runs on weights gathered once.
@@ -464,7 +471,7 @@ class FastLLMLM(TemplateLM):
                 stopping_criteria=stopping,
                 eos_token_id=self._eos_token_ids,
                 pad_token_id=self.tokenizer.pad_token_id,
-                use_cache=True,
+                use_cache=not self.model.sequence_data.split,
                 **options,
             )
 

@@ -17,14 +17,12 @@ from __future__ import annotations
 import contextlib
 import enum
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
 
+from fastllm.config.layout import pipeline_stages
 from fastllm.engine.model_stages import ModelStages
-from fastllm.model import GPTModel
 
 
 class Pass(enum.IntEnum):
@@ -35,13 +33,11 @@ class Pass(enum.IntEnum):
 
 
 class ShardedPasses:
-    """The passes of `model`, whose `stages` shard its weights over the data ranks of `group`
-    (default: every rank)."""
+    """The passes of a model whose `stages` shard its weights over the data ranks of `group`
+    (default: every rank); a pass gathers each stage as it runs it (`LayoutPasses`)."""
 
-    def __init__(
-        self, model: GPTModel, stages: ModelStages, group: dist.ProcessGroup | None
-    ) -> None:
-        self.model, self.stages, self.group = model, stages, group
+    def __init__(self, stages: ModelStages, group: dist.ProcessGroup | None) -> None:
+        self.stages, self.group = stages, group
         self._ranks = dist.get_world_size(group)
 
     @contextlib.contextmanager
@@ -55,15 +51,6 @@ class ShardedPasses:
             yield
         finally:
             self.stages.release_weights()
-
-    def hidden_states(self, input_ids: Tensor, **options: Any) -> Tensor:
-        """A scoring pass's final-normed hidden states, stage by stage; the head's weights stay
-        gathered until the pass ends."""
-        x, context = input_ids, self.model.context(input_ids, **options)
-        for stage in self.stages.stages:
-            self.stages.gather_for_forward(stage.index)
-            x, _ = self.model.run_positions(*stage.positions, x, context)
-        return x
 
     def take_turn(self, kind: Pass) -> None:
         """Return once `kind` is the lowest kind of pass that any rank is about to run (for
@@ -82,6 +69,7 @@ class ShardedPasses:
         if kind == Pass.GENERATE:
             self.stages.hold_weights()
         else:
-            for stage in self.stages.stages:
-                self.stages.gather_for_forward(stage.index)
+            pipeline = self.stages.mesh.pipeline
+            for stage in pipeline_stages(len(self.stages.stages), pipeline.size, pipeline.rank):
+                self.stages.gather_for_forward(stage)
         self.stages.release_weights()

@@ -7,10 +7,13 @@ tensor group are neighbours (one node, the fastest links) and pipeline ranks are
 apart. A dimension of size 1 has no group: nothing is communicated over it. Sequence-data
 parallelism adds a sub-group of the data dimension: consecutive data ranks that share each
 sequence. Expert parallelism adds two: consecutive data ranks that split the experts among
-them (expert), and the data ranks that hold the same experts (expert_data, every E-th)."""
+them (expert), and the data ranks that hold the same experts (expert_data, every E-th). With
+either, lm-eval's documents are split over the blocks of data ranks that both make up
+(document_groups)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 import torch.distributed as dist
@@ -37,6 +40,11 @@ class ParallelMesh:
     expert_data: Dimension = field(default_factory=Dimension)
     """The data ranks that hold the same experts (one per expert group): ZeRO shards the
     expert parameters over them and sums their gradients."""
+    document_groups: Dimension | None = None
+    """The data dimension as lm-eval splits its documents: one rank per block of consecutive
+    data ranks that answer the same ones (a sequence-data group shares each sequence; the
+    all-to-alls of an expert group pair every forward pass of its ranks), this rank in the
+    group of the blocks' ranks at its place (every B-th); None: the data dimension."""
 
     @property
     def sample_groups(self) -> Dimension:
@@ -69,6 +77,8 @@ def build_mesh(layout: RunLayout, rank: int) -> ParallelMesh:
     sequence_data = _data_blocks(layout.sequence_data, sizes, coordinates)
     expert = _data_blocks(layout.expert, sizes, coordinates)
     expert_data = _data_strides(layout.expert, sizes, coordinates)
+    block = math.lcm(layout.sequence_data, layout.expert)
+    documents = None if block == 1 else _data_strides(block, sizes, coordinates)
     return ParallelMesh(
         world_size,
         rank,
@@ -88,6 +98,7 @@ def build_mesh(layout: RunLayout, rank: int) -> ParallelMesh:
         ),
         expert,
         expert_data,
+        documents,
     )
 
 

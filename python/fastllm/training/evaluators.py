@@ -97,11 +97,12 @@ class LossEvaluation(Evaluation):
 
 class LmEvalEvaluation(Evaluation):
     """lm-eval's tasks on the model being trained, in place: its parameters are the engine's
-    buffers (ZeRO-3's shards gathered stage by stage, a tensor rank's slices), under the
-    layouts the compatibility table lets an lm_eval evaluator run with. Each data-parallel rank
-    answers the requests of its share of the documents; the metrics lm-eval gathers to data rank 0 reach every rank. The tokenizer is
-    the one `fastllm prepare` copied into the first training dataset (which exports carry
-    too), so the results are `fastllm evaluate`'s on the run's checkpoint of the same step."""
+    buffers (ZeRO-3's shards gathered stage by stage, a tensor rank's slices, a pipeline
+    rank's stages), under the layouts the compatibility table lets an lm_eval evaluator run
+    with. Each data-parallel rank answers the requests of its share of the documents; the
+    metrics lm-eval gathers to data rank 0 reach every rank. The tokenizer is the one
+    `fastllm prepare` copied into the first training dataset (which exports carry too), so
+    the results are `fastllm evaluate`'s on the run's checkpoint of the same step."""
 
     def __init__(
         self,
@@ -139,6 +140,7 @@ class LmEvalEvaluation(Evaluation):
             )
             manager = task_manager(config, key)
             engine = self._trainer.engine
+            documents = engine.mesh.document_groups
             lm = FastLLMLM(
                 engine.model,
                 tokenizer,
@@ -146,7 +148,7 @@ class LmEvalEvaluation(Evaluation):
                 batch_size=config.batch_size,
                 max_gen_toks=config.max_gen_toks,
                 eos_token_ids=generation_eos(directory),
-                data=engine.mesh.data,
+                data=engine.mesh.data if documents is None else documents,
                 stages=engine.stages,
             )
             self._ready = lm, manager
