@@ -3,6 +3,8 @@ reference on flat buffers over two data ranks, and the check of its summed shard
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from fastllm.config import TrainerConfig
@@ -16,14 +18,17 @@ from fastllm.parallel.mesh import build_mesh
 
 def two_rank_stages(
     config: TrainerConfig, reference: GPTModel, rank: int, zero_stage: int,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype = torch.float32, **options: Any,
 ) -> tuple[GPTModel, ModelStages]:  # fmt: skip
-    """A model of `config` on this rank of two data ranks, its parameters `reference`'s."""
+    """A model of `config` on this rank of two data ranks, its parameters `reference`'s
+    (`options`: ModelStages's)."""
     with torch.device("meta"):
         model = GPTModel(config.model.base_model)
     mesh = build_mesh(resolve(config, 2), rank)
     cpu = torch.device("cpu")
-    stages = ModelStages(model, compute_dtype=dtype, device=cpu, mesh=mesh, zero_stage=zero_stage)
+    stages = ModelStages(
+        model, compute_dtype=dtype, device=cpu, mesh=mesh, zero_stage=zero_stage, **options
+    )
     load_full_parameters(stages, reference.named_parameters())
     return model, stages
 

@@ -59,7 +59,9 @@ def sharded_state(
 ) -> ShardedState:
     """The engine's shards of `kinds`, as views (with expert parallelism, the experts' in
     `experts`); split masters as fp32 copies made now (`writable`, to restore into) or as
-    they are saved (`_shard_state`)."""
+    they are saved (`_shard_state`). The last offloaded update is done first: its copies
+    back, and the weights it wrote."""
+    stages.fence.wait_for_state()
     state = _group_state(stages.dense.buffers, kinds, writable)
     if stages.experts is not None:
         expert = stages.mesh.expert

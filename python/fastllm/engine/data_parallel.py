@@ -27,4 +27,5 @@ def gather_weights(stages: ModelStages, wait: bool = True) -> None:
             if wait:
                 group.refresh.wait_all()
     if stages.tied is not None:
+        stages.fence.wait(stages.tied.stage)
         stages.tied.sync()

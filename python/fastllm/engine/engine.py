@@ -144,6 +144,7 @@ class Engine:
         if not report.skipped:
             gather_weights(self.stages, wait=False)  # each stage's forward pass waits for its own
             if self.config.model.multi_stage.debug_tensor_parallel:
+                self.stages.fence.wait_for_state()  # it reads the masters
                 check_replicated(self.stages.dense.buffers)
         self.scaler.update(report.skipped)
         state.step += 1
@@ -283,7 +284,9 @@ class Engine:
     def wait_for_weights(self) -> None:
         """Every weight of this rank current: ZeRO-1/2 leave a step's all-gathers in flight
         for each stage's forward pass to wait on, which a forward pass outside the runner
-        (lm-eval's, reading the head's weight directly) must not count on."""
+        (lm-eval's, reading the head's weight directly) must not count on, nor on the stage's
+        wait for its offloaded update."""
+        self.stages.fence.wait_all()
         for group in self.stages.all_groups:
             if group.refresh is not None:
                 group.refresh.wait_all()

@@ -8,8 +8,10 @@ the step's operations act on every group."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -19,6 +21,7 @@ from fastllm.engine.buffers import GroupBuffers, StageBuffer
 from fastllm.engine.parameter_group import ParameterGroup
 from fastllm.engine.stages import stage_modules, stage_of_layer, stage_positions
 from fastllm.engine.tied_weights import TiedWeights, tied_weights
+from fastllm.engine.update_fence import Immediate, Streams, UpdateFence, device_streams
 from fastllm.model import GPTModel
 from fastllm.model.parameters import parameter_metas
 from fastllm.parallel.dimension import Dimension
@@ -48,12 +51,19 @@ class ModelStages:
         layers_per_stage: int | Fraction = 1,
         gather_in_forward: bool = True,
         offload_optimizer: bool = False,
+        streams: Streams | None = None,
     ) -> None:
         """`gather_in_forward`: ZeRO-3 gathers and ZeRO-1/2 refreshes are driven by the stages'
         forward and backward passes (false: by the pipeline runner's program).
-        `offload_optimizer`: the trained groups' masters and moments in host memory."""
+        `offload_optimizer`: the trained groups' masters and moments in host memory, their
+        update on `streams` (default: the device's)."""
         self.compute_dtype, self.device = compute_dtype, device
         self.offload_optimizer = offload_optimizer
+        if streams is None:
+            streams = device_streams(device) if offload_optimizer else Immediate()
+        self.fence = UpdateFence(streams)
+        """What the use of a stage's weights and of the state waits for of the last update
+        (`offload_optimizer`'s runs beside the next step)."""
         self.mesh = mesh = mesh or ParallelMesh.single()
         self.metas = metas = parameter_metas(model)
         num_layers = model.config.transformer.num_layers
@@ -92,7 +102,13 @@ class ModelStages:
                 deferral=deferral,
                 tied_here=tied_here,
                 stage_modules=modules if gather_in_forward else None,
+                fence=self.fence,
             )
+
+        if offload_optimizer and gather_in_forward:
+            # Before the groups' hooks: a stage's forward pass waits for its own update.
+            for stage, first_modules in enumerate(modules):
+                first_modules[0].register_forward_pre_hook(self._fence_hook(stage))
 
         dense = trained_buffers(experts=False)
         self.tied = tied_weights(model, dense)
@@ -155,9 +171,18 @@ class ModelStages:
                 return group
         return self.dense
 
+    def _fence_hook(self, stage: int) -> Callable[..., None]:
+        fence = self.fence
+
+        def hook(_module: torch.nn.Module, _args: Any) -> None:
+            fence.wait(stage)
+
+        return hook
+
     def wait_for_weights(self, stage: int) -> None:
-        """Block until `stage`'s full compute weights are in place (ZeRO-1/2 after a step,
-        ZeRO-3 whenever it runs)."""
+        """Block until `stage`'s full compute weights are in place (its offloaded update,
+        ZeRO-1/2's refresh after a step, ZeRO-3's gather whenever it runs)."""
+        self.fence.wait(stage)
         for group in self.all_groups:
             group.wait_for_weights(stage)
 
@@ -247,6 +272,7 @@ class ModelStages:
         """Add `delta` (the whole parameter's shape) to this rank's shards of parameter
         `name`'s masters and compute weights, as an optimizer step writes them (the refresh
         or gather after the step takes them to the other ranks)."""
+        self.fence.wait_for_state()
         buffers = self.group_of(name).buffers
         flat = delta.reshape(-1).float()
         for shard, (p0, p1, s0, s1) in buffers.pieces(buffers.indices[name]):

@@ -18,19 +18,31 @@ bandwidth and 16 cores, several seconds per step for 8B parameters, before the c
 the GPU kernel also makes the update the very one of the GPU path, bit for bit (the same
 kernel on the same values; the chunks split nothing but the elementwise work).
 
-The copies back are waited for at the end of the step, so that whatever reads the host state
-next (a checkpoint, the next step's copies in) sees it whole. Not done yet: overlapping the
-update with the next step's forward pass."""
+The update runs beside the next step. It starts once the global gradient norm is known
+(clipping scales every chunk by it), on a side stream of its own, stage by stage in the order
+the forward passes run them, and nothing in it blocks the host; `UpdateFence`
+(engine/update_fence.py) marks each stage's end on that stream and the last copy back. The
+next step's first use of a stage's weights waits on the device for that stage's update alone:
+its forward pass (a module hook, or the pipeline runner's wait), the ZeRO-3 gather of its
+shard, the ZeRO-1/2 all-gather of it, a tied head's copy. Whatever reads or writes the state
+in host memory (a checkpoint, an export of the masters, a restore, the expert biases'
+correction, the tensor-parallel debug check) waits on the host for every copy back; the next
+update's copies in wait on the device. What still waits for more than its stage: ZeRO-1/2
+over several data ranks start every stage's all-gather as the step ends, the compute stream
+waiting for the whole update; ZeRO-3 gathers a stage ahead, so a stage's forward pass waits
+for the next stage's update too; the expert biases' correction waits for all of it."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from fastllm.engine.buffers import ALIGNMENT, Shard
+from fastllm.engine.update_fence import UpdateFence
 
 CHUNK = 1 << 25
 """Elements per streamed chunk: 320 MiB of state in bf16 training (a few ms each way), two on
@@ -60,115 +72,104 @@ class StateSpan:
         )
 
 
-@dataclass(frozen=True)
-class _Events:
-    """What orders the use of a slot on the GPU's streams."""
-
-    loaded: torch.cuda.Event = field(default_factory=torch.cuda.Event)
-    """On the upload stream: the chunk's state is on the GPU."""
-    updated: torch.cuda.Event = field(default_factory=torch.cuda.Event)
-    """On the compute stream: the chunk's update is queued."""
-    free: torch.cuda.Event = field(default_factory=torch.cuda.Event)
-    """On the download stream: the chunk's state is back in host memory."""
-
-
-@dataclass(frozen=True)
+@dataclass
 class _Slot:
     """Room on the device for one chunk of each streamed kind."""
 
     tensors: dict[str, Tensor]
-    events: _Events | None
-    """On a GPU only."""
+    free: Any = None
+    """The download stream's mark past the copy back of the slot's last chunk."""
 
 
 class OffloadedState:
     """Streams the host-resident optimizer state of shards through two chunk-sized slots on
-    the device (on a CPU device, the same copies, one after the other)."""
+    the device, beside the compute stream (`fence`'s streams: on a CPU, the same copies, one
+    after the other)."""
 
-    def __init__(self, shards: Sequence[Shard], device: torch.device, chunk: int = CHUNK) -> None:
-        """`shards`: every shard the optimizer updates, their state in host memory."""
+    def __init__(
+        self, shards: Sequence[Shard], device: torch.device, fence: UpdateFence, chunk: int = CHUNK
+    ) -> None:
+        """`shards`: every shard the optimizer updates, their state in host memory; `fence`:
+        where the update marks its progress for the work that follows it."""
         if chunk % ALIGNMENT:  # the chunks of a decay run start where its elements align
             raise ValueError(f"a chunk is a multiple of {ALIGNMENT} elements, got {chunk}")
-        self.device, self.chunk = device, chunk
-        self.cuda = device.type == "cuda"
+        self.fence, self.streams, self.chunk = fence, fence.streams, chunk
         kinds = _streamed(shards[0]) if shards else {}
         size = min(chunk, max((shard.grad.numel() for shard in shards), default=0))
         self.slots = [
             _Slot(
-                {
-                    kind: torch.empty(size, dtype=t.dtype, device=device)
-                    for kind, t in kinds.items()
-                },
-                _Events() if self.cuda else None,
+                {kind: torch.empty(size, dtype=t.dtype, device=device) for kind, t in kinds.items()}
             )
             for _ in range(2)
         ]
-        if self.cuda:
-            self.upload, self.download = torch.cuda.Stream(device), torch.cuda.Stream(device)
 
     @property
     def device_bytes(self) -> int:
         """What the slots take on the device."""
         return sum(t.numel() * t.element_size() for s in self.slots for t in s.tensors.values())
 
-    def spans(self, shards: Sequence[Shard]) -> Iterator[tuple[Shard, StateSpan]]:
-        """Each chunk of each shard's state, on the device, to be updated in place (queued)
-        before the next one is asked for: it then goes back to host memory. When the iteration
-        ends, all of it is back."""
-        chunks = [
-            (shard, start, min(start + self.chunk, shard.grad.numel()))
-            for shard in shards
-            for start in range(0, shard.grad.numel(), self.chunk)
-        ]
-        for i, (shard, start, end) in enumerate(chunks):
-            slot, host = self.slots[i % 2], _streamed(shard)
-            views = {kind: slot.tensors[kind][: end - start] for kind in host}
-            self._load(slot, host, views, start)
-            master = views.get("master")
-            if master is None and shard.master is not None:  # fp32: the compute weights
-                master = shard.master[start:end]
-            yield (
-                shard,
-                StateSpan(
-                    start,
-                    end,
-                    master,
-                    views.get("master_low"),
-                    views["exp_avg"],
-                    views["exp_avg_sq"],
-                ),
-            )
-            self._store(slot, host, views, start)
-        if self.cuda:
-            self.download.synchronize()
+    def update(
+        self,
+        stages: Sequence[tuple[int, Sequence[Shard]]],
+        update: Callable[[Shard, StateSpan], None],
+    ) -> None:
+        """Queue `update` (in place, on the device) of each chunk of the state of each
+        stage's shards, the stages in the order given, on the update stream, which `update`'s
+        kernels run on. The fence gets a mark past each stage's last chunk, and one past the
+        last copy back; nothing here waits for the device."""
+        streams, fence = self.streams, self.fence
+        streams.wait("update", streams.record("compute"))  # the gradients are reduced
+        fence.before_copies_in()
+        chunks = 0
+        for stage, shards in stages:
+            for shard in shards:
+                # The stage's gradients may be given back (transient buffers) as the step
+                # ends: their memory is not reused before the update has read them.
+                streams.keep(shard.grad, "update")
+                host = _streamed(shard)
+                for start in range(0, shard.grad.numel(), self.chunk):
+                    end = min(start + self.chunk, shard.grad.numel())
+                    slot = self.slots[chunks % 2]
+                    chunks += 1
+                    views = {kind: slot.tensors[kind][: end - start] for kind in host}
+                    self._load(slot, host, views, start)
+                    master = views.get("master")
+                    if master is None and shard.master is not None:  # fp32: the weights
+                        master = shard.master[start:end]
+                    span = StateSpan(
+                        start,
+                        end,
+                        master,
+                        views.get("master_low"),
+                        views["exp_avg"],
+                        views["exp_avg_sq"],
+                    )
+                    with streams.on("update"):
+                        update(shard, span)
+                    self._store(slot, host, views, start)
+            fence.stage_updated(stage)
+        fence.state_stored()
 
     def _load(
         self, slot: _Slot, host: dict[str, Tensor], views: dict[str, Tensor], start: int
     ) -> None:
-        if slot.events is None:
-            for kind, tensor in host.items():
-                views[kind].copy_(tensor[start : start + views[kind].numel()])
-            return
-        with torch.cuda.stream(self.upload):
-            self.upload.wait_event(slot.events.free)  # the slot's previous chunk has left
+        streams = self.streams
+        if slot.free is not None:  # the slot's previous chunk has left
+            streams.wait("upload", slot.free)
+        with streams.on("upload"):
             for kind, tensor in host.items():
                 views[kind].copy_(tensor[start : start + views[kind].numel()], non_blocking=True)
-            slot.events.loaded.record(self.upload)
-        torch.cuda.current_stream(self.device).wait_event(slot.events.loaded)
+        streams.wait("update", streams.record("upload"))
 
     def _store(
         self, slot: _Slot, host: dict[str, Tensor], views: dict[str, Tensor], start: int
     ) -> None:
-        if slot.events is None:
-            for kind, tensor in host.items():
-                tensor[start : start + views[kind].numel()].copy_(views[kind])
-            return
-        slot.events.updated.record(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.download):
-            self.download.wait_event(slot.events.updated)
+        streams = self.streams
+        streams.wait("download", streams.record("update"))
+        with streams.on("download"):
             for kind, tensor in host.items():
                 tensor[start : start + views[kind].numel()].copy_(views[kind], non_blocking=True)
-            slot.events.free.record(self.download)
+        slot.free = streams.record("download")
 
 
 def _streamed(shard: Shard) -> dict[str, Tensor]:

@@ -1,7 +1,8 @@
 """AdamW over the flat shards: one fused kernel call per contiguous run of the same weight
 decay, gradient clipping by global norm, and skipping of steps whose gradients are not finite.
 With `offload_optimizer` the state comes from host memory chunk by chunk
-(engine/offloaded_optimizer.py), each chunk updated by the same kernel."""
+(engine/offloaded_optimizer.py), each chunk updated by the same kernel, stage by stage on a
+side stream that the next step's use of each stage waits for (engine/update_fence.py)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ class AdamW:
         self.step_count = 0
         """Optimizer steps taken (skipped ones excluded); Adam's bias correction uses it."""
         self.offloaded = (
-            OffloadedState(self._shards(), stages.device, chunk)
+            OffloadedState(self._shards(), stages.device, stages.fence, chunk)
             if stages.offload_optimizer
             else None
         )
@@ -67,14 +68,15 @@ class AdamW:
         clip = self.config.gradient_norm_clipping
         clip_factor = min(1.0, clip / (norm + 1e-6)) if clip is not None else 1.0
         self.step_count += 1
-        shards = self._shards()
-        spans = (
-            ((shard, StateSpan.whole(shard)) for shard in shards)
-            if self.offloaded is None
-            else self.offloaded.spans(shards)
-        )
-        for shard, span in spans:
-            self._update(shard, span, lr, grad_scale=clip_factor / loss_scale)
+        grad_scale = clip_factor / loss_scale
+        if self.offloaded is None:
+            for shard in self._shards():
+                self._update(shard, StateSpan.whole(shard), lr, grad_scale)
+        else:  # stage by stage beside the next step (engine/update_fence.py)
+            self.offloaded.update(
+                self._stage_shards(),
+                lambda shard, span: self._update(shard, span, lr, grad_scale),
+            )
         if self.stages.mixed_precision:
             # The kernel wrote the compute weights behind autograd's back: a new version tells
             # the caches keyed by it (the FP8 weight copies) that they changed.
@@ -109,3 +111,12 @@ class AdamW:
 
     def _shards(self) -> list[Shard]:
         return [shard for group in self.stages.groups for shard in group.buffers.shards.values()]
+
+    def _stage_shards(self) -> list[tuple[int, list[Shard]]]:
+        """This rank's stages in the order its forward passes run them, each with its shard
+        of every group."""
+        groups = [group.buffers.shards for group in self.stages.groups]
+        return [
+            (stage, [shards[stage] for shards in groups if stage in shards])
+            for stage in sorted({stage for shards in groups for stage in shards})
+        ]

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from fastllm.engine.buffers import GroupBuffers
 from fastllm.engine.gradient_reducer import GradientReducer
+from fastllm.engine.update_fence import UpdateFence
 from fastllm.engine.weight_gatherer import WeightGatherer
 from fastllm.engine.weight_refresh import WeightRefresh
 from fastllm.parallel.tensor import DeferredWork
@@ -28,12 +29,14 @@ class ParameterGroup:
         deferral: DeferredWork | None,
         tied_here: bool,
         stage_modules: list[list[torch.nn.Module]] | None,
+        fence: UpdateFence,
     ) -> None:
         """`deferral`: where the writes of the tensor-split weights' gradients wait for the
         tensor collective (None without tensor parallelism). `tied_here`:
         the head on this rank reads the group's embedding. `stage_modules`: each stage's
         modules, whose forward passes then drive the gathers and refreshes (None: the pipeline
-        runner's program does)."""
+        runner's program does). `fence`: what a gather or refresh of a stage's shard waits
+        for of the last update."""
         self.buffers = buffers
         trainable = buffers.trainable  # a frozen group only has weights to gather
         needs_reducer = buffers.data.size > 1 or any(s.tensor_reduced_end for s in buffers.stages)
@@ -47,11 +50,11 @@ class ParameterGroup:
                 recipe = buffers.metas[buffers.names[index]].recipe
                 if recipe is not None:
                     recipe.gradient_sink = self._gradient_sink(index, deferral)
-        self.gatherer = WeightGatherer(buffers, tied_here) if buffers.shard_weights else None
+        self.gatherer = WeightGatherer(buffers, tied_here, fence) if buffers.shard_weights else None
         if self.gatherer is not None and stage_modules is not None:
             self.gatherer.install_hooks(stage_modules)
         refreshed = trainable and buffers.data.size > 1 and not buffers.shard_weights
-        self.refresh = WeightRefresh(buffers) if refreshed else None
+        self.refresh = WeightRefresh(buffers, fence) if refreshed else None
         if self.refresh is not None and stage_modules is not None:
             self.refresh.install_hooks(stage_modules)
 

@@ -22,15 +22,17 @@ from torch import Tensor
 from fastllm.engine.buffers import GroupBuffers
 from fastllm.engine.fp8_gather import Fp8Gather
 from fastllm.engine.stages import stages_read
+from fastllm.engine.update_fence import UpdateFence
 
 
 class WeightGatherer:
     """Gathers and frees the stages this pipeline rank runs: driven by the stages' forward
     passes (`install_hooks`), or by the pipeline runner's program."""
 
-    def __init__(self, buffers: GroupBuffers, tied_here: bool) -> None:
-        """`tied_here`: the group holds the embedding that the head on this rank reads."""
-        self.group, self.tied_here = buffers, tied_here
+    def __init__(self, buffers: GroupBuffers, tied_here: bool, fence: UpdateFence) -> None:
+        """`tied_here`: the group holds the embedding that the head on this rank reads;
+        `fence`: what a gather waits for of the last update of its stage's shard."""
+        self.group, self.tied_here, self.fence = buffers, tied_here, fence
         # Aliases of the buffers with their own version counters: gathering into them again
         # must not look to autograd like an in-place change of the weights it saved.
         self.buffers = [stage.weights.data for stage in buffers.stages]
@@ -71,6 +73,7 @@ class WeightGatherer:
             if not (whole and stage in self.in_fp8):
                 return
             self.release(stage)
+        self.fence.wait(stage)
         if self.fp8 is None and not whole:
             self.fp8 = Fp8Gather(self.group)
         buffer = self.buffers[stage]

@@ -13,11 +13,13 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fastllm.engine.buffers import GroupBuffers
+from fastllm.engine.update_fence import UpdateFence
 
 
 class WeightRefresh:
-    def __init__(self, buffers: GroupBuffers) -> None:
-        self.buffers = buffers
+    def __init__(self, buffers: GroupBuffers, fence: UpdateFence) -> None:
+        """`fence`: what the gather of a stage's shard waits for of its update."""
+        self.buffers, self.fence = buffers, fence
         self.pending: dict[int, tuple[Any, Tensor]] = {}
         """Per stage: its all-gather in flight, and the copy of this rank's shard it reads (the
         shard is a view of the buffer the gather writes)."""
@@ -27,6 +29,7 @@ class WeightRefresh:
         buffers = self.buffers
         self.wait_all()
         for stage, shard in buffers.shards.items():
+            self.fence.wait(stage)
             source = shard.weight.clone()
             work = dist.all_gather_into_tensor(
                 buffers.stages[stage].weights, source, group=buffers.data.group, async_op=True

@@ -121,6 +121,7 @@ def whole_parameters(stages: ModelStages) -> Iterator[tuple[str, Tensor]]:
     """Every parameter whole, its tensor-parallel slices (and expert-parallel shares)
     gathered: every rank of the tensor and expert groups (and with ZeRO-3 of the data
     group) must iterate to the end."""
+    stages.fence.wait_all()  # the last offloaded update of every stage
     tensor_dimension, expert = stages.mesh.tensor, stages.mesh.expert
     for group in stages.all_groups:
         for name, tensor in full_parameters(group):
