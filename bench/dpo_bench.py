@@ -53,7 +53,8 @@ Measured: warm-up steps excluded, then --steps steps between two synchronization
     python bench/dpo_bench.py --tiny --device cpu --out /tmp/dpo_smoke      # CPU smoke test
 
 --profile: fastllm's GPU kernels in two more steps, by group and the longest, in
-OUT/profile_MODE_fastllm.md (bench/profile_step.py's table).
+OUT/profile_MODE_fastllm.md (bench/profile_step.py's table); on a GPU, then the idle gaps of
+the step and the host's operators at them, in OUT/timeline_MODE/.
 """
 
 from __future__ import annotations
@@ -195,7 +196,7 @@ def fastllm_overrides(args: argparse.Namespace, mode: str, work: Path) -> list[s
         f"batch.sequence_length={sequence_length(args)}",
         f"batch.batch_size={rows}",
         f"batch.micro_batch_size={args.micro_batch or rows}",
-        f"training.train_iters={args.warmup + args.steps + PROFILED_STEPS * args.profile}",
+        f"training.train_iters={args.warmup + args.steps + 4 * PROFILED_STEPS * args.profile}",
         "training.checkpoint.interval=null",
         "training.export.interval=null",
         *([PRECOMPUTED] if mode == "precomputed" else []),
@@ -283,29 +284,40 @@ def run_fastllm(spec: dict[str, Any]) -> dict[str, Any]:
         "precision": "bf16 compute, fp32 master weights, gradients and Adam moments; the "
         "reference in bf16 weights-only buffers",
         **timing,
-        **({"profile": profile_steps(trainer, PROFILED_STEPS)} if spec.get("profile") else {}),
+        **(
+            {"profile": profile_steps(trainer, Path(spec["profile"]))}
+            if spec.get("profile")
+            else {}
+        ),
     }
 
 
 PROFILED_STEPS = 2
-"""--profile: steps under torch.profiler after the timed ones."""
+"""--profile: steps under torch.profiler after the timed ones; on a GPU, three more windows of
+as many for the timeline (unprofiled, CUDA alone, host and CUDA)."""
 
 
-def profile_steps(trainer: Any, steps: int) -> dict[str, Any]:
-    """The GPU kernels of `steps` more steps, by group and the longest (profile_step.py)."""
+def profile_steps(trainer: Any, out: Path) -> dict[str, Any]:
+    """The GPU kernels of PROFILED_STEPS more steps, by group and the longest, then where the
+    GPU sits idle and what the host was doing then, in OUT/timeline_*.md (profile_step.py)."""
     import torch
-    from profile_step import kernel_summary
+    from profile_step import kernel_summary, timeline_windows
     from torch.profiler import ProfilerActivity, profile
 
     cuda = trainer.distributed.device.type == "cuda"
     batches = iter(trainer.data_loader())
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
-        for _ in range(steps):
+        for _ in range(PROFILED_STEPS):
             trainer.engine.train_step(next(batches))
         if cuda:
             torch.cuda.synchronize()
-    return kernel_summary(prof, steps, cuda, top=40)
+    summary = kernel_summary(prof, PROFILED_STEPS, cuda, top=40)
+    if not cuda:
+        return summary
+    out.mkdir(parents=True, exist_ok=True)
+    timing = timeline_windows(trainer, batches, argparse.Namespace(steps=PROFILED_STEPS, out=out))
+    return {**summary, "wall_ms_per_step": timing["wall_ms_per_step"]}
 
 
 def batch_contents(micro_batches: list[Any]) -> dict[str, int]:
@@ -444,7 +456,7 @@ def run_one(
     }
     if system == "fastllm":
         spec["overrides"] = fastllm_overrides(args, mode, work)
-        spec["profile"] = args.profile
+        spec["profile"] = str(args.out / f"timeline_{mode}") if args.profile else None
         refused = refusal(spec["overrides"]) if mode == "precomputed" else None
         if refused is not None:
             print(f"{mode} {system}: skipped, the installed fastllm refuses it: {refused}",

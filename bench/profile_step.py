@@ -77,7 +77,7 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
             torch.cuda.synchronize()
     if args.trace:
         prof.export_chrome_trace(str(args.out / "trace.json"))
-    timing = _timeline(trainer, batches, args) if args.timeline and cuda else {}
+    timing = timeline_windows(trainer, batches, args) if args.timeline and cuda else {}
     ops = _operators(prof, args, cuda) if args.ops else []
     return {
         "benchmark": "profile",
@@ -117,7 +117,7 @@ def kernel_summary(prof: Any, steps: int, cuda: bool, top: int) -> dict[str, Any
     }
 
 
-def _timeline(trainer: Any, batches: Any, args: argparse.Namespace) -> dict[str, Any]:
+def timeline_windows(trainer: Any, batches: Any, args: argparse.Namespace) -> dict[str, Any]:
     """Unprofiled steps' wall time, then the idle analysis of two profiled windows."""
     import torch
     from step_timeline import table as timeline_table
