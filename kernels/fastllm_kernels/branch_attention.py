@@ -19,6 +19,7 @@ from `branch_plan`: the caller keeps the masked kernel."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 import weakref
 from collections.abc import Callable
@@ -179,14 +180,17 @@ def varlen_flash(
     return varlen_attn(q, k, v, cu_queries, cu_keys, max_queries, max_keys, **options)
 
 
+@functools.cache
 def _varlen_parameters() -> frozenset[str]:
     from torch.nn.attention.varlen import varlen_attn
 
     return frozenset(inspect.signature(varlen_attn).parameters)
 
 
+@functools.cache
 def has_varlen_flash() -> bool:
-    """Whether this torch has `torch.nn.attention.varlen`."""
+    """Whether this torch has `torch.nn.attention.varlen` (asked on every attention call with
+    branches: answered once)."""
     try:
         from torch.nn.attention.varlen import varlen_attn  # noqa: F401
     except ImportError:

@@ -6,12 +6,13 @@ run reads, once: packed samples of the run's sequence length, each data rank its
 under the run's layout (with pipeline parallelism, the reference's stages on their pipeline
 ranks, as in the step). The (pairs, 2) log-probabilities of the chosen and the rejected
 answers (NaN for pairs longer than the sequence, which no sample holds) are gathered over the
-data ranks, and from the last pipeline stage's, by all-reduces and kept in EXPERIMENT_DIR/cache/reference_log_probs, one file per
-dataset named by a digest of its key: the fingerprints of the dataset's files and of the
-reference model's, the training dtype and the sequence length. Any change gives another file,
-so a stale one is never read; each is written whole under another name and renamed into place.
-A resumed run reads them back and never loads the reference. The reference's weights are freed
-when the computation ends: they are never held during training."""
+data ranks, and from the last pipeline stage's, by all-reduces and kept in
+EXPERIMENT_DIR/cache/reference_log_probs, one file per dataset named by a digest of its key:
+the fingerprints of the dataset's files and of the reference model's, the training dtype and
+the sequence length. Any change gives another file, so a stale one is never read; each is
+written whole under another name and renamed into place. A resumed run reads them back and
+never loads the reference. The reference's weights are freed when the computation ends: they
+are never held during training."""
 
 from __future__ import annotations
 
