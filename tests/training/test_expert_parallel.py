@@ -77,6 +77,11 @@ def layouts(dataset: Path, one_process: Callable[..., Path], root: Path) -> dict
                 six,
             ),
         ),
+        # Compiled blocks: dynamo traces the token exchange (its split sizes read by the host
+        # break the graph there, the rest of the mixture compiles).
+        "ep2-compiled": Layout(
+            2, (*MOE, EP_2, "training.compile=true", "training.train_iters=2", NO_EXPORT)
+        ),
         # Whole experts on two ranks, each expert-parallel share read back from its shards.
         "dp4-ep2-zero3-resumed-on-dp2": Layout(
             2, (*MOE, six), root / "dp4-ep2-zero3" / "checkpoint" / "3"
@@ -141,6 +146,15 @@ def test_ep2_with_model_parallelism_matches_one_process(
     # The export holds every expert whole, its tensor slices merged.
     assert "expert parallel 2" in launched[name].result.stdout
     _assert_matches(launched[name].succeeded(), reference, range(1, 7))
+
+
+def test_ep2_in_compiled_blocks_matches_one_process(
+    reference: Path, launched: dict[str, Launched]
+) -> None:
+    run = launched["ep2-compiled"]
+    assert "expert parallel 2" in run.result.stdout
+    assert "compiled blocks" in run.result.stdout
+    _assert_matches(run.succeeded(), reference, range(1, 3), weights=False)
 
 
 def test_a_one_process_checkpoint_resumes_with_expert_parallelism_on_the_looped_experts(

@@ -45,9 +45,8 @@ def exchange(
     order = experts.reshape(-1).argsort(stable=True)  # by expert, hence by the rank holding it
     sources = order // k  # the token of each sorted row
     # received[s, e]: rows source rank s routes to this rank's expert e.
-    received = _all_to_all(
-        counts.view(expert.size, per_rank), [1] * expert.size, None, expert.group
-    )
+    ones = [1] * expert.size  # both split sizes given: dynamo traces no other all-to-all
+    received = _all_to_all(counts.view(expert.size, per_rank), ones, ones, expert.group)
     splits = torch.stack([counts.view(expert.size, per_rank).sum(dim=1), received.sum(dim=1)])
     send_splits, receive_splits = splits.tolist()  # one wait for the host
     rows = _AllToAll.apply(tokens[sources], receive_splits, send_splits, expert.group)
@@ -83,10 +82,10 @@ class _AllToAll(torch.autograd.Function):
 def _all_to_all(
     x: Tensor,
     output_splits: list[int],
-    input_splits: list[int] | None,
+    input_splits: list[int],
     group: dist.ProcessGroup | None,
 ) -> Tensor:
-    """Rows of `x` (split `input_splits` ways, or evenly) to the group's ranks. Gloo moves
+    """Rows of `x` (split `input_splits` ways) to the group's ranks. Gloo moves
     host memory only: a CUDA tensor goes through a host copy there (ranks sharing one GPU in
     the GPU tests)."""
     device = x.device
