@@ -89,23 +89,19 @@ class LayoutPasses:
     def _run_stages(self, input_ids: Tensor, context: Context) -> Tensor | None:
         """The final-normed hidden states of `input_ids` (this rank's chunks of the rows) on
         the rank of the last stage; None on the other pipeline ranks."""
-        x, last = input_ids, len(self.positions) - 1
-        for stage, (first, end) in enumerate(self.positions):
-            rank = self.ranks[stage]
-            if rank != self.pipeline.rank:
-                continue
-            if stage > 0 and self.ranks[stage - 1] != rank:
-                x = point_to_point.recv(
-                    torch.empty(
-                        self._stream_shape(input_ids), dtype=self.dtype, device=self.device
-                    ),
-                    self._global(self.ranks[stage - 1]),
-                )
+
+        def run(stage: int, x: Tensor) -> Tensor:
             if self.stages is not None:
                 self.stages.gather_for_forward(stage)
-            x, _ = self.model.run_positions(first, end, x, context)
-            if stage < last and self.ranks[stage + 1] != rank:
-                point_to_point.send(x, self._global(self.ranks[stage + 1]))
+            return self.model.run_positions(*self.positions[stage], x, context)[0]
+
+        def receive_into() -> Tensor:
+            shape = self._stream_shape(input_ids)
+            return torch.empty(shape, dtype=self.dtype, device=self.device)
+
+        x = point_to_point.through_stages(
+            input_ids, self.ranks, self.pipeline.rank, run, receive_into, self._global
+        )
         return x if self.has_last else None
 
     def from_last_stage(self, value: Tensor | None, shape: tuple[int, ...]) -> Tensor:

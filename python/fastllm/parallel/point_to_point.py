@@ -4,6 +4,7 @@ case of several ranks sharing one GPU through Gloo, as the GPU tests do)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -45,3 +46,27 @@ def recv(buffer: Tensor, src: int) -> Tensor:
     host = torch.empty(buffer.shape, dtype=buffer.dtype)
     dist.recv(host, src=src)
     return buffer.copy_(host)
+
+
+def through_stages(
+    x: Tensor,
+    ranks: Sequence[int],
+    rank: int,
+    run: Callable[[int, Tensor], Tensor],
+    receive_into: Callable[[], Tensor],
+    global_rank: Callable[[int], int],
+) -> Tensor:
+    """`x` through the stages in order (forward only), stage s run as `run(s, input)` on its
+    pipeline rank `ranks[s]`, each output sent to the next stage's rank where that is another
+    (blocking: every pipeline rank calls this, in one global order), received there into
+    `receive_into()`. The last stage's output on its rank; on the others, the last value they
+    held (`x` on a rank that ran no stage)."""
+    for stage, here in enumerate(ranks):
+        if here != rank:
+            continue
+        if stage and ranks[stage - 1] != here:
+            x = recv(receive_into(), global_rank(ranks[stage - 1]))
+        x = run(stage, x)
+        if stage + 1 < len(ranks) and ranks[stage + 1] != here:
+            send(x, global_rank(ranks[stage + 1]))
+    return x

@@ -503,22 +503,21 @@ class StepRunner:
         input_ids, labels, documents = micro_batch.whole()
         pairs, shape, rank = micro_batch.pairs, self.shape, self.pipeline.rank
         assert pairs is not None
-        states = input_ids
-        for stage in range(shape.num_stages):
-            here = shape.rank_of(stage)
-            previous = shape.rank_of(stage - 1) if stage else here
-            if previous != here and previous == rank:
-                point_to_point.send(states, self._global(here))
-            elif previous != here and here == rank:
-                width = reference.model.config.transformer.hidden_size
-                batch, length = self.activation_shape[0], self.activation_shape[1] * shape.pieces
-                received = torch.empty(
-                    (batch, length, width), dtype=self.stages.compute_dtype, device=states.device
-                )
-                states = point_to_point.recv(received, self._global(previous))
-            if here == rank:
-                whole_or_stage = None if self.whole else stage
-                states = reference.run(whole_or_stage, states, input_ids, documents, pairs)
+
+        def run(stage: int, states: Tensor) -> Tensor:
+            whole_or_stage = None if self.whole else stage
+            return reference.run(whole_or_stage, states, input_ids, documents, pairs)
+
+        def receive_into() -> Tensor:
+            width = reference.model.config.transformer.hidden_size
+            batch, length = self.activation_shape[0], self.activation_shape[1] * shape.pieces
+            dtype, device = self.stages.compute_dtype, input_ids.device
+            return torch.empty((batch, length, width), dtype=dtype, device=device)
+
+        ranks = [shape.rank_of(stage) for stage in range(shape.num_stages)]
+        states = point_to_point.through_stages(
+            input_ids, ranks, rank, run, receive_into, self._global
+        )
         log_probs = None
         if shape.rank_of(shape.num_stages - 1) == rank:
             log_probs = reference.teacher(states, labels, pairs, hidden=False).log_probs
