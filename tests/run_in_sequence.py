@@ -20,6 +20,7 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from fastllm.cli import main
@@ -31,11 +32,15 @@ def run_in_sequence(spec: Path) -> int:
     # Before any group exists, as fastllm's own set-up does (torch._dynamo keeps references
     # to a group that exists when it is imported).
     importlib.import_module("torch._dynamo")
+    # A compiled run recompiling past dynamo's limit fails instead of running eagerly from
+    # then on, silently; each run starts with empty caches, as in a process of its own.
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
     store, rank, world_size = next(dist.rendezvous("env://"))
     backend = os.environ.get("FASTLLM_DISTRIBUTED_BACKEND", "gloo")
     for index, (name, arguments) in enumerate(content["runs"].items()):
         group_store = dist.PrefixStore(f"run_{index}", store)
         dist.init_process_group(backend, store=group_store, rank=rank, world_size=world_size)
+        torch._dynamo.reset()
         # A warning shows in each run, as in a process of its own (not once per location).
         with _output_to(directory / f"{name}.rank{rank}"), warnings.catch_warnings():
             try:

@@ -18,16 +18,31 @@ from __future__ import annotations
 
 import shutil
 import sysconfig
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
+from torch._dynamo.utils import counters
 
 from tests.data.conftest import CliResult, run_cli
 from tests.torchrun import torchrun_runs
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
+
+
+@contextmanager
+def compiled_graphs() -> Iterator[Callable[[], int]]:
+    """For a test of compiled blocks: dynamo's caches emptied (the frames that earlier tests'
+    models compiled would count towards its recompile limit) and a recompile past the limit an
+    error, not a silent fall back to eager for the rest of the session; gives a function
+    returning how many graphs were compiled since (a test asserts some were)."""
+    torch._dynamo.reset()
+    start = counters["stats"]["unique_graphs"]
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        yield lambda: counters["stats"]["unique_graphs"] - start
 
 
 @pytest.fixture(autouse=True)

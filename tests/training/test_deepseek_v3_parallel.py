@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from fastllm.model.parameters import parameter_metas
-from tests.training.conftest import Launched, Layout
+from tests.training.conftest import Launched, Layout, compiled_graphs
 from tests.training.test_data_parallel import final_weights
 from tests.training.test_tensor_parallel import assert_close_weights, metric
 from tests.training.test_training_options import trainer
@@ -187,10 +187,12 @@ def test_compiled_blocks_give_the_same_losses_and_gradients(dataset: Path, tmp_p
     options = (*DEEPSEEK, "training.train_iters=1", *PREDICTION)
     eager = trainer(dataset, tmp_path / "a", *options)
     compiled = trainer(dataset, tmp_path / "b", *options, "training.compile=true")
-    for batch in next(iter(eager.data_loader())):
-        ours = compiled.engine.forward_backward([batch])
-        theirs = eager.engine.forward_backward([batch])
-        assert ours.item() == pytest.approx(theirs.item(), rel=1e-5)
+    with compiled_graphs() as compiled_since:
+        for batch in next(iter(eager.data_loader())):
+            ours = compiled.engine.forward_backward([batch])
+            theirs = eager.engine.forward_backward([batch])
+            assert ours.item() == pytest.approx(theirs.item(), rel=1e-5)
+        assert compiled_since() > 0
     for ours, theirs in zip(
         compiled.engine.stages.dense.buffers.grads,
         eager.engine.stages.dense.buffers.grads,

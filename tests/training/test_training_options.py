@@ -17,7 +17,7 @@ from fastllm.training.setup import with_pretrained_architecture
 from tests.data.conftest import run_cli as in_process
 from tests.model.hf_models import save_hf_model
 from tests.test_cli import fastllm as run_cli
-from tests.training.conftest import train_arguments
+from tests.training.conftest import compiled_graphs, train_arguments
 
 
 def trainer(dataset: Path, experiment: Path, *overrides: str) -> Trainer:
@@ -195,21 +195,23 @@ def test_compiled_blocks_give_the_same_losses_and_gradients(
     options = ("training.train_iters=2", *variant)
     eager = trainer(dataset, tmp_path / "a", *options)
     compiled = trainer(dataset, tmp_path / "b", *options, "training.compile=true")
-    for micro_batches in itertools.islice(eager.data_loader(), 2):
-        for batch in micro_batches:
-            ours, theirs = (
-                compiled.engine.forward_backward([batch]),
-                eager.engine.forward_backward([batch]),
-            )
-            assert ours.item() == pytest.approx(theirs.item(), rel=1e-5)
-        for ours, theirs in zip(
-            compiled.engine.stages.dense.buffers.grads,
-            eager.engine.stages.dense.buffers.grads,
-            strict=True,
-        ):
-            torch.testing.assert_close(ours, theirs, rtol=1e-3, atol=1e-5)
-        compiled.engine.optimizer_step()
-        eager.engine.optimizer_step()
+    with compiled_graphs() as compiled_since:
+        for micro_batches in itertools.islice(eager.data_loader(), 2):
+            for batch in micro_batches:
+                ours, theirs = (
+                    compiled.engine.forward_backward([batch]),
+                    eager.engine.forward_backward([batch]),
+                )
+                assert ours.item() == pytest.approx(theirs.item(), rel=1e-5)
+            for ours, theirs in zip(
+                compiled.engine.stages.dense.buffers.grads,
+                eager.engine.stages.dense.buffers.grads,
+                strict=True,
+            ):
+                torch.testing.assert_close(ours, theirs, rtol=1e-3, atol=1e-5)
+            compiled.engine.optimizer_step()
+            eager.engine.optimizer_step()
+        assert compiled_since() > 0
 
 
 @pytest.mark.gpu
