@@ -351,9 +351,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="run lm-eval-harness tasks on a model (alone or under torchrun)",
         description="Example: fastllm evaluate pretrained.path=MODEL_DIR "
         "evaluators.mc.tasks=[hellaswag,arc_easy] evaluators.mc.num_fewshot=0; a training "
-        "config may be given with -c (its pretrained section names the model, its training "
-        "sections are ignored). Results go to evaluation.json in the model's directory (or "
-        "output=FILE) and are printed as lm-eval's tables.",
+        "config may be given with -c (its pretrained section names the model, its "
+        "model.distributed and model.multi_stage keys split it over torchrun's ranks as in "
+        "training, its other sections are ignored). Results go to evaluation.json in the "
+        "model's directory (or output=FILE) and are printed as lm-eval's tables.",
     )
 
     schedule = _config_command(

@@ -1,7 +1,9 @@
 """lm-eval-harness on fastllm: the model interface (`FastLLMLM`) and `fastllm evaluate` against
 lm-eval's own `hf` backend on the same Hugging Face checkpoint, in fp32: the same response to
 every request (log-likelihoods within 1e-4, the same greedy flags, the same generated text),
-hence the same metrics; and two data-parallel ranks give the results of one."""
+hence the same metrics; and two ranks give the results of one, the documents split over them
+or the model split as in training (tensor, sequence-tensor, pipeline, sequence-data
+parallelism, ZeRO-3)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import pytest
 
 from tests.data.conftest import CliResult, run_cli
 from tests.evaluation.conftest import CONTEXT, TASKS, TASKS_DIRECTORY
-from tests.torchrun import torchrun
+from tests.torchrun import torchrun_runs
 
 
 def evaluate_arguments(model: Path, output: Path, *overrides: str) -> list[str]:
@@ -111,14 +113,47 @@ def test_evaluate_command_gives_the_hf_backends_results(
     assert "|fastllm_multiple_choice|" in one_process.stdout.replace(" ", "")  # lm-eval's table
 
 
-def test_two_data_parallel_ranks_give_the_results_of_one(
-    model_directory: Path, one_process: CliResult, tmp_path: Path
+LAYOUTS = {
+    "data_parallel": (),
+    "tensor_parallel": ("model.distributed.tensor_parallel=2",),
+    "sequence_tensor_parallel": (
+        "model.distributed.tensor_parallel=2",
+        "model.distributed.sequence_tensor_parallel=true",
+    ),
+    "pipeline_parallel": ("model.distributed.pipeline_parallel=2",),
+    "sequence_data_parallel": ("model.distributed.sequence_data_parallel=2",),
+    "zero3": ("model.multi_stage.zero_stage=3",),
+}
+"""`fastllm evaluate` on two ranks: each layout's keys, as a training config gives them."""
+REFUSED = "expert_parallel_without_experts"
+"""A run of the launch that must exit 2, last (the launch stops at a failed run)."""
+
+
+@pytest.fixture(scope="module")
+def two_ranks(model_directory: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The results file of each layout of LAYOUTS and of REFUSED (absent, its stderr beside),
+    all run in one torchrun launch."""
+    root = tmp_path_factory.mktemp("two_ranks")
+    runs = {
+        name: evaluate_arguments(model_directory, root / f"{name}.json", *keys)
+        for name, keys in {**LAYOUTS, REFUSED: ("model.distributed.expert_parallel=2",)}.items()
+    }
+    with pytest.MonkeyPatch.context() as patch:  # the kernels' torch references, as in conftest
+        patch.delenv("TRITON_INTERPRET", raising=False)
+        results = torchrun_runs(2, runs, root)
+    for name, result in results.items():
+        assert result.returncode == (2 if name == REFUSED else 0), (name, result.stderr)
+        if name == REFUSED:
+            (root / f"{name}.stderr").write_text(result.stderr)
+    return {name: root / f"{name}.json" for name in runs}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_two_ranks_give_the_results_of_one(
+    one_process: CliResult, two_ranks: dict[str, Path], layout: str
 ) -> None:
-    output = tmp_path / "results.json"
-    launch = torchrun(2, *evaluate_arguments(model_directory, output))
-    assert launch.returncode == 0, launch.stderr
     single = json.loads(Path(one_process.stdout.strip().splitlines()[-1][9:]).read_text())
-    assert_same_metrics(json.loads(output.read_text())["tiny"], single["tiny"])
+    assert_same_metrics(json.loads(two_ranks[layout].read_text())["tiny"], single["tiny"])
 
 
 def test_bad_input_is_refused_naming_the_key(model_directory: Path, tmp_path: Path) -> None:
@@ -128,6 +163,21 @@ def test_bad_input_is_refused_naming_the_key(model_directory: Path, tmp_path: Pa
     assert "pretrained.path" in missing.stderr and "no such model directory" in missing.stderr
     no_tasks = run_cli("evaluate", f"pretrained.path={model_directory}", "evaluators.x.limit=3")
     assert no_tasks.returncode == 2 and "evaluators.x.tasks: is required" in no_tasks.stderr
+    ranks = run_cli(*evaluate_arguments(model_directory, output, LAYOUTS["tensor_parallel"][0]))
+    assert ranks.returncode == 2
+    assert "model.distributed.tensor_parallel: tensor_parallel (2)" in ranks.stderr
+    assert "must divide the number of ranks (1)" in ranks.stderr
+    assert not output.exists()
+
+
+def test_a_layout_the_model_cannot_split_into_is_refused_naming_the_key(
+    two_ranks: dict[str, Path],
+) -> None:
+    # The last run of the launch: two expert ranks for a model without experts.
+    refused = two_ranks[REFUSED]
+    assert not refused.exists()
+    stderr = refused.with_suffix(".stderr").read_text()
+    assert "model.distributed.expert_parallel: (2) must divide" in stderr, stderr
 
 
 def test_requests_of_one_context_share_a_row_and_score_as_alone(model_directory: Path) -> None:

@@ -19,6 +19,7 @@ import msgspec
 from fastllm.config.section import ConfigError
 
 if TYPE_CHECKING:
+    from fastllm.config.model import BaseModelConfig, DistributedConfig, MultiStageConfig
     from fastllm.config.trainer import TrainerConfig
 
 
@@ -69,9 +70,11 @@ class StepShape:
 
 
 @dataclass(frozen=True)
-class RunLayout:
-    """Every size a run uses. Data, tensor, pipeline, sequence-data and expert sizes are
-    different numbers; each collective's group has one of them."""
+class MeshShape:
+    """The sizes of the parallel mesh (`parallel.mesh.build_mesh` makes a process group of
+    each): what a training run and `fastllm evaluate` share of a layout. Data, tensor,
+    pipeline, sequence-data and expert sizes are different numbers; each collective's group
+    has one of them."""
 
     world_size: int
     tensor: int
@@ -87,13 +90,57 @@ class RunLayout:
     """Which chunks of a sequence each of them computes: contiguous or head_tail."""
     expert: int
     """Consecutive data ranks that split each mixture's experts."""
+    sequence_tensor_parallel: bool
+    """Activations between layers split over the tensor ranks (needs tensor > 1)."""
+
+
+def mesh_shape(distributed: DistributedConfig, world_size: int) -> MeshShape:
+    """The mesh `distributed` (`model.distributed`) makes of `world_size` ranks; a
+    `ConfigError` naming the key whose size does not divide them."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be positive, got {world_size}")
+    tensor, pipeline = distributed.tensor_parallel, distributed.pipeline_parallel
+    if world_size % (tensor * pipeline):
+        raise ConfigError(
+            "model.distributed.tensor_parallel",
+            f"tensor_parallel ({tensor}) × model.distributed.pipeline_parallel "
+            f"({pipeline}) must divide the number of ranks ({world_size})",
+        )
+    data = world_size // (tensor * pipeline)
+    for key, size in (
+        ("sequence_data_parallel", distributed.sequence_data_parallel),
+        ("expert_parallel", distributed.expert_parallel),
+    ):
+        if data % size:
+            raise ConfigError(
+                f"model.distributed.{key}",
+                f"({size}) must divide the data-parallel size ({data}: {_over(world_size)})",
+            )
+    return MeshShape(
+        world_size=world_size,
+        tensor=tensor,
+        data=data,
+        pipeline=pipeline,
+        sequence_data=distributed.sequence_data_parallel,
+        sequence_data_chunking=distributed.sequence_data_chunking,
+        expert=distributed.expert_parallel,
+        sequence_tensor_parallel=distributed.sequence_tensor_parallel and tensor > 1,
+    )
+
+
+def _over(world_size: int) -> str:
+    return f"{world_size} ranks over model.distributed.tensor_parallel × pipeline_parallel"
+
+
+@dataclass(frozen=True)
+class RunLayout(MeshShape):
+    """Every size a training run uses: its mesh's, and its steps'."""
+
     expert_data: int
     """Data ranks that hold the same experts (ZeRO shards the expert parameters over them);
     1 without expert parallelism."""
     sample_groups: int
     """The data ranks as the data loader sees them: one per sequence-data group."""
-    sequence_tensor_parallel: bool
-    """Activations between layers split over the tensor ranks (needs tensor > 1)."""
     micro_batch_size: int
     """Sequences per forward/backward pass on one rank (at most what a sample group trains)."""
     breadth_first: int
@@ -333,10 +380,19 @@ def check_shape(config: TrainerConfig) -> None:
     """The sizes that must divide each other whatever the number of ranks: the model's
     dimensions by the tensor ranks, the experts by the expert ranks, the sequence by its
     chunks and pieces, and at least one stage per pipeline rank."""
-    model, distributed = config.model, config.model.distributed
-    t = model.base_model.transformer
-    stages = model.multi_stage.num_stages(t.num_layers)
-    pipeline = distributed.pipeline_parallel
+    model = config.model
+    check_model_split(model.base_model, model.multi_stage, model.distributed)
+    _check_sequence_length(config)
+
+
+def check_model_split(
+    base_model: BaseModelConfig, multi_stage: MultiStageConfig, distributed: DistributedConfig
+) -> None:
+    """The model splits as `distributed` asks: at least one stage per pipeline rank, the
+    dimensions that the tensor ranks slice divisible by them, the experts by the expert
+    ranks."""
+    t = base_model.transformer
+    stages, pipeline = multi_stage.num_stages(t.num_layers), distributed.pipeline_parallel
     if pipeline > stages:
         raise ConfigError(
             "model.distributed.pipeline_parallel",
@@ -350,7 +406,7 @@ def check_shape(config: TrainerConfig) -> None:
         ("model.base_model.transformer.num_attention_heads", t.num_attention_heads),
         ("model.base_model.transformer.head_groups", t.head_groups),
         ("model.base_model.transformer.ffn_hidden_size", t.ffn_hidden_size),
-        ("model.base_model.vocab_size", model.base_model.vocab_size),
+        ("model.base_model.vocab_size", base_model.vocab_size),
     ):
         if value % tensor:
             raise ConfigError(
@@ -364,7 +420,6 @@ def check_shape(config: TrainerConfig) -> None:
             f"({expert}) must divide model.base_model.transformer.num_experts "
             f"({t.num_experts}): each rank holds an equal share of the experts",
         )
-    _check_sequence_length(config)
 
 
 def _check_sequence_length(config: TrainerConfig) -> None:
@@ -395,30 +450,12 @@ def _check_sequence_length(config: TrainerConfig) -> None:
 def resolve(config: TrainerConfig, world_size: int) -> RunLayout:
     """Every size a run of `config` on `world_size` ranks uses; a `ConfigError` naming the keys
     when they do not fit the ranks or each other, or when the settings do not compose yet."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be positive, got {world_size}")
     check_compatible(config)
     check_shape(config)
-    distributed, batch = config.model.distributed, config.batch
-    tensor, pipeline = distributed.tensor_parallel, distributed.pipeline_parallel
-    if world_size % (tensor * pipeline):
-        raise ConfigError(
-            "model.distributed.tensor_parallel",
-            f"tensor_parallel ({tensor}) × model.distributed.pipeline_parallel "
-            f"({pipeline}) must divide the number of ranks ({world_size})",
-        )
-    data = world_size // (tensor * pipeline)
-    over = f"{world_size} ranks over model.distributed.tensor_parallel × pipeline_parallel"
-    for key, size in (
-        ("sequence_data_parallel", distributed.sequence_data_parallel),
-        ("expert_parallel", distributed.expert_parallel),
-    ):
-        if data % size:
-            raise ConfigError(
-                f"model.distributed.{key}",
-                f"({size}) must divide the data-parallel size ({data}: {over})",
-            )
-    sequence_data, expert = distributed.sequence_data_parallel, distributed.expert_parallel
+    mesh = mesh_shape(config.model.distributed, world_size)
+    batch, tensor, pipeline, data = config.batch, mesh.tensor, mesh.pipeline, mesh.data
+    sequence_data, expert = mesh.sequence_data, mesh.expert
+    over = _over(world_size)
     groups = data // sequence_data
     if batch.batch_size % groups:
         shared = (
@@ -437,7 +474,7 @@ def resolve(config: TrainerConfig, world_size: int) -> RunLayout:
     breadth, depth = config.schedule.micro_batches(per_group, micro)
     num_stages = config.model.multi_stage.num_stages(config.model.base_model.transformer.num_layers)
     splits = config.schedule.micro_batch_splits
-    sequence_tensor = distributed.sequence_tensor_parallel and tensor > 1
+    sequence_tensor = mesh.sequence_tensor_parallel
     piece = batch.sequence_length // sequence_data // splits // (tensor if sequence_tensor else 1)
     return RunLayout(
         world_size=world_size,
@@ -445,7 +482,7 @@ def resolve(config: TrainerConfig, world_size: int) -> RunLayout:
         data=data,
         pipeline=pipeline,
         sequence_data=sequence_data,
-        sequence_data_chunking=distributed.sequence_data_chunking,
+        sequence_data_chunking=mesh.sequence_data_chunking,
         expert=expert,
         expert_data=data // expert if expert > 1 else 1,
         sample_groups=groups,

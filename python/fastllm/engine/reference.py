@@ -24,10 +24,10 @@ import torch
 from torch import Tensor
 
 from fastllm.checkpoint import peft
-from fastllm.checkpoint.formats import open_model
+from fastllm.checkpoint.formats import ModelSource, open_model
 from fastllm.config import ConfigError
 from fastllm.config.model import HeadConfig
-from fastllm.config.trainer import ReferenceModelConfig, TrainerConfig
+from fastllm.config.trainer import TrainerConfig
 from fastllm.engine.batch import Pairs
 from fastllm.engine.model_stages import ModelStages
 from fastllm.engine.precision import DTYPES
@@ -111,24 +111,28 @@ def build_references(
     trained model's layout, their weights loaded (every rank calls it). `num_stages`: the
     trained model's stages, when its steps run them one at a time (None: whole)."""
     multi_stage = config.model.multi_stage
-    return {
-        name: build_reference(
-            reference,
+    references = {}
+    for name, reference in config.reference_models.items():
+        if name not in names:
+            continue
+        pretrained = reference.pretrained
+        references[name] = frozen_model(
+            open_model(pretrained.path, pretrained.format),
+            None if pretrained.adapter is None else Path(pretrained.adapter),
             mesh,
             compute_dtype=DTYPES[config.model.distributed.training_dtype],
             device=device,
             zero_stage=multi_stage.zero_stage,
             layers_per_stage=multi_stage.layers_per_stage,
             num_stages=num_stages,
-            name=name,
+            key=f"reference_models.{name}",
         )
-        for name, reference in config.reference_models.items()
-        if name in names
-    }
+    return references
 
 
-def build_reference(
-    config: ReferenceModelConfig,
+def frozen_model(
+    source: ModelSource,
+    adapter: Path | None,
     mesh: ParallelMesh,
     *,
     compute_dtype: torch.dtype,
@@ -136,25 +140,23 @@ def build_reference(
     zero_stage: int,
     layers_per_stage: int,
     num_stages: int | None = None,
-    name: str = "",
+    key: str = "pretrained",
 ) -> ReferenceModel:
-    """The reference model `name` of `config` on this rank, its weights loaded. With
-    `num_stages` (the trained model's, run one at a time), its blocks are spread over as many
-    stages, each pipeline rank holding those of its own; else its stages are of
-    `layers_per_stage` blocks, as the trained model's (units of the ZeRO-3 gathers)."""
-    pretrained = config.pretrained
-    source = open_model(pretrained.path, pretrained.format)
+    """The model of `source` (with the PEFT adapter in directory `adapter`) on this rank of
+    `mesh`, every parameter in weights-only buffers, its weights loaded. With `num_stages`
+    (a trained model's, run one at a time), its blocks are spread over as many stages, each
+    pipeline rank holding those of its own; else its stages are of `layers_per_stage` blocks,
+    as the trained model's (units of the ZeRO-3 gathers). `key`: the config key an error
+    names."""
     architecture = msgspec.structs.replace(source.config, head=HeadConfig())  # no losses of its own
     adapters: Iterator[tuple[str, Tensor]] = iter(())
-    if pretrained.adapter is not None:
-        architecture, adapters = peft.with_adapter(
-            architecture, source.hf_config, Path(pretrained.adapter)
-        )
+    if adapter is not None:
+        architecture, adapters = peft.with_adapter(architecture, source.hf_config, adapter)
     num_layers = architecture.transformer.num_layers
     if num_stages is not None:
         if num_layers < num_stages:
             raise ConfigError(
-                f"reference_models.{name}",
+                key,
                 f"its {num_layers} blocks are fewer than the trained model's {num_stages} "
                 "stages, over which they are spread",
             )

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 
 import torch.distributed as dist
 
-from fastllm.config.layout import RunLayout
+from fastllm.config.layout import MeshShape
 from fastllm.parallel.dimension import Dimension
 from fastllm.parallel.sequence_data import SequenceDataDimension
 from fastllm.parallel.tensor import DeferredWork, TensorDimension
@@ -62,7 +62,7 @@ class ParallelMesh:
         return replace(self, tensor=replace(self.tensor, deferral=deferral))
 
 
-def build_mesh(layout: RunLayout, rank: int) -> ParallelMesh:
+def build_mesh(layout: MeshShape, rank: int) -> ParallelMesh:
     """The mesh of `layout`'s ranks; every rank must call it (groups are made collectively)."""
     world_size, tensor_size, data_size = layout.world_size, layout.tensor, layout.data
     sizes = (tensor_size, data_size, layout.pipeline)
