@@ -31,23 +31,35 @@ def without_triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="session")
 def model_directory(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("lm_eval")
-    corpus = root / "corpus.jsonl"
-    with corpus.open("w") as lines:
-        for file in sorted(TASKS_DIRECTORY.glob("*.jsonl")):
-            for line in file.read_text().splitlines():
-                text = " ".join(str(value) for value in json.loads(line).values())
-                lines.write(json.dumps({"text": text}) + "\n")
+    return saved_model(tmp_path_factory.mktemp("lm_eval"), "llama")
+
+
+@pytest.fixture(scope="session")
+def moe_model_directory(model_directory: Path) -> Path:
+    """A mixture of experts (Mixtral: 4 experts, 2 a token) with the same tokenizer."""
+    return saved_model(model_directory.parent, "mixtral")
+
+
+def saved_model(root: Path, architecture: str) -> Path:
+    """root/ARCHITECTURE: a random `architecture` of the tests' shapes with the tokenizer
+    trained on the test tasks' documents (root/tokenizer, trained at the first call)."""
     tokenizer = root / "tokenizer"
-    result = run_cli(
-        "tokenizer", "train", f"input.path={corpus}", f"output={tokenizer}", "vocab_size=300"
-    )
-    assert result.returncode == 0, result.stderr
+    if not tokenizer.is_dir():
+        corpus = root / "corpus.jsonl"
+        with corpus.open("w") as lines:
+            for file in sorted(TASKS_DIRECTORY.glob("*.jsonl")):
+                for line in file.read_text().splitlines():
+                    text = " ".join(str(value) for value in json.loads(line).values())
+                    lines.write(json.dumps({"text": text}) + "\n")
+        result = run_cli(
+            "tokenizer", "train", f"input.path={corpus}", f"output={tokenizer}", "vocab_size=300"
+        )
+        assert result.returncode == 0, result.stderr
     eos = json.loads((tokenizer / "tokenizer.json").read_text())["added_tokens"][0]
     assert eos["content"] == "<|endoftext|>"
-    model = root / "model"
+    model = root / architecture
     save_hf_model(
-        "llama", model, vocab_size=300, max_position_embeddings=CONTEXT,
+        architecture, model, vocab_size=300, max_position_embeddings=CONTEXT,
         bos_token_id=None, eos_token_id=eos["id"], pad_token_id=None,
     )  # fmt: skip
     for file in tokenizer.iterdir():

@@ -32,10 +32,29 @@ def evaluate_arguments(model: Path, output: Path, *overrides: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def one_process(model_directory: Path, tmp_path_factory: pytest.TempPathFactory) -> CliResult:
-    output = tmp_path_factory.mktemp("one_process") / "results.json"
+    return evaluated_alone(model_directory, tmp_path_factory.mktemp("one_process"))
+
+
+@pytest.fixture(scope="module")
+def moe_one_process(
+    moe_model_directory: Path, tmp_path_factory: pytest.TempPathFactory
+) -> CliResult:
+    return evaluated_alone(moe_model_directory, tmp_path_factory.mktemp("moe_one_process"))
+
+
+def evaluated_alone(model: Path, root: Path) -> CliResult:
+    """`fastllm evaluate` of the test tasks on `model` in this process (root/results.json)."""
     with pytest.MonkeyPatch.context() as patch:  # the kernels' torch references, as in conftest
         patch.delenv("TRITON_INTERPRET", raising=False)
-        return run_cli(*evaluate_arguments(model_directory, output))
+        return run_cli(*evaluate_arguments(model, root / "results.json"))
+
+
+def results_of(run: CliResult) -> dict[str, Any]:
+    """The results that `fastllm evaluate` wrote (its last line names the file)."""
+    assert run.returncode == 0, run.stderr
+    return json.loads(
+        Path(run.stdout.strip().splitlines()[-1].removeprefix("results: ")).read_text()
+    )
 
 
 def metrics(results: dict[str, Any]) -> dict[str, dict[str, float]]:
@@ -125,18 +144,26 @@ LAYOUTS = {
     "zero3": ("model.multi_stage.zero_stage=3",),
 }
 """`fastllm evaluate` on two ranks: each layout's keys, as a training config gives them."""
+EXPERT_PARALLEL = "expert_parallel"
+"""The mixture of experts on two expert ranks, each with 2 of its 4 experts."""
 REFUSED = "expert_parallel_without_experts"
 """A run of the launch that must exit 2, last (the launch stops at a failed run)."""
 
 
 @pytest.fixture(scope="module")
-def two_ranks(model_directory: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The results file of each layout of LAYOUTS and of REFUSED (absent, its stderr beside),
-    all run in one torchrun launch."""
+def two_ranks(
+    model_directory: Path, moe_model_directory: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
+    """The results file of each layout of LAYOUTS, of EXPERT_PARALLEL and of REFUSED (absent,
+    its stderr beside), all run in one torchrun launch."""
     root = tmp_path_factory.mktemp("two_ranks")
+    ep = "model.distributed.expert_parallel=2"
+    models = {name: (model_directory, keys) for name, keys in LAYOUTS.items()}
+    models[EXPERT_PARALLEL] = (moe_model_directory, (ep,))
+    models[REFUSED] = (model_directory, (ep,))
     runs = {
-        name: evaluate_arguments(model_directory, root / f"{name}.json", *keys)
-        for name, keys in {**LAYOUTS, REFUSED: ("model.distributed.expert_parallel=2",)}.items()
+        name: evaluate_arguments(model, root / f"{name}.json", *keys)
+        for name, (model, keys) in models.items()
     }
     with pytest.MonkeyPatch.context() as patch:  # the kernels' torch references, as in conftest
         patch.delenv("TRITON_INTERPRET", raising=False)
@@ -152,8 +179,15 @@ def two_ranks(model_directory: Path, tmp_path_factory: pytest.TempPathFactory) -
 def test_two_ranks_give_the_results_of_one(
     one_process: CliResult, two_ranks: dict[str, Path], layout: str
 ) -> None:
-    single = json.loads(Path(one_process.stdout.strip().splitlines()[-1][9:]).read_text())
+    single = results_of(one_process)
     assert_same_metrics(json.loads(two_ranks[layout].read_text())["tiny"], single["tiny"])
+
+
+def test_two_expert_ranks_give_the_results_of_one(
+    moe_one_process: CliResult, two_ranks: dict[str, Path]
+) -> None:
+    single = results_of(moe_one_process)
+    assert_same_metrics(json.loads(two_ranks[EXPERT_PARALLEL].read_text())["tiny"], single["tiny"])
 
 
 def test_bad_input_is_refused_naming_the_key(model_directory: Path, tmp_path: Path) -> None:
