@@ -55,7 +55,7 @@ test: setup
 	cargo test --workspace --quiet
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q --durations=15
 
 # The property tests (tests/fuzz) with 20 times the examples `make test` draws: minutes, not seconds.
 fuzz: setup
