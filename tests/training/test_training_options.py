@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -195,6 +196,21 @@ def test_compiled_blocks_give_the_same_losses_and_gradients(
     options = ("training.train_iters=2", *variant)
     eager = trainer(dataset, tmp_path / "a", *options)
     compiled = trainer(dataset, tmp_path / "b", *options, "training.compile=true")
+
+    def close(ours: torch.Tensor, theirs: torch.Tensor) -> None:
+        torch.testing.assert_close(ours, theirs, rtol=1e-3, atol=1e-5)
+
+    assert_compiled_steps_match(compiled, eager, 1e-5, close)
+
+
+def assert_compiled_steps_match(
+    compiled: Trainer,
+    eager: Trainer,
+    loss_rel: float,
+    assert_grads_close: Callable[[torch.Tensor, torch.Tensor], None],
+) -> None:
+    """Two steps of both, micro-batch by micro-batch: each loss within `loss_rel`, then each
+    gradient buffer by `assert_grads_close`; graphs were compiled (`compiled_graphs`)."""
     with compiled_graphs() as compiled_since:
         for micro_batches in itertools.islice(eager.data_loader(), 2):
             for batch in micro_batches:
@@ -202,13 +218,13 @@ def test_compiled_blocks_give_the_same_losses_and_gradients(
                     compiled.engine.forward_backward([batch]),
                     eager.engine.forward_backward([batch]),
                 )
-                assert ours.item() == pytest.approx(theirs.item(), rel=1e-5)
+                assert ours.item() == pytest.approx(theirs.item(), rel=loss_rel)
             for ours, theirs in zip(
                 compiled.engine.stages.dense.buffers.grads,
                 eager.engine.stages.dense.buffers.grads,
                 strict=True,
             ):
-                torch.testing.assert_close(ours, theirs, rtol=1e-3, atol=1e-5)
+                assert_grads_close(ours, theirs)
             compiled.engine.optimizer_step()
             eager.engine.optimizer_step()
         assert compiled_since() > 0
@@ -230,23 +246,11 @@ def test_compiled_blocks_match_eager_on_gpu(
     eager = trainer(dataset, tmp_path / "a", *options)
     compiled = trainer(dataset, tmp_path / "b", *options, "training.compile=true")
     assert eager.distributed.device.type == "cuda"
-    for micro_batches in itertools.islice(eager.data_loader(), 2):
-        for batch in micro_batches:
-            ours, theirs = (
-                compiled.engine.forward_backward([batch]),
-                eager.engine.forward_backward([batch]),
-            )
-            assert ours.item() == pytest.approx(theirs.item(), rel=2e-2)
-        for ours, theirs in zip(
-            compiled.engine.stages.dense.buffers.grads,
-            eager.engine.stages.dense.buffers.grads,
-            strict=True,
-        ):
-            assert torch.linalg.vector_norm(ours - theirs) <= 0.05 * torch.linalg.vector_norm(
-                theirs
-            )
-        compiled.engine.optimizer_step()
-        eager.engine.optimizer_step()
+
+    def close(ours: torch.Tensor, theirs: torch.Tensor) -> None:
+        assert torch.linalg.vector_norm(ours - theirs) <= 0.05 * torch.linalg.vector_norm(theirs)
+
+    assert_compiled_steps_match(compiled, eager, 2e-2, close)
 
 
 @pytest.mark.gpu
