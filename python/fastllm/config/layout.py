@@ -477,16 +477,9 @@ def resolve(config: TrainerConfig, world_size: int) -> RunLayout:
     sequence_tensor = mesh.sequence_tensor_parallel
     piece = batch.sequence_length // sequence_data // splits // (tensor if sequence_tensor else 1)
     return RunLayout(
-        world_size=world_size,
-        tensor=tensor,
-        data=data,
-        pipeline=pipeline,
-        sequence_data=sequence_data,
-        sequence_data_chunking=mesh.sequence_data_chunking,
-        expert=expert,
+        **vars(mesh),
         expert_data=data // expert if expert > 1 else 1,
         sample_groups=groups,
-        sequence_tensor_parallel=sequence_tensor,
         micro_batch_size=micro,
         breadth_first=breadth,
         depth_first=depth,
