@@ -44,6 +44,7 @@
 # joules a step's matmuls and attention take at the power limit, issue 16); energy-1b (issue
 # 36: a llama-1b run's logged energy against NVML read by the benchmark); lora-7b, lora-8b
 # (issue 34: LoRA rank 16 against full fine-tuning and HF + PEFT + compile; llama-8b with LoRA);
+# profile-lora (issue 34: lora-7b's fastllm step under torch.profiler);
 # lmeval-1b (issue 36: lm-eval's hf backend against fastllm's model interface on llama-1b);
 # dpo-1b (issue 35: DPO of llama-1b against TRL's DPOTrainer, reference in the step and
 # precomputed); distill-1b (issue 35: llama-1b distilled from a llama-8b-geometry teacher);
@@ -171,6 +172,12 @@ run_part() {
         --warmup 2 --steps "${STEPS:-6}" ${MICRO_BATCH:+--micro-batch $MICRO_BATCH} \
         ${SET:+--set $SET} --timeout 200 --commit "$COMMIT" \
         --out "$RES/lora_${1#lora-}${TAG:+_$TAG}" 2>&1 | tail -16 ;;
+    profile-lora)
+      # Issue 34: train_bench's fastllm-lora step on the Mistral-7B geometry at 4096 under
+      # torch.profiler: its kernels by group, the matmuls by shape, and where the GPU idles.
+      timeout 240 python3 bench/profile_step.py --model mistral --lora --timeline --ops 24 \
+        ${MICRO_BATCH:+--micro-batch $MICRO_BATCH} ${SET:+--set $SET} --commit "$COMMIT" \
+        --out "$RES/profile_lora_7b${TAG:+_$TAG}" 2>&1 | tail -60 ;;
     oom-8b)
       # Issue 34: llama3-8b's example on one GPU does not fit (16 bytes a parameter and the
       # activations): the one line `fastllm train` ends with, and its exit code.

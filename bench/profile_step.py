@@ -3,6 +3,7 @@ config, data and code path) under torch.profiler, its kernels grouped by what th
 
     python bench/profile_step.py --model 1b --out bench/results/profile_h200_1b
     python bench/profile_step.py --model 1b --tiny --device cpu --out /tmp/profile   # smoke
+    python bench/profile_step.py --model mistral --lora --timeline --out /tmp/lora   # LoRA's step
 
 Writes OUT/profile.json (per group and per kernel: calls, total ms per step, share of the step)
 and OUT/profile.md; with --trace, a Chrome trace too (large). With --timeline, the wall time of
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from bench_common import commit_info, machine_info, markdown_table, write_json, write_random_dataset
-from train_bench import MODELS, load_trainer_config, model_overrides, run_overrides
+from train_bench import LORA, MODELS, load_trainer_config, model_overrides, run_overrides
 
 GROUPS = [
     ("attention", r"cudnn|fmha|flash|attention|sdpa"),
@@ -63,6 +64,8 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     if args.timeline:  # three more windows of `steps` steps: unprofiled, CUDA alone, host + CUDA
         args.steps *= 4
     overrides = [*run_overrides(args.model, args, work / "exp", Path(dataset["path"])), *args.set]
+    if args.lora:
+        overrides += LORA
     trainer = Trainer(load_trainer_config(args.model, overrides))
     args.steps = timed_steps
     cuda = trainer.distributed.device.type == "cuda"
@@ -217,6 +220,7 @@ def main() -> None:
     parser.add_argument("--trace", action="store_true")
     parser.add_argument("--timeline", action="store_true", help="wall time and GPU idle gaps")
     parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="more overrides")
+    parser.add_argument("--lora", action="store_true", help="train_bench's fastllm-lora adapters")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--device", choices=["auto", "cpu"], default="auto")
     parser.add_argument("--commit", default=None)
