@@ -43,8 +43,11 @@ MIXTURES = {  # our layers, PEFT's targets, PEFT's adapted modules per block
 }
 
 
-def test_a_lora_layer_adds_each_segments_update_as_plain_torch_does() -> None:
-    # A q/k/v-like projection of three segments, the first and the last adapted.
+@pytest.mark.parametrize("path", ["one op", "composed"])
+def test_a_lora_layer_adds_each_segments_update_as_plain_torch_does(path: str) -> None:
+    # A q/k/v-like projection of three segments, the first and the last adapted, its base
+    # weight and bias trained too (to check their gradients); "composed" is the form FP8
+    # recipes and torch.compile take.
     config = LoRAConfig(rank=3, alpha=6.0, layers=["query", "value"])
     lora = LoRA(config, 10, (8, 4, 4), (0, 2), TensorDimension(), row_parallel=False)
     generator = torch.Generator().manual_seed(0)
@@ -52,16 +55,19 @@ def test_a_lora_layer_adds_each_segments_update_as_plain_torch_does() -> None:
         for parameter in lora.parameters():
             parameter.copy_(torch.randn(parameter.shape, generator=generator))
     x = torch.randn(2, 5, 10, generator=generator, requires_grad=True)
-    base = torch.randn(2, 5, 16, generator=generator, requires_grad=True)
-    out = lora.add_to(base, x)
+    weight = torch.randn(16, 10, generator=generator, requires_grad=True)
+    bias = torch.randn(16, generator=generator, requires_grad=True)
+    if path == "one op":
+        out = lora.project(x, weight, bias, None)
+    else:
+        out = lora._add_to(F.linear(x, weight, bias), x)
 
     a_q, a_v = lora.a.detach()[:3].clone(), lora.a.detach()[3:].clone()
     b_q, b_v = lora.b.detach()[:8].clone(), lora.b.detach()[8:].clone()
-    reference_parameters = [a_q, a_v, b_q, b_v]
-    for tensor in reference_parameters:
+    x_ref, weight_ref, bias_ref = (t.detach().clone() for t in (x, weight, bias))
+    for tensor in (a_q, a_v, b_q, b_v, x_ref, weight_ref, bias_ref):
         tensor.requires_grad_(True)
-    x_ref, base_ref = x.detach().clone().requires_grad_(), base.detach().clone().requires_grad_()
-    q, k, v = base_ref.split([8, 4, 4], dim=-1)
+    q, k, v = F.linear(x_ref, weight_ref, bias_ref).split([8, 4, 4], dim=-1)
     reference = torch.cat(
         [q + 2.0 * (x_ref @ a_q.T) @ b_q.T, k, v + 2.0 * (x_ref @ a_v.T) @ b_v.T], dim=-1
     )
@@ -70,8 +76,8 @@ def test_a_lora_layer_adds_each_segments_update_as_plain_torch_does() -> None:
     grad = torch.randn(out.shape, generator=generator)
     out.backward(grad)
     reference.backward(grad)
-    torch.testing.assert_close(x.grad, x_ref.grad)
-    torch.testing.assert_close(base.grad, base_ref.grad)
+    for ours, theirs in ((x, x_ref), (weight, weight_ref), (bias, bias_ref)):
+        torch.testing.assert_close(ours.grad, theirs.grad)
     assert lora.a.grad is not None and lora.b.grad is not None
     torch.testing.assert_close(lora.a.grad, torch.cat([a_q.grad, a_v.grad]))
     torch.testing.assert_close(lora.b.grad, torch.cat([b_q.grad, b_v.grad]))

@@ -124,9 +124,10 @@ class Attention(torch.nn.Module):
         )  # fmt: skip
         out = out.reshape(batch, length, self.q_size)
         bias = None if self.tensor.split else self.dense.bias  # `leave` adds it after the sum
-        dense = linear(out, self.dense.weight, bias, self.dense_recipe)
-        if self.dense_lora is not None:
-            dense = self.dense_lora.add_to(dense, out)
+        if self.dense_lora is None:
+            dense = linear(out, self.dense.weight, bias, self.dense_recipe)
+        else:
+            dense = self.dense_lora.project(out, self.dense.weight, bias, self.dense_recipe)
         return leave(dense, self.tensor, self.dense.bias) if self.tensor.split else dense
 
     def _qkv(self, x: Tensor, norm: InputNorm) -> Tensor:
@@ -135,9 +136,7 @@ class Attention(torch.nn.Module):
         weight, bias = self.query_key_value.weight, self.query_key_value.bias
         if self.query_key_value_lora is None:
             return norm.project(x, weight, bias, self.qkv_recipe)
-        normed = norm(x)
-        qkv = linear(normed, weight, bias, self.qkv_recipe)
-        return self.query_key_value_lora.add_to(qkv, normed)
+        return self.query_key_value_lora.project(norm(x), weight, bias, self.qkv_recipe)
 
     def _project_gathering_keys(
         self, x: Tensor, norm: InputNorm, cos: Tensor | None, sin: Tensor | None

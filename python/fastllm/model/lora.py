@@ -35,7 +35,10 @@ from torch import Tensor
 from fastllm.config.model import LoRAConfig
 from fastllm.model.parameters import TensorSplit, describe
 from fastllm.parallel.tensor import TensorDimension
+from fastllm_kernels.linear import linear
+from fastllm_kernels.lora_linear import lora_linear
 from fastllm_kernels.moe.grouped_linear import grouped_linear
+from fastllm_kernels.recipe import WeightRecipe
 
 SUFFIX = "_lora"
 """The adapters of projection `NAME` are the module `NAME_lora` beside it."""
@@ -98,7 +101,18 @@ class LoRA(Adapter):
         split = TensorSplit(1, (in_features,)) if row_parallel else TensorSplit(0, adapted_rows)
         self._describe(row_parallel, split)
 
-    def add_to(self, out: Tensor, x: Tensor) -> Tensor:
+    def project(
+        self, x: Tensor, weight: Tensor, bias: Tensor | None, recipe: WeightRecipe | None
+    ) -> Tensor:
+        """linear(x, weight, bias, recipe), the base projection, plus the update of x. In bf16
+        or fp32 (no FP8 recipe), with no dropout and not under torch.compile (whose fusions
+        cover it), one op does both and sums x's two gradients in place (lora_linear)."""
+        dropout = self.dropout and self.training
+        if dropout or torch.compiler.is_compiling() or (recipe is not None and recipe.fp8):
+            return self._add_to(linear(x, weight, bias, recipe), x)
+        return lora_linear(x, weight, bias, recipe, self.a, self._block_diagonal_b(), self.scale)
+
+    def _add_to(self, out: Tensor, x: Tensor) -> Tensor:
         """out (…, this rank's output features) plus the update of x (…, input features)."""
         low = F.linear(self._dropped(x), self.a)
         # One GEMM adds the scaled update to `out` in its epilogue: no update tensor, and no

@@ -132,8 +132,7 @@ class MLP(torch.nn.Module):
         if self.layer_1_lora is None:
             h = norm.project(x, weight, bias, self.layer_1_recipe)
         else:  # the adapters read norm(x) too: the norm is not fused into the projection
-            normed = norm(x)
-            h = self.layer_1_lora.add_to(linear(normed, weight, bias, self.layer_1_recipe), normed)
+            h = self.layer_1_lora.project(norm(x), weight, bias, self.layer_1_recipe)
         bias_2 = None if self.tensor.split else self.layer_2.bias
         if self.layer_2_lora is None:
             return _project(
@@ -147,8 +146,7 @@ class MLP(torch.nn.Module):
             )
         # The adapters read act(h): it is stored, not recomputed in the backward pass.
         active = _activate(h, self.gated, self.activation)
-        out = linear(active, self.layer_2.weight, bias_2, self.layer_2_recipe)
-        return self.layer_2_lora.add_to(out, active)
+        return self.layer_2_lora.project(active, self.layer_2.weight, bias_2, self.layer_2_recipe)
 
 
 def _activate(h: Tensor, gated: bool, activation: str) -> Tensor:
