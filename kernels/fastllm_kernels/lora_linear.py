@@ -30,12 +30,6 @@ def lora_linear(
     return _LoRALinearFunction.apply(x, weight, bias, recipe, a, b, scale)
 
 
-def lora_linear_reference(
-    x: Tensor, weight: Tensor, bias: Tensor | None, a: Tensor, b: Tensor, scale: float
-) -> Tensor:
-    return F.linear(x, weight, bias) + scale * F.linear(F.linear(x, a), b)
-
-
 class _LoRALinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, recipe, a, b, scale):
