@@ -253,10 +253,11 @@ def _varlen_reference(q, k, v, cu_queries, cu_keys, max_queries, max_keys, scale
 
 def _packed_pairs():
     """Two rows: pairs of several sizes (prefix 0, answers 1 and 2, the rejected answer's
-    part first), a pair whose parts run 0, 2, 1, a document without answers, padding (-1)."""
+    part first), a pair whose parts run 0, 2, 1, a prompt with three answers (its prefix
+    copied twice), a document without answers, padding (-1)."""
     rows = [
         [(0, 5), (1, 3), (2, 4), None, (0, 2), (1, 6), (2, 1), None, (-1, 3)],
-        [(0, 7), (2, 2), (1, 5), None, (0, 4), None, (-1, 6)],
+        [(0, 7), (2, 2), (1, 5), None, (0, 3), (1, 2), (3, 1), (2, 2), None, (0, 1), (-1, 1)],
     ]
     documents, branches = [], []
     for row in rows:
