@@ -52,9 +52,10 @@ Measured: warm-up steps excluded, then --steps steps between two synchronization
     python bench/dpo_bench.py --out bench/results/dpo_h200 --commit HASH
     python bench/dpo_bench.py --tiny --device cpu --out /tmp/dpo_smoke      # CPU smoke test
 
---profile: fastllm's GPU kernels in two more steps, by group and the longest, in
-OUT/profile_MODE_fastllm.md (bench/profile_step.py's table); on a GPU, then the idle gaps of
-the step and the host's operators at them, in OUT/timeline_MODE/.
+--profile: fastllm's GPU kernels in two more steps, by group and the longest, and the host
+operators that launched them, in OUT/profile_MODE_fastllm.md (bench/profile_step.py's table);
+on a GPU, then the idle gaps of the step and the host's operators at them, in
+OUT/timeline_MODE/.
 """
 
 from __future__ import annotations
@@ -312,7 +313,7 @@ def profile_steps(trainer: Any, out: Path) -> dict[str, Any]:
             trainer.engine.train_step(next(batches))
         if cuda:
             torch.cuda.synchronize()
-    summary = kernel_summary(prof, PROFILED_STEPS, cuda, top=40)
+    summary = kernel_summary(prof, PROFILED_STEPS, cuda, top=40, launchers=30)
     if not cuda:
         return summary
     out.mkdir(parents=True, exist_ok=True)

@@ -95,8 +95,12 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def kernel_summary(prof: Any, steps: int, cuda: bool, top: int) -> dict[str, Any]:
-    """A profile of `steps` steps by kernel (the `top` longest) and by group, per step."""
+def kernel_summary(
+    prof: Any, steps: int, cuda: bool, top: int, launchers: int = 0
+) -> dict[str, Any]:
+    """A profile of `steps` steps by kernel (the `top` longest) and by group, per step; with
+    `launchers`, that many host operators by the device time of the kernels they launched
+    themselves (which operator a kernel such as a reduction comes from)."""
     kernels: dict[str, dict[str, float]] = defaultdict(lambda: {"calls": 0, "ms": 0.0})
     for event in prof.key_averages():
         time_us = event.device_time_total if cuda else event.self_cpu_time_total
@@ -109,6 +113,12 @@ def kernel_summary(prof: Any, steps: int, cuda: bool, top: int) -> dict[str, Any
     for name, stats in kernels.items():
         groups[group_of(name)] += stats["ms"]
     longest = sorted(kernels.items(), key=lambda item: -item[1]["ms"])[:top]
+    launched = [
+        {"op": event.key, "calls": event.count / steps,
+         "ms": event.self_device_time_total / 1e3 / steps}
+        for event in prof.key_averages()
+        if cuda and event.device_type.name == "CPU" and event.self_device_time_total > 0
+    ]  # fmt: skip
     return {
         "timed": "device kernels" if cuda else "CPU operators (self time)",
         "ms_per_step": total,
@@ -117,6 +127,7 @@ def kernel_summary(prof: Any, steps: int, cuda: bool, top: int) -> dict[str, Any
             {"name": name, "group": group_of(name), **stats, "share": stats["ms"] / total}
             for name, stats in longest
         ],
+        "launchers": sorted(launched, key=lambda row: -row["ms"])[:launchers],
     }
 
 
@@ -203,6 +214,13 @@ def table(report: dict[str, Any]) -> str:
         ]  # fmt: skip
         text += "\n\n" + markdown_table(
             ["operator", "input shapes", "calls", "ms per step", "TFLOP/s"], op_rows
+        )
+    if report.get("launchers"):
+        launcher_rows = [
+            [o["op"], f"{o['calls']:.0f}", f"{o['ms']:.2f}"] for o in report["launchers"]
+        ]
+        text += "\n\n" + markdown_table(
+            ["host operator", "calls", "ms per step of the kernels it launched"], launcher_rows
         )
     return text
 
