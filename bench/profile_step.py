@@ -101,8 +101,9 @@ def kernel_summary(
     """A profile of `steps` steps by kernel (the `top` longest) and by group, per step; with
     `launchers`, that many host operators by the device time of the kernels they launched
     themselves (which operator a kernel such as a reduction comes from)."""
+    events = prof.key_averages()
     kernels: dict[str, dict[str, float]] = defaultdict(lambda: {"calls": 0, "ms": 0.0})
-    for event in prof.key_averages():
+    for event in events:
         time_us = event.device_time_total if cuda else event.self_cpu_time_total
         if time_us <= 0 or (cuda and event.device_type.name != "CUDA"):
             continue
@@ -116,7 +117,7 @@ def kernel_summary(
     launched = [
         {"op": event.key, "calls": event.count / steps,
          "ms": event.self_device_time_total / 1e3 / steps}
-        for event in prof.key_averages()
+        for event in events
         if cuda and event.device_type.name == "CPU" and event.self_device_time_total > 0
     ]  # fmt: skip
     return {

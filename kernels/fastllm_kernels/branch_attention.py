@@ -130,7 +130,7 @@ def _on(values: np.ndarray, device) -> Tensor:
 def _cumulative(lengths: list[int], device) -> Tensor:
     starts = np.zeros(len(lengths) + 1, dtype=np.int32)
     np.cumsum(lengths, out=starts[1:])
-    return torch.from_numpy(starts).to(device, non_blocking=True)
+    return _on(starts, device)
 
 
 def _runs(values: np.ndarray) -> list[tuple[int, int]]:

@@ -30,6 +30,7 @@ from tests.training.test_train_cli import losses
 from tests.training.test_training_options import trainer
 
 OFFLOAD = "model.multi_stage.offload_optimizer=true"
+STOPPED = ("training.train_iters=3", "training.export.interval=null")  # the exports are at 6
 BF16, FP32 = six_steps("bfloat16"), six_steps("float32")
 ACCUMULATED = six_steps("float32", "batch.batch_size=8")
 EXPERTS = six_steps("float32", *MOE, "batch.batch_size=8")
@@ -113,8 +114,7 @@ def test_a_checkpoint_of_offloaded_state_resumes_exactly_with_or_without_offload
     # Steps 1-3 offloaded, then 4-6 resumed from its checkpoint offloaded and on the device:
     # the losses and weights of six uninterrupted steps.
     first = tmp_path / "first"
-    stopped = ("training.train_iters=3", "training.export.interval=null")  # exports at 6
-    result = run_cli(*train_arguments(dataset, first, *BF16, OFFLOAD, *stopped))
+    result = run_cli(*train_arguments(dataset, first, *BF16, OFFLOAD, *STOPPED))
     assert result.returncode == 0, result.stderr
     uninterrupted = one_process(*BF16)
     for name, options in (("offloaded", (OFFLOAD,)), ("on-device", ())):
@@ -150,8 +150,7 @@ def test_on_the_gpu_a_checkpoint_restores_the_offloaded_state_bit_for_bit(
     dataset: Path, tmp_path: Path
 ) -> None:
     # The checkpoint is written from the pinned host state itself (no copy), the save waiting.
-    stopped = ("training.train_iters=3", "training.export.interval=null")  # exports at 6
-    first = trainer(dataset, tmp_path / "first", *BF16, OFFLOAD, *stopped)
+    first = trainer(dataset, tmp_path / "first", *BF16, OFFLOAD, *STOPPED)
     assert first.distributed.device.type == "cuda"
     first.fit()
     restored = trainer(dataset, tmp_path / "restored", *BF16, OFFLOAD)
