@@ -50,7 +50,8 @@
 # precomputed); distill-1b (issue 35: llama-1b distilled from a llama-8b-geometry teacher);
 # qwen3 (issue 38: Qwen3-1.7B against HF + compile, and without its QK-norm); moonlight
 # (issue 38: Moonlight-16B cut to 8 blocks, MFU on active parameters and expert loads);
-# masked-sdpa (issue 36: SDPA with a boolean mask at evaluation's shapes, by backend).
+# masked-sdpa (issue 36: SDPA with a boolean mask at evaluation's shapes, by backend);
+# branch-attention (issue 35: shared-prefix attention's varlen and dense forms).
 set -uo pipefail
 COMMIT=$1
 shift
@@ -416,6 +417,11 @@ write_random_dataset(Path('/tmp/freeze1b/data'), vocab_size=128256, tokens=8_000
       python3 -c "import lm_eval, datasets, pytablewriter" || return 1
       python3 bench/lm_eval_bench.py ${LMEVAL_ARGS:-} --commit "$COMMIT" \
         --out "$RES/lm_eval_1b${TAG:+_$TAG}" 2>&1 | grep -v "it/s\]" | tail -12 ;;
+    branch-attention)
+      # Issue 35: shared-prefix attention's varlen and dense forms at llama-1b's heads, on the
+      # DPO benchmark's rows and on ragged pairs, forward and backward.
+      timeout 120 python3 bench/branch_attention_probe.py --commit "$COMMIT" \
+        --out "$RES/branch_attention_probe${TAG:+_$TAG}" 2>&1 | tail -8 ;;
     masked-sdpa)
       # Issue 36: SDPA with a boolean mask at evaluation's shapes, by backend.
       timeout 120 python3 bench/masked_sdpa_probe.py --out "$RES/masked_sdpa.json" ;;

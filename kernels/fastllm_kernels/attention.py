@@ -15,9 +15,10 @@ No kernel of our own: the op picks the fastest existing one for the case.
 Masks: query i sees key j when j <= i (causal), i - window_size < j (window; |i - j| < window
 when not causal), document_ids[b, i] == document_ids[b, j], and with branch_ids (a shared
 prefix: the prompt of a preference pair, branch 0, and its answers, branches 1 and 2, which
-never see each other) branch_ids[b, j] is 0 or branch_ids[b, i]; branches go to torch's
-varlen flash attention on CUDA where the layout allows (branch_attention.py: each branch with
-its prefix as one causal sequence), else to flex_attention, and to SDPA with a dense mask
+never see each other) branch_ids[b, j] is 0 or branch_ids[b, i]; branches go to causal attention of each branch with
+its prefix as one sequence on CUDA where the layout allows (branch_attention.py: dense SDPA,
+cuDNN first, where padding the sequences to one length costs little, else torch's varlen
+flash attention), else to flex_attention, and to SDPA with a dense mask
 elsewhere (CPU, evaluation's `dense_masks`). Each document must be one
 contiguous run of positions (as packing produces), which is what flash-attn's varlen assumes.
 There may be fewer queries than keys: the queries are then the last positions of the keys (a
@@ -103,7 +104,7 @@ def attention(
         if flex and _varlen_branches(q, v, causal, window_size, offset):
             plan = branch_plan(document_ids, branch_ids)
             if plan is not None:
-                return branch_attention(q, k, v, plan, scale, varlen_flash)
+                return branch_attention(q, k, v, plan, scale, varlen_flash, _dense_causal)
         if flex:
             return _flex(q, k, v, causal, window_size, document_ids, scale, branch_ids)
         mask = _dense_mask(q, k, causal, window_size, document_ids, branch_ids)
@@ -123,6 +124,13 @@ def attention(
     if mask is None:
         return _sdpa(q, k, v, is_causal=causal, scale=scale)
     return _sdpa(q, k, v, attn_mask=mask, scale=scale)
+
+
+def _dense_causal(q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> Tensor:
+    """Causal attention of (batch, seq, heads, dim) tensors through the dense training
+    backends (cuDNN first): shared prefixes' dense form (branch_attention.py)."""
+    with sdpa_kernel(_SDPA_PRIORITY, set_priority=True):
+        return _sdpa(q, k, v, is_causal=True, scale=scale)
 
 
 def _varlen_branches(q: Tensor, v: Tensor, causal: bool, window_size, offset: int) -> bool:

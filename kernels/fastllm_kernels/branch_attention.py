@@ -1,19 +1,26 @@
 """Shared-prefix attention (a preference pair's prompt and its answers, `branch_ids`) as plain
-causal attention over variable-length sequences, on CUDA.
+causal attention over sequences, on CUDA.
 
 A document whose prefix (branch 0) is followed by branches 1, 2, … that never see each other
 is, for attention, the sequences `prefix + branch b`, each causal: a branch's query sees the
 whole prefix and its own branch's earlier keys, and a prefix query sees the earlier prefix
-keys. The queries stay where they are, in runs: `prefix + branch 1` (contiguous), then each
-later branch alone; the keys and values of each run are gathered as `prefix + branch` (the
-prefix copied for every branch but the first), and torch's varlen flash attention
-(`torch.nn.attention.varlen`) aligns each run's causal mask to its last key, so a later
-branch's queries see the prefix and their own branch. The output is in the queries' own
-layout; the gather's backward takes each position's gradient from its own slot (a gather, not
-torch's index_add with atomics: 2.5 ms a DPO step, H100) and adds the prefix copies'. The
-attention FLOPs are the masked kernel's; flex_attention measured 40.8 ms forward and 33.8
-backward a step for DPO pairs of 512 + 512 + 512 tokens (8 rows of 1,537 positions,
-llama-1b, H100, bench/results/h100-4b113bc), some 60 TFLOP/s.
+keys. Each such sequence is a run: `prefix + branch 1` (contiguous in the row), then each later
+branch with the prefix gathered again before it. Two forms:
+
+- varlen: the queries stay where they are; each run's keys and values are gathered as
+  `prefix + branch`, and torch's varlen flash attention (`torch.nn.attention.varlen`) aligns
+  each run's causal mask to its last key, so a later branch's queries see the prefix and their
+  own branch. FlashAttention 2, head size 64: some 130 TFLOP/s a DPO step (H100, 103b4f7).
+- dense: the queries are gathered as the keys are, every run padded at its end to one length,
+  and the runs go to SDPA as one causal batch (cuDNN first, as dense training's attention);
+  each position's output is taken from its own run. The prefix's queries are computed again
+  for each later branch (their outputs unused) and the padding too, so it is taken only where
+  that work is at most DENSE_WORK times the varlen form's.
+
+The gathers' backward takes each position's gradient from its own slot and adds the prefix
+copies' (a gather, not torch's index_add with atomics: 2.5 ms a DPO step, H100). flex_attention
+measured 40.8 ms forward and 33.8 backward a step for DPO pairs of 512 + 512 + 512 tokens
+(8 rows of 1,537 positions, llama-1b, H100, bench/results/h100-4b113bc), some 60 TFLOP/s.
 
 A layout this does not cover (a prefix after a branch, a branch in two runs) returns None
 from `branch_plan`: the caller keeps the masked kernel."""
@@ -36,25 +43,53 @@ VarlenKernel = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, int, int, float
 of each, scale) → causal attention of each run, aligned to its last key, (q's tokens, heads,
 v's dim)."""
 
+DenseKernel = Callable[[Tensor, Tensor, Tensor, float | None], Tensor]
+"""(q, k, v of (runs, length, heads, dim), scale) → causal attention of each run, (runs,
+length, heads, v's dim)."""
+
+DENSE_WORK = 1.5
+"""The most attention work (query-key pairs, the dense form's length rounded up to DENSE_TILE)
+the dense form may do for each pair the varlen form computes. cuDNN's causal attention forward
+and backward against torch's varlen flash attention at DPO's shape: TODO-measured."""
+
+DENSE_TILE = 64
+"""The dense form's runs are padded to a multiple of this: the kernels' tiles cover it anyway,
+and fewer distinct shapes leave cuDNN fewer execution plans to build (0.3-0.6 s each, H100)."""
+
+
+@dataclass(frozen=True)
+class Gathered:
+    """Slots holding the flat (batch × seq) positions of each run, `prefix + branch`."""
+
+    index: Tensor
+    """(slots,) int64: the flat position each slot takes."""
+    own: Tensor
+    """(batch × seq,) int64: the slot of each flat position in its own run."""
+    copies: tuple[tuple[Tensor, Tensor], ...]
+    """The prefix gathered again for later branches, in rounds (a prefix once a round, the copy
+    for its document's k-th later branch in round k): each round's flat positions and their
+    slots, int64."""
+
 
 @dataclass(frozen=True)
 class BranchPlan:
-    """The query runs of a flat (batch × seq) layout and the keys each run sees."""
+    """The runs of a flat (batch × seq) layout, in the varlen form and, where it does little
+    more work, the dense one."""
 
-    gather: Tensor
-    """(keys of all runs,) int64: the flat position of each run's keys, run after run."""
+    keys: Gathered
+    """The varlen form's keys, run after run."""
     cu_queries: Tensor
     """(runs + 1,) int32: where each run's queries start in the flat layout."""
     cu_keys: Tensor
-    """(runs + 1,) int32: where each run's keys start in `gather`."""
+    """(runs + 1,) int32: where each run's keys start in `keys`' slots."""
     max_queries: int
     max_keys: int
-    own: Tensor
-    """(batch × seq,) int64: the slot in `gather` of each flat position's own key."""
-    copies: tuple[tuple[Tensor, Tensor], ...]
-    """The prefix keys gathered again for later branches, in rounds (a prefix once a round, the
-    copy for its document's k-th later branch in round k): each round's flat positions and
-    their slots in `gather`, int64."""
+    dense: Gathered | None
+    """The dense form: run r's slots are r × length + i; None where it would do more than
+    DENSE_WORK times the varlen form's work."""
+    runs: int
+    length: int
+    """The dense form's run length: the longest run, rounded up to DENSE_TILE."""
 
 
 def branch_plan(document_ids: Tensor | None, branch_ids: Tensor) -> BranchPlan | None:
@@ -73,14 +108,46 @@ def branch_plan(document_ids: Tensor | None, branch_ids: Tensor) -> BranchPlan |
     return plan
 
 
+@dataclass
+class _Run:
+    prefix: np.ndarray
+    """The flat positions of the prefix gathered before this run's own (empty for a first run)."""
+    own: np.ndarray
+    """The flat positions of this run's queries."""
+
+
 def _build(documents: np.ndarray | None, branches: np.ndarray, device) -> BranchPlan | None:
+    runs = _split(documents, branches)
+    if runs is None:
+        return None
     batch, seq = branches.shape
-    gather: list[np.ndarray] = []
-    queries: list[int] = []
-    keys: list[int] = []
-    own_slots = np.empty(batch * seq, dtype=np.int64)
-    rounds: list[tuple[list[np.ndarray], list[np.ndarray]]] = []
-    slot = 0
+    keys = _gathered([np.concatenate([r.prefix, r.own]) for r in runs], runs, batch * seq, device)
+    queries = [len(r.own) for r in runs]
+    key_counts = [len(r.prefix) + len(r.own) for r in runs]
+    length = -(-max(key_counts) // DENSE_TILE) * DENSE_TILE
+    varlen_work = sum(k * q - q * (q - 1) / 2 for q, k in zip(queries, key_counts, strict=True))
+    dense = None
+    if len(runs) * length * (length + 1) / 2 <= DENSE_WORK * varlen_work:
+        padded = [np.pad(np.concatenate([r.prefix, r.own]), (0, length - n), mode="edge")
+                  for r, n in zip(runs, key_counts, strict=True)]  # fmt: skip
+        dense = _gathered(padded, runs, batch * seq, device)
+    return BranchPlan(
+        keys,
+        _cumulative(queries, device),
+        _cumulative(key_counts, device),
+        max(queries),
+        max(key_counts),
+        dense,
+        len(runs),
+        length,
+    )
+
+
+def _split(documents: np.ndarray | None, branches: np.ndarray) -> list[_Run] | None:
+    """Each document's runs, row after row, or None where the layout is not runs."""
+    batch, seq = branches.shape
+    none = np.empty(0, dtype=np.int64)
+    result: list[_Run] = []
     for row in range(batch):
         base = row * seq
         ids = np.zeros(seq, dtype=np.int64) if documents is None else documents[row]
@@ -90,35 +157,36 @@ def _build(documents: np.ndarray | None, branches: np.ndarray, device) -> Branch
             heads = [int(labels[s - start]) for s, _ in runs]
             if len(runs) > 1 and (0 in heads[1:] or len(set(heads)) < len(heads)):
                 return None  # a prefix after a branch, or a branch in two runs
+            prefix = none
             if heads[0] == 0 and len(runs) > 1:  # the prefix runs with the first branch
                 prefix = base + np.arange(*runs[0])
                 runs = [(runs[0][0], runs[1][1]), *runs[2:]]
-            else:
-                prefix = np.empty(0, dtype=np.int64)
             for index, (s, e) in enumerate(runs):
-                own = base + np.arange(s, e)
-                if index:
-                    if len(rounds) < index:
-                        rounds.append(([], []))
-                    rounds[index - 1][0].append(prefix)
-                    rounds[index - 1][1].append(slot + np.arange(len(prefix)))
-                    gather.append(np.concatenate([prefix, own]))
-                else:
-                    gather.append(own)
-                own_slots[own] = slot + len(gather[-1]) - len(own) + np.arange(len(own))
-                slot += len(gather[-1])
-                queries.append(e - s)
-                keys.append(len(gather[-1]))
-    return BranchPlan(
-        _on(np.concatenate(gather), device),
-        _cumulative(queries, device),
-        _cumulative(keys, device),
-        max(queries),
-        max(keys),
-        _on(own_slots, device),
+                result.append(_Run(prefix if index else none, base + np.arange(s, e)))
+    return result
+
+
+def _gathered(slots: list[np.ndarray], runs: list[_Run], positions: int, device) -> Gathered:
+    """`slots[r]`: run r's slots (its prefix, its own positions, any padding after them)."""
+    own = np.empty(positions, dtype=np.int64)
+    rounds: list[tuple[list[np.ndarray], list[np.ndarray]]] = []
+    start = 0
+    later = 0  # the runs since the last one without a prefix: the round of the next copy
+    for run, taken in zip(runs, slots, strict=True):
+        later = later + 1 if len(run.prefix) else 0
+        if later:
+            if len(rounds) < later:
+                rounds.append(([], []))
+            rounds[later - 1][0].append(run.prefix)
+            rounds[later - 1][1].append(start + np.arange(len(run.prefix)))
+        own[run.own] = start + len(run.prefix) + np.arange(len(run.own))
+        start += len(taken)
+    return Gathered(
+        _on(np.concatenate(slots), device),
+        _on(own, device),
         tuple(
-            (_on(np.concatenate(positions), device), _on(np.concatenate(slots), device))
-            for positions, slots in rounds
+            (_on(np.concatenate(positions), device), _on(np.concatenate(slots_), device))
+            for positions, slots_ in rounds
         ),
     )
 
@@ -165,36 +233,68 @@ _last = _LastPlan()
 
 
 def branch_attention(
-    q: Tensor, k: Tensor, v: Tensor, plan: BranchPlan, scale: float | None, kernel: VarlenKernel
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    plan: BranchPlan,
+    scale: float | None,
+    varlen: VarlenKernel,
+    dense: DenseKernel,
 ) -> Tensor:
     """q (batch, seq, heads, dim), k and v (batch, seq, kv_heads, ·) → (batch, seq, heads, v's
-    dim), each position attending as `plan` lays it out, through `kernel`."""
+    dim), each position attending as `plan` lays it out: through `dense` where the plan has
+    the dense form, else through `varlen`."""
     batch, seq = q.shape[:2]
-    keys = [_GatherKeys.apply(t.reshape(batch * seq, *t.shape[2:]), plan) for t in (k, v)]
-    out = kernel(
-        q.reshape(batch * seq, *q.shape[2:]), *keys, plan.cu_queries, plan.cu_keys,
-        plan.max_queries, plan.max_keys, scale,
-    )  # fmt: skip
+    q, k, v = (t.reshape(batch * seq, *t.shape[2:]) for t in (q, k, v))
+    if plan.dense is not None:
+        runs = [
+            _Gather.apply(t, plan.dense).view(plan.runs, plan.length, *t.shape[1:])
+            for t in (q, k, v)
+        ]
+        out = _Own.apply(dense(*runs, scale).flatten(0, 1), plan.dense)
+    else:
+        keys = [_Gather.apply(t, plan.keys) for t in (k, v)]
+        out = varlen(
+            q, *keys, plan.cu_queries, plan.cu_keys, plan.max_queries, plan.max_keys, scale
+        )
     return out.view(batch, seq, *out.shape[1:])
 
 
-class _GatherKeys(torch.autograd.Function):
-    """Each run's keys (or values) in `plan.gather`'s order; the backward gathers each position's
-    gradient from its own slot and adds its prefix copies' gradients, with no atomics."""
+class _Gather(torch.autograd.Function):
+    """The flat positions into their slots; the backward gathers each position's gradient from
+    its own slot and adds its prefix copies' gradients, with no atomics (padding slots have
+    none: no query sees a key after its own, and no output of theirs is used)."""
 
     @staticmethod
-    def forward(ctx: Any, source: Tensor, plan: BranchPlan) -> Tensor:
-        ctx.plan = plan
-        return source.index_select(0, plan.gather)
+    def forward(ctx: Any, source: Tensor, slots: Gathered) -> Tensor:
+        ctx.slots = slots
+        return source.index_select(0, slots.index)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        plan: BranchPlan = ctx.plan
-        grad_source = grad.index_select(0, plan.own)
-        for positions, slots in plan.copies:  # each round's positions are distinct
-            summed = grad_source.index_select(0, positions) + grad.index_select(0, slots)
+        slots: Gathered = ctx.slots
+        grad_source = grad.index_select(0, slots.own)
+        for positions, copies in slots.copies:  # each round's positions are distinct
+            summed = grad_source.index_select(0, positions) + grad.index_select(0, copies)
             grad_source.index_copy_(0, positions, summed)
         return grad_source, None
+
+
+class _Own(torch.autograd.Function):
+    """Each flat position's output from its own slot; the backward puts the gradients back in
+    those slots (the other slots' outputs are unused: zero), with no atomics."""
+
+    @staticmethod
+    def forward(ctx: Any, out: Tensor, slots: Gathered) -> Tensor:
+        ctx.slots = slots
+        ctx.shape = out.shape
+        return out.index_select(0, slots.own)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        slots: Gathered = ctx.slots
+        grad_out = grad.new_zeros(ctx.shape)
+        return grad_out.index_copy_(0, slots.own, grad), None
 
 
 def varlen_flash(

@@ -274,15 +274,28 @@ def _packed_pairs():
     return torch.tensor(documents), torch.tensor(branches)
 
 
-@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2)])
-def test_shared_prefixes_as_causal_sequences_match_the_mask(heads, kv_heads):
-    from fastllm_kernels.branch_attention import branch_attention, branch_plan
+def _dense_reference(q, k, v, scale):
+    return attention_reference(q, k, v, causal=True, scale=scale)
 
+
+def _never(*args):
+    raise AssertionError("the plan's other form ran")
+
+
+@pytest.mark.parametrize("form", ["varlen", "dense"])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2)])
+def test_shared_prefixes_as_causal_sequences_match_the_mask(heads, kv_heads, form, monkeypatch):
+    import fastllm_kernels.branch_attention as module
+
+    monkeypatch.setattr(module, "DENSE_WORK", 0.0 if form == "varlen" else float("inf"))
+    monkeypatch.setattr(module, "DENSE_TILE", 4)  # padding past the longest run, too
     documents, branches = _packed_pairs()
     q, k, v = _qkv(2, branches.shape[1], heads, kv_heads, 8)
-    plan = branch_plan(documents, branches)
-    assert plan is not None and branch_plan(documents, branches) is plan  # kept for the layers
-    out = branch_attention(q, k, v, plan, 0.4, _varlen_reference)
+    plan = module.branch_plan(documents, branches)
+    assert plan is not None and module.branch_plan(documents, branches) is plan  # for the layers
+    assert (plan.dense is None) == (form == "varlen")
+    kernels = (_varlen_reference, _never) if form == "varlen" else (_never, _dense_reference)
+    out = module.branch_attention(q, k, v, plan, 0.4, *kernels)
     options = {"document_ids": documents, "branch_ids": branches, "scale": 0.4}
     expected = attention_reference(q, k, v, **options)
     torch.testing.assert_close(out, expected)
@@ -290,6 +303,19 @@ def test_shared_prefixes_as_causal_sequences_match_the_mask(heads, kv_heads):
     grads = torch.autograd.grad(out, [q, k, v], grad_out)
     for grad, want in zip(grads, torch.autograd.grad(expected, [q, k, v], grad_out), strict=True):
         torch.testing.assert_close(grad, want)
+
+
+def test_the_dense_form_is_planned_only_where_its_padding_costs_little():
+    from fastllm_kernels.branch_attention import DENSE_TILE, branch_plan
+
+    documents, branches = _pairs(4, 512, 512, 513)  # the DPO benchmark's rows
+    plan = branch_plan(documents, branches)
+    assert plan is not None and plan.dense is not None
+    assert (plan.runs, plan.length) == (8, -(-1025 // DENSE_TILE) * DENSE_TILE)
+    documents, branches = _pairs(4, 900, 20, 30)  # short answers: prompts run twice
+    documents[:, 950:] = 1  # and a short document of its own
+    plan = branch_plan(documents, branches)
+    assert plan is not None and plan.dense is None
 
 
 def test_a_prefix_after_a_branch_keeps_the_masked_kernel():
@@ -303,12 +329,16 @@ def test_a_prefix_after_a_branch_keeps_the_masked_kernel():
 
 @pytest.mark.gpu
 @cuda
-def test_shared_prefixes_take_varlen_flash_on_gpu(monkeypatch):
+@pytest.mark.parametrize("form", ["varlen", "dense"])
+def test_shared_prefixes_take_the_causal_kernels_on_gpu(form, monkeypatch):
     import fastllm_kernels.attention as module
+    import fastllm_kernels.branch_attention as branch
     from fastllm_kernels.branch_attention import has_varlen_flash
 
     if not has_varlen_flash():
         pytest.skip("this torch has no torch.nn.attention.varlen")
+    monkeypatch.setattr(branch, "DENSE_WORK", 0.0 if form == "varlen" else float("inf"))
+    monkeypatch.setattr(module, "_dense_causal" if form == "varlen" else "varlen_flash", _never)
     documents, branches = _pairs(3, 300, 200, 201, device="cuda")
     documents[1, 400:] = 1  # a row of two documents: the second one has no prompt
     q, k, v = _qkv(3, 701, 16, 4, 64, dtype=torch.bfloat16, device="cuda")
