@@ -28,7 +28,7 @@ HEADS, KV_HEADS, HEAD = 32, 8, 64
 
 
 def layout(name: str, rows: int, seed: int) -> tuple[Any, Any]:
-    """(document_ids, branch_ids) on CUDA; padding is a document of its own."""
+    """(document_ids, branch_ids) on CUDA; padding (branch -1) is a document of its own."""
     import torch
 
     rng = np.random.default_rng(seed)
@@ -40,7 +40,7 @@ def layout(name: str, rows: int, seed: int) -> tuple[Any, Any]:
             prompt, chosen, rejected = rng.integers(64, 769), *rng.integers(32, 769, size=2)
         parts.append([0] * prompt + [1] * chosen + [2] * rejected)
     seq = max(map(len, parts))
-    branches = torch.zeros(rows, seq, dtype=torch.int64)
+    branches = torch.full((rows, seq), -1, dtype=torch.int64)
     documents = torch.zeros(rows, seq, dtype=torch.int64)
     for row, ids in enumerate(parts):
         branches[row, : len(ids)] = torch.tensor(ids)
@@ -48,14 +48,13 @@ def layout(name: str, rows: int, seed: int) -> tuple[Any, Any]:
     return documents.cuda(), branches.cuda()
 
 
-def real_pairs(branches: Any, documents: Any) -> float:
-    """Query-key pairs the mask holds (causal, shared prefix, documents apart)."""
+def real_pairs(branches: Any) -> float:
+    """Query-key pairs the mask holds for the pairs' tokens (causal, shared prefix)."""
     total = 0.0
-    for ids, docs in zip(branches.tolist(), documents.tolist(), strict=True):
+    for ids in branches.tolist():
         prompt = ids.count(0)
         answers = [ids.count(b) for b in (1, 2)]
-        pad = sum(1 for d in docs if d == 1)
-        total += prompt * (prompt + 1) / 2 + pad * (pad + 1) / 2
+        total += prompt * (prompt + 1) / 2
         total += sum(a * prompt + a * (a + 1) / 2 for a in answers)
     return total
 
@@ -73,7 +72,7 @@ def run(name: str, rows: int, seed: int) -> list[dict[str, Any]]:
             for _ in range(2))  # fmt: skip
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     grad = torch.randn_like(q)
-    flops = 4 * HEADS * HEAD * real_pairs(branches, documents)
+    flops = 4 * HEADS * HEAD * real_pairs(branches)
     saved = branch.DENSE_WORK
     out = []
     for form in ("varlen", "dense"):

@@ -69,6 +69,10 @@ class Gathered:
     """The prefix gathered again for later branches, in rounds (a prefix once a round, the copy
     for its document's k-th later branch in round k): each round's flat positions and their
     slots, int64."""
+    kept: tuple[Tensor, Tensor] | None = None
+    """The flat positions whose outputs are used (not padding) and their slots, where padding
+    is left out: its outputs are unspecified and take no gradient (a padding run is not
+    computed, its positions sharing a slot past a run's end)."""
 
 
 @dataclass(frozen=True)
@@ -85,11 +89,13 @@ class BranchPlan:
     max_queries: int
     max_keys: int
     dense: Gathered | None
-    """The dense form: run r's slots are r × length + i; None where it would do more than
-    DENSE_WORK times the varlen form's work."""
+    """The dense form, padding left out: run r's slots are r × length + i; None where it
+    would do more than DENSE_WORK times the varlen form's work."""
     runs: int
+    """The dense form's runs."""
     length: int
-    """The dense form's run length: the longest run, rounded up to DENSE_TILE."""
+    """The dense form's run length: the longest run, rounded up to DENSE_TILE (a tile more
+    where padding needs a slot past every run's end)."""
 
 
 def branch_plan(document_ids: Tensor | None, branch_ids: Tensor) -> BranchPlan | None:
@@ -114,23 +120,36 @@ class _Run:
     """The flat positions of the prefix gathered before this run's own (empty for a first run)."""
     own: np.ndarray
     """The flat positions of this run's queries."""
+    padding: bool
+    """Whether its queries are padding (branch -1), which no other query sees."""
+
+    def keys(self) -> np.ndarray:
+        return np.concatenate([self.prefix, self.own])
 
 
 def _build(documents: np.ndarray | None, branches: np.ndarray, device) -> BranchPlan | None:
     runs = _split(documents, branches)
     if runs is None:
         return None
-    batch, seq = branches.shape
-    keys = _gathered([np.concatenate([r.prefix, r.own]) for r in runs], runs, batch * seq, device)
+    positions = branches.size
+    keys = _gathered([r.keys() for r in runs], runs, positions, device)
     queries = [len(r.own) for r in runs]
     key_counts = [len(r.prefix) + len(r.own) for r in runs]
-    length = -(-max(key_counts) // DENSE_TILE) * DENSE_TILE
     varlen_work = sum(k * q - q * (q - 1) / 2 for q, k in zip(queries, key_counts, strict=True))
+    kept = [r for r in runs if not r.padding]
+    longest = max((len(r.prefix) + len(r.own) for r in kept), default=0)
+    length = -(-longest // DENSE_TILE) * DENSE_TILE
+    if len(kept) < len(runs) and all(len(r.prefix) + len(r.own) == length for r in kept):
+        length += DENSE_TILE  # a slot past every run's end for the padding
     dense = None
-    if len(runs) * length * (length + 1) / 2 <= DENSE_WORK * varlen_work:
-        padded = [np.pad(np.concatenate([r.prefix, r.own]), (0, length - n), mode="edge")
-                  for r, n in zip(runs, key_counts, strict=True)]  # fmt: skip
-        dense = _gathered(padded, runs, batch * seq, device)
+    if kept and len(kept) * length * (length + 1) / 2 <= DENSE_WORK * varlen_work:
+        padded = [np.pad(r.keys(), (0, length - len(r.prefix) - len(r.own)), mode="edge")
+                  for r in kept]  # fmt: skip
+        spare = None
+        if len(kept) < len(runs):  # the last slot of a run padded at its end
+            short = next(i for i, r in enumerate(kept) if len(r.prefix) + len(r.own) < length)
+            spare = (short + 1) * length - 1
+        dense = _gathered(padded, kept, positions, device, spare, branches.ravel() == -1)
     return BranchPlan(
         keys,
         _cumulative(queries, device),
@@ -138,7 +157,7 @@ def _build(documents: np.ndarray | None, branches: np.ndarray, device) -> Branch
         max(queries),
         max(key_counts),
         dense,
-        len(runs),
+        len(kept),
         length,
     )
 
@@ -160,15 +179,26 @@ def _split(documents: np.ndarray | None, branches: np.ndarray) -> list[_Run] | N
             prefix = none
             if heads[0] == 0 and len(runs) > 1:  # the prefix runs with the first branch
                 prefix = base + np.arange(*runs[0])
-                runs = [(runs[0][0], runs[1][1]), *runs[2:]]
-            for index, (s, e) in enumerate(runs):
-                result.append(_Run(prefix if index else none, base + np.arange(s, e)))
+                runs, heads = [(runs[0][0], runs[1][1]), *runs[2:]], heads[1:]
+            for index, ((s, e), head) in enumerate(zip(runs, heads, strict=True)):
+                merged = index == 0 and len(prefix) > 0  # the prefix's queries are its own
+                own = base + np.arange(s, e)
+                result.append(_Run(none if index == 0 else prefix, own, head == -1 and not merged))
     return result
 
 
-def _gathered(slots: list[np.ndarray], runs: list[_Run], positions: int, device) -> Gathered:
-    """`slots[r]`: run r's slots (its prefix, its own positions, any padding after them)."""
-    own = np.empty(positions, dtype=np.int64)
+def _gathered(
+    slots: list[np.ndarray],
+    runs: list[_Run],
+    positions: int,
+    device,
+    spare: int | None = None,
+    padding: np.ndarray | None = None,
+) -> Gathered:
+    """`slots[r]`: run r's slots (its prefix, its own positions, any padding after them);
+    positions of no run (left-out padding) take the slot `spare`; with `padding` (each flat
+    position's), the outputs kept are the other positions'."""
+    own = np.full(positions, -1 if spare is None else spare, dtype=np.int64)
     rounds: list[tuple[list[np.ndarray], list[np.ndarray]]] = []
     start = 0
     later = 0  # the runs since the last one without a prefix: the round of the next copy
@@ -181,6 +211,10 @@ def _gathered(slots: list[np.ndarray], runs: list[_Run], positions: int, device)
             rounds[later - 1][1].append(start + np.arange(len(run.prefix)))
         own[run.own] = start + len(run.prefix) + np.arange(len(run.own))
         start += len(taken)
+    kept = None
+    if padding is not None and padding.any():
+        used = np.flatnonzero(~padding)
+        kept = (_on(used, device), _on(own[used], device))
     return Gathered(
         _on(np.concatenate(slots), device),
         _on(own, device),
@@ -188,6 +222,7 @@ def _gathered(slots: list[np.ndarray], runs: list[_Run], positions: int, device)
             (_on(np.concatenate(positions), device), _on(np.concatenate(slots_), device))
             for positions, slots_ in rounds
         ),
+        kept,
     )
 
 
@@ -282,7 +317,8 @@ class _Gather(torch.autograd.Function):
 
 class _Own(torch.autograd.Function):
     """Each flat position's output from its own slot; the backward puts the gradients back in
-    those slots (the other slots' outputs are unused: zero), with no atomics."""
+    those slots (the other slots' outputs are unused: zero), with no atomics, left-out
+    padding's gradients dropped."""
 
     @staticmethod
     def forward(ctx: Any, out: Tensor, slots: Gathered) -> Tensor:
@@ -294,7 +330,10 @@ class _Own(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
         slots: Gathered = ctx.slots
         grad_out = grad.new_zeros(ctx.shape)
-        return grad_out.index_copy_(0, slots.own, grad), None
+        if slots.kept is None:
+            return grad_out.index_copy_(0, slots.own, grad), None
+        positions, kept = slots.kept
+        return grad_out.index_copy_(0, kept, grad.index_select(0, positions)), None
 
 
 def varlen_flash(
