@@ -79,10 +79,7 @@ def run(name: str, rows: int, seed: int) -> list[dict[str, Any]]:
         branch.DENSE_WORK = 0.0 if form == "varlen" else float("inf")
         plan = branch._build(documents.cpu().numpy(), branches.cpu().numpy(), q.device)
         branch.DENSE_WORK = saved
-        queries = np.diff(plan.cu_queries.cpu().numpy())
-        keys = np.diff(plan.cu_keys.cpu().numpy())
-        varlen_work = float(np.sum(keys * queries - queries * (queries - 1) / 2))
-        dense_work = plan.runs * plan.length * (plan.length + 1) / 2
+        runs, length = (plan.form.runs, plan.form.length) if form == "dense" else (None, None)
 
         def forward(plan=plan) -> Any:
             return branch.branch_attention(
@@ -96,8 +93,8 @@ def run(name: str, rows: int, seed: int) -> list[dict[str, Any]]:
             forward_ms = median_ms(forward)
         both_ms = median_ms(both)
         out.append({
-            "layout": name, "form": form, "rows": batch, "seq": seq, "runs": plan.runs,
-            "dense_length": plan.length, "dense_over_varlen_work": dense_work / varlen_work,
+            "layout": name, "form": form, "rows": batch, "seq": seq, "runs": runs,
+            "dense_length": length, "dense_over_varlen_work": plan.dense_over_varlen,
             "forward_ms": forward_ms, "forward_tflops": flops / forward_ms / 1e9,
             "forward_backward_ms": both_ms, "forward_backward_tflops": 3.5 * flops / both_ms / 1e9,
         })  # fmt: skip

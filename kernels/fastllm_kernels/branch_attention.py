@@ -22,11 +22,14 @@ copies' (a gather, not torch's index_add with atomics: 2.5 ms a DPO step, H100).
 measured 40.8 ms forward and 33.8 backward a step for DPO pairs of 512 + 512 + 512 tokens
 (8 rows of 1,537 positions, llama-1b, H100, bench/results/h100-4b113bc), some 60 TFLOP/s.
 
-A layout this does not cover (a prefix after a branch, a branch in two runs) returns None
-from `branch_plan`: the caller keeps the masked kernel."""
+A plan is built on the host from the document and branch ids; the engine builds each
+micro-batch's from its host copies as it sends them (`plan_ahead`), so that no layer waits for
+them to come back. A layout this does not cover (a prefix after a branch, a branch in two
+runs) returns None from `branch_plan`: the caller keeps the masked kernel."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import weakref
@@ -78,42 +81,79 @@ class Gathered:
 
 
 @dataclass(frozen=True)
-class BranchPlan:
-    """The runs of a flat (batch × seq) layout, in the varlen form and, where it does little
-    more work, the dense one."""
+class VarlenRuns:
+    """The varlen form: the queries where they are, each run's keys gathered."""
 
     keys: Gathered
-    """The varlen form's keys, run after run."""
+    """The keys' slots, run after run."""
     cu_queries: Tensor
     """(runs + 1,) int32: where each run's queries start in the flat layout."""
     cu_keys: Tensor
     """(runs + 1,) int32: where each run's keys start in `keys`' slots."""
     max_queries: int
     max_keys: int
-    dense: Gathered | None
-    """The dense form, padding left out: run r's slots are r × length + i; None where it
-    would do more than DENSE_WORK times the varlen form's work."""
+
+
+@dataclass(frozen=True)
+class DenseRuns:
+    """The dense form, padding left out: run r's slots are r × length + i."""
+
+    slots: Gathered
     runs: int
-    """The dense form's runs."""
     length: int
-    """The dense form's run length: the longest run, rounded up to DENSE_TILE (a tile more
-    where padding needs a slot past every run's end)."""
+    """The longest run, rounded up to DENSE_TILE (a tile more where padding needs a slot past
+    every run's end)."""
+
+
+@dataclass(frozen=True)
+class BranchPlan:
+    """The runs of a flat (batch × seq) layout in one of the two forms: the dense one where
+    it does at most DENSE_WORK times the varlen form's work, else the varlen one."""
+
+    form: VarlenRuns | DenseRuns
+    dense_over_varlen: float
+    """The dense form's work (query-key pairs, padded) over the varlen form's."""
 
 
 def branch_plan(document_ids: Tensor | None, branch_ids: Tensor) -> BranchPlan | None:
-    """The runs of a layout (module docstring), or None where the mask is not theirs. One host
-    synchronization; the last plan is kept for the same two tensors, which every layer of a
-    forward pass (and the reference model's) is given."""
+    """The runs of a layout (module docstring), or None where the mask is not theirs. A plan
+    made by `plan_ahead` or here before for these very tensors (every layer of a forward pass,
+    and the reference model's, is given the same two); else built now, with one host
+    synchronization (the device waits meanwhile: some 1-6 ms a step, H100)."""
     key = (document_ids, branch_ids)
-    if _last.matches(key):
-        return _last.plan
+    found, plan = _plans.find(key)
+    if found:
+        return plan
     plan = _build(
         None if document_ids is None else document_ids.cpu().numpy(),
         branch_ids.cpu().numpy(),
         branch_ids.device,
     )
-    _last.remember(key, plan)
+    _plans.remember(key, plan)
     return plan
+
+
+def plan_ahead(
+    host_document_ids: Tensor | None,
+    host_branch_ids: Tensor,
+    document_ids: Tensor | None,
+    branch_ids: Tensor,
+) -> None:
+    """Builds the plan of `document_ids` and `branch_ids` (on their device) from their host
+    copies, for `branch_plan` to find while those tensors live: no synchronization in the
+    first layer, one copy to the device of all its indices."""
+    plan = _build(
+        None if host_document_ids is None else host_document_ids.numpy(),
+        host_branch_ids.numpy(),
+        branch_ids.device,
+    )
+    _plans.remember((document_ids, branch_ids), plan)
+
+
+def plans_taken_on(device: torch.device) -> bool:
+    """Whether attention on `device` may take a plan (CUDA; elsewhere masks run): where it is
+    worth planning ahead."""
+    return device.type == "cuda"
 
 
 @dataclass
@@ -128,40 +168,40 @@ class _Run:
     def keys(self) -> np.ndarray:
         return np.concatenate([self.prefix, self.own])
 
+    def __len__(self) -> int:
+        return len(self.prefix) + len(self.own)
+
 
 def _build(documents: np.ndarray | None, branches: np.ndarray, device) -> BranchPlan | None:
     runs = _split(documents, branches)
     if runs is None:
         return None
+    staged = _Staging(device)
     positions = branches.size
-    keys = _gathered([r.keys() for r in runs], runs, positions, device)
     queries = [len(r.own) for r in runs]
-    key_counts = [len(r.prefix) + len(r.own) for r in runs]
+    key_counts = [len(r) for r in runs]
     varlen_work = sum(k * q - q * (q - 1) / 2 for q, k in zip(queries, key_counts, strict=True))
     kept = [r for r in runs if not r.padding]
-    longest = max((len(r.prefix) + len(r.own) for r in kept), default=0)
+    longest = max((len(r) for r in kept), default=0)
     length = -(-longest // DENSE_TILE) * DENSE_TILE
-    if len(kept) < len(runs) and all(len(r.prefix) + len(r.own) == length for r in kept):
+    if len(kept) < len(runs) and all(len(r) == length for r in kept):
         length += DENSE_TILE  # a slot past every run's end for the padding
-    dense = None
-    if kept and len(kept) * length * (length + 1) / 2 <= DENSE_WORK * varlen_work:
-        padded = [np.pad(r.keys(), (0, length - len(r.prefix) - len(r.own)), mode="edge")
-                  for r in kept]  # fmt: skip
+    dense_work = len(kept) * length * (length + 1) / 2
+    ratio = dense_work / varlen_work if varlen_work else float("inf")
+    if kept and ratio <= DENSE_WORK:
+        padded = [np.pad(r.keys(), (0, length - len(r)), mode="edge") for r in kept]
         spare = None
         if len(kept) < len(runs):  # the last slot of a run padded at its end
-            short = next(i for i, r in enumerate(kept) if len(r.prefix) + len(r.own) < length)
+            short = next(i for i, r in enumerate(kept) if len(r) < length)
             spare = (short + 1) * length - 1
-        dense = _gathered(padded, kept, positions, device, spare, branches.ravel() == -1)
-    return BranchPlan(
-        keys,
-        _cumulative(queries, device),
-        _cumulative(key_counts, device),
-        max(queries),
-        max(key_counts),
-        dense,
-        len(kept),
-        length,
-    )
+        slots = _gathered(staged, padded, kept, positions, spare, branches.ravel() == -1)
+        form: VarlenRuns | DenseRuns = DenseRuns(slots, len(kept), length)
+    else:
+        keys = _gathered(staged, [r.keys() for r in runs], runs, positions)
+        cu_queries, cu_keys = (staged.add(_starts(counts)) for counts in (queries, key_counts))
+        form = VarlenRuns(keys, cu_queries, cu_keys, max(queries), max(key_counts))
+    staged.send()
+    return BranchPlan(staged.resolve(form), ratio)
 
 
 def _split(documents: np.ndarray | None, branches: np.ndarray) -> list[_Run] | None:
@@ -190,16 +230,16 @@ def _split(documents: np.ndarray | None, branches: np.ndarray) -> list[_Run] | N
 
 
 def _gathered(
+    staged: _Staging,
     slots: list[np.ndarray],
     runs: list[_Run],
     positions: int,
-    device,
     spare: int | None = None,
     padding: np.ndarray | None = None,
 ) -> Gathered:
     """`slots[r]`: run r's slots (its prefix, its own positions, any padding after them);
     positions of no run (left-out padding) take the slot `spare`; with `padding` (each flat
-    position's), the outputs kept are the other positions'."""
+    position's), the outputs kept are the other positions'. Its indices are staged."""
     own = np.full(positions, -1 if spare is None else spare, dtype=np.int64)
     rounds: list[tuple[list[np.ndarray], list[np.ndarray]]] = []
     start = 0
@@ -216,26 +256,67 @@ def _gathered(
     kept = None
     if padding is not None and padding.any():
         used = np.flatnonzero(~padding)
-        kept = (_on(used, device), _on(own[used], device))
+        kept = (staged.add(used), staged.add(own[used]))
     return Gathered(
-        _on(np.concatenate(slots), device),
-        _on(own, device),
+        staged.add(np.concatenate(slots)),
+        staged.add(own),
         tuple(
-            (_on(np.concatenate(positions), device), _on(np.concatenate(slots_), device))
+            (staged.add(np.concatenate(positions)), staged.add(np.concatenate(slots_)))
             for positions, slots_ in rounds
         ),
         kept,
     )
 
 
-def _on(values: np.ndarray, device) -> Tensor:
-    return torch.from_numpy(values).to(device, non_blocking=True)
+class _Staging:
+    """A plan's index arrays, sent to the device as one int64 buffer (pinned for an
+    asynchronous copy on CUDA) and handed out as views of it. `add` returns a placeholder
+    that `resolve` replaces with its view once `send` has run."""
+
+    def __init__(self, device) -> None:
+        self.device = torch.device(device)
+        self.parts: list[np.ndarray] = []
+        self.sent: Tensor | None = None
+        self.offsets: list[int] = []
+
+    def add(self, values: np.ndarray) -> _Staged:
+        self.parts.append(np.asarray(values, dtype=np.int64))
+        return _Staged(len(self.parts) - 1, values.dtype == np.int32)
+
+    def send(self) -> None:
+        host = torch.from_numpy(np.concatenate(self.parts))
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        self.sent = host.to(self.device, non_blocking=True)
+        self.offsets = np.cumsum([0] + [len(p) for p in self.parts]).tolist()
+
+    def resolve(self, value: Any) -> Any:
+        """`value` with each placeholder in it (in dataclasses and tuples) replaced."""
+        if isinstance(value, _Staged):
+            assert self.sent is not None
+            view = self.sent[self.offsets[value.index] : self.offsets[value.index + 1]]
+            return view.to(torch.int32) if value.int32 else view
+        if isinstance(value, tuple):
+            return tuple(self.resolve(v) for v in value)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            return dataclasses.replace(
+                value,
+                **{f.name: self.resolve(getattr(value, f.name)) for f in dataclasses.fields(value)},
+            )
+        return value
 
 
-def _cumulative(lengths: list[int], device) -> Tensor:
+@dataclass(frozen=True)
+class _Staged:
+    index: int
+    int32: bool
+
+
+def _starts(lengths: list[int]) -> np.ndarray:
+    """(len(lengths) + 1,) int32: where each length's run starts, then the end."""
     starts = np.zeros(len(lengths) + 1, dtype=np.int32)
     np.cumsum(lengths, out=starts[1:])
-    return _on(starts, device)
+    return starts
 
 
 def _runs(values: np.ndarray) -> list[tuple[int, int]]:
@@ -245,28 +326,36 @@ def _runs(values: np.ndarray) -> list[tuple[int, int]]:
     return list(zip(starts.tolist(), ends.tolist(), strict=True))
 
 
-class _LastPlan:
-    """The plan of the last (document_ids, branch_ids), held by weak references: a plan is
-    reused only while those very tensors live."""
+class _Plans:
+    """The plans of live (document_ids, branch_ids) pairs, held by weak references: a plan is
+    found only while those very tensors live (a step's micro-batches, planned ahead)."""
 
     def __init__(self) -> None:
-        self.refs: tuple[weakref.ref | None, ...] = ()
-        self.plan: BranchPlan | None = None
+        self.entries: list[tuple[tuple[weakref.ref | None, ...], BranchPlan | None]] = []
 
-    def matches(self, key: tuple[Tensor | None, Tensor]) -> bool:
-        if len(self.refs) != len(key):
-            return False
-        return all(
-            (ref is None and t is None) or (ref is not None and ref() is t)
-            for ref, t in zip(self.refs, key, strict=True)
-        )
+    def find(self, key: tuple[Tensor | None, Tensor]) -> tuple[bool, BranchPlan | None]:
+        for refs, plan in self.entries:
+            if _same(refs, key):
+                return True, plan
+        return False, None
 
     def remember(self, key: tuple[Tensor | None, Tensor], plan: BranchPlan | None) -> None:
-        self.refs = tuple(None if t is None else weakref.ref(t) for t in key)
-        self.plan = plan
+        live = [(refs, p) for refs, p in self.entries if _alive(refs) and not _same(refs, key)]
+        self.entries = [*live, (tuple(None if t is None else weakref.ref(t) for t in key), plan)]
 
 
-_last = _LastPlan()
+def _same(refs: tuple[weakref.ref | None, ...], key: tuple[Tensor | None, Tensor]) -> bool:
+    return all(
+        (ref is None and t is None) or (ref is not None and ref() is t)
+        for ref, t in zip(refs, key, strict=True)
+    )
+
+
+def _alive(refs: tuple[weakref.ref | None, ...]) -> bool:
+    return all(ref is None or ref() is not None for ref in refs)
+
+
+_plans = _Plans()
 
 
 def branch_attention(
@@ -283,16 +372,17 @@ def branch_attention(
     the dense form, else through `varlen`."""
     batch, seq = q.shape[:2]
     q, k, v = (t.reshape(batch * seq, *t.shape[2:]) for t in (q, k, v))
-    if plan.dense is not None:
+    form = plan.form
+    if isinstance(form, DenseRuns):
         runs = [
-            _Gather.apply(t, plan.dense).view(plan.runs, plan.length, *t.shape[1:])
+            _Gather.apply(t, form.slots).view(form.runs, form.length, *t.shape[1:])
             for t in (q, k, v)
         ]
-        out = _Own.apply(dense(*runs, scale).flatten(0, 1), plan.dense)
+        out = _Own.apply(dense(*runs, scale).flatten(0, 1), form.slots)
     else:
-        keys = [_Gather.apply(t, plan.keys) for t in (k, v)]
+        keys = [_Gather.apply(t, form.keys) for t in (k, v)]
         out = varlen(
-            q, *keys, plan.cu_queries, plan.cu_keys, plan.max_queries, plan.max_keys, scale
+            q, *keys, form.cu_queries, form.cu_keys, form.max_queries, form.max_keys, scale
         )
     return out.view(batch, seq, *out.shape[1:])
 

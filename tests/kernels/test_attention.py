@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -293,7 +294,7 @@ def test_shared_prefixes_as_causal_sequences_match_the_mask(heads, kv_heads, for
     q, k, v = _qkv(2, branches.shape[1], heads, kv_heads, 8)
     plan = module.branch_plan(documents, branches)
     assert plan is not None and module.branch_plan(documents, branches) is plan  # for the layers
-    assert (plan.dense is None) == (form == "varlen")
+    assert isinstance(plan.form, module.VarlenRuns if form == "varlen" else module.DenseRuns)
     kernels = (_varlen_reference, _never) if form == "varlen" else (_never, _dense_reference)
     out = module.branch_attention(q, k, v, plan, 0.4, *kernels)
     options = {"document_ids": documents, "branch_ids": branches, "scale": 0.4}
@@ -304,22 +305,58 @@ def test_shared_prefixes_as_causal_sequences_match_the_mask(heads, kv_heads, for
     grad_out = torch.randn_like(out)  # padding's too: the dense form drops them
     grads = torch.autograd.grad(out, [q, k, v], grad_out)
     wants = torch.autograd.grad(expected, [q, k, v], grad_out * used[..., None, None])
-    assert form == "varlen" or plan.dense.kept is not None  # padding left out
+    assert form == "varlen" or plan.form.slots.kept is not None  # padding left out
     for grad, want in zip(grads, wants, strict=True):
         torch.testing.assert_close(grad, want)
 
 
 def test_the_dense_form_is_planned_only_where_its_padding_costs_little():
-    from fastllm_kernels.branch_attention import DENSE_TILE, branch_plan
+    from fastllm_kernels.branch_attention import DENSE_TILE, DenseRuns, VarlenRuns, branch_plan
 
     documents, branches = _pairs(4, 512, 512, 513)  # the DPO benchmark's rows
     plan = branch_plan(documents, branches)
-    assert plan is not None and plan.dense is not None
-    assert (plan.runs, plan.length) == (8, -(-1025 // DENSE_TILE) * DENSE_TILE)
+    assert plan is not None and isinstance(plan.form, DenseRuns)
+    assert (plan.form.runs, plan.form.length) == (8, -(-1025 // DENSE_TILE) * DENSE_TILE)
     documents, branches = _pairs(4, 900, 20, 30)  # short answers: prompts run twice
     documents[:, 950:] = 1  # and a short document of its own
     plan = branch_plan(documents, branches)
-    assert plan is not None and plan.dense is None
+    assert plan is not None and isinstance(plan.form, VarlenRuns)
+
+
+def test_plans_made_ahead_from_host_copies_are_found_for_their_tensors(monkeypatch):
+    import fastllm_kernels.branch_attention as module
+
+    layouts = [_packed_pairs(), _pairs(2, 5, 4, 6)]
+    made = [module.branch_plan(*layout) for layout in layouts]  # built on first use
+    # Each micro-batch's tensors as the device has them, planned ahead from host copies.
+    ahead = [(documents.clone(), branches.clone()) for documents, branches in layouts]
+    for (documents, branches), (host_documents, host_branches) in zip(ahead, layouts, strict=True):
+        module.plan_ahead(host_documents, host_branches, documents, branches)
+
+    def no_build(*args):
+        raise AssertionError("planned again")
+
+    monkeypatch.setattr(module, "_build", no_build)
+    for (documents, branches), want in zip(ahead, made, strict=True):
+        got = module.branch_plan(documents, branches)
+        assert got is not None and want is not None
+        assert type(got.form) is type(want.form)
+        assert got.dense_over_varlen == want.dense_over_varlen
+        for a, b in zip(plan_tensors(got.form), plan_tensors(want.form), strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+    with pytest.raises(AssertionError, match="planned again"):  # other tensors, same values
+        module.branch_plan(*(t.clone() for t in ahead[0]))
+
+
+def plan_tensors(value):
+    """Every tensor in a plan's form, in order."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, tuple):
+        return [t for v in value for t in plan_tensors(v)]
+    if dataclasses.is_dataclass(value):
+        return [t for f in dataclasses.fields(value) for t in plan_tensors(getattr(value, f.name))]
+    return []
 
 
 def test_a_prefix_after_a_branch_keeps_the_masked_kernel():

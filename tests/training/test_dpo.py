@@ -35,12 +35,14 @@ from fastllm.engine.batch import _pair_spans
 from fastllm.engine.engine import Engine
 from fastllm.engine.reference import ReferenceModel
 from fastllm.model.head_losses import HeadTargets, Teacher, head_losses, sequence_log_probs
+from fastllm.parallel.mesh import ParallelMesh
 from fastllm.training.setup import check_inputs, with_pretrained_architecture
 from fastllm.training.trainer import Stopped, Trainer
 from tests.conftest import ROOT
 from tests.data.chat_fixtures import write_tokenizer
 from tests.data.conftest import prepare
 from tests.data.test_preference import write_pairs
+from tests.kernels.test_attention import plan_tensors
 from tests.model.hf_models import save_hf_model
 from tests.training.test_expert_parallel import MOE_MODEL
 
@@ -161,6 +163,33 @@ def test_shared_prefix_pairs_give_dpo_of_each_answer_computed_apart(pairs, tmp_p
     torch.testing.assert_close(
         q, grads["model.layers.0.self_attn.q_proj.weight"], rtol=1e-4, atol=1e-6
     )
+
+
+def test_micro_batches_of_pairs_come_with_their_attention_plan(pairs, tmp_path, monkeypatch):
+    import fastllm.engine.batch as batch_module
+    import fastllm_kernels.branch_attention as branch
+
+    mesh = ParallelMesh.single()
+    preparer = batch_module.BatchPreparer(
+        data=mesh.data, sequence_data=mesh.sequence_data, splits=1,
+        cross_document_attention=False, device=torch.device("cpu"),
+    )  # fmt: skip
+    batch = micro_batch(pairs[2], tmp_path)
+    assert batch.parts is not None
+    want = branch._build(batch.document_ids.numpy(), batch.parts.numpy(), "cpu")
+    assert want is not None
+    monkeypatch.setattr(batch_module, "plans_taken_on", lambda device: True)  # as on CUDA
+    (prepared,) = preparer.prepare([batch])
+    assert prepared.pairs is not None
+
+    def no_build(*args):
+        raise AssertionError("planned in the first layer")
+
+    monkeypatch.setattr(branch, "_build", no_build)
+    got = branch.branch_plan(prepared.pieces[0][2], prepared.pairs.parts)
+    assert got is not None and type(got.form) is type(want.form)
+    for a, b in zip(plan_tensors(got.form), plan_tensors(want.form), strict=True):
+        assert torch.equal(a, b)
 
 
 def dpo_config(pairs, experiment: Path, *extra: str) -> TrainerConfig:

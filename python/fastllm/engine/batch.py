@@ -18,6 +18,7 @@ from torch import Tensor
 from fastllm.data import Batch
 from fastllm.parallel.dimension import Dimension
 from fastllm.parallel.sequence_data import SequenceDataDimension
+from fastllm_kernels.branch_attention import plan_ahead, plans_taken_on
 
 Piece = tuple[Tensor, Tensor, Tensor | None]
 """Token ids, labels and attention document ids (None: plain causal) of a micro-batch or of
@@ -115,7 +116,7 @@ class BatchPreparer:
             summed = torch.tensor([total, pairs], dtype=torch.float64, device=self.device)
             dist.all_reduce(summed, group=self.data.group)
             total, pairs = summed.tolist()
-        return [
+        micro_batches = [
             MicroBatch(
                 self._cut(
                     self.sequence_data.chunk(batch.input_ids).to(self.device, non_blocking=True),
@@ -127,6 +128,24 @@ class BatchPreparer:
             )
             for batch, chunk, piece_counts, span in zip(batches, labels, counts, spans, strict=True)
         ]
+        for batch, micro_batch in zip(batches, micro_batches, strict=True):
+            self._plan_branches(batch, micro_batch)
+        return micro_batches
+
+    def _plan_branches(self, batch: Batch, micro_batch: MicroBatch) -> None:
+        """Shared-prefix attention's plan of a micro-batch of pairs, built now from the
+        host copies of its document and branch ids (`branch_attention.plan_ahead`) rather than
+        in its first layer, which would wait for the device to copy them back. Pieces have
+        branch ids of their own: their first layers still plan."""
+        pairs, pieces = micro_batch.pairs, micro_batch.pieces
+        if pairs is None or len(pieces) > 1 or not plans_taken_on(self.device):
+            return
+        assert batch.parts is not None
+        documents = pieces[0][2]
+        host_documents = (
+            None if documents is None else self.sequence_data.prefix(batch.document_ids)
+        )
+        plan_ahead(host_documents, self.sequence_data.prefix(batch.parts), documents, pairs.parts)
 
     def _pairs(
         self, batch: Batch, spans: Tensor, rows: Tensor, documents: Tensor, total: float
