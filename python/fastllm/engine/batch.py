@@ -135,10 +135,13 @@ class BatchPreparer:
     def _plan_branches(self, batch: Batch, micro_batch: MicroBatch) -> None:
         """Shared-prefix attention's plan of a micro-batch of pairs, built now from the
         host copies of its document and branch ids (`branch_attention.plan_ahead`) rather than
-        in its first layer, which would wait for the device to copy them back. Pieces have
-        branch ids of their own: their first layers still plan."""
+        in its first layer, which would wait for the device to copy them back. Pieces and
+        sequence-data chunks give attention ids of their own (slices): their first layers
+        still plan."""
         pairs, pieces = micro_batch.pairs, micro_batch.pieces
-        if pairs is None or len(pieces) > 1 or not plans_taken_on(self.device):
+        if pairs is None or len(pieces) > 1 or self.sequence_data.split:
+            return
+        if not plans_taken_on(self.device):
             return
         assert batch.parts is not None
         documents = pieces[0][2]
