@@ -442,7 +442,8 @@ write_random_dataset(Path('/tmp/freeze1b/data'), vocab_size=128256, tokens=8_000
       #     datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
       for wheel in "${DPO_WHEELS:-.whl}"/*.whl; do python3 -m zipfile -e "$wheel" "$SITE"; done
       python3 -c "import trl, liger_kernel, datasets" || return 1
-      timeout 570 python3 bench/dpo_bench.py ${DPO_ARGS:-} --timeout 130 --commit "$COMMIT" \
+      # 30 timed steps, not train_bench's 10: single steps ranged over 240-277 ms (h100-ac549d2).
+      timeout 570 python3 bench/dpo_bench.py --steps 30 ${DPO_ARGS:-} --timeout 130 --commit "$COMMIT" \
         --out "$RES/dpo_1b${TAG:+_$TAG}" 2>&1 | grep -v "it/s\]" | tail -16 ;;
     distill-1b)
       # Issue 35: `fastllm train -c examples/distill-llama3-1b.yaml`, a random llama-1b learning
