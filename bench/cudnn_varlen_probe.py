@@ -15,22 +15,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from bench_common import median_ms
 
 HEADS, KV_HEADS, HEAD = 32, 8, 64
-
-
-def median_ms(fn, n: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(n):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[n // 2]
 
 
 def probe(lengths: list[int]) -> None:

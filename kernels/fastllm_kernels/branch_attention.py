@@ -120,17 +120,11 @@ def branch_plan(document_ids: Tensor | None, branch_ids: Tensor) -> BranchPlan |
     made by `plan_ahead` or here before for these very tensors (every layer of a forward pass,
     and the reference model's, is given the same two); else built now, with one host
     synchronization (the device waits meanwhile: some 1-6 ms a step, H100)."""
-    key = (document_ids, branch_ids)
-    found, plan = _plans.find(key)
+    found, plan = _plans.find((document_ids, branch_ids))
     if found:
         return plan
-    plan = _build(
-        None if document_ids is None else document_ids.cpu().numpy(),
-        branch_ids.cpu().numpy(),
-        branch_ids.device,
-    )
-    _plans.remember(key, plan)
-    return plan
+    host_documents = None if document_ids is None else document_ids.cpu()
+    return plan_ahead(host_documents, branch_ids.cpu(), document_ids, branch_ids)
 
 
 def plan_ahead(
@@ -138,16 +132,17 @@ def plan_ahead(
     host_branch_ids: Tensor,
     document_ids: Tensor | None,
     branch_ids: Tensor,
-) -> None:
+) -> BranchPlan | None:
     """Builds the plan of `document_ids` and `branch_ids` (on their device) from their host
     copies, for `branch_plan` to find while those tensors live: no synchronization in the
-    first layer, one copy to the device of all its indices."""
+    first layer, one copy to the device of all its indices. Returns it."""
     plan = _build(
         None if host_document_ids is None else host_document_ids.numpy(),
         host_branch_ids.numpy(),
         branch_ids.device,
     )
     _plans.remember((document_ids, branch_ids), plan)
+    return plan
 
 
 def plans_taken_on(device: torch.device) -> bool:

@@ -141,14 +141,12 @@ class BatchPreparer:
         pairs, pieces = micro_batch.pairs, micro_batch.pieces
         if pairs is None or len(pieces) > 1 or self.sequence_data.split:
             return
-        if not plans_taken_on(self.device):
+        if not plans_taken_on(self.device):  # attention runs masks there
             return
         assert batch.parts is not None
-        documents = pieces[0][2]
-        host_documents = (
-            None if documents is None else self.sequence_data.prefix(batch.document_ids)
-        )
-        plan_ahead(host_documents, self.sequence_data.prefix(batch.parts), documents, pairs.parts)
+        documents = pieces[0][2]  # whole sequences: the ids sent are the batch's own
+        host_documents = None if documents is None else batch.document_ids
+        plan_ahead(host_documents, batch.parts, documents, pairs.parts)
 
     def _pairs(
         self, batch: Batch, spans: Tensor, rows: Tensor, documents: Tensor, total: float
