@@ -40,11 +40,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention
 
 from fastllm_kernels.branch_attention import (
+    DenseRuns,
     branch_attention,
     branch_plan,
     has_varlen_flash,
+    runs_attention,
     varlen_flash,
 )
+from fastllm_kernels.qkv_runs import split_qkv_rotary_into_runs
 
 try:
     from flash_attn import flash_attn_func, flash_attn_varlen_func
@@ -101,7 +104,7 @@ def attention(
     # flex kernel config for head dim 128 at 48 keys (H200).
     flex = q.is_cuda and q.shape[1] >= _FLEX_MIN_KEYS and not _DENSE_MASKS.get()
     if branch_ids is not None:  # only the masked kernels of a mask function know branches
-        if flex and _varlen_branches(q, v, causal, window_size, offset):
+        if _varlen_branches(q, v, causal, window_size, offset):
             plan = branch_plan(document_ids, branch_ids)
             if plan is not None:
                 return branch_attention(q, k, v, plan, scale, varlen_flash, _dense_causal)
@@ -133,12 +136,42 @@ def _dense_causal(q: Tensor, k: Tensor, v: Tensor, scale: float | None) -> Tenso
         return _sdpa(q, k, v, is_causal=True, scale=scale)
 
 
+def attention_of_qkv(
+    qkv: Tensor,
+    heads: int,
+    kv_heads: int,
+    cos: Tensor | None,
+    sin: Tensor | None,
+    *,
+    document_ids: Tensor | None,
+    branch_ids: Tensor | None,
+    scale: float | None,
+) -> Tensor | None:
+    """`attention(*split_qkv_rotary(qkv, heads, kv_heads, cos, sin), causal=True, …)` straight
+    from the fused projection (batch, seq, (heads + 2 * kv_heads) * head_dim) where shared
+    prefixes take the dense form: the split writes q, k and v into its runs (qkv_runs.py), so
+    there are no gathers. None elsewhere: the caller splits and calls `attention`."""
+    if branch_ids is None or not _branch_kernels(qkv):
+        return None
+    plan = branch_plan(document_ids, branch_ids)
+    if plan is None or not isinstance(plan.form, DenseRuns):
+        return None
+    q, k, v = split_qkv_rotary_into_runs(qkv, heads, kv_heads, cos, sin, plan.form)
+    return runs_attention(q, k, v, plan.form, scale, _dense_causal, qkv.shape[0])
+
+
 def _varlen_branches(q: Tensor, v: Tensor, causal: bool, window_size, offset: int) -> bool:
-    """Whether shared prefixes can run as causal varlen sequences (branch_attention.py):
-    causal, unwindowed, whole sequences, one head size, a dtype flash takes."""
-    flash_dtype = q.dtype in (torch.float16, torch.bfloat16) and v.shape[3] == q.shape[3]
+    """Whether shared prefixes can run as causal sequences (branch_attention.py): causal,
+    unwindowed, whole sequences, one head size, on the kernels that take them."""
     whole = causal and window_size is None and offset == 0
-    return flash_dtype and whole and has_varlen_flash()
+    return whole and v.shape[3] == q.shape[3] and _branch_kernels(q)
+
+
+def _branch_kernels(x: Tensor) -> bool:
+    """Whether shared prefixes in x's (batch, seq, …) may take the causal kernels rather than
+    flex_attention's mask: on CUDA where flex would run, in a dtype flash takes."""
+    flex = x.is_cuda and x.shape[1] >= _FLEX_MIN_KEYS and not _DENSE_MASKS.get()
+    return flex and x.dtype in (torch.float16, torch.bfloat16) and has_varlen_flash()
 
 
 def attention_reference(

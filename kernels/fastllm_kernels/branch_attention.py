@@ -103,6 +103,9 @@ class DenseRuns:
     length: int
     """The longest run, rounded up to DENSE_TILE (a tile more where padding needs a slot past
     every run's end)."""
+    copy_slots: Tensor
+    """(rounds × batch × seq,) int64: each flat position's slot in each round of `slots.copies`,
+    -1 where it has none that round (for the fused split's backward, qkv_runs.py)."""
 
 
 @dataclass(frozen=True)
@@ -190,7 +193,12 @@ def _build(documents: np.ndarray | None, branches: np.ndarray, device) -> Branch
             short = next(i for i, r in enumerate(kept) if len(r) < length)
             spare = (short + 1) * length - 1
         slots = _gathered(staged, padded, kept, positions, spare, branches.ravel() == -1)
-        form: VarlenRuns | DenseRuns = DenseRuns(slots, len(kept), length)
+        copy_slots = np.full((len(slots.copies), positions), -1, dtype=np.int64)
+        for row, (at, copies) in zip(copy_slots, _copy_rounds(padded, kept), strict=True):
+            row[at] = copies
+        form: VarlenRuns | DenseRuns = DenseRuns(
+            slots, len(kept), length, staged.add(copy_slots.ravel())
+        )
     else:
         keys = _gathered(staged, [r.keys() for r in runs], runs, positions)
         cu_queries, cu_keys = (staged.add(_starts(counts)) for counts in (queries, key_counts))
@@ -236,6 +244,24 @@ def _gathered(
     positions of no run (left-out padding) take the slot `spare`; with `padding` (each flat
     position's), the outputs kept are the other positions'. Its indices are staged."""
     own = np.full(positions, -1 if spare is None else spare, dtype=np.int64)
+    starts = np.cumsum([0] + [len(taken) for taken in slots[:-1]])
+    for run, start in zip(runs, starts.tolist(), strict=True):
+        own[run.own] = start + len(run.prefix) + np.arange(len(run.own))
+    kept = None
+    if padding is not None and padding.any():
+        used = np.flatnonzero(~padding)
+        kept = (staged.add(used), staged.add(own[used]))
+    return Gathered(
+        staged.add(np.concatenate(slots)),
+        staged.add(own),
+        tuple((staged.add(at), staged.add(taken)) for at, taken in _copy_rounds(slots, runs)),
+        kept,
+    )
+
+
+def _copy_rounds(slots: list[np.ndarray], runs: list[_Run]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The prefix gathered again for later branches, in rounds (`Gathered.copies`): each
+    round's flat positions and their slots."""
     rounds: list[tuple[list[np.ndarray], list[np.ndarray]]] = []
     start = 0
     later = 0  # the runs since the last one without a prefix: the round of the next copy
@@ -246,21 +272,8 @@ def _gathered(
                 rounds.append(([], []))
             rounds[later - 1][0].append(run.prefix)
             rounds[later - 1][1].append(start + np.arange(len(run.prefix)))
-        own[run.own] = start + len(run.prefix) + np.arange(len(run.own))
         start += len(taken)
-    kept = None
-    if padding is not None and padding.any():
-        used = np.flatnonzero(~padding)
-        kept = (staged.add(used), staged.add(own[used]))
-    return Gathered(
-        staged.add(np.concatenate(slots)),
-        staged.add(own),
-        tuple(
-            (staged.add(np.concatenate(positions)), staged.add(np.concatenate(slots_)))
-            for positions, slots_ in rounds
-        ),
-        kept,
-    )
+    return [(np.concatenate(at), np.concatenate(taken)) for at, taken in rounds]
 
 
 class _Staging:
@@ -366,20 +379,38 @@ def branch_attention(
     dim), each position attending as `plan` lays it out: through `dense` where the plan has
     the dense form, else through `varlen`."""
     batch, seq = q.shape[:2]
-    q, k, v = (t.reshape(batch * seq, *t.shape[2:]) for t in (q, k, v))
     form = plan.form
     if isinstance(form, DenseRuns):
-        runs = [
-            _Gather.apply(t, form.slots).view(form.runs, form.length, *t.shape[1:])
-            for t in (q, k, v)
-        ]
-        out = _Own.apply(dense(*runs, scale).flatten(0, 1), form.slots)
-    else:
-        keys = [_Gather.apply(t, form.keys) for t in (k, v)]
-        out = varlen(
-            q, *keys, form.cu_queries, form.cu_keys, form.max_queries, form.max_keys, scale
-        )
+        return runs_attention(*gather_runs(q, k, v, form), form, scale, dense, batch)
+    q, k, v = (t.reshape(batch * seq, *t.shape[2:]) for t in (q, k, v))
+    keys = [_Gather.apply(t, form.keys) for t in (k, v)]
+    out = varlen(q, *keys, form.cu_queries, form.cu_keys, form.max_queries, form.max_keys, scale)
     return out.view(batch, seq, *out.shape[1:])
+
+
+def gather_runs(q: Tensor, k: Tensor, v: Tensor, runs: DenseRuns) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v (batch, seq, ·, ·) → (runs, length, ·, ·): each slot of the dense form holding
+    its position's."""
+    q, k, v = (
+        _Gather.apply(t.flatten(0, 1), runs.slots).view(runs.runs, runs.length, *t.shape[2:])
+        for t in (q, k, v)
+    )
+    return q, k, v
+
+
+def runs_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    runs: DenseRuns,
+    scale: float | None,
+    dense: DenseKernel,
+    batch: int,
+) -> Tensor:
+    """q, k, v (runs, length, ·, ·) of the dense form → (batch, seq, heads, v's dim): causal
+    attention of each run through `dense`, each position's output from its own slot."""
+    out = _Own.apply(dense(q, k, v, scale).flatten(0, 1), runs.slots)
+    return out.view(batch, -1, *out.shape[1:])
 
 
 class _Gather(torch.autograd.Function):

@@ -17,6 +17,7 @@ from fastllm.model.query_key_norm import query_key_norm
 from fastllm.parallel.mesh import ParallelMesh
 from fastllm.parallel.sequence_data import KeyValueGather, SequenceDataDimension
 from fastllm.parallel.tensor import TensorDimension, enter, leave
+from fastllm_kernels.attention import attention_of_qkv
 from fastllm_kernels.linear import linear
 from fastllm_kernels.qk_norm_rotary import split_qkv_norm_rotary
 from fastllm_kernels.recipe import WeightRecipe
@@ -113,15 +114,24 @@ class Attention(torch.nn.Module):
         x = enter(x, self.tensor)
         batch, length, _ = x.shape
         cos, sin = rotary if rotary is not None else (None, None)
+        out = None
         if self.sequence_data.split:
             q, k, v = self._project_gathering_keys(x, norm, cos, sin)
         else:
-            q, k, v = self._split_rotary(self._qkv(x, norm), cos, sin)
-        out = attend(
-            q, k, v, sequence_data=self.sequence_data, layer_index=self.layer_index,
-            window_size=self.window_size, scale=self.scale, document_ids=document_ids,
-            cache=cache, branch_ids=branch_ids,
-        )  # fmt: skip
+            qkv = self._qkv(x, norm)
+            if self._plain_causal(cache):  # shared prefixes' runs written by the split itself
+                out = attention_of_qkv(
+                    qkv, self.heads, self.kv_heads, cos, sin, document_ids=document_ids,
+                    branch_ids=branch_ids, scale=self.scale,
+                )  # fmt: skip
+            if out is None:
+                q, k, v = self._split_rotary(qkv, cos, sin)
+        if out is None:
+            out = attend(
+                q, k, v, sequence_data=self.sequence_data, layer_index=self.layer_index,
+                window_size=self.window_size, scale=self.scale, document_ids=document_ids,
+                cache=cache, branch_ids=branch_ids,
+            )  # fmt: skip
         out = out.reshape(batch, length, self.q_size)
         bias = None if self.tensor.split else self.dense.bias  # `leave` adds it after the sum
         if self.dense_lora is None:
@@ -129,6 +139,12 @@ class Attention(torch.nn.Module):
         else:
             dense = self.dense_lora.project(out, self.dense.weight, bias, self.dense_recipe)
         return leave(dense, self.tensor, self.dense.bias) if self.tensor.split else dense
+
+    def _plain_causal(self, cache: Any) -> bool:
+        """Whether this call's attention is causal over its own positions with no window and
+        q and k go only through rotary: what `attention_of_qkv` computes."""
+        no_norms = self.query_norm is None and self.key_norm is None
+        return cache is None and self.window_size is None and no_norms
 
     def _qkv(self, x: Tensor, norm: InputNorm) -> Tensor:
         """The q/k/v projection of norm(x), with its adapters' update (which read norm(x)
