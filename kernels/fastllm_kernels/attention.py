@@ -18,7 +18,8 @@ prefix: the prompt of a preference pair, branch 0, and its answers, branches 1 a
 never see each other) branch_ids[b, j] is 0 or branch_ids[b, i]; branches go to causal attention of each branch with
 its prefix as one sequence on CUDA where the layout allows (branch_attention.py: dense SDPA,
 cuDNN first, where padding the sequences to one length costs little, else torch's varlen
-flash attention), else to flex_attention, and to SDPA with a dense mask
+flash attention; `attention_of_qkv` takes the fused projection and has the split write the
+dense form's runs), else to flex_attention, and to SDPA with a dense mask
 elsewhere (CPU, evaluation's `dense_masks`). Each document must be one
 contiguous run of positions (as packing produces), which is what flash-attn's varlen assumes.
 There may be fewer queries than keys: the queries are then the last positions of the keys (a
