@@ -114,7 +114,26 @@ class Attention(torch.nn.Module):
         x = enter(x, self.tensor)
         batch, length, _ = x.shape
         cos, sin = rotary if rotary is not None else (None, None)
-        out = None
+        out = self._attend(x, norm, cos, sin, document_ids, cache, branch_ids)
+        out = out.reshape(batch, length, self.q_size)
+        bias = None if self.tensor.split else self.dense.bias  # `leave` adds it after the sum
+        if self.dense_lora is None:
+            dense = linear(out, self.dense.weight, bias, self.dense_recipe)
+        else:
+            dense = self.dense_lora.project(out, self.dense.weight, bias, self.dense_recipe)
+        return leave(dense, self.tensor, self.dense.bias) if self.tensor.split else dense
+
+    def _attend(
+        self,
+        x: Tensor,
+        norm: InputNorm,
+        cos: Tensor | None,
+        sin: Tensor | None,
+        document_ids: Tensor | None,
+        cache: Any,
+        branch_ids: Tensor | None,
+    ) -> Tensor:
+        """The attention heads' outputs (batch, length, heads, head_size) over norm(x)."""
         if self.sequence_data.split:
             q, k, v = self._project_gathering_keys(x, norm, cos, sin)
         else:
@@ -124,21 +143,14 @@ class Attention(torch.nn.Module):
                     qkv, self.heads, self.kv_heads, cos, sin, document_ids=document_ids,
                     branch_ids=branch_ids, scale=self.scale,
                 )  # fmt: skip
-            if out is None:
-                q, k, v = self._split_rotary(qkv, cos, sin)
-        if out is None:
-            out = attend(
-                q, k, v, sequence_data=self.sequence_data, layer_index=self.layer_index,
-                window_size=self.window_size, scale=self.scale, document_ids=document_ids,
-                cache=cache, branch_ids=branch_ids,
-            )  # fmt: skip
-        out = out.reshape(batch, length, self.q_size)
-        bias = None if self.tensor.split else self.dense.bias  # `leave` adds it after the sum
-        if self.dense_lora is None:
-            dense = linear(out, self.dense.weight, bias, self.dense_recipe)
-        else:
-            dense = self.dense_lora.project(out, self.dense.weight, bias, self.dense_recipe)
-        return leave(dense, self.tensor, self.dense.bias) if self.tensor.split else dense
+                if out is not None:
+                    return out
+            q, k, v = self._split_rotary(qkv, cos, sin)
+        return attend(
+            q, k, v, sequence_data=self.sequence_data, layer_index=self.layer_index,
+            window_size=self.window_size, scale=self.scale, document_ids=document_ids,
+            cache=cache, branch_ids=branch_ids,
+        )  # fmt: skip
 
     def _plain_causal(self, cache: Any) -> bool:
         """Whether this call's attention is causal over its own positions with no window and
