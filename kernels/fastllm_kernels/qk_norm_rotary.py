@@ -25,11 +25,11 @@ from fastllm_kernels.norm import rms_norm_reference
 from fastllm_kernels.qkv_tiles import (
     check_qkv_shapes,
     load_split,
+    part_pointers,
     qkv_launch,
     qkv_tile,
     rotate_halves,
     store_split,
-    strided,
 )
 from fastllm_kernels.rotary import apply_rotary_reference, split_qkv_rotary_reference
 
@@ -213,13 +213,12 @@ def _norm_rotary_backward_kernel(
     token, b, s, h, d, mask, is_q, is_k, is_v = qkv_tile(
         seq, heads, kv_heads, half, BLOCK_H, BLOCK_D
     )
-    dq_ptrs = strided(
-        dq_ptr, b, s, tl.where(is_q, h, 0), d, dq_stride_b, dq_stride_s, dq_stride_h, dq_stride_d
-    )
-    dk_h = tl.where(is_k, h - heads, 0)
-    dk_ptrs = strided(dk_ptr, b, s, dk_h, d, dk_stride_b, dk_stride_s, dk_stride_h, dk_stride_d)
-    dv_h = tl.where(is_v, h - heads - kv_heads, 0)
-    dv_ptrs = strided(dv_ptr, b, s, dv_h, d, dv_stride_b, dv_stride_s, dv_stride_h, dv_stride_d)
+    dq_ptrs, dk_ptrs, dv_ptrs = part_pointers(
+        dq_ptr, dk_ptr, dv_ptr, b, s, h, d, heads, kv_heads, is_q, is_k, is_v,
+        dq_stride_b, dq_stride_s, dq_stride_h, dq_stride_d,
+        dk_stride_b, dk_stride_s, dk_stride_h, dk_stride_d,
+        dv_stride_b, dv_stride_s, dv_stride_h, dv_stride_d,
+    )  # fmt: skip
     g1 = load_split(dq_ptrs, dk_ptrs, dv_ptrs, mask, is_q, is_k, is_v, HAS_DQ, HAS_DK, HAS_DV)
     g1 = g1.to(tl.float32)
     if ROTATE:

@@ -27,10 +27,12 @@ from fastllm_kernels.branch_attention import DenseRuns, gather_runs
 from fastllm_kernels.qkv_tiles import (
     check_qkv_shapes,
     load_split,
+    part_pointers,
+    qkv_lanes,
     qkv_launch,
+    qkv_tile,
     rotate_halves,
-    store_split,
-    strided,
+    split_rows,
 )
 from fastllm_kernels.rotary import split_qkv_rotary_reference
 
@@ -123,46 +125,29 @@ def _split_into_runs_kernel(
     position = tl.load(index_ptr + slot)
     b = position // seq
     s = position % seq
-    h = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)[:, None]
-    d = tl.arange(0, BLOCK_D)[None, :]
-    mask = (h < heads + 2 * kv_heads) & (d < half)
-    is_q = h < heads
-    is_v = h >= heads + kv_heads
-    is_k = ~is_q & ~is_v
+    h, d, mask, is_q, is_k, is_v = qkv_lanes(heads, kv_heads, half, BLOCK_H, BLOCK_D)
     x_ptrs = qkv_ptr + b * qkv_stride_b + s * qkv_stride_s + (h * head_dim + d) * qkv_stride_c
-    # q, k and v are contiguous; lanes of the other two parts point at head 0 (masked off).
-    q_ptrs = q_ptr + (slot * heads + tl.where(is_q, h, 0)) * head_dim + d
-    k_ptrs = k_ptr + (slot * kv_heads + tl.where(is_k, h - heads, 0)) * head_dim + d
-    v_ptrs = v_ptr + (slot * kv_heads + tl.where(is_v, h - heads - kv_heads, 0)) * head_dim + d
-    x1 = tl.load(x_ptrs, mask=mask)
-    if ROTATE:
-        x2 = tl.load(x_ptrs + half * qkv_stride_c, mask=mask)
-        y1, y2 = rotate_halves(x1, x2, cos_ptr, sin_ptr, b, s, d, half, cos_stride_b, 1.0, ~is_v)
-        store_split(q_ptrs, k_ptrs, v_ptrs, y1, mask, is_q, is_k, is_v)
-        store_split(q_ptrs + half, k_ptrs + half, v_ptrs + half, y2, mask, is_q, is_k, is_v)
-    else:
-        store_split(q_ptrs, k_ptrs, v_ptrs, x1, mask, is_q, is_k, is_v)
+    split_rows(
+        x_ptrs, q_ptr, k_ptr, v_ptr, slot, cos_ptr, sin_ptr, b, s, h, d, heads, kv_heads,
+        head_dim, half, cos_stride_b, qkv_stride_c, mask, is_q, is_k, is_v, ROTATE,
+    )  # fmt: skip
 
 
 @triton.jit
-def _slot_gradient(
-    dq_ptr, dk_ptr, dv_ptr, slot, length, h, heads, kv_heads, d, is_q, is_k, is_v,
+def _slot_pointers(
+    dq_ptr, dk_ptr, dv_ptr, slot, length, h, d, heads, kv_heads, is_q, is_k, is_v,
     dq_stride_r, dq_stride_i, dq_stride_h, dq_stride_d,
     dk_stride_r, dk_stride_i, dk_stride_h, dk_stride_d,
     dv_stride_r, dv_stride_i, dv_stride_h, dv_stride_d,
 ):  # fmt: skip
-    """Pointers to the gradients' lanes at `slot` (run slot // length, place slot % length);
-    lanes of the other two parts point at head 0."""
-    r = slot // length
-    i = slot % length
-    dq_ptrs = strided(
-        dq_ptr, r, i, tl.where(is_q, h, 0), d, dq_stride_r, dq_stride_i, dq_stride_h, dq_stride_d
-    )
-    dk_h = tl.where(is_k, h - heads, 0)
-    dk_ptrs = strided(dk_ptr, r, i, dk_h, d, dk_stride_r, dk_stride_i, dk_stride_h, dk_stride_d)
-    dv_h = tl.where(is_v, h - heads - kv_heads, 0)
-    dv_ptrs = strided(dv_ptr, r, i, dv_h, d, dv_stride_r, dv_stride_i, dv_stride_h, dv_stride_d)
-    return dq_ptrs, dk_ptrs, dv_ptrs
+    """Pointers to the gradients' lanes at `slot`: run slot // length, place slot % length."""
+    return part_pointers(
+        dq_ptr, dk_ptr, dv_ptr, slot // length, slot % length, h, d, heads, kv_heads,
+        is_q, is_k, is_v,
+        dq_stride_r, dq_stride_i, dq_stride_h, dq_stride_d,
+        dk_stride_r, dk_stride_i, dk_stride_h, dk_stride_d,
+        dv_stride_r, dv_stride_i, dv_stride_h, dv_stride_d,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -175,19 +160,13 @@ def _split_into_runs_backward_kernel(
     HAS_DQ: tl.constexpr, HAS_DK: tl.constexpr, HAS_DV: tl.constexpr,
     ROTATE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    position = tl.program_id(0).to(tl.int64)
+    position, b, s, h, d, mask, is_q, is_k, is_v = qkv_tile(
+        seq, heads, kv_heads, half, BLOCK_H, BLOCK_D
+    )
     positions = tl.num_programs(0).to(tl.int64)
-    b = position // seq
-    s = position % seq
-    h = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)[:, None]
-    d = tl.arange(0, BLOCK_D)[None, :]
-    mask = (h < heads + 2 * kv_heads) & (d < half)
-    is_q = h < heads
-    is_v = h >= heads + kv_heads
-    is_k = ~is_q & ~is_v
     own = tl.load(own_ptr + position)
-    dq_ptrs, dk_ptrs, dv_ptrs = _slot_gradient(
-        dq_ptr, dk_ptr, dv_ptr, own, length, h, heads, kv_heads, d, is_q, is_k, is_v,
+    dq_ptrs, dk_ptrs, dv_ptrs = _slot_pointers(
+        dq_ptr, dk_ptr, dv_ptr, own, length, h, d, heads, kv_heads, is_q, is_k, is_v,
         dq_stride_r, dq_stride_i, dq_stride_h, dq_stride_d,
         dk_stride_r, dk_stride_i, dk_stride_h, dk_stride_d,
         dv_stride_r, dv_stride_i, dv_stride_h, dv_stride_d,
@@ -205,8 +184,8 @@ def _split_into_runs_backward_kernel(
         copy = tl.load(copies_ptr + copy_round * positions + position)
         # (h * 0 +: a block, since Triton's interpreter takes no mask of a scalar and a block)
         taken = mask & ~is_q & (h * 0 + copy >= 0)
-        dq_ptrs, dk_ptrs, dv_ptrs = _slot_gradient(
-            dq_ptr, dk_ptr, dv_ptr, tl.maximum(copy, 0), length, h, heads, kv_heads, d,
+        dq_ptrs, dk_ptrs, dv_ptrs = _slot_pointers(
+            dq_ptr, dk_ptr, dv_ptr, tl.maximum(copy, 0), length, h, d, heads, kv_heads,
             is_q, is_k, is_v,
             dq_stride_r, dq_stride_i, dq_stride_h, dq_stride_d,
             dk_stride_r, dk_stride_i, dk_stride_h, dk_stride_d,

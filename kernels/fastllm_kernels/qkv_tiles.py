@@ -69,12 +69,40 @@ def qkv_launch(
 def qkv_tile(seq, heads, kv_heads, half, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     """This program's token (b, s), heads h (of q, k, v in turn) and columns d within a half."""
     token = tl.program_id(0).to(tl.int64)
+    h, d, mask, is_q, is_k, is_v = qkv_lanes(heads, kv_heads, half, BLOCK_H, BLOCK_D)
+    return token, token // seq, token % seq, h, d, mask, is_q, is_k, is_v
+
+
+@triton.jit
+def qkv_lanes(heads, kv_heads, half, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """This program's block of heads h (of q, k, v in turn), columns d within a half, and
+    which lanes are in range and in which part."""
     h = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
     mask = (h < heads + 2 * kv_heads) & (d < half)
     is_q = h < heads
     is_v = h >= heads + kv_heads
-    return token, token // seq, token % seq, h, d, mask, is_q, ~is_q & ~is_v, is_v
+    return h, d, mask, is_q, ~is_q & ~is_v, is_v
+
+
+@triton.jit
+def split_rows(
+    qkv_ptrs, q_ptr, k_ptr, v_ptr, row, cos_ptr, sin_ptr, b, s, h, d, heads, kv_heads,
+    head_dim, half, cos_stride_b, qkv_stride_c, mask, is_q, is_k, is_v, ROTATE: tl.constexpr,
+):  # fmt: skip
+    """The lanes of qkv at `qkv_ptrs` (token (b, s)), q and k rotated, into row `row` of the
+    contiguous q, k and v (lanes of the other two parts point at head 0, masked off)."""
+    q_ptrs = q_ptr + (row * heads + tl.where(is_q, h, 0)) * head_dim + d
+    k_ptrs = k_ptr + (row * kv_heads + tl.where(is_k, h - heads, 0)) * head_dim + d
+    v_ptrs = v_ptr + (row * kv_heads + tl.where(is_v, h - heads - kv_heads, 0)) * head_dim + d
+    x1 = tl.load(qkv_ptrs, mask=mask)
+    if ROTATE:
+        x2 = tl.load(qkv_ptrs + half * qkv_stride_c, mask=mask)
+        y1, y2 = rotate_halves(x1, x2, cos_ptr, sin_ptr, b, s, d, half, cos_stride_b, 1.0, ~is_v)
+        store_split(q_ptrs, k_ptrs, v_ptrs, y1, mask, is_q, is_k, is_v)
+        store_split(q_ptrs + half, k_ptrs + half, v_ptrs + half, y2, mask, is_q, is_k, is_v)
+    else:
+        store_split(q_ptrs, k_ptrs, v_ptrs, x1, mask, is_q, is_k, is_v)
 
 
 @triton.jit
@@ -98,6 +126,25 @@ def store_split(q_ptrs, k_ptrs, v_ptrs, x, mask, is_q, is_k, is_v):
 @triton.jit
 def strided(ptr, b, s, h, d, stride_b, stride_s, stride_h, stride_d):
     return ptr + b * stride_b + s * stride_s + h * stride_h + d * stride_d
+
+
+@triton.jit
+def part_pointers(
+    dq_ptr, dk_ptr, dv_ptr, b, s, h, d, heads, kv_heads, is_q, is_k, is_v,
+    dq_stride_b, dq_stride_s, dq_stride_h, dq_stride_d,
+    dk_stride_b, dk_stride_s, dk_stride_h, dk_stride_d,
+    dv_stride_b, dv_stride_s, dv_stride_h, dv_stride_d,
+):  # fmt: skip
+    """Pointers to the lanes of (b, s) in q, k and v shaped tensors of any strides (the
+    gradients); lanes of the other two parts point at head 0."""
+    dq_ptrs = strided(
+        dq_ptr, b, s, tl.where(is_q, h, 0), d, dq_stride_b, dq_stride_s, dq_stride_h, dq_stride_d
+    )
+    dk_h = tl.where(is_k, h - heads, 0)
+    dk_ptrs = strided(dk_ptr, b, s, dk_h, d, dk_stride_b, dk_stride_s, dk_stride_h, dk_stride_d)
+    dv_h = tl.where(is_v, h - heads - kv_heads, 0)
+    dv_ptrs = strided(dv_ptr, b, s, dv_h, d, dv_stride_b, dv_stride_s, dv_stride_h, dv_stride_d)
+    return dq_ptrs, dk_ptrs, dv_ptrs
 
 
 @triton.jit

@@ -24,11 +24,11 @@ from fastllm_kernels.qkv_tiles import (
     check_angles,
     check_qkv_shapes,
     load_split,
+    part_pointers,
     qkv_launch,
     qkv_tile,
     rotate_halves,
-    store_split,
-    strided,
+    split_rows,
 )
 
 
@@ -187,18 +187,10 @@ def _split_qkv_rotary_kernel(
         seq, heads, kv_heads, half, BLOCK_H, BLOCK_D
     )
     x_ptrs = qkv_ptr + b * qkv_stride_b + s * qkv_stride_s + (h * head_dim + d) * qkv_stride_c
-    # q, k and v are contiguous; lanes of the other two parts point at head 0 (masked off).
-    q_ptrs = q_ptr + (token * heads + tl.where(is_q, h, 0)) * head_dim + d
-    k_ptrs = k_ptr + (token * kv_heads + tl.where(is_k, h - heads, 0)) * head_dim + d
-    v_ptrs = v_ptr + (token * kv_heads + tl.where(is_v, h - heads - kv_heads, 0)) * head_dim + d
-    x1 = tl.load(x_ptrs, mask=mask)
-    if ROTATE:
-        x2 = tl.load(x_ptrs + half * qkv_stride_c, mask=mask)
-        y1, y2 = rotate_halves(x1, x2, cos_ptr, sin_ptr, b, s, d, half, cos_stride_b, 1.0, ~is_v)
-        store_split(q_ptrs, k_ptrs, v_ptrs, y1, mask, is_q, is_k, is_v)
-        store_split(q_ptrs + half, k_ptrs + half, v_ptrs + half, y2, mask, is_q, is_k, is_v)
-    else:
-        store_split(q_ptrs, k_ptrs, v_ptrs, x1, mask, is_q, is_k, is_v)
+    split_rows(
+        x_ptrs, q_ptr, k_ptr, v_ptr, token, cos_ptr, sin_ptr, b, s, h, d, heads, kv_heads,
+        head_dim, half, cos_stride_b, qkv_stride_c, mask, is_q, is_k, is_v, ROTATE,
+    )  # fmt: skip
 
 
 @triton.jit
@@ -215,13 +207,12 @@ def _split_qkv_rotary_backward_kernel(
     )
     # Gradients come with any strides (attention kernels return (batch, heads, seq)-major
     # ones); lanes of the other two parts point at head 0 (masked off).
-    dq_ptrs = strided(
-        dq_ptr, b, s, tl.where(is_q, h, 0), d, dq_stride_b, dq_stride_s, dq_stride_h, dq_stride_d
-    )
-    dk_h = tl.where(is_k, h - heads, 0)
-    dk_ptrs = strided(dk_ptr, b, s, dk_h, d, dk_stride_b, dk_stride_s, dk_stride_h, dk_stride_d)
-    dv_h = tl.where(is_v, h - heads - kv_heads, 0)
-    dv_ptrs = strided(dv_ptr, b, s, dv_h, d, dv_stride_b, dv_stride_s, dv_stride_h, dv_stride_d)
+    dq_ptrs, dk_ptrs, dv_ptrs = part_pointers(
+        dq_ptr, dk_ptr, dv_ptr, b, s, h, d, heads, kv_heads, is_q, is_k, is_v,
+        dq_stride_b, dq_stride_s, dq_stride_h, dq_stride_d,
+        dk_stride_b, dk_stride_s, dk_stride_h, dk_stride_d,
+        dv_stride_b, dv_stride_s, dv_stride_h, dv_stride_d,
+    )  # fmt: skip
     out_ptrs = dqkv_ptr + token * (heads + 2 * kv_heads) * head_dim + h * head_dim + d
     g1 = load_split(dq_ptrs, dk_ptrs, dv_ptrs, mask, is_q, is_k, is_v, HAS_DQ, HAS_DK, HAS_DV)
     if ROTATE:
