@@ -20,9 +20,10 @@ branch with the prefix gathered again before it. Two forms:
 The gathers' backward takes each position's gradient from its own slot and adds the prefix
 copies' (a gather, not torch's index_add with atomics: 2.5 ms a DPO step, H100). A layer that
 hands over its fused q/k/v projection (attention.py's `attention_of_qkv`) has the dense form's
-runs written by the split kernel itself (qkv_runs.py), with no gathers of q, k and v. flex_attention
-measured 40.8 ms forward and 33.8 backward a step for DPO pairs of 512 + 512 + 512 tokens
-(8 rows of 1,537 positions, llama-1b, H100, bench/results/h100-4b113bc), some 60 TFLOP/s.
+runs written by the split kernel itself (qkv_runs.py), with no gathers of q, k and v.
+flex_attention measured 40.8 ms forward and 33.8 backward a step for DPO pairs of 512 + 512 +
+512 tokens (8 rows of 1,537 positions, llama-1b, H100, bench/results/h100-4b113bc), some 60
+TFLOP/s.
 
 A plan is built on the host from the document and branch ids; the engine builds each
 micro-batch's from its host copies as it sends them (`plan_ahead`), so that no layer waits for

@@ -24,7 +24,7 @@ from fastllm_kernels._dispatch import use_triton
 from fastllm_kernels.norm import rms_norm_reference
 from fastllm_kernels.qkv_tiles import (
     check_qkv_shapes,
-    load_split,
+    load_halves,
     part_pointers,
     qkv_launch,
     qkv_tile,
@@ -219,17 +219,13 @@ def _norm_rotary_backward_kernel(
         dk_stride_b, dk_stride_s, dk_stride_h, dk_stride_d,
         dv_stride_b, dv_stride_s, dv_stride_h, dv_stride_d,
     )  # fmt: skip
-    g1 = load_split(dq_ptrs, dk_ptrs, dv_ptrs, mask, is_q, is_k, is_v, HAS_DQ, HAS_DK, HAS_DV)
-    g1 = g1.to(tl.float32)
+    g1, g2 = load_halves(
+        dq_ptrs, dk_ptrs, dv_ptrs, dq_stride_d, dk_stride_d, dv_stride_d, half,
+        mask, is_q, is_k, is_v, HAS_DQ, HAS_DK, HAS_DV, ROTATE,
+    )  # fmt: skip
     if ROTATE:
-        g2 = load_split(
-            dq_ptrs + half * dq_stride_d, dk_ptrs + half * dk_stride_d, dv_ptrs + half * dv_stride_d,
-            mask, is_q, is_k, is_v, HAS_DQ, HAS_DK, HAS_DV,
-        )  # fmt: skip
         # The transpose of a rotation by angle is the rotation by -angle.
         g1, g2 = rotate_halves(g1, g2, cos_ptr, sin_ptr, b, s, d, half, cos_stride_b, -1.0, ~is_v)
-    else:
-        g2 = tl.zeros_like(g1)
     # The norm's backward pass: x̂ = x / rms, y = x̂ w, dx = (g w - x̂ mean(g w x̂)) / rms.
     x_ptrs = qkv_ptr + b * qkv_stride_b + s * qkv_stride_s + (h * head_dim + d) * qkv_stride_c
     x1, x2 = _halves(x_ptrs, qkv_stride_c, half, mask, ROTATE)

@@ -26,7 +26,7 @@ from fastllm_kernels._dispatch import use_triton
 from fastllm_kernels.branch_attention import DenseRuns, gather_runs
 from fastllm_kernels.qkv_tiles import (
     check_qkv_shapes,
-    load_split,
+    load_halves,
     part_pointers,
     qkv_lanes,
     qkv_launch,
@@ -171,13 +171,10 @@ def _split_into_runs_backward_kernel(
         dk_stride_r, dk_stride_i, dk_stride_h, dk_stride_d,
         dv_stride_r, dv_stride_i, dv_stride_h, dv_stride_d,
     )  # fmt: skip
-    g1 = load_split(dq_ptrs, dk_ptrs, dv_ptrs, mask, is_q, is_k, is_v, HAS_DQ, HAS_DK, HAS_DV)
-    g1 = g1.to(tl.float32)
-    if ROTATE:
-        g2 = load_split(
-            dq_ptrs + half * dq_stride_d, dk_ptrs + half * dk_stride_d, dv_ptrs + half * dv_stride_d,
-            mask, is_q, is_k, is_v, HAS_DQ, HAS_DK, HAS_DV,
-        ).to(tl.float32)  # fmt: skip
+    g1, g2 = load_halves(
+        dq_ptrs, dk_ptrs, dv_ptrs, dq_stride_d, dk_stride_d, dv_stride_d, half,
+        mask, is_q, is_k, is_v, HAS_DQ, HAS_DK, HAS_DV, ROTATE,
+    )  # fmt: skip
     # The keys' and values' prefix copies, a round each (-1: none that round); not the
     # queries' (zero).
     for copy_round in range(rounds):
@@ -191,14 +188,12 @@ def _split_into_runs_backward_kernel(
             dk_stride_r, dk_stride_i, dk_stride_h, dk_stride_d,
             dv_stride_r, dv_stride_i, dv_stride_h, dv_stride_d,
         )  # fmt: skip
-        g1 += load_split(
-            dq_ptrs, dk_ptrs, dv_ptrs, taken, is_q, is_k, is_v, False, HAS_DK, HAS_DV
-        ).to(tl.float32)
-        if ROTATE:
-            g2 += load_split(
-                dq_ptrs + half * dq_stride_d, dk_ptrs + half * dk_stride_d,
-                dv_ptrs + half * dv_stride_d, taken, is_q, is_k, is_v, False, HAS_DK, HAS_DV,
-            ).to(tl.float32)  # fmt: skip
+        c1, c2 = load_halves(
+            dq_ptrs, dk_ptrs, dv_ptrs, dq_stride_d, dk_stride_d, dv_stride_d, half,
+            taken, is_q, is_k, is_v, False, HAS_DK, HAS_DV, ROTATE,
+        )  # fmt: skip
+        g1 += c1
+        g2 += c2
     out_ptrs = dqkv_ptr + position * (heads + 2 * kv_heads) * head_dim + h * head_dim + d
     if ROTATE:
         # The transpose of a rotation by angle is the rotation by -angle.

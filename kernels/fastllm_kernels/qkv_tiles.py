@@ -129,6 +129,25 @@ def strided(ptr, b, s, h, d, stride_b, stride_s, stride_h, stride_d):
 
 
 @triton.jit
+def load_halves(
+    dq_ptrs, dk_ptrs, dv_ptrs, dq_stride_d, dk_stride_d, dv_stride_d, half,
+    mask, is_q, is_k, is_v,
+    HAS_Q: tl.constexpr, HAS_K: tl.constexpr, HAS_V: tl.constexpr, ROTATE: tl.constexpr,
+):  # fmt: skip
+    """`load_split` of a head's two halves, in fp32 (without rotation a head is one "half":
+    the second is zeros)."""
+    g1 = load_split(dq_ptrs, dk_ptrs, dv_ptrs, mask, is_q, is_k, is_v, HAS_Q, HAS_K, HAS_V)
+    g1 = g1.to(tl.float32)
+    g2 = tl.zeros_like(g1)
+    if ROTATE:
+        g2 = load_split(
+            dq_ptrs + half * dq_stride_d, dk_ptrs + half * dk_stride_d, dv_ptrs + half * dv_stride_d,
+            mask, is_q, is_k, is_v, HAS_Q, HAS_K, HAS_V,
+        ).to(tl.float32)  # fmt: skip
+    return g1, g2
+
+
+@triton.jit
 def part_pointers(
     dq_ptr, dk_ptr, dv_ptr, b, s, h, d, heads, kv_heads, is_q, is_k, is_v,
     dq_stride_b, dq_stride_s, dq_stride_h, dq_stride_d,

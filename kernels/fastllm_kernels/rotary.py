@@ -23,7 +23,7 @@ from fastllm_kernels._dispatch import use_triton
 from fastllm_kernels.qkv_tiles import (
     check_angles,
     check_qkv_shapes,
-    load_split,
+    load_halves,
     part_pointers,
     qkv_launch,
     qkv_tile,
@@ -214,15 +214,14 @@ def _split_qkv_rotary_backward_kernel(
         dv_stride_b, dv_stride_s, dv_stride_h, dv_stride_d,
     )  # fmt: skip
     out_ptrs = dqkv_ptr + token * (heads + 2 * kv_heads) * head_dim + h * head_dim + d
-    g1 = load_split(dq_ptrs, dk_ptrs, dv_ptrs, mask, is_q, is_k, is_v, HAS_DQ, HAS_DK, HAS_DV)
+    g1, g2 = load_halves(
+        dq_ptrs, dk_ptrs, dv_ptrs, dq_stride_d, dk_stride_d, dv_stride_d, half,
+        mask, is_q, is_k, is_v, HAS_DQ, HAS_DK, HAS_DV, ROTATE,
+    )  # fmt: skip
     if ROTATE:
-        g2 = load_split(
-            dq_ptrs + half * dq_stride_d, dk_ptrs + half * dk_stride_d, dv_ptrs + half * dv_stride_d,
-            mask, is_q, is_k, is_v, HAS_DQ, HAS_DK, HAS_DV,
-        )  # fmt: skip
         # The transpose of a rotation by angle is the rotation by -angle.
         y1, y2 = rotate_halves(g1, g2, cos_ptr, sin_ptr, b, s, d, half, cos_stride_b, -1.0, ~is_v)
         tl.store(out_ptrs, y1.to(dqkv_ptr.dtype.element_ty), mask=mask)
         tl.store(out_ptrs + half, y2.to(dqkv_ptr.dtype.element_ty), mask=mask)
     else:
-        tl.store(out_ptrs, g1, mask=mask)
+        tl.store(out_ptrs, g1.to(dqkv_ptr.dtype.element_ty), mask=mask)

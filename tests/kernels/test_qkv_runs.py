@@ -6,16 +6,8 @@ import torch
 from fastllm_kernels.attention import attention_reference
 from fastllm_kernels.rotary import split_qkv_rotary_reference
 from tests.kernels.conftest import assert_close, cuda, triton_on_cpu
-from tests.kernels.test_attention import _never, _packed_pairs, _pairs
-
-
-def _angles(batch, seq, head_dim):
-    angles = torch.rand(batch, seq, head_dim // 2) * 100  # positions restart in each document
-    return angles.cos(), angles.sin()
-
-
-def _dense_reference(q, k, v, scale):
-    return attention_reference(q, k, v, causal=True, scale=scale)
+from tests.kernels.test_attention import _dense_reference, _never, _packed_pairs, _pairs
+from tests.kernels.test_rotary import _angles
 
 
 @triton_on_cpu
@@ -35,7 +27,8 @@ def test_split_into_runs_attends_as_the_mask_says(heads, kv_heads, rotate, monke
     batch, seq = branches.shape
     head_dim = 8
     qkv = torch.randn(batch, seq, (heads + 2 * kv_heads) * head_dim, requires_grad=True)
-    cos, sin = _angles(batch, seq, head_dim) if rotate else (None, None)
+    # Angles per row: positions restart in each document.
+    cos, sin = _angles(batch, seq, head_dim, per_batch=True) if rotate else (None, None)
     plan = branch.branch_plan(documents, branches)
     assert plan is not None and isinstance(plan.form, branch.DenseRuns)
     assert len(plan.form.slots.copies) == 2
@@ -72,8 +65,7 @@ def test_attention_of_qkv_writes_the_runs_on_gpu(monkeypatch):
     heads, kv_heads, head_dim = 16, 4, 64
     qkv = torch.randn(3, 701, (heads + 2 * kv_heads) * head_dim, device="cuda")
     qkv = qkv.to(torch.bfloat16).requires_grad_()
-    angles = torch.rand(3, 701, head_dim // 2, device="cuda") * 100
-    cos, sin = angles.cos(), angles.sin()
+    cos, sin = _angles(3, 701, head_dim, per_batch=True, device="cuda")
     options = {"document_ids": documents, "branch_ids": branches, "scale": 0.1}
     out = module.attention_of_qkv(qkv, heads, kv_heads, cos, sin, **options)
     assert out is not None

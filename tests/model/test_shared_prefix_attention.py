@@ -9,8 +9,8 @@ import torch
 from fastllm.config import BaseModelConfig, build
 from fastllm.model.attention import Attention
 from fastllm.model.normalization import NoNormalization
-from fastllm_kernels.attention import attention_reference
-from tests.kernels.test_attention import _packed_pairs
+from tests.kernels.test_attention import _dense_reference, _packed_pairs
+from tests.kernels.test_rotary import _angles
 
 
 def test_a_layer_of_pairs_gives_the_runs_split_its_projection(monkeypatch) -> None:
@@ -24,8 +24,7 @@ def test_a_layer_of_pairs_gives_the_runs_split_its_projection(monkeypatch) -> No
     documents, branches = _packed_pairs()  # a prompt with three answers, and padding
     batch, seq = branches.shape
     x = torch.randn(batch, seq, 32, requires_grad=True)
-    angles = torch.rand(batch, seq, 4) * 100
-    rotary = (angles.cos(), angles.sin())
+    rotary = _angles(batch, seq, 8, per_batch=True)  # head size 32 / 4
     used = (branches != -1)[..., None]  # the dense form leaves padding out
     grad_out = torch.randn(batch, seq, 32) * used
     inputs = [x, *layer.parameters()]
@@ -49,7 +48,3 @@ def test_a_layer_of_pairs_gives_the_runs_split_its_projection(monkeypatch) -> No
     grads = torch.autograd.grad(runs, inputs, grad_out)
     for grad, want in zip(grads, wants, strict=True):
         torch.testing.assert_close(grad, want)
-
-
-def _dense_reference(q, k, v, scale):
-    return attention_reference(q, k, v, causal=True, scale=scale)
